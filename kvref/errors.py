@@ -1,0 +1,65 @@
+"""Misuse of the manager raises a `KVRefError`; refusals are values instead.
+
+A refusal (`AdmitOutcome(ok=False)`) is an answer the engine plans around:
+evict, retry, drop the request. An error is a bug in the caller: the state
+is left exactly as it was, and the message names the request and label so
+the log line alone says which call was wrong.
+"""
+
+from __future__ import annotations
+
+
+class KVRefError(Exception):
+    """Base of every misuse kvref reports."""
+
+    def __init__(
+        self, message: str, *, request_id: str | None = None, label: str | None = None
+    ) -> None:
+        where = ""
+        if request_id is not None:
+            where = f"request {request_id!r}"
+            if label is not None:
+                where += f" label {label!r}"
+            where += ": "
+        super().__init__(where + message)
+        self.request_id = request_id
+        self.label = label
+
+
+class UnknownRequestError(KVRefError, KeyError):
+    """A request id that was never ingested, or was already removed."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class InvalidStepError(KVRefError, ValueError):
+    """A step that cannot be run as written: a negative span, a fork onto itself."""
+
+
+class StepNotAdmittedError(KVRefError):
+    """plan or commit of a step whose streams were never admitted."""
+
+
+class StepInFlightError(KVRefError):
+    """A call that must not overlap an admitted step of the same request."""
+
+
+class PreplanPendingError(KVRefError):
+    """A second preplan while one is staged."""
+
+
+class PublishedInfoError(KVRefError, ValueError):
+    """Published KV info that names pages or lengths this cache cannot hold."""
+
+
+class KVShapeError(KVRefError, ValueError):
+    """K/V handed to `write_kv` with the wrong token count, shape or dtype."""
+
+
+class OffloadCopyError(KVRefError):
+    """A host copy failed; every claim of that offload was undone."""
+
+
+class OffloadStateError(KVRefError):
+    """An offload handle used after it was committed or abandoned."""

@@ -1,0 +1,230 @@
+"""From a step's segments to FlashInfer page tables and per-token write slots."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvref.step import Fork, Segment
+
+# Page 0 never belongs to a stream. Padded slots of a captured graph write
+# here, so the scatter the graph recorded cannot land in a live request's KV.
+SINK_PAGE = 0
+
+
+class SequenceView:
+    """One segment's stream as attention sees it this step.
+
+    ``page_idxs`` is sliced to the pages ``length`` needs: a stream may hold
+    more (high-water), and an unsliced list would report the spare pages as
+    resident context.
+    """
+
+    __slots__ = ("request_id", "label", "page_idxs", "length", "to_compute", "generation")
+
+    def __init__(
+        self,
+        request_id: str,
+        label: str,
+        page_idxs: list[int],
+        length: int,
+        to_compute: int,
+        generation: int,
+    ) -> None:
+        self.request_id = request_id
+        self.label = label
+        self.page_idxs = page_idxs
+        self.length = length  # tokens after this step: stored + to_compute
+        self.to_compute = to_compute
+        self.generation = generation
+
+    def last_page_len(self, page_size: int) -> int:
+        """Tokens on the last page, in ``[1, page_size]`` (0 for an empty view)."""
+        return (self.length - 1) % page_size + 1 if self.length else 0
+
+    def __repr__(self) -> str:
+        return (
+            f"SequenceView({self.request_id!r}, {self.label!r}, pages={self.page_idxs}, "
+            f"length={self.length}, to_compute={self.to_compute})"
+        )
+
+
+@dataclass
+class PagedIndptrs:
+    """FlashInfer's paged-KV page table in CSR form, int32.
+
+    Request ``i`` attends to pages ``paged_kv_indices[paged_kv_indptr[i]:
+    paged_kv_indptr[i+1]]``, all full but the last, which holds
+    ``paged_kv_last_page_len[i]`` tokens; its queries are rows
+    ``qo_indptr[i]:qo_indptr[i+1]``.
+    """
+
+    qo_indptr: torch.Tensor
+    paged_kv_indptr: torch.Tensor
+    paged_kv_indices: torch.Tensor
+    paged_kv_last_page_len: torch.Tensor
+
+    def to_device(self, device: torch.device) -> PagedIndptrs:
+        return PagedIndptrs(
+            *(t.to(device, non_blocking=True) for t in (
+                self.qo_indptr,
+                self.paged_kv_indptr,
+                self.paged_kv_indices,
+                self.paged_kv_last_page_len,
+            ))
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.qo_indptr.shape[0]) - 1
+
+
+def build_paged_indptrs(views: Sequence[SequenceView], page_size: int) -> PagedIndptrs:
+    qo = [0]
+    kv = [0]
+    indices: list[int] = []
+    last: list[int] = []
+    for v in views:
+        qo.append(qo[-1] + v.to_compute)
+        indices.extend(v.page_idxs)
+        kv.append(len(indices))
+        last.append(v.last_page_len(page_size))
+    i32 = torch.int32
+    return PagedIndptrs(
+        qo_indptr=torch.tensor(qo, dtype=i32),
+        paged_kv_indptr=torch.tensor(kv, dtype=i32),
+        paged_kv_indices=torch.tensor(indices, dtype=i32),
+        paged_kv_last_page_len=torch.tensor(last, dtype=i32),
+    )
+
+
+@dataclass
+class KVPlanOutput:
+    """One plan label's page table, on the host and (after plan) on device."""
+
+    cpu_indptrs: PagedIndptrs
+    views: list[SequenceView]
+    cuda_indptrs: PagedIndptrs | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(self.views) and all(v.to_compute == 1 for v in self.views)
+
+    def get_total_len(self) -> int:
+        return sum(v.to_compute for v in self.views)
+
+
+class KVPlanOutputs(dict[str, KVPlanOutput]):
+    """Plan label -> its output, plus the forks the step applies around it."""
+
+    def __init__(
+        self,
+        outputs: dict[str, KVPlanOutput],
+        pre_forks: Sequence[Fork] = (),
+        post_forks: Sequence[Fork] = (),
+    ) -> None:
+        super().__init__(outputs)
+        self.pre_forks = tuple(pre_forks)
+        self.post_forks = tuple(post_forks)
+
+
+def group_by_plan_label(
+    segments: Iterable[Segment], combined_labels: Sequence[Sequence[str]] = ()
+) -> dict[str, list[Segment]]:
+    """Segments per plan label; a combined group is label-major under its first label.
+
+    Label-major (every ``main`` segment, then every ``cfg`` one) is what lets
+    attention treat a combined batch as one ragged batch with one write.
+    """
+    plan_label_of: dict[str, str] = {}
+    rank_in_group: dict[str, int] = {}
+    for group in combined_labels:
+        for rank, label in enumerate(group):
+            if label in plan_label_of:
+                raise ValueError(f"label {label!r} is in two combined groups")
+            plan_label_of[label] = group[0]
+            rank_in_group[label] = rank
+    grouped: dict[str, list[Segment]] = {}
+    for s in segments:
+        grouped.setdefault(plan_label_of.get(s.label, s.label), []).append(s)
+    for plan_label, segs in grouped.items():
+        if len(segs) > 1 and plan_label in rank_in_group:
+            # stable: within a label, the batch's request order is kept
+            segs.sort(key=lambda s: rank_in_group[s.label])
+    return grouped
+
+
+@dataclass
+class KVPlanState:
+    """Per-token write slots of one plan label: ``(token_to_page, token_to_cache)``."""
+
+    token_to_page: torch.Tensor
+    token_to_cache: torch.Tensor
+    total_tokens: int
+
+    def copy_(self, other: KVPlanState, capture_len: int) -> None:
+        """Stage ``other`` into this static (graph-captured) state.
+
+        Slots ``[n, capture_len)`` are the padding the graph scatters past the
+        real tokens: aim them at the sink, or they overwrite whatever page the
+        previous replay left there, another request's KV.
+        """
+        n = other.total_tokens
+        if n > capture_len or capture_len > self.token_to_page.shape[0]:
+            raise ValueError(
+                f"{n} tokens do not fit a bucket of {capture_len} "
+                f"(buffers hold {self.token_to_page.shape[0]}); "
+                "build_cuda_graph_buffers with a larger max_seq_len"
+            )
+        self.token_to_page[:n].copy_(other.token_to_page, non_blocking=True)
+        self.token_to_cache[:n].copy_(other.token_to_cache, non_blocking=True)
+        self.token_to_page[n:capture_len].fill_(SINK_PAGE)
+        self.token_to_cache[n:capture_len].fill_(0)
+        self.total_tokens = n
+
+
+def decode_plan_state(
+    views: Sequence[SequenceView], page_size: int, device: torch.device
+) -> KVPlanState:
+    """Write slots for one new token per view: the end of each stream.
+
+    Built in the same host pass as the views and sent as one host-to-device
+    copy, instead of unpacking the page table per token on device.
+    """
+    pages = [0] * len(views)
+    offsets = [0] * len(views)
+    for i, v in enumerate(views):
+        last = v.length - 1
+        pages[i] = v.page_idxs[last // page_size]
+        offsets[i] = last % page_size
+    both = torch.tensor((pages, offsets), dtype=torch.long)
+    if both.device != device:
+        both = both.to(device, non_blocking=True)
+    return KVPlanState(token_to_page=both[0], token_to_cache=both[1], total_tokens=len(views))
+
+
+def packed_plan_state(
+    indptrs: PagedIndptrs, page_size: int, total_tokens: int, device: torch.device
+) -> KVPlanState:
+    """Write slots for any step, vectorised over tokens from the page table.
+
+    Token ``j`` of request ``i`` lands at position ``length_i - to_compute_i + j``
+    of its stream: page ``pos // page_size`` of its page list, offset
+    ``pos % page_size``.
+    """
+    qo = indptrs.qo_indptr.long()
+    kv = indptrs.paged_kv_indptr.long()
+    n_req = qo.shape[0] - 1
+    lens = qo[1:] - qo[:-1]
+    num_pages = kv[1:] - kv[:-1]
+    length = (num_pages - 1).clamp(min=0) * page_size + indptrs.paged_kv_last_page_len.long()
+    seg = torch.repeat_interleave(torch.arange(n_req), lens, output_size=total_tokens)
+    intra = torch.arange(total_tokens) - qo[:-1][seg]
+    pos = (length - lens)[seg] + intra
+    page = indptrs.paged_kv_indices.long()[kv[:-1][seg] + pos // page_size]
+    both = torch.stack((page, pos % page_size))
+    if both.device != device:
+        both = both.to(device, non_blocking=True)
+    return KVPlanState(token_to_page=both[0], token_to_cache=both[1], total_tokens=total_tokens)

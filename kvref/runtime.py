@@ -1,0 +1,86 @@
+"""The concurrency seam: every lock, background task and wait of kvref.
+
+The manager never touches `threading` or `concurrent.futures` directly; it
+asks the runtime it was built with. The default is plain threads. The
+concurrency tests swap in a runtime that runs one thread at a time and picks
+who runs next at each of these calls, so an interleaving becomes a value
+that can be searched, shrunk and replayed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class Runtime(Protocol):
+    def lock(self) -> AbstractContextManager[Any]:
+        """A new reentrant lock."""
+        ...
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run ``fn(*args)`` in the background (a transfer, a host copy)."""
+        ...
+
+    def wait(self, futures: Iterable[Future[Any]]) -> None:
+        """Block until every future is done (results are not read)."""
+        ...
+
+    def checkpoint(self, name: str) -> None:
+        """A named point between critical sections where another thread may run."""
+        ...
+
+
+class ThreadingRuntime:
+    """Real threads: an RLock per lock, one shared pool for background work."""
+
+    def __init__(self, max_workers: int = 4) -> None:
+        self._max_workers = max_workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def lock(self) -> AbstractContextManager[Any]:
+        return threading.RLock()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        with self._pool_lock:
+            # created on first use: most managers never retrieve, and an idle
+            # pool per manager is threads an engine worker did not ask for
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self._max_workers, thread_name_prefix="kvref"
+                )
+            pool = self._pool
+        return pool.submit(fn, *args)
+
+    def wait(self, futures: Iterable[Future[Any]]) -> None:
+        futures_wait(list(futures))
+
+    def checkpoint(self, name: str) -> None:
+        del name
+
+    def shutdown(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+_default: Runtime = ThreadingRuntime()
+
+
+def default_runtime() -> Runtime:
+    return _default
+
+
+def set_default_runtime(runtime: Runtime) -> Runtime:
+    """Install ``runtime`` for managers built from now on; returns the previous one."""
+    global _default
+    previous, _default = _default, runtime
+    return previous
