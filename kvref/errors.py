@@ -63,3 +63,7 @@ class OffloadCopyError(KVRefError):
 
 class OffloadStateError(KVRefError):
     """An offload handle used after it was committed or abandoned."""
+
+
+class AsymmetricStateError(KVRefError, RuntimeError):
+    """Tensor-parallel ranks disagree on allocator state after warmup."""

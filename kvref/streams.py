@@ -1,0 +1,90 @@
+"""Per-(request, label) bookkeeping the manager keeps under its lock."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+
+class CacheStream:
+    """One stream of one request: its pages, its length, and what may touch it.
+
+    ``page_indices`` is a high-water list: it may hold more pages than
+    ``stored_len`` needs (a reset that kept them, a step that was admitted
+    and never committed), and those pages are reused before new ones.
+    Every change to the pages or the length bumps ``generation``, which is
+    how an offload's commit notices a stream changed behind its copy.
+    """
+
+    __slots__ = (
+        "generation",
+        "offloaded",
+        "page_indices",
+        "position",
+        "read_error",
+        "read_future",
+        "read_pending",
+        "released",
+        "step_in_flight",
+        "stored_len",
+    )
+
+    def __init__(self) -> None:
+        self.page_indices: list[int] = []
+        self.stored_len = 0
+        # kept for the reference's API (sliding-window retention is not
+        # implemented: nothing is ever released from the front)
+        self.position = 0
+        self.released = 0
+        self.read_pending = False
+        self.read_future: Future[Any] | None = None
+        # a failed retrieve, latched: the future is read once, but every
+        # later readiness check has to keep reporting the stream unusable
+        self.read_error: BaseException | None = None
+        # from an offload's claim until reload: the pages are leaving (or
+        # gone), so only reload may give the stream pages again
+        self.offloaded = False
+        self.generation = 0
+        # from admit until commit: the step already holds addressing into
+        # these pages, so an offload must not claim them
+        self.step_in_flight = False
+
+    def reset(self, freed: bool = False) -> None:
+        self.stored_len = 0
+        self.position = 0
+        self.released = 0
+        self.generation += 1
+        self.read_error = None
+        self.read_pending = False
+        self.read_future = None
+        if freed:
+            self.page_indices = []
+
+    def __repr__(self) -> str:
+        flags = [
+            name
+            for name, on in (
+                ("in_flight", self.step_in_flight),
+                ("offloaded", self.offloaded),
+                ("read_pending", self.read_pending),
+                ("read_error", self.read_error is not None),
+            )
+            if on
+        ]
+        return (
+            f"CacheStream(len={self.stored_len}, pages={self.page_indices}, "
+            f"gen={self.generation}{', ' if flags else ''}{', '.join(flags)})"
+        )
+
+
+@dataclass(frozen=True)
+class ClaimedStream:
+    """A stream an in-progress offload owns, and the state its host copy is made from."""
+
+    label: str
+    pages: list[int]
+    generation: int
+    stored_len: int
+    position: int
+    released: int
