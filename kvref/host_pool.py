@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,7 +34,13 @@ class CPUPagePool:
     device page is released or a reloaded page is read.
     """
 
-    def __init__(self, config: object, kv_cache: KVCache, max_cpu_pages: int) -> None:
+    def __init__(
+        self,
+        config: object,
+        kv_cache: KVCache,
+        max_cpu_pages: int,
+        lock: AbstractContextManager[Any] | None = None,
+    ) -> None:
         del config  # the cache carries the shape; kept for the reference's signature
         if max_cpu_pages <= 0:
             raise ValueError(f"a host pool needs pages, got {max_cpu_pages}")
@@ -45,6 +54,9 @@ class CPUPagePool:
             shape = (shape[1], shape[0], *shape[2:])
         self.tensor = torch.zeros(shape, dtype=kv_cache.dtype, pin_memory=on_cuda)
         self._allocator = PageAllocator(max_cpu_pages)
+        # offloads of different requests copy concurrently, outside the
+        # manager's lock; this one guards only the pool's own bookkeeping
+        self._lock: AbstractContextManager[Any] = lock if lock is not None else threading.RLock()
         self._copies: dict[str, dict[str, HostCopy]] = {}
         self._pending_free: list[int] = []
         self._stream = torch.cuda.Stream(kv_cache.device) if on_cuda else None
@@ -84,56 +96,62 @@ class CPUPagePool:
         Only the pages holding tokens travel: a high-water stream's spare
         pages would cost host space for nothing.
         """
-        if label in self._copies.get(rid, {}):
-            raise ValueError(f"request {rid!r} label {label!r} already has a host copy")
         n = -(-stored_len // self.kv_cache.page_size)
         if n > len(gpu_page_indices):
             raise ValueError(
                 f"request {rid!r} label {label!r}: {stored_len} tokens need {n} pages, "
                 f"stream holds {len(gpu_page_indices)}"
             )
-        host_pages = self._allocator.try_allocate(n)
+        with self._lock:
+            if label in self._copies.get(rid, {}):
+                raise ValueError(f"request {rid!r} label {label!r} already has a host copy")
+            host_pages = self._allocator.try_allocate(n)
         if host_pages is None:
             return False
         try:
             self._copy_out(gpu_kv_cache, gpu_page_indices[:n], host_pages)
         except BaseException:
             # nothing was recorded: the pages go straight back, or they leak
-            self._allocator.free(host_pages)
+            with self._lock:
+                self._allocator.free(host_pages)
             raise
-        self._copies.setdefault(rid, {})[label] = HostCopy(
-            pages=host_pages, stored_len=stored_len, position=position, released=released
-        )
+        with self._lock:
+            self._copies.setdefault(rid, {})[label] = HostCopy(
+                pages=host_pages, stored_len=stored_len, position=position, released=released
+            )
         return True
 
     def reload_stream(
         self, rid: str, label: str, gpu_kv_cache: torch.Tensor, gpu_page_indices: list[int]
     ) -> HostCopy:
         """Copy a host copy back onto ``gpu_page_indices`` and drop it from the pool."""
-        copy = self._copies[rid][label]
+        with self._lock:
+            copy = self._copies[rid][label]
         if len(gpu_page_indices) < len(copy.pages):
             raise ValueError(
                 f"reload of {rid!r}/{label!r} onto {len(gpu_page_indices)} pages; "
                 f"it needs {len(copy.pages)}"
             )
         self._copy_in(gpu_kv_cache, gpu_page_indices[: len(copy.pages)], copy.pages)
-        self._drop(rid, label)
-        if self._stream is None:
-            self._allocator.free(copy.pages)
-        else:
-            # the H2D copy may still be reading these; a new offload must not
-            # overwrite them before `sync`
-            self._pending_free.extend(copy.pages)
+        with self._lock:
+            self._drop(rid, label)
+            if self._stream is None:
+                self._allocator.free(copy.pages)
+            else:
+                # the H2D copy may still be reading these; a new offload must
+                # not overwrite them before `sync`
+                self._pending_free.extend(copy.pages)
         return copy
 
     def discard(self, rid: str, label: str) -> None:
         """Forget a host copy (an abandoned offload); a no-op if there is none."""
-        copy = self._copies.get(rid, {}).get(label)
-        if copy is None:
-            return
         self.sync()  # its D2H copy may still be writing
-        self._drop(rid, label)
-        self._allocator.free(copy.pages)
+        with self._lock:
+            copy = self._copies.get(rid, {}).get(label)
+            if copy is None:
+                return
+            self._drop(rid, label)
+            self._allocator.free(copy.pages)
 
     def remove_request(self, rid: str) -> None:
         for label in self.labels(rid):
@@ -142,9 +160,10 @@ class CPUPagePool:
     def sync(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
-        if self._pending_free:
+        with self._lock:
             pages, self._pending_free = self._pending_free, []
-            self._allocator.free(pages)
+            if pages:
+                self._allocator.free(pages)
 
     def _drop(self, rid: str, label: str) -> None:
         copies = self._copies[rid]

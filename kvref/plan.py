@@ -163,6 +163,13 @@ class KVPlanState:
     token_to_page: torch.Tensor
     token_to_cache: torch.Tensor
     total_tokens: int
+    # rows `write_kv` takes: the real tokens, or a whole capture bucket under
+    # a slot lease (the rows past ``total_tokens`` go to the sink)
+    write_len: int = -1
+
+    def __post_init__(self) -> None:
+        if self.write_len < 0:
+            self.write_len = self.total_tokens
 
     def copy_(self, other: KVPlanState, capture_len: int) -> None:
         """Stage ``other`` into this static (graph-captured) state.

@@ -1,0 +1,1114 @@
+"""KVManager: the paged KV cache of one engine resource, and its stream lifecycle.
+
+Every read-modify-write of stream bookkeeping happens under ``_lock`` (from
+`kvref.runtime`, so the concurrency tests can schedule it). Blocking work —
+host copies, draining retrieves — happens outside it. The lifecycle and its
+invariants are in ``specs/stream-lifecycle.md``; where kvref departs from
+the reference manager, ``specs/rules.md`` says why (R1..R13 below).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvref.allocator import PageAllocator
+from kvref.base import AttentionResource, CGSlotSpec, EngineResourceInfo
+from kvref.cache import KVCache
+from kvref.config import KVConfig, KVReqConfig, KVSpec
+from kvref.errors import (
+    AsymmetricStateError,
+    InvalidStepError,
+    KVRefError,
+    KVShapeError,
+    PreplanPendingError,
+    PublishedInfoError,
+    StepInFlightError,
+    StepNotAdmittedError,
+    UnknownRequestError,
+)
+from kvref.host_pool import CPUPagePool
+from kvref.offload import Offload
+from kvref.plan import (
+    SINK_PAGE,
+    KVPlanOutput,
+    KVPlanOutputs,
+    KVPlanState,
+    SequenceView,
+    build_paged_indptrs,
+    decode_plan_state,
+    group_by_plan_label,
+    packed_plan_state,
+)
+from kvref.published import KVSequenceInfo, PublishedKVInfo
+from kvref.runtime import Runtime, default_runtime
+from kvref.step import (
+    ADMIT_OK,
+    AdmitFailedReason,
+    AdmitOutcome,
+    AdmitRuntimeError,
+    AllocationFailed,
+    KVStep,
+    RequestOffloading,
+    Segment,
+    SlotLease,
+    StepContext,
+)
+from kvref.streams import CacheStream, ClaimedStream
+from kvref.transfer import KVTransferManager, TransferEngineInfo, allocate_cache_tensor
+
+if TYPE_CHECKING:
+    from kvref.distributed import JointGroups
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (request id, label)
+
+
+def _pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+@dataclass
+class _Reservation:
+    """What an admit will do, computed before it does any of it (R1)."""
+
+    # (rid, label) -> pages the stream must hold, in reservation order
+    pages: dict[Key, int] = field(default_factory=dict)
+    # every stream the step names that exists once the pages are taken (R2)
+    marks: dict[Key, None] = field(default_factory=dict)
+    new_pages: int = 0
+    first_short: Key | None = None
+
+
+@dataclass
+class _Preplan:
+    """A step admitted (and maybe planned) one ahead, not yet promoted."""
+
+    step: KVStep
+    ctx: StepContext
+    # labels this step's admit created; an abandon removes them with their pages
+    new_labels: list[Key]
+    marked: list[Key]
+    outputs: KVPlanOutputs | None = None
+    states: dict[str, KVPlanState] = field(default_factory=dict)
+
+
+class KVManager(AttentionResource):
+    """Pages, streams and steps of one KV cache (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: KVConfig,
+        name: str,
+        joint_comm_group: JointGroups | None,
+        transfer_engine_info: TransferEngineInfo | None,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        runtime: Runtime | None = None,
+    ) -> None:
+        super().__init__()
+        if joint_comm_group is not None:
+            # before the cache is allocated: it is sized off the head counts
+            cfg.shard(joint_comm_group.world_size)
+        self.config = cfg
+        self.name = name
+        self._device = torch.device(device)
+        self._runtime = runtime if runtime is not None else default_runtime()
+        info = transfer_engine_info if transfer_engine_info is not None else TransferEngineInfo()
+        tensor = allocate_cache_tensor(
+            info, KVCache.shape_for(cfg, cfg.max_num_pages), dtype, self._device
+        )
+        self.kv_cache = KVCache(cfg, self._device, dtype, tensor=tensor)
+        self._allocator = PageAllocator(cfg.max_num_pages)
+        # take the sink out of circulation before anything else can get it;
+        # the allocator is FIFO from page 0
+        sink = self._allocator.try_allocate(1)
+        assert sink == [SINK_PAGE], f"expected page {SINK_PAGE} first, got {sink}"
+        self._transfer = KVTransferManager(info, self.kv_cache, runtime=self._runtime)
+        self._lock = self._runtime.lock()
+        self._cpu_pool: CPUPagePool | None = None
+        if cfg.cpu_offload_pages > 0:
+            self._cpu_pool = CPUPagePool(
+                cfg, self.kv_cache, cfg.cpu_offload_pages, lock=self._runtime.lock()
+            )
+        self._streams: dict[str, dict[str, CacheStream]] = {}
+        self._overrides: dict[str, KVReqConfig] = {}
+        # rid -> the offload between its claim and its commit/abandon (R6)
+        self._offloads: dict[str, Offload] = {}
+        self._comm_group = joint_comm_group
+        self._rank = joint_comm_group.rank if joint_comm_group is not None else 0
+        self._world_size = joint_comm_group.world_size if joint_comm_group is not None else 1
+        # (slot, label) -> static addressing, sized for the largest capture bucket
+        self._static_plan_states: dict[tuple[int, str], KVPlanState] = {}
+        self._cg_max_seq_len = 0
+        self._current_plan_states: dict[str, KVPlanState] = {}
+        self._preplan: _Preplan | None = None
+        self.reset_default_cursors()
+
+    @classmethod
+    def build(cls, spec: KVSpec, info: EngineResourceInfo) -> KVManager:
+        return cls(
+            cfg=spec.config,
+            name=spec.resource_key,
+            joint_comm_group=info.joint_comm_group,
+            transfer_engine_info=info.transfer_engine_info,
+            device=info.device,
+            dtype=info.kv_dtype,
+        )
+
+    # -- requests ---------------------------------------------------------
+
+    def ingest_request(self, rid: str, overrides: KVReqConfig | None = None) -> None:
+        with self._lock:
+            # idempotent: one request reaches a worker once per partition it
+            # serves, and replacing the streams on the second ingest dropped
+            # the lengths the first partition had already filled
+            self._streams.setdefault(rid, {"main": CacheStream()})
+            self._overrides.setdefault(rid, overrides if overrides is not None else KVReqConfig())
+
+    def has_request(self, rid: str) -> bool:
+        return rid in self._streams
+
+    def labels(self, rid: str) -> list[str]:
+        with self._lock:
+            return list(self._request(rid))
+
+    def stored_len(self, rid: str, label: str = "main") -> int:
+        with self._lock:
+            return self._stream(rid, label).stored_len
+
+    def reset_request(self, rid: str, free: bool = False) -> None:
+        """Forget the request's tokens; keep its device pages unless ``free``.
+
+        Raises `StepInFlightError` while a step of the request is admitted
+        (R5): the step would write into, and commit onto, a stream that no
+        longer holds what it planned against.
+        """
+        self._refuse_if_in_flight(rid, "reset")
+        # in-flight retrieves write into these pages: drain them before the
+        # pages can be reused, outside the lock (the transfer does not need it)
+        self._drain_reads(rid)
+        with self._lock:
+            streams = self._request(rid)
+            self._refuse_if_in_flight(rid, "reset")
+            offloading = self._offloads.get(rid)
+            for label, stream in streams.items():
+                if stream.offloaded and (offloading is None or label not in offloading.labels):
+                    # committed to the host: the tokens are forgotten there too (R12)
+                    if self._cpu_pool is not None:
+                        self._cpu_pool.discard(rid, label)
+                    stream.offloaded = False
+                if free:
+                    self._allocator.free(stream.page_indices)
+                # a claim in progress keeps `offloaded`; the bumped generation
+                # fails its commit and the abandon clears it
+                stream.reset(freed=free)
+
+    def remove_request(self, rid: str) -> None:
+        """Release everything the request holds, device and host. Idempotent."""
+        if rid not in self._streams:
+            return
+        self._refuse_if_in_flight(rid, "remove")
+        self._drain_reads(rid)
+        with self._lock:
+            streams = self._streams.get(rid)
+            if streams is None:
+                return
+            self._refuse_if_in_flight(rid, "remove")
+            for stream in streams.values():
+                self._allocator.free(stream.page_indices)
+                stream.page_indices = []
+                stream.generation += 1
+            if self._cpu_pool is not None:
+                self._cpu_pool.remove_request(rid)
+            del self._streams[rid]
+            self._overrides.pop(rid, None)
+
+    # -- admit / plan / commit ---------------------------------------------
+
+    def admit(self, step: KVStep, ctx: StepContext) -> AdmitOutcome:
+        """Reserve the step's pages and mark its streams in flight, or refuse.
+
+        A refusal changes nothing (R1). Forks reserve here and copy later
+        (pre-forks at plan, post-forks at commit), so a step admitted and
+        never run leaves pages reserved but no contents moved: admitting it
+        again allocates nothing more.
+        """
+        with self._lock:
+            if self._preplan is not None:
+                if ctx.is_preplan:
+                    raise PreplanPendingError(
+                        "a preplan is already staged; clear_preplan before preplanning again"
+                    )
+                if step is not self._preplan.step and step != self._preplan.step:
+                    raise PreplanPendingError(
+                        "admit of a different step than the staged preplan; "
+                        "clear_preplan first"
+                    )
+                # the preplan pass already reserved and marked
+                return ADMIT_OK
+            self._validate_step(step, ctx)
+            res = self._reserve(step, ctx)
+            if isinstance(res, AdmitFailedReason):
+                return AdmitOutcome(ok=False, reason=res)
+            if ctx.is_preplan:
+                # R10: the staged plan is built from lengths a running step
+                # has not committed, and its commit would clear these marks
+                for rid, label in res.marks:
+                    stream = self._streams[rid].get(label)
+                    if stream is not None and stream.step_in_flight:
+                        raise StepInFlightError(
+                            "preplan names a stream of a step still in flight; "
+                            "commit that step first",
+                            request_id=rid,
+                            label=label,
+                        )
+            new_labels = self._apply_reservation(res)
+            for rid, label in res.marks:
+                self._streams[rid][label].step_in_flight = True
+            if ctx.is_preplan:
+                self._preplan = _Preplan(step, ctx, new_labels, list(res.marks))
+            return ADMIT_OK
+
+    def _validate_step(self, step: KVStep, ctx: StepContext) -> None:
+        seen: set[Key] = set()
+        for seg in step.segments:
+            if seg.span < 0:
+                raise InvalidStepError(
+                    f"negative span {seg.span}", request_id=seg.request_id, label=seg.label
+                )
+            key = (seg.request_id, seg.label)
+            if key in seen:
+                # both would be planned from the same length and write the same slots
+                raise InvalidStepError(
+                    "stream appears twice in one step", request_id=key[0], label=key[1]
+                )
+            seen.add(key)
+            self._request(seg.request_id)
+        if step.pre_forks or step.post_forks:
+            for rid in ctx.padded_request_ids:
+                self._request(rid)
+        for from_label, to_label in (*step.pre_forks, *step.post_forks):
+            if from_label == to_label:
+                raise InvalidStepError(f"fork of label {from_label!r} onto itself")
+        try:
+            group_by_plan_label((), step.combined_labels)
+        except ValueError as err:
+            raise InvalidStepError(str(err)) from None
+
+    def _reserve(self, step: KVStep, ctx: StepContext) -> _Reservation | AdmitFailedReason:
+        """Every page the step needs, and every refusal, without changing anything."""
+        ps = self.config.page_size
+        res = _Reservation()
+        growth: dict[Key, int] = {}
+        if step.commit:
+            for seg in step.segments:
+                growth[(seg.request_id, seg.label)] = seg.span
+        # the length each stream will have when the step's spans are placed:
+        # a pre-fork target takes its source's length at plan (R9)
+        length_at_plan: dict[Key, int] = {}
+
+        def length(key: Key) -> int | None:
+            if key in length_at_plan:
+                return length_at_plan[key]
+            stream = self._streams[key[0]].get(key[1])
+            return None if stream is None else stream.stored_len
+
+        def need(key: Key, pages: int) -> AdmitFailedReason | None:
+            stream = self._streams[key[0]].get(key[1])
+            if stream is not None and stream.offloaded:
+                return self._offloading(*key)
+            res.pages[key] = max(res.pages.get(key, 0), pages)
+            res.marks[key] = None
+            return None
+
+        forks = [(f, False) for f in step.pre_forks] + [(f, True) for f in step.post_forks]
+        for (from_label, to_label), is_post in forks:
+            for rid in ctx.padded_request_ids:
+                src, dst = (rid, from_label), (rid, to_label)
+                extra = growth.get(src, 0) if is_post else 0
+                src_len = length(src)
+                if src_len is None:
+                    if extra <= 0:
+                        # nothing to fork from and nothing this step adds;
+                        # also what a padded request looks like during capture
+                        continue
+                    # the source does not exist yet: this step's segments create it
+                    refusal = need(dst, _pages_for(extra, ps))
+                else:
+                    source = self._streams[rid].get(from_label)
+                    if source is not None and source.offloaded:
+                        return self._offloading(rid, from_label)
+                    res.marks[src] = None
+                    refusal = need(dst, _pages_for(src_len + extra, ps))
+                    if not is_post:
+                        length_at_plan[dst] = src_len
+                if refusal is not None:
+                    return refusal
+        for seg in step.segments:
+            key = (seg.request_id, seg.label)
+            base = length(key)
+            if seg.span == 0:
+                if base is not None:
+                    refusal = need(key, 0)
+                    if refusal is not None:
+                        return refusal
+                continue
+            refusal = need(key, _pages_for((base or 0) + seg.span, ps))
+            if refusal is not None:
+                return refusal
+        # a fork source named above may only exist once this step creates it
+        res.marks = {k: None for k in res.marks if k in res.pages or self._exists(k)}
+        for key, pages in res.pages.items():
+            stream = self._streams[key[0]].get(key[1])
+            extra_pages = pages - (len(stream.page_indices) if stream is not None else 0)
+            if extra_pages > 0:
+                res.new_pages += extra_pages
+                if res.first_short is None:
+                    res.first_short = key
+        free = self._allocator.num_free
+        if res.new_pages > free:
+            rid, label = res.first_short or ("", "")
+            return AllocationFailed(
+                pages_short=res.new_pages - free,
+                request_id=rid,
+                label=label,
+                message=(
+                    f"not enough free pages: step needs {res.new_pages} new, "
+                    f"{free} free (first short: request {rid!r} label {label!r})"
+                ),
+            )
+        return res
+
+    def _apply_reservation(self, res: _Reservation) -> list[Key]:
+        created: list[Key] = []
+        for (rid, label), pages in res.pages.items():
+            streams = self._streams[rid]
+            stream = streams.get(label)
+            if stream is None:
+                stream = streams[label] = CacheStream()
+                created.append((rid, label))
+            short = pages - len(stream.page_indices)
+            if short > 0:
+                got = self._allocator.try_allocate(short)
+                # `_reserve` counted these under the same lock
+                assert got is not None, "allocator lost pages between reserve and apply"
+                stream.page_indices.extend(got)
+                stream.generation += 1
+        return created
+
+    def plan(self, step: KVStep, ctx: StepContext) -> KVPlanOutputs:
+        """Page tables per plan label, and this step's write addressing.
+
+        The real plan after a preplan promotes it: the staged page tables are
+        returned and its pre-forks are applied now (R11).
+        """
+        self.reset_default_cursors()
+        with self._lock:
+            staged = self._preplan
+            if ctx.is_preplan:
+                if staged is None or staged.step != step:
+                    raise StepNotAdmittedError("preplan of a step that was not preplan-admitted")
+                if staged.outputs is not None:
+                    raise PreplanPendingError("the staged preplan was already planned")
+                outputs, states = self._build_plan(step, ctx, apply_forks=False)
+                staged.outputs, staged.states = outputs, states
+                return outputs
+            if staged is not None:
+                if staged.step != step:
+                    raise PreplanPendingError(
+                        "plan of a different step than the staged preplan; clear_preplan first"
+                    )
+                # promotion, not abandonment: its reservations and marks stay
+                self._preplan = None
+                if staged.outputs is not None:
+                    self._apply_pre_forks(step, staged.ctx)
+                    self._current_plan_states = staged.states
+                    return staged.outputs
+            self._check_admitted(step, "plan")
+            outputs, states = self._build_plan(step, ctx, apply_forks=True)
+            self._current_plan_states = states
+            return outputs
+
+    def _build_plan(
+        self, step: KVStep, ctx: StepContext, apply_forks: bool
+    ) -> tuple[KVPlanOutputs, dict[str, KVPlanState]]:
+        if apply_forks:
+            self._apply_pre_forks(step, ctx)
+            fork_len: dict[Key, int] = {}
+        else:
+            fork_len = self._pre_fork_lengths(step, ctx)
+        ps = self.config.page_size
+        outputs: dict[str, KVPlanOutput] = {}
+        states: dict[str, KVPlanState] = {}
+        for plan_label, segments in group_by_plan_label(
+            step.segments, step.combined_labels
+        ).items():
+            views = self._sequence_views(segments, fork_len)
+            out = KVPlanOutput(cpu_indptrs=build_paged_indptrs(views, ps), views=views)
+            outputs[plan_label] = out
+            states[plan_label] = self._plan_state(out, ctx.slot_lease, plan_label)
+        return KVPlanOutputs(outputs, step.pre_forks, step.post_forks), states
+
+    def _sequence_views(
+        self, segments: Sequence[Segment], fork_len: Mapping[Key, int]
+    ) -> list[SequenceView]:
+        ps = self.config.page_size
+        views: list[SequenceView] = []
+        append = views.append
+        for seg in segments:
+            rid, label, span = seg.request_id, seg.label, seg.span
+            stream = self._streams[rid].get(label)
+            if stream is None:
+                continue  # a zero-span segment on a label nothing created
+            base = fork_len.get((rid, label), stream.stored_len) if fork_len else stream.stored_len
+            length = base + span
+            if length == 0:
+                continue  # nothing to attend to and nothing to write
+            # sliced to the length: the stream may hold spare pages, and an
+            # unsliced view would report them as resident context
+            pages = stream.page_indices[: -(-length // ps)]
+            append(SequenceView(rid, label, pages, length, span, stream.generation))
+        return views
+
+    def _plan_state(
+        self, out: KVPlanOutput, lease: SlotLease | None, label: str
+    ) -> KVPlanState:
+        ps = self.config.page_size
+        if out.is_decode:
+            state = decode_plan_state(out.views, ps, self._device)
+        else:
+            total = out.get_total_len()
+            out.cuda_indptrs = out.cpu_indptrs.to_device(self._device)
+            state = packed_plan_state(out.cpu_indptrs, ps, total, self._device)
+        if lease is None:
+            return state
+        static = self._static_plan_state(lease.slot, label)
+        static.copy_(state, lease.bucket.num_tokens)
+        static.write_len = lease.bucket.num_tokens
+        return static
+
+    def _static_plan_state(self, slot: int, label: str) -> KVPlanState:
+        state = self._static_plan_states.get((slot, label))
+        if state is None:
+            if self._cg_max_seq_len == 0:
+                raise KVRefError(
+                    "a step planned under a slot lease before build_cuda_graph_buffers",
+                    label=label,
+                )
+            n = self._cg_max_seq_len
+            state = KVPlanState(
+                token_to_page=torch.full((n,), SINK_PAGE, dtype=torch.long, device=self._device),
+                token_to_cache=torch.zeros(n, dtype=torch.long, device=self._device),
+                total_tokens=0,
+            )
+            self._static_plan_states[(slot, label)] = state
+        return state
+
+    def build_cuda_graph_buffers(
+        self, slots: list[CGSlotSpec], max_bs: int, max_seq_len: int
+    ) -> None:
+        del slots, max_bs
+        # the (slot, label) buffers are made on the first plan under that key
+        # (the step declares its labels), all at one length so they outlive
+        # any bucket; every runner capturing against this cache calls in, so
+        # keep the largest
+        if self._static_plan_states and max_seq_len > self._cg_max_seq_len:
+            raise KVRefError(
+                f"graph buffers already built for {self._cg_max_seq_len} tokens; "
+                f"a later capture of {max_seq_len} would outgrow addresses a graph recorded"
+            )
+        self._cg_max_seq_len = max(self._cg_max_seq_len, max_seq_len)
+
+    @property
+    def supports_preplan(self) -> bool:
+        return True
+
+    def clear_preplan(self) -> None:
+        """Abandon the staged step: undo what its admit did to live state (I9)."""
+        with self._lock:
+            staged, self._preplan = self._preplan, None
+            if staged is None:
+                return
+            # labels the staged step invented are removed with their pages:
+            # a stream at length 0 that nothing asked for still holds them
+            for rid, label in reversed(staged.new_labels):
+                stream = self._streams.get(rid, {}).pop(label, None)
+                if stream is not None:
+                    self._allocator.free(stream.page_indices)
+            # or the request stays unevictable for a step that never runs
+            for rid, label in staged.marked:
+                stream = self._streams.get(rid, {}).get(label)
+                if stream is not None:
+                    stream.step_in_flight = False
+
+    def commit(self, step: KVStep, ctx: StepContext) -> None:
+        """Clear the step's marks, add its spans, then apply its post-forks."""
+        with self._lock:
+            if self._preplan is not None and self._preplan.step == step:
+                raise StepNotAdmittedError("commit of a step that is only preplanned")
+            self._check_admitted(step, "commit")
+            # cleared whether or not the step keeps its tokens: a step with
+            # commit=False still read these pages, and a mark left set would
+            # make the request unevictable
+            for rid, label in self._named_streams(step, ctx):
+                self._streams[rid][label].step_in_flight = False
+            if step.commit:
+                for seg in step.segments:
+                    if seg.span == 0:
+                        continue
+                    stream = self._streams[seg.request_id][seg.label]
+                    if stream.offloaded:
+                        # unreachable under R2-R5; kept as the last defence,
+                        # loudly, because it drops a committed span (I15)
+                        logger.error(
+                            "KV %s: dropping %d committed tokens for request %r label %r; "
+                            "the stream was offloaded mid-step",
+                            self.name, seg.span, seg.request_id, seg.label,
+                        )
+                        continue
+                    stream.stored_len += seg.span
+                    stream.generation += 1
+            # post-forks copy what this step just wrote, so after the spans land
+            for from_label, to_label in step.post_forks:
+                for rid in ctx.padded_request_ids:
+                    self._apply_fork(rid, from_label, to_label)
+
+    def _check_admitted(self, step: KVStep, what: str) -> None:
+        for seg in step.segments:
+            if seg.span == 0:
+                continue
+            stream = self._request(seg.request_id).get(seg.label)
+            if stream is None or not stream.step_in_flight:
+                raise StepNotAdmittedError(
+                    f"{what} of a step that was not admitted",
+                    request_id=seg.request_id,
+                    label=seg.label,
+                )
+
+    def _named_streams(self, step: KVStep, ctx: StepContext) -> Iterable[Key]:
+        """The existing streams a step names: what its admit marked (R2)."""
+        for seg in step.segments:
+            streams = self._streams.get(seg.request_id)
+            if streams is not None and seg.label in streams:
+                yield seg.request_id, seg.label
+        for from_label, to_label in (*step.pre_forks, *step.post_forks):
+            for rid in ctx.padded_request_ids:
+                streams = self._streams.get(rid)
+                if streams is None:
+                    continue
+                if from_label in streams:
+                    yield rid, from_label
+                if to_label in streams:
+                    yield rid, to_label
+
+    def _pre_fork_lengths(self, step: KVStep, ctx: StepContext) -> dict[Key, int]:
+        """Target lengths the pre-forks will give, without applying them (R11)."""
+        lengths: dict[Key, int] = {}
+        for from_label, to_label in step.pre_forks:
+            for rid in ctx.padded_request_ids:
+                src = self._streams[rid].get(from_label)
+                if src is not None:
+                    lengths[(rid, to_label)] = lengths.get((rid, from_label), src.stored_len)
+        return lengths
+
+    def _apply_pre_forks(self, step: KVStep, ctx: StepContext) -> None:
+        for from_label, to_label in step.pre_forks:
+            for rid in ctx.padded_request_ids:
+                self._apply_fork(rid, from_label, to_label)
+
+    def _apply_fork(self, rid: str, from_label: str, to_label: str) -> None:
+        """Copy a stream onto its fork target, over pages admit reserved."""
+        streams = self._streams.get(rid)
+        if streams is None or from_label not in streams:
+            return
+        src = streams[from_label]
+        dst = streams[to_label]
+        # sized off the source's length, not either side's page count: both
+        # may hold spare pages, and copying those made the copy lopsided
+        n = _pages_for(src.stored_len, self.config.page_size)
+        if len(dst.page_indices) < n:
+            raise KVRefError(
+                f"fork target holds {len(dst.page_indices)} pages, source "
+                f"{from_label!r} needs {n}: the step was not admitted with this fork",
+                request_id=rid,
+                label=to_label,
+            )
+        self.kv_cache.copy_pages(src.page_indices[:n], dst.page_indices[:n])
+        dst.stored_len = src.stored_len
+        dst.generation += 1
+
+    # -- what attention layers call ------------------------------------------
+
+    # the reference's name for the layer cursor
+    set_layer_idx = AttentionResource.set_default_layer_idx
+
+    def reset_default_cursors(self) -> None:
+        super().reset_default_cursors()
+        # unlike attention's, every read here needs a usable index
+        self._default_layer_idx = 0
+
+    def layer_view(self, layer_idx: int | None = None) -> torch.Tensor:
+        """One layer's pages in the shape FlashInfer's paged attention takes."""
+        if layer_idx is None:
+            layer_idx = self._default_layer_idx
+        assert layer_idx is not None
+        return self.kv_cache.layer_view(layer_idx)
+
+    def read_kv(self, layer_idx: int | None = None, plan_label: str | None = None) -> torch.Tensor:
+        """The slots this step's plan writes: ``[num_tokens, 2, H, D]`` (K, then V)."""
+        state, label = self._plan_state_for(plan_label)
+        n = state.write_len
+        layer = self._default_layer_idx if layer_idx is None else layer_idx
+        assert layer is not None
+        return self.kv_cache.read_tokens(layer, state.token_to_page[:n], state.token_to_cache[:n])
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_idx: int | None = None,
+        label: str | None = None,
+        return_tensor: bool = False,
+    ) -> torch.Tensor | None:
+        """Write K, V ``[num_tokens, num_kv_heads, head_dim]`` into this step's slots.
+
+        Under a slot lease ``num_tokens`` is the bucket's: the padding rows
+        land on the sink page.
+        """
+        state, plan_label = self._plan_state_for(label)
+        n = state.write_len
+        want = (n, *self.kv_cache.token_shape)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != want or t.dtype != self.kv_cache.dtype:
+                raise KVShapeError(
+                    f"write_kv {name} is {tuple(t.shape)} {t.dtype}; this step's plan "
+                    f"wants {want} {self.kv_cache.dtype}",
+                    label=plan_label,
+                )
+        layer = self._default_layer_idx if layer_idx is None else layer_idx
+        assert layer is not None
+        return self.kv_cache.write_tokens(
+            layer, k, v, state.token_to_page[:n], state.token_to_cache[:n], return_tensor
+        )
+
+    def _plan_state_for(self, label: str | None) -> tuple[KVPlanState, str]:
+        plan_label = self._default_label if label is None else label
+        state = self._current_plan_states.get(plan_label)
+        if state is None:
+            raise StepNotAdmittedError(
+                f"no step is planned for plan label {plan_label!r} "
+                f"(planned: {sorted(self._current_plan_states)})",
+                label=plan_label,
+            )
+        return state, plan_label
+
+    def read_stream(self, rid: str, label: str = "main") -> torch.Tensor:
+        """``[layers, stored_len, 2, H, D]``: a resident stream's tokens, for checks."""
+        with self._lock:
+            stream = self._stream(rid, label)
+            if stream.offloaded:
+                raise KVRefError("stream is offloaded; reload it to read", request_id=rid,
+                                 label=label)
+            return self.kv_cache.gather_stream(stream.page_indices, stream.stored_len)
+
+    # -- eviction to host ----------------------------------------------------
+
+    @property
+    def supports_eviction(self) -> bool:
+        return self._cpu_pool is not None
+
+    def is_offloaded(self, rid: str) -> bool:
+        """True from the moment an offload claims the request, not only once
+        its pages are on the host: admission and the victim filter must not
+        schedule, or pick again, a request already on its way out."""
+        if self._cpu_pool is None:
+            return False
+        with self._lock:
+            return any(s.offloaded for s in self._streams.get(rid, {}).values())
+
+    def begin_offload(self, rid: str) -> Offload | None:
+        """Claim every stream of ``rid`` that holds pages; None if refused or nothing to claim.
+
+        Refused for the whole request while any of its streams is in flight
+        (R4): a step already holds addressing into these pages.
+        """
+        if self._cpu_pool is None:
+            return None
+        with self._lock:
+            streams = self._streams.get(rid)
+            if streams is None or rid in self._offloads:
+                return None
+            if any(s.step_in_flight for s in streams.values()):
+                return None
+            claims: list[ClaimedStream] = []
+            reads: list[Future[Any]] = []
+            for label, s in streams.items():
+                if s.offloaded or not s.page_indices:
+                    continue
+                s.offloaded = True
+                claims.append(ClaimedStream(label, list(s.page_indices), s.generation,
+                                            s.stored_len, s.position, s.released))
+                if s.read_future is not None:
+                    reads.append(s.read_future)
+            if not claims:
+                return None
+            offload = self._offloads[rid] = Offload(self, rid, claims, reads)
+        self._runtime.checkpoint("offload.claimed")
+        return offload
+
+    def offload(self, rid: str) -> int:
+        """Move every stream of ``rid`` to host memory; returns device pages freed.
+
+        A stream that does not fit on the host keeps its pages, so a partial
+        offload still frees what did fit. 0 when refused (a step in flight,
+        an offload already running, an unknown request) or nothing moved.
+        """
+        offload = self.begin_offload(rid)
+        if offload is None:
+            return 0
+        try:
+            offload.copy_all()
+            self._runtime.checkpoint("offload.copied")
+            return offload.commit()
+        finally:
+            offload.abandon()  # a no-op once committed
+
+    def _copy_claim_to_host(self, rid: str, claim: ClaimedStream) -> bool:
+        assert self._cpu_pool is not None
+        return self._cpu_pool.offload_stream(
+            rid=rid, label=claim.label, gpu_kv_cache=self.kv_cache.tensor,
+            gpu_page_indices=claim.pages, stored_len=claim.stored_len,
+            position=claim.position, released=claim.released,
+        )
+
+    def _commit_offload(
+        self, rid: str, claims: Mapping[str, ClaimedStream], copied: Sequence[str]
+    ) -> int:
+        assert self._cpu_pool is not None
+        # the device pages must not be released before the D2H copy read them
+        self._cpu_pool.sync()
+        with self._lock:
+            self._offloads.pop(rid, None)
+            streams = self._streams.get(rid, {})
+            intact = all(
+                (s := streams.get(label)) is not None
+                and s.generation == claims[label].generation
+                for label in copied
+            )
+            moved = copied if intact else []
+            for label in claims:
+                if label in moved:
+                    continue
+                # did not fit on the host, or the request changed behind us
+                self._cpu_pool.discard(rid, label)
+                stream = streams.get(label)
+                if stream is not None:
+                    stream.offloaded = False
+            freed = 0
+            for label in moved:
+                stream = streams[label]
+                freed += len(stream.page_indices)
+                self._allocator.free(stream.page_indices)
+                # the tokens are on the host: the length stays, the pages go
+                stream.page_indices = []
+                stream.generation += 1
+            return freed
+
+    def _abandon_offload(self, rid: str, labels: Sequence[str]) -> None:
+        assert self._cpu_pool is not None
+        with self._lock:
+            self._offloads.pop(rid, None)
+            streams = self._streams.get(rid, {})
+            for label in labels:
+                # a raise mid-copy leaves a copy behind, and a reload would
+                # then hand the stream fresh pages on top of its own
+                self._cpu_pool.discard(rid, label)
+                stream = streams.get(label)
+                if stream is not None:
+                    stream.offloaded = False
+
+    def reload(self, rid: str) -> bool:
+        """Bring every offloaded stream of ``rid`` back on device, or move nothing.
+
+        False when the device cannot fit them now (evict more, retry), while
+        an offload of the request is still in progress (R6), or when nothing
+        of ``rid`` is on the host.
+        """
+        pool = self._cpu_pool
+        if pool is None:
+            return False
+        with self._lock:
+            if rid in self._offloads or rid not in self._streams or not pool.is_offloaded(rid):
+                return False
+            labels = pool.labels(rid)
+            needed = sum(pool.num_pages(rid, label) for label in labels)
+            if needed > self._allocator.num_free:
+                return False
+            streams = self._streams[rid]
+            for label in labels:
+                pages = self._allocator.try_allocate(pool.num_pages(rid, label))
+                assert pages is not None  # counted above, under the same lock
+                copy = pool.reload_stream(rid, label, self.kv_cache.tensor, pages)
+                stream = streams[label]
+                stream.page_indices = pages
+                stream.stored_len = copy.stored_len
+                stream.position = copy.position
+                stream.released = copy.released
+                stream.offloaded = False
+                stream.generation += 1
+        # outside the lock: orders the H2D copies before attention reads the
+        # pages; the pages are already assigned, so no shared state is touched
+        pool.sync()
+        return True
+
+    def reclaimable(self, rid: str) -> int:
+        """Device pages the request holds; 0 once offloaded."""
+        with self._lock:
+            return sum(len(s.page_indices) for s in self._streams.get(rid, {}).values())
+
+    def get_offload_priority(self, rid: str) -> float:
+        """The most reclaimable request first."""
+        return float(self.reclaimable(rid))
+
+    # -- KV transfer between managers ----------------------------------------
+
+    def _own_transfer_info(self) -> Any:
+        return self._transfer.get_kv_transfer_info()
+
+    def publish(self, request_id: str) -> PublishedKVInfo | None:
+        """What another manager needs to retrieve this request's KV.
+
+        None when the request is gone (a removal can race the engine's
+        finalize) or any stream is off the device (R13).
+        """
+        transfer_info = self._own_transfer_info()
+        with self._lock:
+            streams = self._streams.get(request_id)
+            if streams is None or any(s.offloaded for s in streams.values()):
+                return None
+            seq_info = {
+                label: KVSequenceInfo(
+                    seq_len=s.stored_len,
+                    latest_kv_transfer_info=transfer_info,
+                    page_indices=list(s.page_indices[: _pages_for(s.stored_len,
+                                                                  self.config.page_size)]),
+                )
+                for label, s in streams.items()
+            }
+        return PublishedKVInfo.build_for_rank(self._rank, self._world_size, seq_info)
+
+    def admit_retrieve(
+        self,
+        rid: str,
+        node_name: str,
+        graph_walk: str,
+        published: PublishedKVInfo | None,
+    ) -> AdmitOutcome:
+        """Start copying what another manager published; ready once it landed.
+
+        ``ok=True, ready=False`` while a copy runs; a failed copy is latched
+        and reported on every later call (I11) until reset or removal.
+        """
+        if published is None:
+            return ADMIT_OK
+        if published.world_size != self._world_size:
+            # terminal for this request, not for the worker serving it
+            return AdmitOutcome(
+                ok=False, ready=False,
+                reason=AdmitRuntimeError(
+                    "KV transfer across tensor-parallel world sizes is not supported "
+                    f"(published {published.world_size}, local {self._world_size})",
+                    request_id=rid,
+                ),
+            )
+        own = self._own_transfer_info()
+        ps = self.config.page_size
+        # one critical section: reading stored_len, comparing it with what was
+        # published and starting the copy must not interleave a commit or reset
+        with self._lock:
+            streams = self._request(rid)
+            needed = self._overrides[rid].get_labels(node_name, graph_walk)
+            todo: list[tuple[str, KVSequenceInfo, int]] = []
+            new_pages = 0
+            for label, info in published.get(self._rank).items():
+                if label not in needed:
+                    continue
+                ready, failed = self._check_ready(rid, label)
+                if failed is not None:
+                    return AdmitOutcome(ok=False, ready=False, reason=failed)
+                if not ready:
+                    return AdmitOutcome(ok=True, ready=False)
+                stream = streams.get(label)
+                old_len = stream.stored_len if stream is not None else 0
+                if info.seq_len <= old_len:
+                    continue
+                if info.latest_kv_transfer_info == own:
+                    # the pages already are in this cache; opening our own
+                    # IPC handle would fail with an invalid device context
+                    logger.warning(
+                        "KV %s: skipping self-retrieve for %r label %r (published %d, held %d)",
+                        self.name, rid, label, info.seq_len, old_len,
+                    )
+                    continue
+                self._validate_published(rid, label, info)
+                if stream is not None and stream.offloaded:
+                    return AdmitOutcome(ok=False, reason=self._offloading(rid, label))
+                held = len(stream.page_indices) if stream is not None else 0
+                new_pages += max(0, _pages_for(info.seq_len, ps) - held)
+                todo.append((label, info, old_len))
+            free = self._allocator.num_free
+            if new_pages > free:
+                label = todo[0][0]
+                return AdmitOutcome(ok=False, reason=AllocationFailed(
+                    pages_short=new_pages - free, request_id=rid, label=label,
+                    message=f"retrieve needs {new_pages} new pages, {free} free",
+                ))
+            for label, info, old_len in todo:
+                stream = streams.get(label)
+                if stream is None:
+                    stream = streams[label] = CacheStream()
+                short = _pages_for(info.seq_len, ps) - len(stream.page_indices)
+                if short > 0:
+                    got = self._allocator.try_allocate(short)
+                    assert got is not None  # counted above
+                    stream.page_indices.extend(got)
+                fut = self._transfer.start_async_retrieve(
+                    start_len=old_len, end_len=info.seq_len,
+                    local_page_indices=list(stream.page_indices),
+                    remote_page_indices=info.page_indices,
+                    kv_transfer_info=info.latest_kv_transfer_info,
+                )
+                stream.read_future = fut
+                stream.read_pending = fut is not None
+                stream.stored_len = info.seq_len
+                stream.generation += 1
+            ready = True
+            for label in needed:
+                label_ready, failed = self._check_ready(rid, label)
+                if failed is not None:
+                    return AdmitOutcome(ok=False, ready=False, reason=failed)
+                ready = ready and label_ready
+            return AdmitOutcome(ok=True, ready=ready)
+
+    def _validate_published(self, rid: str, label: str, info: KVSequenceInfo) -> None:
+        remote = info.latest_kv_transfer_info
+        num_pages = getattr(remote, "num_pages", None)
+        page_size = getattr(remote, "page_size", self.config.page_size)
+        if page_size != self.config.page_size:
+            raise PublishedInfoError(
+                f"published page size {page_size}, local {self.config.page_size}",
+                request_id=rid, label=label,
+            )
+        if len(info.page_indices) < _pages_for(info.seq_len, page_size):
+            raise PublishedInfoError(
+                f"published {info.seq_len} tokens over only {len(info.page_indices)} pages",
+                request_id=rid, label=label,
+            )
+        bad = [p for p in info.page_indices if p <= SINK_PAGE
+               or (num_pages is not None and p >= num_pages)]
+        if bad:
+            raise PublishedInfoError(
+                f"published page indices {bad[:4]} are outside [1, {num_pages})",
+                request_id=rid, label=label,
+            )
+
+    def _check_ready(self, rid: str, label: str) -> tuple[bool, AdmitRuntimeError | None]:
+        """(ready, terminal failure). A failed retrieve is latched on the stream."""
+        stream = self._streams[rid].get(label)
+        if stream is None:
+            return True, None
+        fut = stream.read_future
+        if fut is not None and fut.done():
+            stream.read_future = None
+            err = fut.exception()
+            if err is not None:
+                stream.read_error = err
+            else:
+                stream.read_pending = False
+        if stream.read_error is not None:
+            err = stream.read_error
+            return False, AdmitRuntimeError(
+                f"KV retrieve failed: {type(err).__name__}: {err}", request_id=rid, label=label
+            )
+        return not stream.read_pending, None
+
+    # -- checks and teardown ---------------------------------------------------
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._allocator.num_free
+
+    def post_warmup_validate(self) -> None:
+        """Raise if tensor- or sequence-parallel ranks disagree on free pages.
+
+        Catches a config that differs per rank (max_num_pages,
+        cpu_offload_pages) and anything that took pages on one rank only
+        before warmup returned. The all_gather synchronises, so no barrier.
+        """
+        group = self._comm_group
+        if group is None or group.world_size == 1:
+            return
+        local = torch.tensor([self._allocator.num_free], dtype=torch.int64, device=self._device)
+        for name, sub in (("tp", group.tp_group), ("sp", group.sp_group)):
+            if sub is None:
+                continue
+            values = [int(v) for v in sub.all_gather(local, dim=0).cpu().tolist()]
+            if any(v != values[0] for v in values):
+                raise AsymmetricStateError(
+                    f"KV cache {self.name!r} has asymmetric free page counts across "
+                    f"{name} ranks: {values} (this rank {self._rank}: "
+                    f"{self._allocator.num_free}); check per-rank max_num_pages / "
+                    "cpu_offload_pages and any request added before warmup finished"
+                )
+
+    def cleanup(self) -> None:
+        self._transfer.cleanup()
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _request(self, rid: str) -> dict[str, CacheStream]:
+        streams = self._streams.get(rid)
+        if streams is None:
+            raise UnknownRequestError("unknown request (never ingested, or removed)",
+                                      request_id=rid)
+        return streams
+
+    def _stream(self, rid: str, label: str) -> CacheStream:
+        stream = self._request(rid).get(label)
+        if stream is None:
+            raise UnknownRequestError("request has no such label", request_id=rid, label=label)
+        return stream
+
+    def _exists(self, key: Key) -> bool:
+        return key[1] in self._streams.get(key[0], {})
+
+    def _refuse_if_in_flight(self, rid: str, what: str) -> None:
+        for label, stream in self._streams.get(rid, {}).items():
+            if stream.step_in_flight:
+                raise StepInFlightError(
+                    f"{what} while a step is in flight; commit it first",
+                    request_id=rid, label=label,
+                )
+
+    def _drain_reads(self, rid: str) -> None:
+        futures = [s.read_future for s in self._streams.get(rid, {}).values()
+                   if s.read_future is not None]
+        if futures:
+            self._runtime.wait(futures)
+
+    @staticmethod
+    def _offloading(rid: str, label: str) -> RequestOffloading:
+        return RequestOffloading(
+            message=f"request {rid!r} label {label!r} is offloaded or being offloaded; "
+            "retry once it is reloaded",
+            request_id=rid,
+            label=label,
+        )

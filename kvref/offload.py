@@ -1,0 +1,125 @@
+"""An offload in progress: claim, copy, then commit or abandon.
+
+`KVManager.offload` runs all three phases; an engine that schedules its own
+host copies (or a test that interleaves them with other calls) drives the
+handle `KVManager.begin_offload` returns. Only claim and commit take the
+manager's lock; the copies run outside it so steps of other requests go on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from kvref.errors import OffloadCopyError, OffloadStateError
+from kvref.streams import ClaimedStream
+
+if TYPE_CHECKING:
+    from kvref.manager import KVManager
+
+
+class Offload:
+    """A claim on every offloadable stream of one request.
+
+    While it is open its streams are marked ``offloaded``: admit and the
+    allocator refuse them, so nothing extends a stream behind the copy.
+    A claim that is neither committed nor abandoned keeps the request
+    unschedulable, so `KVManager.offload` always ends in one or the other.
+    """
+
+    def __init__(
+        self,
+        manager: KVManager,
+        request_id: str,
+        claims: Sequence[ClaimedStream],
+        read_futures: Sequence[Future[Any]],
+    ) -> None:
+        self._manager = manager
+        self.request_id = request_id
+        self._claims = {c.label: c for c in claims}
+        self._read_futures = list(read_futures)
+        self._copied: list[str] = []
+        self._open = True
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self._claims)
+
+    @property
+    def copied(self) -> list[str]:
+        return list(self._copied)
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def copy(self, label: str) -> bool:
+        """Copy one claimed stream to the host. False if the host pool is full.
+
+        A copy that raises undoes the whole offload (every host copy
+        discarded, every claim released) and re-raises as `OffloadCopyError`:
+        a half-copied request must not be left for a reload to trust.
+        """
+        self._check_open("copy")
+        claim = self._claims.get(label)
+        if claim is None:
+            raise OffloadStateError(
+                "offload did not claim this stream", request_id=self.request_id, label=label
+            )
+        if label in self._copied:
+            raise OffloadStateError(
+                "stream already copied", request_id=self.request_id, label=label
+            )
+        if self._read_futures:
+            # a retrieve still writing these pages would be torn into the copy
+            futures, self._read_futures = self._read_futures, []
+            self._manager._runtime.wait(futures)
+        try:
+            ok = self._manager._copy_claim_to_host(self.request_id, claim)
+        except Exception as err:
+            self.abandon()
+            raise OffloadCopyError(
+                f"host copy failed, offload abandoned: {type(err).__name__}: {err}",
+                request_id=self.request_id,
+                label=label,
+            ) from err
+        if ok:
+            self._copied.append(label)
+        return ok
+
+    def copy_all(self) -> list[str]:
+        """Copy every claimed stream; returns the labels that fit on the host."""
+        for label in self.labels:
+            self.copy(label)
+        return self.copied
+
+    def commit(self) -> int:
+        """Release the device pages of every copied stream; returns pages freed.
+
+        All or nothing over the copied streams: if any changed since the
+        claim (a reset, a removal) its host copy may be torn, so the whole
+        request stays on device and 0 is returned. Streams that did not fit
+        on the host are released back to the device either way.
+        """
+        self._check_open("commit")
+        self._open = False
+        return self._manager._commit_offload(self.request_id, self._claims, self._copied)
+
+    def abandon(self) -> None:
+        """Drop every host copy made so far and release every claim."""
+        if not self._open:
+            return
+        self._open = False
+        self._manager._abandon_offload(self.request_id, list(self._claims))
+
+    def _check_open(self, what: str) -> None:
+        if not self._open:
+            raise OffloadStateError(
+                f"{what} on an offload that was already committed or abandoned",
+                request_id=self.request_id,
+            )
+
+    def __repr__(self) -> str:
+        state = "open" if self._open else "closed"
+        return f"Offload({self.request_id!r}, claims={self.labels}, copied={self._copied}, {state})"
