@@ -1,0 +1,575 @@
+"""Moving KV pages between caches: in one process, over shared memory, over CUDA IPC.
+
+A cache publishes a `KVTransferInfo` ("where my pages live"); another cache's
+`KVTransferManager.start_async_retrieve` resolves that descriptor to a tensor
+it can read and copies a token range across, page by page, in the background.
+
+Engines (``TransferEngineInfo.kind``):
+
+- ``"local"``: caches of one process, found by id in a registry of weak
+  references (a dead cache is a failed retrieve, not a crash);
+- ``"shm"``: a CPU cache in a named POSIX shared-memory segment that another
+  process maps by name;
+- ``"cuda_ipc"``: a CUDA cache another process opens through a CUDA IPC handle.
+
+Whatever the publisher's kind, a descriptor of a cache that lives in this very
+process is read directly: mapping your own segment twice is wasteful, and
+opening your own CUDA IPC handle fails (``invalid device context``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+import uuid
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+import torch
+
+from kvref.cache import KVCache, copy_page_blocks
+from kvref.config import KVLayout
+from kvref.errors import KVRefError
+from kvref.runtime import Runtime, default_runtime
+
+KINDS = ("local", "shm", "cuda_ipc")
+
+# where POSIX shm_open puts its names on Linux; torch maps the file itself
+_SHM_DIR = "/dev/shm"
+
+
+class TransferError(KVRefError):
+    """A retrieve that could not run: its future raises this (or a subclass)."""
+
+
+class RemoteCacheGoneError(TransferError):
+    """The descriptor names a cache that no longer exists (cleaned up, process gone)."""
+
+
+class InjectedTransferError(TransferError):
+    """A failure asked for through `KVTransferManager.fail_next` (tests, fault drills)."""
+
+
+class TransferConfigError(KVRefError, ValueError):
+    """An engine or cache that cannot work as configured; raised at construction."""
+
+
+class TransferRangeError(KVRefError, ValueError):
+    """A retrieve whose token range or page lists do not fit either cache."""
+
+
+@dataclass(frozen=True)
+class TransferEngineInfo:
+    """How a worker's caches are shared (the engine hands this to every manager)."""
+
+    kind: str = "local"
+    # shm segment names are this plus a random suffix: lets an operator (and
+    # the tests) find what a crashed worker left in /dev/shm
+    shm_prefix: str = "kvref_"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise TransferConfigError(
+                f"TransferEngineInfo.kind must be one of {KINDS}, got {self.kind!r}"
+            )
+        if "/" in self.shm_prefix or len(self.shm_prefix) > 200:
+            raise TransferConfigError(
+                f"TransferEngineInfo.shm_prefix {self.shm_prefix!r}: no '/', at most 200 chars"
+            )
+
+
+@dataclass(frozen=True)
+class KVTransferInfo:
+    """Where one cache's pages live: picklable, hashable, compared with ``==``.
+
+    ``cache_id`` is unique per cache (a fresh uuid), so two descriptors are
+    equal exactly when they name the same cache: that is how a manager spots a
+    self-retrieve. ``num_pages`` / ``page_size`` let it validate published page
+    indices before anything is copied (`page_problem`).
+    """
+
+    kind: str
+    cache_id: str
+    num_pages: int
+    page_size: int
+    layout: str  # KVLayout value: "NHD" | "HND"
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "bfloat16", ...
+    shm_name: str | None = None
+    # the arguments of torch.multiprocessing.reductions.rebuild_cuda_tensor
+    # (IPC memory handle, ref-counter handle, event handle, sizes)
+    cuda_ipc: tuple[Any, ...] | None = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise TransferConfigError(f"descriptor names unknown dtype {self.dtype!r}")
+        return dtype
+
+    def pages_needed(self, seq_len: int) -> int:
+        return -(-seq_len // self.page_size)
+
+    def page_problem(self, page_indices: Sequence[int], seq_len: int) -> str | None:
+        """Why ``page_indices`` cannot hold ``seq_len`` tokens of this cache, or None."""
+        return _page_problem(page_indices, 0, seq_len, self.page_size, self.num_pages)
+
+
+def _page_problem(
+    pages: Sequence[int], start: int, end: int, page_size: int, num_pages: int
+) -> str | None:
+    first, needed = start // page_size, -(-end // page_size)
+    if len(pages) < needed:
+        return f"{end} tokens need {needed} pages of {page_size}, got {len(pages)}"
+    for p in pages[first:needed]:
+        if not 0 <= p < num_pages:
+            return f"page {p} out of range [0, {num_pages})"
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# -- shared memory ----------------------------------------------------------
+
+# allocate_cache_tensor -> KVTransferManager hand-off of the segment behind a
+# tensor, by data pointer; the finalizer unlinks the name once the tensor is
+# gone, so a tensor never handed to a transfer manager does not leak a segment
+_shm_lock = threading.Lock()
+_shm_segments: dict[int, tuple[str, weakref.finalize[Any, Any]]] = {}
+
+
+def _unlink_segment(shm: shared_memory.SharedMemory) -> None:
+    # already unlinked: by an earlier cleanup, or by the resource tracker at exit
+    with contextlib.suppress(FileNotFoundError):
+        shm.unlink()
+
+
+def _map_shm(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    # torch maps the file itself (MAP_SHARED), so the mapping lives exactly as
+    # long as the tensor and no Python buffer export pins a SharedMemory open.
+    # Attaching through SharedMemory(name=...) would also register the segment
+    # with this process's resource tracker (Python < 3.13), which would unlink
+    # the owner's segment when this process exits
+    path = os.path.join(_SHM_DIR, name)
+    if not os.path.exists(path):
+        raise RemoteCacheGoneError(f"shared-memory segment {name!r} does not exist")
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+
+
+def allocate_cache_tensor(
+    info: TransferEngineInfo,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """Zeros of ``shape`` in storage the engine ``info.kind`` can share.
+
+    Build the `KVCache` over this tensor (``KVCache(cfg, device, dtype,
+    tensor=...)``) and hand that cache to `KVTransferManager`.
+    """
+    device = torch.device(device)
+    shape = tuple(int(s) for s in shape)
+    if info.kind == "local":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if info.kind == "cuda_ipc":
+        if device.type != "cuda":
+            raise TransferConfigError(f"kind 'cuda_ipc' needs a CUDA device, got {device}")
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if device.type != "cpu":
+        raise TransferConfigError(f"kind 'shm' needs a CPU cache, got {device}")
+    if not os.path.isdir(_SHM_DIR):
+        raise TransferConfigError(f"kind 'shm' needs POSIX shared memory at {_SHM_DIR}")
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    shm = shared_memory.SharedMemory(
+        name=f"{info.shm_prefix}{uuid.uuid4().hex[:16]}", create=True, size=max(nbytes, 1)
+    )
+    try:
+        # a fresh segment is zero-filled (ftruncate), so no zero_() pass
+        tensor = _map_shm(shm.name, numel, dtype).view(shape)
+    except BaseException:
+        shm.close()
+        _unlink_segment(shm)
+        raise
+    # only the name is needed from here on (to unlink it); the SharedMemory
+    # object stays registered with the resource tracker, which unlinks the
+    # segment if this process dies without cleaning up
+    shm.close()
+    finalizer = weakref.finalize(tensor, _unlink_segment, shm)
+    with _shm_lock:
+        _shm_segments[tensor.data_ptr()] = (shm.name, finalizer)
+    return tensor
+
+
+# -- caches of this process ---------------------------------------------------
+
+# weak: the registry must not keep a cleaned-up manager's cache alive, and a
+# retrieve from a cache that is gone must fail rather than read freed pages.
+# A plain lock: module state with no runtime to ask, held for a dict operation
+# only, so it never blocks across a scheduling point
+_live_lock = threading.Lock()
+_live_caches: dict[str, weakref.ref[KVCache]] = {}
+
+
+def _register(cache_id: str, cache: KVCache) -> None:
+    with _live_lock:
+        for key in [k for k, ref in _live_caches.items() if ref() is None]:
+            del _live_caches[key]
+        _live_caches[cache_id] = weakref.ref(cache)
+
+
+def _lookup(cache_id: str) -> KVCache | None:
+    with _live_lock:
+        ref = _live_caches.get(cache_id)
+    return None if ref is None else ref()
+
+
+def _unregister(cache_id: str) -> None:
+    with _live_lock:
+        _live_caches.pop(cache_id, None)
+
+
+# -- copying ------------------------------------------------------------------
+
+
+def _token_axis(layout: str) -> int:
+    """Axis of the in-page token offset in one page ``[layers, 2, ...]``."""
+    return 2 if layout == KVLayout.NHD.value else 3
+
+
+def _copy_pages_aligned(
+    dst: torch.Tensor,
+    dst_pages: list[int],
+    src: torch.Tensor,
+    src_pages: list[int],
+    layout: str,
+    page_size: int,
+    start: int,
+    end: int,
+) -> None:
+    """Same page size and layout: the range is whole pages plus two partial ends."""
+    axis = _token_axis(layout)
+
+    def partial(page: int, lo: int, hi: int) -> None:
+        # every layer, K and V, in-page offsets [lo, hi) of one logical page
+        dst[:, dst_pages[page]].narrow(axis, lo, hi - lo).copy_(
+            src[:, src_pages[page]].narrow(axis, lo, hi - lo)
+        )
+
+    first_full = -(-start // page_size)
+    end_full = end // page_size
+    if first_full > end_full:
+        # the range lies inside one page and touches neither of its edges
+        partial(start // page_size, start % page_size, end % page_size)
+        return
+    if start % page_size:
+        partial(start // page_size, start % page_size, page_size)
+    copy_page_blocks(dst, dst_pages[first_full:end_full], src, src_pages[first_full:end_full])
+    if end % page_size:
+        partial(end_full, 0, end % page_size)
+
+
+def _token_index(
+    tensor: torch.Tensor, layout: str, pages: list[int], page_size: int, start: int, end: int
+) -> tuple[Any, ...]:
+    """Advanced index of tokens ``[start, end)``; selects ``[n, layers, 2, H, D]``.
+
+    Two index tensors split by a slice put the token axis first, whichever
+    layout, so both sides of a cross-layout copy agree on the order.
+    """
+    pos = torch.arange(start, end, device=tensor.device)
+    table = torch.tensor(pages, dtype=torch.long, device=tensor.device)
+    page_idx, offset = table[pos // page_size], pos % page_size
+    if layout == KVLayout.NHD.value:
+        return (slice(None), page_idx, slice(None), offset)
+    return (slice(None), page_idx, slice(None), slice(None), offset)
+
+
+def _copy_tokens(
+    dst: torch.Tensor,
+    dst_layout: str,
+    dst_pages: list[int],
+    dst_page_size: int,
+    src: torch.Tensor,
+    src_layout: str,
+    src_pages: list[int],
+    src_page_size: int,
+    start: int,
+    end: int,
+) -> None:
+    """Different page size or layout: one gather, one scatter, vectorised."""
+    tokens = src[_token_index(src, src_layout, src_pages, src_page_size, start, end)]
+    dst[_token_index(dst, dst_layout, dst_pages, dst_page_size, start, end)] = tokens.to(dst.device)
+
+
+class KVTransferManager:
+    """One cache's side of KV transfers: publishes it, pulls remote pages into it.
+
+    Retrieves run on the runtime's executor; the returned future resolves
+    once the bytes are in this cache (on CUDA: once the copy stream finished).
+    """
+
+    def __init__(
+        self, info: TransferEngineInfo, kv_cache: KVCache, runtime: Runtime | None = None
+    ) -> None:
+        self.info = info
+        self.kv_cache = kv_cache
+        self._runtime = runtime if runtime is not None else default_runtime()
+        self._lock = self._runtime.lock()
+        # retrieves still to fail on purpose: each start_async_retrieve takes one
+        # and its future raises InjectedTransferError (decided when the retrieve
+        # starts, so which retrieve fails does not depend on thread timing)
+        self.fail_next = 0
+        self._cache_id = uuid.uuid4().hex
+        self._remote: dict[str, torch.Tensor] = {}
+        self._pending: list[Future[None]] = []
+        self._shm_finalizer: weakref.finalize[Any, Any] | None = None
+        self._copy_stream: Any = None
+        self._closed = False
+        tensor = kv_cache.tensor
+        shm_name: str | None = None
+        cuda_ipc: tuple[Any, ...] | None = None
+        if info.kind == "shm":
+            with _shm_lock:
+                segment = _shm_segments.pop(tensor.data_ptr(), None)
+            if segment is None:
+                raise TransferConfigError(
+                    "kind 'shm': the KVCache tensor must come from "
+                    "allocate_cache_tensor(TransferEngineInfo(kind='shm'), ...)"
+                )
+            shm_name, self._shm_finalizer = segment
+        elif info.kind == "cuda_ipc":
+            if not tensor.is_cuda:
+                raise TransferConfigError(
+                    f"kind 'cuda_ipc' needs a CUDA cache, got one on {tensor.device}"
+                )
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            # once: every reduction makes new ref-counter and event handles, and
+            # the descriptor must stay equal to itself across publishes
+            _, args = reduce_tensor(tensor)  # type: ignore[no-untyped-call]
+            cuda_ipc = tuple(args)
+        self._info = KVTransferInfo(
+            kind=info.kind,
+            cache_id=self._cache_id,
+            num_pages=int(tensor.shape[1]),
+            page_size=kv_cache.page_size,
+            layout=kv_cache.layout.value,
+            shape=tuple(int(s) for s in tensor.shape),
+            dtype=_dtype_name(tensor.dtype),
+            shm_name=shm_name,
+            cuda_ipc=cuda_ipc,
+        )
+        _register(self._cache_id, kv_cache)
+
+    def get_kv_transfer_info(self) -> KVTransferInfo:
+        return self._info
+
+    def start_async_retrieve(
+        self,
+        start_len: int,
+        end_len: int,
+        local_page_indices: Sequence[int],
+        remote_page_indices: Sequence[int],
+        kv_transfer_info: KVTransferInfo,
+    ) -> Future[None] | None:
+        """Copy tokens ``[start_len, end_len)`` of the remote cache into this one.
+
+        Token ``p`` lives at ``(pages[p // page_size], p % page_size)`` on each
+        side, with each side's own page size. None when the range is empty.
+        Bad arguments raise `TransferRangeError` here; everything that can only
+        be found out by reaching the remote (it is gone, a mapping fails) makes
+        the future raise a `TransferError`.
+        """
+        if start_len >= end_len:
+            return None
+        if not isinstance(kv_transfer_info, KVTransferInfo):
+            raise TransferRangeError(
+                f"kv_transfer_info must be a KVTransferInfo, got {type(kv_transfer_info).__name__}"
+            )
+        if start_len < 0:
+            raise TransferRangeError(f"negative start_len {start_len}")
+        if self._closed:
+            raise TransferError("retrieve on a KVTransferManager after cleanup()")
+        remote = kv_transfer_info
+        self._check_compatible(remote)
+        # snapshot: the caller's page list is a live stream list that may grow
+        local_pages, remote_pages = list(local_page_indices), list(remote_page_indices)
+        for side, pages, ps, n in (
+            ("local", local_pages, self.kv_cache.page_size, int(self.kv_cache.tensor.shape[1])),
+            ("remote", remote_pages, remote.page_size, remote.num_pages),
+        ):
+            problem = _page_problem(pages, start_len, end_len, ps, n)
+            if problem is not None:
+                raise TransferRangeError(
+                    f"retrieve of tokens [{start_len}, {end_len}): {side} pages: {problem}"
+                )
+        fail = self.fail_next > 0
+        if fail:
+            self.fail_next -= 1
+        future = self._runtime.submit(
+            self._retrieve, start_len, end_len, local_pages, remote_pages, remote, fail
+        )
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(future)
+        return future
+
+    def cleanup(self) -> None:
+        """Wait for retrieves in flight, drop remote mappings, unpublish this cache.
+
+        Idempotent. The cache tensor itself stays usable; only its name (shm)
+        and its registry entry go, so later retrieves *from* it fail cleanly.
+        """
+        with self._lock:
+            pending, self._pending = self._pending, []
+        self._runtime.wait(pending)
+        with self._lock:
+            self._closed = True
+            self._remote.clear()
+        _unregister(self._cache_id)
+        if self._shm_finalizer is not None:
+            self._shm_finalizer()
+
+    # -- the background half ----------------------------------------------
+
+    def _check_compatible(self, remote: KVTransferInfo) -> None:
+        local = self.kv_cache.tensor
+        # [layers, pages, 2, ...]: page size and layout may differ, but not
+        # what one token of one layer is
+        want = (local.shape[0], *self.kv_cache.token_shape, _dtype_name(local.dtype))
+        rshape = remote.shape
+        heads_dim = (rshape[4], rshape[5]) if remote.layout == "NHD" else (rshape[3], rshape[5])
+        got = (rshape[0], *heads_dim, remote.dtype)
+        if tuple(want) != got:
+            raise TransferRangeError(
+                "remote cache holds tokens of (layers, heads, head_dim, dtype) "
+                f"{got}, this cache {tuple(want)}"
+            )
+
+    def _retrieve(
+        self,
+        start: int,
+        end: int,
+        local_pages: list[int],
+        remote_pages: list[int],
+        remote: KVTransferInfo,
+        fail: bool,
+    ) -> None:
+        if fail:
+            raise InjectedTransferError(
+                f"injected failure of the retrieve of tokens [{start}, {end}) "
+                f"from cache {remote.cache_id}"
+            )
+        src = self._resolve(remote)
+        dst = self.kv_cache.tensor
+        if dst.is_cuda or src.is_cuda:
+            self._copy_on_stream(src, remote, local_pages, remote_pages, start, end)
+        else:
+            self._copy(src, remote, local_pages, remote_pages, start, end)
+
+    def _copy(
+        self,
+        src: torch.Tensor,
+        remote: KVTransferInfo,
+        local_pages: list[int],
+        remote_pages: list[int],
+        start: int,
+        end: int,
+    ) -> None:
+        dst, layout, ps = self.kv_cache.tensor, self.kv_cache.layout.value, self.kv_cache.page_size
+        if remote.layout == layout and remote.page_size == ps:
+            _copy_pages_aligned(dst, local_pages, src, remote_pages, layout, ps, start, end)
+        else:
+            src_side = (src, remote.layout, remote_pages, remote.page_size)
+            _copy_tokens(dst, layout, local_pages, ps, *src_side, start, end)
+
+    def _copy_on_stream(
+        self,
+        src: torch.Tensor,
+        remote: KVTransferInfo,
+        local_pages: list[int],
+        remote_pages: list[int],
+        start: int,
+        end: int,
+    ) -> None:
+        # a side stream so the copy does not queue behind the forward pass;
+        # it first waits for work already queued on this device (an earlier
+        # step may still be writing these pages' previous owner), and the
+        # future resolves only once the bytes have landed
+        device = self.kv_cache.tensor.device if self.kv_cache.tensor.is_cuda else src.device
+        with self._lock:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+            stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self._copy(src, remote, local_pages, remote_pages, start, end)
+        stream.synchronize()
+
+    def _resolve(self, remote: KVTransferInfo) -> torch.Tensor:
+        """The remote cache's tensor, mapped into this process (cached per cache)."""
+        cache = _lookup(remote.cache_id)
+        if cache is not None:
+            return cache.tensor
+        if remote.kind == "local":
+            raise RemoteCacheGoneError(
+                f"local cache {remote.cache_id} no longer exists in this process "
+                "(cleaned up or garbage collected)"
+            )
+        if remote.kind == "shm":
+            assert remote.shm_name is not None
+            # a cached mapping outlives the owner's unlink; checking the name
+            # each time keeps "the remote is gone" a failure rather than a
+            # silent read of pages nobody maintains any more
+            if not os.path.exists(os.path.join(_SHM_DIR, remote.shm_name)):
+                with self._lock:
+                    self._remote.pop(remote.cache_id, None)
+                raise RemoteCacheGoneError(
+                    f"shared-memory segment {remote.shm_name!r} of cache "
+                    f"{remote.cache_id} no longer exists"
+                )
+        with self._lock:
+            mapped = self._remote.get(remote.cache_id)
+        if mapped is not None:
+            return mapped
+        try:
+            mapped = self._open(remote)
+        except TransferError:
+            raise
+        except Exception as e:
+            raise TransferError(
+                f"cannot open remote {remote.kind} cache {remote.cache_id}: {type(e).__name__}: {e}"
+            ) from e
+        if tuple(mapped.shape) != remote.shape:
+            raise TransferError(
+                f"remote cache {remote.cache_id} mapped as {tuple(mapped.shape)}, "
+                f"descriptor says {remote.shape}"
+            )
+        with self._lock:
+            # two retrieves may race to open the same remote: keep the first
+            return self._remote.setdefault(remote.cache_id, mapped)
+
+    @staticmethod
+    def _open(remote: KVTransferInfo) -> torch.Tensor:
+        if remote.kind == "shm":
+            assert remote.shm_name is not None
+            return _map_shm(remote.shm_name, math.prod(remote.shape), remote.torch_dtype).view(
+                remote.shape
+            )
+        if remote.kind == "cuda_ipc":
+            if remote.cuda_ipc is None:
+                raise TransferError(f"cuda_ipc descriptor {remote.cache_id} has no handle")
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+            tensor: torch.Tensor = rebuild_cuda_tensor(*remote.cuda_ipc)  # type: ignore[no-untyped-call]
+            return tensor
+        raise TransferError(f"descriptor of unknown kind {remote.kind!r}")
