@@ -98,14 +98,10 @@ class KVCache:
         (HND): the paged_kv_cache FlashInfer's wrappers take."""
         return self.tensor[layer_idx]
 
-    def _slots(
-        self, layer_idx: int, kv: int, page_idx: torch.Tensor, cache_idx: torch.Tensor
-    ) -> tuple[torch.Tensor, tuple[object, ...]]:
+    def _token_major(self, layer_idx: int) -> torch.Tensor:
+        """One layer as ``[pages, 2, page_size, H, D]`` whatever the layout (a view)."""
         layer = self.tensor[layer_idx]
-        if self.layout is KVLayout.NHD:
-            return layer, (page_idx, kv, cache_idx)
-        # advanced indices split by a slice put the token axis first: [n, H, D]
-        return layer, (page_idx, kv, slice(None), cache_idx)
+        return layer if self.layout is KVLayout.NHD else layer.transpose(2, 3)
 
     def write_tokens(
         self,
@@ -117,10 +113,9 @@ class KVCache:
         return_tensor: bool = False,
     ) -> torch.Tensor | None:
         """Scatter ``k, v: [n, H, D]`` into the slots ``(page_idx[i], cache_idx[i])``."""
-        layer, k_at = self._slots(layer_idx, 0, page_idx, cache_idx)
-        _, v_at = self._slots(layer_idx, 1, page_idx, cache_idx)
-        layer[k_at] = k.to(self.dtype)
-        layer[v_at] = v.to(self.dtype)
+        layer = self._token_major(layer_idx)
+        layer[page_idx, 0, cache_idx] = k.to(self.dtype)
+        layer[page_idx, 1, cache_idx] = v.to(self.dtype)
         if return_tensor:
             return self.read_tokens(layer_idx, page_idx, cache_idx)
         return None
@@ -129,9 +124,8 @@ class KVCache:
         self, layer_idx: int, page_idx: torch.Tensor, cache_idx: torch.Tensor
     ) -> torch.Tensor:
         """``[n, 2, H, D]``: K at index 0 and V at 1 of each addressed slot."""
-        layer, k_at = self._slots(layer_idx, 0, page_idx, cache_idx)
-        _, v_at = self._slots(layer_idx, 1, page_idx, cache_idx)
-        return torch.stack((layer[k_at], layer[v_at]), dim=1)
+        layer = self._token_major(layer_idx)
+        return layer[page_idx, :, cache_idx]
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages, every layer, K and V."""

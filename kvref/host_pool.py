@@ -59,7 +59,7 @@ class CPUPagePool:
         self._lock: AbstractContextManager[Any] = lock if lock is not None else threading.RLock()
         self._copies: dict[str, dict[str, HostCopy]] = {}
         self._pending_free: list[int] = []
-        self._stream = torch.cuda.Stream(kv_cache.device) if on_cuda else None
+        self._stream = torch.cuda.Stream(kv_cache.device) if on_cuda else None  # type: ignore[no-untyped-call]
 
     @property
     def num_free(self) -> int:

@@ -22,7 +22,7 @@ class SequenceView:
     resident context.
     """
 
-    __slots__ = ("request_id", "label", "page_idxs", "length", "to_compute", "generation")
+    __slots__ = ("generation", "label", "length", "page_idxs", "request_id", "to_compute")
 
     def __init__(
         self,
