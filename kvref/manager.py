@@ -278,42 +278,97 @@ class KVManager(AttentionResource):
             return ADMIT_OK
 
     def _validate_step(self, step: KVStep, ctx: StepContext) -> None:
-        seen: set[Key] = set()
-        for seg in step.segments:
-            if seg.span < 0:
-                raise InvalidStepError(
-                    f"negative span {seg.span}", request_id=seg.request_id, label=seg.label
-                )
-            key = (seg.request_id, seg.label)
-            if key in seen:
-                # both would be planned from the same length and write the same slots
-                raise InvalidStepError(
-                    "stream appears twice in one step", request_id=key[0], label=key[1]
-                )
-            seen.add(key)
-            self._request(seg.request_id)
+        """Misuse checks that do not depend on stream state (spans are checked in `_reserve`)."""
         if step.pre_forks or step.post_forks:
             for rid in ctx.padded_request_ids:
                 self._request(rid)
-        for from_label, to_label in (*step.pre_forks, *step.post_forks):
-            if from_label == to_label:
-                raise InvalidStepError(f"fork of label {from_label!r} onto itself")
-        try:
-            group_by_plan_label((), step.combined_labels)
-        except ValueError as err:
-            raise InvalidStepError(str(err)) from None
+            for from_label, to_label in (*step.pre_forks, *step.post_forks):
+                if from_label == to_label:
+                    raise InvalidStepError(f"fork of label {from_label!r} onto itself")
+        if step.combined_labels:
+            try:
+                group_by_plan_label((), step.combined_labels)
+            except ValueError as err:
+                raise InvalidStepError(str(err)) from None
 
     def _reserve(self, step: KVStep, ctx: StepContext) -> _Reservation | AdmitFailedReason:
         """Every page the step needs, and every refusal, without changing anything."""
         ps = self.config.page_size
         res = _Reservation()
+        pages = res.pages
+        marks = res.marks
+        all_streams = self._streams
+        # the length each stream will have when the step's spans are placed:
+        # a pre-fork target takes its source's length at plan (R9)
+        length_at_plan: dict[Key, int] = {}
+        if step.pre_forks or step.post_forks:
+            refusal = self._reserve_forks(step, ctx, res, length_at_plan)
+            if refusal is not None:
+                return refusal
+        seen: set[Key] = set()
+        for seg in step.segments:
+            rid, label, span = seg.request_id, seg.label, seg.span
+            key = (rid, label)
+            if span < 0:
+                raise InvalidStepError(f"negative span {span}", request_id=rid, label=label)
+            if key in seen:
+                # both would be planned from one length and write the same slots
+                raise InvalidStepError("stream appears twice in one step",
+                                       request_id=rid, label=label)
+            seen.add(key)
+            streams = all_streams.get(rid)
+            if streams is None:
+                self._request(rid)  # raises, naming the request
+                raise AssertionError  # unreachable
+            stream = streams.get(label)
+            if stream is not None and stream.offloaded:
+                return self._offloading(rid, label)
+            if length_at_plan and key in length_at_plan:
+                base: int | None = length_at_plan[key]
+            else:
+                base = None if stream is None else stream.stored_len
+            if base is None:
+                if span == 0:
+                    continue  # a zero-span segment on a label nothing created
+                base = 0
+            marks[key] = None
+            n = -(-(base + span) // ps)
+            if n > pages.get(key, 0):
+                pages[key] = n
+        if length_at_plan:
+            # a fork source named above may only exist once this step creates it
+            res.marks = {k: None for k in marks if k in pages or self._exists(k)}
+        new_pages = 0
+        for key, n in pages.items():
+            stream = all_streams[key[0]].get(key[1])
+            short = n - (len(stream.page_indices) if stream is not None else 0)
+            if short > 0:
+                new_pages += short
+                if res.first_short is None:
+                    res.first_short = key
+        res.new_pages = new_pages
+        free = self._allocator.num_free
+        if new_pages > free:
+            rid, label = res.first_short or ("", "")
+            return AllocationFailed(
+                pages_short=new_pages - free,
+                request_id=rid,
+                label=label,
+                message=(
+                    f"not enough free pages: step needs {new_pages} new, "
+                    f"{free} free (first short: request {rid!r} label {label!r})"
+                ),
+            )
+        return res
+
+    def _reserve_forks(
+        self, step: KVStep, ctx: StepContext, res: _Reservation, length_at_plan: dict[Key, int]
+    ) -> AdmitFailedReason | None:
+        ps = self.config.page_size
         growth: dict[Key, int] = {}
         if step.commit:
             for seg in step.segments:
                 growth[(seg.request_id, seg.label)] = seg.span
-        # the length each stream will have when the step's spans are placed:
-        # a pre-fork target takes its source's length at plan (R9)
-        length_at_plan: dict[Key, int] = {}
 
         def length(key: Key) -> int | None:
             if key in length_at_plan:
@@ -321,17 +376,10 @@ class KVManager(AttentionResource):
             stream = self._streams[key[0]].get(key[1])
             return None if stream is None else stream.stored_len
 
-        def need(key: Key, pages: int) -> AdmitFailedReason | None:
-            stream = self._streams[key[0]].get(key[1])
-            if stream is not None and stream.offloaded:
-                return self._offloading(*key)
-            res.pages[key] = max(res.pages.get(key, 0), pages)
-            res.marks[key] = None
-            return None
-
         forks = [(f, False) for f in step.pre_forks] + [(f, True) for f in step.post_forks]
         for (from_label, to_label), is_post in forks:
             for rid in ctx.padded_request_ids:
+                streams = self._streams[rid]
                 src, dst = (rid, from_label), (rid, to_label)
                 extra = growth.get(src, 0) if is_post else 0
                 src_len = length(src)
@@ -341,51 +389,21 @@ class KVManager(AttentionResource):
                         # also what a padded request looks like during capture
                         continue
                     # the source does not exist yet: this step's segments create it
-                    refusal = need(dst, _pages_for(extra, ps))
+                    n = -(-extra // ps)
                 else:
-                    source = self._streams[rid].get(from_label)
+                    source = streams.get(from_label)
                     if source is not None and source.offloaded:
                         return self._offloading(rid, from_label)
                     res.marks[src] = None
-                    refusal = need(dst, _pages_for(src_len + extra, ps))
+                    n = -(-(src_len + extra) // ps)
                     if not is_post:
                         length_at_plan[dst] = src_len
-                if refusal is not None:
-                    return refusal
-        for seg in step.segments:
-            key = (seg.request_id, seg.label)
-            base = length(key)
-            if seg.span == 0:
-                if base is not None:
-                    refusal = need(key, 0)
-                    if refusal is not None:
-                        return refusal
-                continue
-            refusal = need(key, _pages_for((base or 0) + seg.span, ps))
-            if refusal is not None:
-                return refusal
-        # a fork source named above may only exist once this step creates it
-        res.marks = {k: None for k in res.marks if k in res.pages or self._exists(k)}
-        for key, pages in res.pages.items():
-            stream = self._streams[key[0]].get(key[1])
-            extra_pages = pages - (len(stream.page_indices) if stream is not None else 0)
-            if extra_pages > 0:
-                res.new_pages += extra_pages
-                if res.first_short is None:
-                    res.first_short = key
-        free = self._allocator.num_free
-        if res.new_pages > free:
-            rid, label = res.first_short or ("", "")
-            return AllocationFailed(
-                pages_short=res.new_pages - free,
-                request_id=rid,
-                label=label,
-                message=(
-                    f"not enough free pages: step needs {res.new_pages} new, "
-                    f"{free} free (first short: request {rid!r} label {label!r})"
-                ),
-            )
-        return res
+                target = streams.get(to_label)
+                if target is not None and target.offloaded:
+                    return self._offloading(rid, to_label)
+                res.pages[dst] = max(res.pages.get(dst, 0), n)
+                res.marks[dst] = None
+        return None
 
     def _apply_reservation(self, res: _Reservation) -> list[Key]:
         created: list[Key] = []
@@ -432,7 +450,9 @@ class KVManager(AttentionResource):
                     self._apply_pre_forks(step, staged.ctx)
                     self._current_plan_states = staged.states
                     return staged.outputs
-            self._check_admitted(step, "plan")
+            if step.pre_forks:
+                # the forks below change state: check before them, not in the views
+                self._check_admitted(step, "plan")
             outputs, states = self._build_plan(step, ctx, apply_forks=True)
             self._current_plan_states = states
             return outputs
@@ -461,15 +481,23 @@ class KVManager(AttentionResource):
         self, segments: Sequence[Segment], fork_len: Mapping[Key, int]
     ) -> list[SequenceView]:
         ps = self.config.page_size
+        all_streams = self._streams
         views: list[SequenceView] = []
         append = views.append
         for seg in segments:
             rid, label, span = seg.request_id, seg.label, seg.span
-            stream = self._streams[rid].get(label)
-            if stream is None:
-                continue  # a zero-span segment on a label nothing created
-            base = fork_len.get((rid, label), stream.stored_len) if fork_len else stream.stored_len
-            length = base + span
+            streams = all_streams.get(rid)
+            stream = streams.get(label) if streams is not None else None
+            if stream is None or (span and not stream.step_in_flight):
+                if span == 0 and streams is not None:
+                    continue  # a zero-span segment on a label nothing created
+                raise StepNotAdmittedError(
+                    "plan of a step that was not admitted", request_id=rid, label=label
+                )
+            if fork_len:
+                length = fork_len.get((rid, label), stream.stored_len) + span
+            else:
+                length = stream.stored_len + span
             if length == 0:
                 continue  # nothing to attend to and nothing to write
             # sliced to the length: the stream may hold spare pages, and an
@@ -554,28 +582,48 @@ class KVManager(AttentionResource):
         with self._lock:
             if self._preplan is not None and self._preplan.step == step:
                 raise StepNotAdmittedError("commit of a step that is only preplanned")
-            self._check_admitted(step, "commit")
-            # cleared whether or not the step keeps its tokens: a step with
-            # commit=False still read these pages, and a mark left set would
-            # make the request unevictable
-            for rid, label in self._named_streams(step, ctx):
-                self._streams[rid][label].step_in_flight = False
-            if step.commit:
-                for seg in step.segments:
-                    if seg.span == 0:
+            keep = step.commit
+            all_streams = self._streams
+            done: list[tuple[CacheStream, int]] = []
+            for seg in step.segments:
+                span = seg.span
+                streams = all_streams.get(seg.request_id)
+                stream = streams.get(seg.label) if streams is not None else None
+                if stream is None or not stream.step_in_flight:
+                    if span == 0 and streams is not None:
                         continue
-                    stream = self._streams[seg.request_id][seg.label]
+                    # undo this call's changes, so a misuse leaves no trace
+                    for s, added in done:
+                        s.step_in_flight = True
+                        if added:
+                            s.stored_len -= added
+                            s.generation -= 1
+                    raise StepNotAdmittedError(
+                        "commit of a step that was not admitted",
+                        request_id=seg.request_id, label=seg.label,
+                    )
+                # cleared whether or not the step keeps its tokens: a step
+                # with commit=False still read these pages, and a mark left
+                # set would make the request unevictable
+                stream.step_in_flight = False
+                added = 0
+                if keep and span:
                     if stream.offloaded:
                         # unreachable under R2-R5; kept as the last defence,
                         # loudly, because it drops a committed span (I15)
                         logger.error(
                             "KV %s: dropping %d committed tokens for request %r label %r; "
                             "the stream was offloaded mid-step",
-                            self.name, seg.span, seg.request_id, seg.label,
+                            self.name, span, seg.request_id, seg.label,
                         )
-                        continue
-                    stream.stored_len += seg.span
-                    stream.generation += 1
+                    else:
+                        stream.stored_len += span
+                        stream.generation += 1
+                        added = span
+                done.append((stream, added))
+            if step.pre_forks or step.post_forks:
+                for rid, label in self._named_streams(step, ctx):
+                    self._streams[rid][label].step_in_flight = False
             # post-forks copy what this step just wrote, so after the spans land
             for from_label, to_label in step.post_forks:
                 for rid in ctx.padded_request_ids:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvref.step import Fork, Segment
@@ -81,22 +82,38 @@ class PagedIndptrs:
         return int(self.qo_indptr.shape[0]) - 1
 
 
+def _int32_tensors(values: list[int], bounds: Sequence[int]) -> list[torch.Tensor]:
+    """Split one host int32 buffer into tensors at ``bounds``.
+
+    One numpy array and zero-copy views cost a fraction of one
+    ``torch.tensor`` call per field, which is most of a batch-1 decode plan.
+    """
+    buf = np.array(values, dtype=np.int32)
+    out: list[torch.Tensor] = []
+    start = 0
+    for end in bounds:
+        out.append(torch.from_numpy(buf[start:end]))
+        start = end
+    return out
+
+
 def build_paged_indptrs(views: Sequence[SequenceView], page_size: int) -> PagedIndptrs:
-    qo = [0]
-    kv = [0]
+    n = len(views)
+    qo = [0] * (n + 1)
+    kv = [0] * (n + 1)
+    last = [0] * n
     indices: list[int] = []
-    last: list[int] = []
-    for v in views:
-        qo.append(qo[-1] + v.to_compute)
-        indices.extend(v.page_idxs)
-        kv.append(len(indices))
-        last.append(v.last_page_len(page_size))
-    i32 = torch.int32
+    q = 0
+    for i, v in enumerate(views):
+        q += v.to_compute
+        qo[i + 1] = q
+        indices += v.page_idxs
+        kv[i + 1] = len(indices)
+        last[i] = (v.length - 1) % page_size + 1 if v.length else 0
+    b = (n + 1, 2 * n + 2, 3 * n + 2, 3 * n + 2 + len(indices))
+    t = _int32_tensors(qo + kv + last + indices, b)
     return PagedIndptrs(
-        qo_indptr=torch.tensor(qo, dtype=i32),
-        paged_kv_indptr=torch.tensor(kv, dtype=i32),
-        paged_kv_indices=torch.tensor(indices, dtype=i32),
-        paged_kv_last_page_len=torch.tensor(last, dtype=i32),
+        qo_indptr=t[0], paged_kv_indptr=t[1], paged_kv_last_page_len=t[2], paged_kv_indices=t[3]
     )
 
 
@@ -200,16 +217,16 @@ def decode_plan_state(
     Built in the same host pass as the views and sent as one host-to-device
     copy, instead of unpacking the page table per token on device.
     """
-    pages = [0] * len(views)
-    offsets = [0] * len(views)
+    n = len(views)
+    slots = [0] * (2 * n)  # pages, then offsets
     for i, v in enumerate(views):
         last = v.length - 1
-        pages[i] = v.page_idxs[last // page_size]
-        offsets[i] = last % page_size
-    both = torch.tensor((pages, offsets), dtype=torch.long)
-    if both.device != device:
-        both = both.to(device, non_blocking=True)
-    return KVPlanState(token_to_page=both[0], token_to_cache=both[1], total_tokens=len(views))
+        slots[i] = v.page_idxs[last // page_size]
+        slots[n + i] = last % page_size
+    both = torch.from_numpy(np.array(slots, dtype=np.int64))
+    if device.type != "cpu":
+        both = both.to(device, non_blocking=True)  # the one host-to-device copy
+    return KVPlanState(token_to_page=both[:n], token_to_cache=both[n:], total_tokens=n)
 
 
 def packed_plan_state(
