@@ -294,7 +294,7 @@ def test_padded_rows_past_the_table_are_zero() -> None:
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_facade_on_cpu_runs_the_reference(backend: str) -> None:
     case = make_case([Req(6, 4), Req(0, 5), Req(9, 1)], layout=KVLayout.HND, page_size=4)
-    attn = PagedAttention.from_config(case.cache.config, backend=backend)  # type: ignore[arg-type]
+    attn = PagedAttention.from_config(case.cache.config, backend=backend)
     attn.plan(case.plan)
     out = attn.run(case.q, case.cache.layer_view(0))
     assert attn.last_backend == "torch"
@@ -317,7 +317,7 @@ def test_facade_errors() -> None:
         with pytest.raises(RuntimeError, match="flashinfer"):
             forced.run(case.q, case.cache.layer_view(0))
     with pytest.raises(ValueError, match="backend"):
-        PagedAttention.from_config(case.cache.config, backend="triton")  # type: ignore[arg-type]
+        PagedAttention.from_config(case.cache.config, backend="triton")
 
 
 def test_reference_rejects_inconsistent_tables() -> None:
