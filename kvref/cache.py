@@ -38,10 +38,14 @@ def copy_page_blocks(
         raise ValueError(f"copy of {len(src_pages)} pages onto {len(dst_pages)}")
     if not src_pages:
         return
-    if dst.device.type == "cuda" or src.device.type == "cuda":
-        index_src = torch.tensor(src_pages, dtype=torch.long).to(src.device, non_blocking=True)
-        index_dst = torch.tensor(dst_pages, dtype=torch.long).to(dst.device, non_blocking=True)
-        dst.index_copy_(1, index_dst, src.index_select(1, index_src).to(dst.device, non_blocking=True))
+    if dst.device != src.device:
+        # host <-> device goes through CPUPagePool's staged copies, which keep
+        # the pinned buffer contiguous; a strided cross-device copy would not
+        raise ValueError(f"copy_page_blocks within one device, got {src.device} -> {dst.device}")
+    if dst.device.type == "cuda":
+        index = torch.tensor(src_pages + dst_pages, dtype=torch.long).to(dst.device)
+        n = len(src_pages)
+        dst.index_copy_(1, index[n:], src.index_select(1, index[:n]))
         return
     for s, d, n in page_runs(src_pages, dst_pages):
         dst[:, d : d + n].copy_(src[:, s : s + n])

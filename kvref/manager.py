@@ -712,7 +712,7 @@ class KVManager(AttentionResource):
 
     def read_kv(self, layer_idx: int | None = None, plan_label: str | None = None) -> torch.Tensor:
         """The slots this step's plan writes: ``[num_tokens, 2, H, D]`` (K, then V)."""
-        state, label = self._plan_state_for(plan_label)
+        state, _ = self._plan_state_for(plan_label)
         n = state.write_len
         layer = self._default_layer_idx if layer_idx is None else layer_idx
         assert layer is not None

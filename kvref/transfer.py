@@ -265,7 +265,7 @@ def _copy_pages_aligned(
         )
 
     first_full = -(-start // page_size)
-    end_full = end // page_size
+    end_full = max(first_full, end // page_size - 1)
     if first_full > end_full:
         # the range lies inside one page and touches neither of its edges
         partial(start // page_size, start % page_size, end % page_size)
