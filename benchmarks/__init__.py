@@ -1,0 +1,98 @@
+"""kvref benchmarks: the control plane (admit + plan + commit) and the data plane
+(page copies, offload, reload).
+
+Every figure is either a median of repeated runs with its p10/p90 spread, or a
+ratio against a baseline measured in the same run; nothing here asserts a time.
+``python -m benchmarks`` prints the tables in Markdown.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median of samples, with the 10th and 90th percentiles."""
+
+    median: float
+    p10: float
+    p90: float
+    n: int
+
+    def scaled(self, factor: float) -> Spread:
+        return Spread(self.median * factor, self.p10 * factor, self.p90 * factor, self.n)
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, ``q`` in [0, 100]."""
+    if not samples:
+        raise ValueError("percentile of no samples")
+    xs = sorted(samples)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def spread(samples: Sequence[float]) -> Spread:
+    return Spread(
+        percentile(samples, 50), percentile(samples, 10), percentile(samples, 90), len(samples)
+    )
+
+
+@contextmanager
+def no_gc() -> Iterator[None]:
+    """Collect once, then keep the cyclic collector out of the timed region (as timeit does)."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def time_call(fn: Callable[[], object]) -> float:
+    """Seconds one call of ``fn`` takes."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def machine() -> str:
+    """One line naming what the numbers were measured on."""
+    return (
+        f"{platform.platform()}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} intra-op threads)"
+    )
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def cell(x: object) -> str:
+        if isinstance(x, float):
+            if x == 0:
+                return "0"
+            if abs(x) >= 100:
+                return f"{x:.0f}"
+            if abs(x) >= 10:
+                return f"{x:.1f}"
+            return f"{x:.2f}"
+        return str(x)
+
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" for _ in headers) + "|",
+    ]
+    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
