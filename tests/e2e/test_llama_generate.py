@@ -181,7 +181,7 @@ def generate_paged(
     prompt then shares steps with other requests' decode tokens.
     """
     attn = PagedAttention.from_config(
-        mgr.kv_cache.config, backend="torch", sm_scale=model.model.layers[0].self_attn.scaling
+        mgr.config, backend="torch", sm_scale=model.model.layers[0].self_attn.scaling
     )
     reqs = [Request(f"r{i}", p) for i, p in enumerate(prompts)]
     for r in reqs:
