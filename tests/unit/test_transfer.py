@@ -421,3 +421,20 @@ def test_shm_retrieve_between_two_processes(shm_prefix: str) -> None:
         if child.is_alive():
             child.kill()
         child.join(10)
+
+
+def test_gpu_check_script_imports_and_skips_without_cuda(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # the GPU run executes it; here it must at least import and skip cleanly
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "gpu_check_transfer.py")
+    spec = importlib.util.spec_from_file_location("gpu_check_transfer", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the GPU run executes this script for real")
+    assert module.main([]) == 0
+    assert "SKIP gpu_check_transfer" in capsys.readouterr().out
