@@ -265,14 +265,23 @@ def _copy_pages_aligned(
         )
 
     first_full = -(-start // page_size)
-    end_full = max(first_full, end // page_size - 1)
+    end_full = end // page_size
     if first_full > end_full:
         # the range lies inside one page and touches neither of its edges
         partial(start // page_size, start % page_size, end % page_size)
         return
     if start % page_size:
         partial(start // page_size, start % page_size, page_size)
-    copy_page_blocks(dst, dst_pages[first_full:end_full], src, src_pages[first_full:end_full])
+    full_dst, full_src = dst_pages[first_full:end_full], src_pages[first_full:end_full]
+    if dst.device == src.device:
+        copy_page_blocks(dst, full_dst, src, full_src)
+    elif full_src:
+        # copy_page_blocks stays on one device; a retrieve may cross (a CPU
+        # shm cache into a CUDA one, another GPU's cache over IPC): gather on
+        # the source, one transfer, scatter on the destination
+        index = torch.tensor(full_src, dtype=torch.long, device=src.device)
+        block = src.index_select(1, index).to(dst.device)
+        dst.index_copy_(1, torch.tensor(full_dst, dtype=torch.long, device=dst.device), block)
     if end % page_size:
         partial(end_full, 0, end % page_size)
 

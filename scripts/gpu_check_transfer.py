@@ -212,12 +212,31 @@ def _check_one_process(kind: str) -> list[Result]:
     return [(f"{kind}: one process, NHD -> HND, tokens [1, 15)", not bad, bad)]
 
 
+def _check_host_to_device(kind: str) -> list[Result]:
+    """A CPU cache into a CUDA one (the aligned page path across devices)."""
+    if kind != "cuda_ipc":
+        return []
+    cfg = _config()
+    src = KVCache(cfg, torch.device("cpu"), DTYPE)
+    src.tensor.copy_(_pattern(tuple(src.tensor.shape), 5))
+    src_mgr = KVTransferManager(TransferEngineInfo(), src)
+    dst, dst_mgr = _build(kind)
+    before = dst.tensor.cpu()
+    src_pages, dst_pages = [3, 8, 1, 20, 6], [11, 2, 30, 17, 5]
+    _retrieve(dst_mgr, 2, 19, dst_pages, src_pages, src_mgr.get_kv_transfer_info())
+    want = _oracle(before, KVLayout.NHD, dst_pages, src.tensor, KVLayout.NHD, src_pages, 2, 19)
+    bad = _mismatch(dst.tensor, want)
+    dst_mgr.cleanup()
+    src_mgr.cleanup()
+    return [("cpu cache -> cuda cache, tokens [2, 19)", not bad, bad)]
+
+
 def run_checks(kind: str = "cuda_ipc") -> list[Result] | None:
     """(name, passed, detail) per check; None when ``kind`` needs CUDA and there is none."""
     if kind == "cuda_ipc" and not torch.cuda.is_available():
         return None
     results: list[Result] = []
-    for check in (_check_one_process, _check_two_processes):
+    for check in (_check_one_process, _check_host_to_device, _check_two_processes):
         try:
             results.extend(check(kind))
         except Exception:
