@@ -255,21 +255,20 @@ class KVManager(AttentionResource):
                 # the preplan pass already reserved and marked
                 return ADMIT_OK
             self._validate_step(step, ctx)
-            res = self._reserve(step, ctx)
-            if isinstance(res, AdmitFailedReason):
-                return AdmitOutcome(ok=False, reason=res)
             if ctx.is_preplan:
-                # R10: the staged plan is built from lengths a running step
-                # has not committed, and its commit would clear these marks
-                for rid, label in res.marks:
-                    stream = self._streams[rid].get(label)
-                    if stream is not None and stream.step_in_flight:
+                # R10: the staged plan would be built from lengths a running
+                # step has not committed, and its commit would clear these marks
+                for rid, label in self._named_streams(step, ctx):
+                    if self._streams[rid][label].step_in_flight:
                         raise StepInFlightError(
                             "preplan names a stream of a step still in flight; "
                             "commit that step first",
                             request_id=rid,
                             label=label,
                         )
+            res = self._reserve(step, ctx)
+            if isinstance(res, AdmitFailedReason):
+                return AdmitOutcome(ok=False, reason=res)
             new_labels = self._apply_reservation(res)
             for rid, label in res.marks:
                 self._streams[rid][label].step_in_flight = True
@@ -439,12 +438,10 @@ class KVManager(AttentionResource):
                 outputs, states = self._build_plan(step, ctx, apply_forks=False)
                 staged.outputs, staged.states = outputs, states
                 return outputs
-            if staged is not None:
-                if staged.step != step:
-                    raise PreplanPendingError(
-                        "plan of a different step than the staged preplan; clear_preplan first"
-                    )
+            if staged is not None and (step is staged.step or step == staged.step):
                 # promotion, not abandonment: its reservations and marks stay
+                # (any other step planned now is one admitted before the
+                # preplan, on streams R10 kept apart from it)
                 self._preplan = None
                 if staged.outputs is not None:
                     self._apply_pre_forks(step, staged.ctx)
@@ -489,7 +486,7 @@ class KVManager(AttentionResource):
             streams = all_streams.get(rid)
             stream = streams.get(label) if streams is not None else None
             if stream is None or (span and not stream.step_in_flight):
-                if span == 0 and streams is not None:
+                if span == 0:
                     continue  # a zero-span segment on a label nothing created
                 raise StepNotAdmittedError(
                     "plan of a step that was not admitted", request_id=rid, label=label
@@ -584,13 +581,20 @@ class KVManager(AttentionResource):
                 raise StepNotAdmittedError("commit of a step that is only preplanned")
             keep = step.commit
             all_streams = self._streams
+            # a staged preplan may have created and marked a stream this step
+            # named without marking (a zero-span segment on a new label)
+            staged = (
+                {all_streams[r][lb] for r, lb in self._preplan.marked
+                 if lb in all_streams.get(r, {})}
+                if self._preplan is not None else None
+            )
             done: list[tuple[CacheStream, int]] = []
             for seg in step.segments:
                 span = seg.span
                 streams = all_streams.get(seg.request_id)
                 stream = streams.get(seg.label) if streams is not None else None
                 if stream is None or not stream.step_in_flight:
-                    if span == 0 and streams is not None:
+                    if span == 0:
                         continue
                     # undo this call's changes, so a misuse leaves no trace
                     for s, added in done:
@@ -605,7 +609,8 @@ class KVManager(AttentionResource):
                 # cleared whether or not the step keeps its tokens: a step
                 # with commit=False still read these pages, and a mark left
                 # set would make the request unevictable
-                stream.step_in_flight = False
+                if staged is None or stream not in staged:
+                    stream.step_in_flight = False
                 added = 0
                 if keep and span:
                     if stream.offloaded:
@@ -623,7 +628,9 @@ class KVManager(AttentionResource):
                 done.append((stream, added))
             if step.pre_forks or step.post_forks:
                 for rid, label in self._named_streams(step, ctx):
-                    self._streams[rid][label].step_in_flight = False
+                    named = self._streams[rid][label]
+                    if staged is None or named not in staged:
+                        named.step_in_flight = False
             # post-forks copy what this step just wrote, so after the spans land
             for from_label, to_label in step.post_forks:
                 for rid in ctx.padded_request_ids:
@@ -797,7 +804,7 @@ class KVManager(AttentionResource):
             if any(s.step_in_flight for s in streams.values()):
                 return None
             claims: list[ClaimedStream] = []
-            reads: list[Future[Any]] = []
+            reads: dict[str, Future[Any]] = {}
             for label, s in streams.items():
                 if s.offloaded or not s.page_indices:
                     continue
@@ -805,7 +812,7 @@ class KVManager(AttentionResource):
                 claims.append(ClaimedStream(label, list(s.page_indices), s.generation,
                                             s.stored_len, s.position, s.released))
                 if s.read_future is not None:
-                    reads.append(s.read_future)
+                    reads[label] = s.read_future
             if not claims:
                 return None
             offload = self._offloads[rid] = Offload(self, rid, claims, reads)

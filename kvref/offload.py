@@ -8,7 +8,7 @@ manager's lock; the copies run outside it so steps of other requests go on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -33,12 +33,13 @@ class Offload:
         manager: KVManager,
         request_id: str,
         claims: Sequence[ClaimedStream],
-        read_futures: Sequence[Future[Any]],
+        read_futures: Mapping[str, Future[Any]],
     ) -> None:
         self._manager = manager
         self.request_id = request_id
         self._claims = {c.label: c for c in claims}
-        self._read_futures = list(read_futures)
+        # label -> a retrieve still writing that stream's pages
+        self._read_futures = dict(read_futures)
         self._copied: list[str] = []
         self._open = True
 
@@ -71,10 +72,10 @@ class Offload:
             raise OffloadStateError(
                 "stream already copied", request_id=self.request_id, label=label
             )
-        if self._read_futures:
+        read = self._read_futures.pop(label, None)
+        if read is not None:
             # a retrieve still writing these pages would be torn into the copy
-            futures, self._read_futures = self._read_futures, []
-            self._manager._runtime.wait(futures)
+            self._manager._runtime.wait([read])
         try:
             ok = self._manager._copy_claim_to_host(self.request_id, claim)
         except Exception as err:

@@ -1,0 +1,390 @@
+"""Runs a model action on a real `KVManager`, and reads the manager back abstractly.
+
+The driver is the one place that knows how a model action maps onto kvref's
+API (`apply`) and how kvref's state maps onto the model's (`abstract`).
+Everything the lockstep tests compare goes through these two functions, so
+a disagreement is either a kvref bug, a model bug, or a bug here — and the
+failing rule sequence says which action it was.
+
+Token values: the model tracks, per stored position, which label first wrote
+it (retrieved tokens get ``labels + label``). The driver writes
+``value(rid, token, position)`` into every K and V element of that slot, so
+reading a stream back through its pages checks content (I7) and, because
+the request id is in the value, isolation between requests (I8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvref import (
+    AdmitOutcome,
+    KVConfig,
+    KVManager,
+    KVPlanOutputs,
+    KVRefError,
+    KVReqConfig,
+    KVStep,
+    Offload,
+    Segment,
+    StepContext,
+    TransferEngineInfo,
+)
+from kvref.plan import SINK_PAGE
+from model import core as m
+from tests.support.manual_runtime import ManualRuntime
+
+ManagerFactory = Callable[..., KVManager]
+
+
+def label_name(label: int) -> str:
+    return m.LABEL_NAMES[label]
+
+
+def rid_name(rid: int) -> str:
+    return f"r{rid}"
+
+
+def value(rid: int, token: int, position: int) -> float:
+    """Exact in float32 and bf16-distinguishable for the small scopes used here."""
+    return float(rid * 4096 + token * 256 + position + 1)
+
+
+def default_factory(**kwargs: Any) -> KVManager:
+    return KVManager(**kwargs)
+
+
+@dataclass
+class DriverConfig:
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    factory: ManagerFactory = default_factory
+
+
+class Driver:
+    """A kvref manager plus what the test holds between calls (plans, offload handles)."""
+
+    def __init__(self, scope: m.Scope, config: DriverConfig | None = None) -> None:
+        self.scope = scope
+        self.config = config or DriverConfig()
+        self.runtime = ManualRuntime()
+        self.cfg = KVConfig(
+            num_layers=2, num_kv_heads=1, head_dim=2, max_seq_len=256,
+            max_num_pages=scope.device_pages + 1,  # + the sink
+            page_size=scope.page_size, num_qo_heads=1,
+            cpu_offload_pages=scope.host_pages,
+        )
+        self.kv = self.config.factory(
+            cfg=self.cfg, name="kv", joint_comm_group=None,
+            transfer_engine_info=TransferEngineInfo(), device=self.config.device,
+            dtype=self.config.dtype, runtime=self.runtime,
+        )
+        self.step: KVStep | None = None  # the running step (admitted, maybe planned)
+        self.step_ctx: StepContext | None = None
+        self.outputs: KVPlanOutputs | None = None
+        self.staged: tuple[KVStep, StepContext] | None = None
+        self.offloads: dict[int, Offload] = {}
+        self.sources: list[KVManager] = []  # publishers of retrieves, kept alive
+        self.copy_fault = False
+
+    # -- model action -> kvref call -> model result ------------------------------
+
+    def apply(self, action: m.Action) -> m.Result:
+        handler = getattr(self, "_" + type(action).__name__)
+        try:
+            result: m.Result = handler(action)
+        except KVRefError as err:
+            return m.Misuse(type(err).__name__)
+        return result
+
+    def _Ingest(self, a: m.Ingest) -> m.Result:
+        names = tuple(label_name(i) for i in range(self.scope.labels))
+        # a retrieve names one label through the walk, so readiness is that label's
+        overrides = KVReqConfig(labels={("node", n): (n,) for n in names})
+        self.kv.ingest_request(rid_name(a.rid), overrides)
+        return m.Ok()
+
+    @staticmethod
+    def to_kvref(step: m.Step) -> tuple[KVStep, StepContext]:
+        kv_step = KVStep(
+            segments=[Segment(rid_name(g.rid), label_name(g.label), g.span) for g in step.segments],
+            commit=step.commit,
+            pre_forks=[(label_name(f), label_name(t)) for f, t in step.pre_forks],
+            post_forks=[(label_name(f), label_name(t)) for f, t in step.post_forks],
+        )
+        return kv_step, StepContext(padded_request_ids=[rid_name(r) for r in step.padded])
+
+    def _Admit(self, a: m.Admit) -> m.Result:
+        step, ctx = self.to_kvref(a.step)
+        if a.preplan:
+            ctx = StepContext(ctx.padded_request_ids, is_preplan=True)
+        elif self.staged is not None:
+            step, ctx = self.staged[0], StepContext(self.staged[1].padded_request_ids)
+        out = self.kv.admit(step, ctx)
+        if out.ok:
+            if a.preplan:
+                self.staged = (step, ctx)
+            else:
+                self.step, self.step_ctx = step, ctx
+        return outcome(out)
+
+    def _Plan(self, a: m.Plan) -> m.Result:
+        if a.preplan:
+            assert self.staged is not None
+            self.kv.plan(*self.staged)
+            return m.Ok()
+        if self.step is None:  # promotion of the staged preplan
+            assert self.staged is not None
+            self.step = self.staged[0]
+            self.step_ctx = StepContext(self.staged[1].padded_request_ids)
+            self.staged = None
+        assert self.step_ctx is not None
+        self.outputs = self.kv.plan(self.step, self.step_ctx)
+        return m.Ok()
+
+    def _Write(self, a: m.Write) -> m.Result:
+        assert self.outputs is not None
+        for plan_label, out in self.outputs.items():
+            rows = []
+            for view in out.views:
+                rid = int(view.request_id[1:])
+                token = m.LABEL_NAMES.index(view.label)
+                start = view.length - view.to_compute
+                rows += [value(rid, token, p) for p in range(start, view.length)]
+            shape = (len(rows), self.cfg.num_kv_heads, self.cfg.head_dim)
+            kv = torch.tensor(rows, dtype=torch.float32).view(-1, 1, 1).expand(shape)
+            kv = kv.to(self.config.device, self.config.dtype)
+            for layer in range(self.cfg.num_layers):
+                self.kv.write_kv(kv, kv, layer_idx=layer, label=plan_label)
+        return m.Ok()
+
+    def _Commit(self, a: m.Commit) -> m.Result:
+        assert self.step is not None and self.step_ctx is not None
+        self.kv.commit(self.step, self.step_ctx)
+        self.step = self.step_ctx = self.outputs = None
+        return m.Ok()
+
+    def _ClearPreplan(self, a: m.ClearPreplan) -> m.Result:
+        self.kv.clear_preplan()
+        self.staged = None
+        return m.Ok()
+
+    def _OffloadClaim(self, a: m.OffloadClaim) -> m.Result:
+        off = self.kv.begin_offload(rid_name(a.rid))
+        if off is None:
+            return m.Claimed(())
+        self.offloads[a.rid] = off
+        return m.Claimed(tuple(sorted(m.LABEL_NAMES.index(n) for n in off.labels)))
+
+    def _OffloadCopy(self, a: m.OffloadCopy) -> m.Result:
+        off = self.offloads[a.rid]
+        if a.copy_error:
+            pool = self.kv._cpu_pool
+            assert pool is not None
+
+            def broken(*args: Any) -> None:
+                raise OSError("host copy failed (injected)")
+
+            pool._copy_out = broken  # type: ignore[method-assign]
+            try:
+                off.copy(label_name(a.label))
+            finally:
+                del pool._copy_out
+                self.offloads.pop(a.rid)
+            raise AssertionError("the injected copy fault did not raise")
+        return m.Flag(off.copy(label_name(a.label)))
+
+    def _OffloadCommit(self, a: m.OffloadCommit) -> m.Result:
+        return m.Freed(self.offloads.pop(a.rid).commit())
+
+    def _OffloadAbandon(self, a: m.OffloadAbandon) -> m.Result:
+        self.offloads.pop(a.rid).abandon()
+        return m.Ok()
+
+    def _Reload(self, a: m.Reload) -> m.Result:
+        return m.Flag(self.kv.reload(rid_name(a.rid)))
+
+    def _Publish(self, a: m.Publish) -> m.Result:
+        info = self.kv.publish(rid_name(a.rid))
+        if info is None:
+            return m.Published(())
+        return m.Published(tuple(sorted(
+            (m.LABEL_NAMES.index(label), s.seq_len) for label, s in info.get(0).items()
+        )))
+
+    def _RetrieveStart(self, a: m.RetrieveStart) -> m.Result:
+        rid, label = rid_name(a.rid), label_name(a.label)
+        src = self.publisher(a.rid, a.label, a.length)
+        out = self.kv.admit_retrieve(rid, "node", label, src.publish(rid))
+        return outcome(out)
+
+    def publisher(self, rid: int, label: int, length: int) -> KVManager:
+        """Another manager holding ``length`` retrieved tokens of (rid, label)."""
+        cfg = KVConfig(
+            num_layers=self.cfg.num_layers, num_kv_heads=self.cfg.num_kv_heads,
+            head_dim=self.cfg.head_dim, max_seq_len=256,
+            max_num_pages=-(-length // self.scope.page_size) + 2,
+            page_size=self.scope.page_size, num_qo_heads=1,
+        )
+        src = KVManager(cfg, "publisher", None, TransferEngineInfo(), self.config.device,
+                        dtype=self.config.dtype, runtime=self.runtime)
+        name = label_name(label)
+        src.ingest_request(rid_name(rid))
+        step = KVStep([Segment(rid_name(rid), name, length)])
+        ctx = StepContext([rid_name(rid)])
+        assert src.admit(step, ctx).ok
+        src.plan(step, ctx)
+        token = self.scope.labels + label
+        rows = torch.tensor([value(rid, token, p) for p in range(length)])
+        kv = rows.view(-1, 1, 1).expand(length, 1, cfg.head_dim).to(self.config.dtype)
+        for layer in range(cfg.num_layers):
+            src.write_kv(kv.to(self.config.device), kv.to(self.config.device), layer_idx=layer,
+                         label=name)
+        src.commit(step, ctx)
+        self.sources.append(src)
+        return src
+
+    def _RetrieveComplete(self, a: m.RetrieveComplete) -> m.Result:
+        stream = self.kv._streams[rid_name(a.rid)][label_name(a.label)]
+        assert stream.read_future is not None
+        self.runtime.complete(stream.read_future, ok=a.ok)
+        return m.Ok()
+
+    def _Reset(self, a: m.Reset) -> m.Result:
+        self.kv.reset_request(rid_name(a.rid), free=a.free)
+        return m.Ok()
+
+    def _Remove(self, a: m.Remove) -> m.Result:
+        self.kv.remove_request(rid_name(a.rid))
+        off = self.offloads.pop(a.rid, None)
+        if off is not None:
+            # the model forgets an offload whose request was removed; kvref's
+            # handle is still open and finds nothing left to undo
+            off.abandon()
+        return m.Ok()
+
+    # -- kvref state -> model state ---------------------------------------------
+
+    def abstract(self, model_state: m.State) -> m.State:
+        """kvref's state in the model's terms.
+
+        Contents are taken from the model (the cache bytes are checked against
+        them separately, in `check_bytes`); the running and staged steps are the
+        test's own bookkeeping, so they are taken from the model as well.
+        """
+        kv = self.kv
+        contents = model_state.stream_map()
+        streams: dict[m.Key, m.Stream] = {}
+        for rname, labels in kv._streams.items():
+            rid = int(rname[1:])
+            claimed = kv._offloads.get(rname)
+            for lname, s in labels.items():
+                key = (rid, m.LABEL_NAMES.index(lname))
+                if not s.offloaded:
+                    off = m.RESIDENT
+                elif claimed is not None and lname in claimed.labels:
+                    off = m.CLAIMED
+                else:
+                    off = m.OFFLOADED
+                known = contents.get(key)
+                streams[key] = m.Stream(
+                    pages=len(s.page_indices), stored_len=s.stored_len,
+                    contents=known.contents if known is not None else (),
+                    in_flight=s.step_in_flight, offload=off, retrieve=retrieve_state(s),
+                )
+        host = []
+        pool = kv._cpu_pool
+        if pool is not None:
+            for rname, copies in pool._copies.items():
+                for lname in copies:
+                    key = (int(rname[1:]), m.LABEL_NAMES.index(lname))
+                    host.append((key, dict(model_state.host).get(key, ())))
+        offloads = []
+        for rname, off in kv._offloads.items():
+            rid = int(rname[1:])
+            mine = model_state.offload_of(rid)
+            offloads.append((rid, mine if mine is not None else m.Offload(())))
+        return m.State(
+            free=kv.num_free_pages, streams=tuple(sorted(streams.items())),
+            host=tuple(sorted(host)), current=model_state.current, staged=model_state.staged,
+            offloads=tuple(sorted(offloads)),
+        )
+
+    def check_host_lengths(self, model_state: m.State) -> None:
+        """Each host copy holds exactly the tokens the model put on the host."""
+        pool = self.kv._cpu_pool
+        assert pool is not None
+        for (rid, label), tokens in model_state.host:
+            copy = pool.copy_of(rid_name(rid), label_name(label))
+            assert copy is not None, f"no host copy of {(rid, label)}"
+            assert copy.stored_len == len(tokens), (rid, label, copy.stored_len, tokens)
+
+    def check_pages(self) -> None:
+        """I1 and I2 on page ids: every page exactly once in free list, sink or a stream."""
+        kv = self.kv
+        owner: dict[int, str] = {}
+        for rname, labels in kv._streams.items():
+            for lname, s in labels.items():
+                for p in s.page_indices:
+                    assert p != SINK_PAGE, f"I2: sink page in {rname}/{lname}"
+                    assert p not in owner, f"I1: page {p} in {owner[p]} and {rname}/{lname}"
+                    owner[p] = f"{rname}/{lname}"
+        free = list(kv._allocator._free)
+        assert SINK_PAGE not in free, "I2: sink page on the free list"
+        assert len(set(free)) == len(free), "I1: a page twice on the free list"
+        both = set(free) & set(owner)
+        assert not both, f"I1: pages {both} both free and owned"
+        assert len(free) + len(owner) + 1 == self.cfg.max_num_pages, "I1: a page is lost"
+        pool = kv._cpu_pool
+        if pool is not None:
+            held = [p for c in pool._copies.values() for h in c.values() for p in h.pages]
+            assert len(held) == len(set(held)), "I6: a host page in two copies"
+            assert pool.num_free + len(held) + len(pool._pending_free) == pool.capacity, "I6"
+
+    def check_bytes(self, model_state: m.State) -> None:
+        """I7: every resident stream reads back, through its pages, as the model's contents."""
+        for (rid, label), s in model_state.streams:
+            if s.offload != m.RESIDENT or s.retrieve != m.IDLE:
+                continue
+            got = self.kv.read_stream(rid_name(rid), label_name(label)).float()
+            want = torch.tensor([value(rid, t, p) for p, t in enumerate(s.contents)])
+            want = want.view(1, -1, 1, 1, 1).expand_as(got).to(got.device)
+            if not torch.equal(got, want):
+                bad = (got != want).nonzero()[0].tolist()
+                raise AssertionError(
+                    f"I7: {rid_name(rid)}/{label_name(label)} token {bad[1]} reads "
+                    f"{got[tuple(bad)].item()} (contents {s.contents})"
+                )
+
+    def pages_of_step(self) -> set[int]:
+        """Pages the running step's plan may write: its views' pages, and the sink."""
+        pages = {SINK_PAGE}
+        if self.outputs is not None:
+            for out in self.outputs.values():
+                for view in out.views:
+                    pages.update(view.page_idxs)
+        return pages
+
+
+def retrieve_state(s: Any) -> str:
+    if s.read_error is not None:
+        return m.FAILED
+    fut = s.read_future
+    if fut is None:
+        return m.IDLE
+    if not fut.done():
+        return m.PENDING
+    return m.FAILED if fut.exception() is not None else m.IDLE
+
+
+def outcome(out: AdmitOutcome) -> m.Result:
+    if not out.ok:
+        assert out.reason is not None
+        kind = type(out.reason).__name__
+        short = getattr(out.reason, "pages_short", 0) if kind == "AllocationFailed" else 0
+        return m.Refused(kind, short)
+    return m.Ok() if out.ready else m.NotReady()

@@ -1,0 +1,66 @@
+"""A runtime whose background work runs only when the test says so.
+
+`kvref.runtime`'s seam, for lockstep tests: a retrieve submitted by the
+manager stays pending until the test completes it (ok or failed), which is
+what the model's ``RetrieveComplete`` action is. A blocking ``wait`` on a
+still-pending future means the test issued a call the model's protocol
+says must not happen yet, so it fails loudly instead of hanging.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+
+class InjectedRetrieveFailure(RuntimeError):
+    """The failure a test completes a retrieve with."""
+
+
+@dataclass
+class _Task:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: Future[Any]
+
+
+class ManualRuntime:
+    def __init__(self) -> None:
+        self.pending: list[_Task] = []
+        self.checkpoints: list[str] = []
+
+    def lock(self) -> AbstractContextManager[Any]:
+        return threading.RLock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self.pending.append(_Task(fn, args, fut))
+        return fut
+
+    def wait(self, futures: Iterable[Future[Any]]) -> None:
+        still = [f for f in futures if not f.done()]
+        if still:
+            raise AssertionError(f"manager blocked on {len(still)} pending background task(s)")
+
+    def checkpoint(self, name: str) -> None:
+        self.checkpoints.append(name)
+
+    def complete(self, future: Future[Any], ok: bool = True) -> None:
+        """Run (ok) or fail (not ok) the task behind ``future``."""
+        task = next(t for t in self.pending if t.future is future)
+        self.pending.remove(task)
+        if not ok:
+            task.future.set_exception(InjectedRetrieveFailure("retrieve failed (injected)"))
+            return
+        try:
+            task.future.set_result(task.fn(*task.args))
+        except BaseException as err:  # the manager latches it, as a real failure
+            task.future.set_exception(err)
+
+    def complete_all(self) -> None:
+        for task in list(self.pending):
+            self.complete(task.future)
