@@ -203,10 +203,21 @@ def allocate_cache_tensor(
     # object stays registered with the resource tracker, which unlinks the
     # segment if this process dies without cleaning up
     shm.close()
-    finalizer = weakref.finalize(tensor, _unlink_segment, shm)
+    ptr = tensor.data_ptr()
+    finalizer = weakref.finalize(tensor, _release_segment, ptr, shm)
     with _shm_lock:
-        _shm_segments[tensor.data_ptr()] = (shm.name, finalizer)
+        _shm_segments[ptr] = (shm.name, finalizer)
     return tensor
+
+
+def _release_segment(ptr: int, shm: shared_memory.SharedMemory) -> None:
+    # forget the hand-off entry too: a later tensor at the same address must
+    # not be taken for this (unlinked) segment
+    with _shm_lock:
+        entry = _shm_segments.get(ptr)
+        if entry is not None and entry[0] == shm.name:
+            del _shm_segments[ptr]
+    _unlink_segment(shm)
 
 
 # -- caches of this process ---------------------------------------------------

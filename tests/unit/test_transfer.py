@@ -360,6 +360,11 @@ def test_shm_tensor_never_published_is_unlinked_when_dropped(shm_prefix: str) ->
     tensor = allocate_cache_tensor(info, (4, 4), torch.float32, CPU)
     assert any(n.startswith(shm_prefix) for n in os.listdir("/dev/shm"))
     del tensor  # the fixture checks the segment went with it
+    gc.collect()
+    # and the hand-off entry with it, so no later tensor is taken for it
+    from kvref import transfer
+
+    assert not [n for n, _ in transfer._shm_segments.values() if n.startswith(shm_prefix)]
 
 
 # -- across processes -----------------------------------------------------------
