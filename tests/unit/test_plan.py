@@ -1,0 +1,175 @@
+"""Plan: FlashInfer CSR page tables, sliced views, combined labels, write addressing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _manager_fixtures import Driver, fill, make_manager
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvref.plan import (
+    SequenceView,
+    build_paged_indptrs,
+    decode_plan_state,
+    group_by_plan_label,
+    packed_plan_state,
+)
+from kvref.step import KVStep, Segment, StepContext
+
+CPU = torch.device("cpu")
+
+
+def test_build_paged_indptrs_csr() -> None:
+    ps = 4
+    views = [
+        SequenceView("a", "main", [3, 7], 8, 8, 0),   # full last page
+        SequenceView("b", "main", [5], 1, 1, 0),      # one token
+        SequenceView("c", "main", [1, 2, 9], 9, 3, 0),
+    ]
+    ind = build_paged_indptrs(views, ps)
+    for t in (ind.qo_indptr, ind.paged_kv_indptr, ind.paged_kv_indices, ind.paged_kv_last_page_len):
+        assert t.dtype == torch.int32
+    assert ind.qo_indptr.tolist() == [0, 8, 9, 12]
+    assert ind.paged_kv_indptr.tolist() == [0, 2, 3, 6]
+    assert ind.paged_kv_indices.tolist() == [3, 7, 5, 1, 2, 9]
+    assert ind.paged_kv_last_page_len.tolist() == [4, 1, 1]
+    assert ind.batch_size == 3
+
+
+def test_manager_plan_tables_in_range() -> None:
+    mgr = make_manager(pages=32, page_size=4)
+    drv = Driver(mgr)
+    drv.ingest("a", "b", "c")
+    fill(drv, "a", 5)
+    fill(drv, "b", 8)
+    step = KVStep([Segment("a", "main", 3), Segment("b", "main", 1), Segment("c", "main", 4)])
+    ctx = StepContext(("a", "b", "c"))
+    assert mgr.admit(step, ctx).ok
+    out = mgr.plan(step, ctx)["main"]
+    ind = out.cpu_indptrs
+    assert ind.paged_kv_last_page_len.dtype == torch.int32
+    last = ind.paged_kv_last_page_len.tolist()
+    assert last == [4, 1, 4]  # lengths 8, 9, 4
+    assert all(1 <= x <= 4 for x in last)
+    assert ind.qo_indptr.tolist() == [0, 3, 4, 8]
+    assert [v.length for v in out.views] == [8, 9, 4]
+    # not a decode step: the packed path also ships the table to the device
+    assert out.cuda_indptrs is not None
+    mgr.commit(step, ctx)
+
+
+def test_views_sliced_after_reset_keeping_pages() -> None:
+    mgr = make_manager(pages=16, page_size=4)
+    drv = Driver(mgr)
+    drv.ingest("a")
+    fill(drv, "a", 11)  # 3 pages
+    held = list(mgr._streams["a"]["main"].page_indices)
+    assert len(held) == 3
+    mgr.reset_request("a")  # keep pages: high-water
+    drv.model[("a", "main")] = []
+    assert mgr._streams["a"]["main"].page_indices == held
+    free = mgr.num_free_pages
+    out = drv.step([("a", "main", 2)])["main"]
+    assert mgr.num_free_pages == free  # reused, nothing new taken
+    assert out.views[0].page_idxs == held[:1]
+    assert out.cpu_indptrs.paged_kv_indices.tolist() == held[:1]
+    assert out.cpu_indptrs.paged_kv_last_page_len.tolist() == [2]
+    drv.check("a")
+
+
+def test_views_sliced_after_uncommitted_step() -> None:
+    mgr = make_manager(pages=16, page_size=4)
+    drv = Driver(mgr)
+    drv.ingest("a")
+    fill(drv, "a", 3)
+    drv.step([("a", "main", 9)], commit=False)  # grows to 3 pages, keeps 3 tokens
+    assert len(mgr._streams["a"]["main"].page_indices) == 3
+    assert mgr.stored_len("a") == 3
+    out = drv.step([("a", "main", 1)])["main"]
+    assert len(out.views[0].page_idxs) == 1
+    assert out.cpu_indptrs.paged_kv_indptr.tolist() == [0, 1]
+    assert out.cpu_indptrs.paged_kv_last_page_len.tolist() == [4]
+    drv.check("a")
+
+
+def test_group_by_plan_label_label_major() -> None:
+    segs = [Segment("r1", "main", 1), Segment("r1", "cfg", 1), Segment("r2", "main", 1),
+            Segment("r2", "cfg", 1), Segment("r1", "draft", 2)]
+    grouped = group_by_plan_label(segs, [("main", "cfg")])
+    assert list(grouped) == ["main", "draft"]
+    assert [(s.request_id, s.label) for s in grouped["main"]] == [
+        ("r1", "main"), ("r2", "main"), ("r1", "cfg"), ("r2", "cfg")]
+    # a group keyed by its first label even when only the second appears
+    assert list(group_by_plan_label([Segment("r", "cfg", 1)], [("main", "cfg")])) == ["main"]
+    with pytest.raises(ValueError):
+        group_by_plan_label(segs, [("main", "cfg"), ("cfg", "draft")])
+
+
+def test_combined_labels_write_under_first_label() -> None:
+    mgr = make_manager(pages=32, page_size=4)
+    drv = Driver(mgr)
+    drv.ingest("r1", "r2")
+    fill(drv, "r1", 5)
+    fill(drv, "r2", 2)
+    drv.step([("r1", "cfg", 3), ("r2", "cfg", 1)])
+    outs = drv.step([("r1", "main", 1), ("r1", "cfg", 1), ("r2", "main", 1), ("r2", "cfg", 1)],
+                    combined=[("main", "cfg")])
+    assert list(outs) == ["main"]
+    views = outs["main"].views
+    assert [(v.request_id, v.label) for v in views] == [
+        ("r1", "main"), ("r2", "main"), ("r1", "cfg"), ("r2", "cfg")]
+    assert outs["main"].is_decode
+    for rid in ("r1", "r2"):
+        for label in ("main", "cfg"):
+            drv.check(rid, label)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    page_size=st.integers(1, 8),
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    spare=st.lists(st.integers(0, 3), min_size=8, max_size=8),
+    data=st.data(),
+)
+def test_decode_and_packed_addressing_agree(
+    page_size: int, lengths: list[int], spare: list[int], data: st.DataObject
+) -> None:
+    views = []
+    next_page = 1
+    for i, n in enumerate(lengths):
+        held = -(-n // page_size) + spare[i]
+        pages = data.draw(st.permutations(range(next_page, next_page + held)))
+        next_page += held
+        # as the manager builds them: sliced to the length
+        views.append(SequenceView(f"r{i}", "main", list(pages)[: -(-n // page_size)], n, 1, 0))
+    ind = build_paged_indptrs(views, page_size)
+    dec = decode_plan_state(views, page_size, CPU)
+    packed = packed_plan_state(ind, page_size, len(views), CPU)
+    assert dec.total_tokens == packed.total_tokens == len(views)
+    assert torch.equal(dec.token_to_page, packed.token_to_page)
+    assert torch.equal(dec.token_to_cache, packed.token_to_cache)
+    for i, v in enumerate(views):
+        assert int(dec.token_to_page[i]) == v.page_idxs[(v.length - 1) // page_size]
+        assert int(dec.token_to_cache[i]) == (v.length - 1) % page_size
+
+
+@settings(max_examples=40, deadline=None)
+@given(page_size=st.integers(1, 6),
+       shapes=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 9)), min_size=1, max_size=5))
+def test_packed_addressing_positions(page_size: int, shapes: list[tuple[int, int]]) -> None:
+    views, nxt = [], 1
+    for i, (stored, span) in enumerate(shapes):
+        n = stored + span
+        k = -(-n // page_size)
+        views.append(SequenceView(f"r{i}", "main", list(range(nxt + k - 1, nxt - 1, -1)),
+                                  n, span, 0))
+        nxt += k
+    total = sum(s for _, s in shapes)
+    st_ = packed_plan_state(build_paged_indptrs(views, page_size), page_size, total, CPU)
+    row = 0
+    for v in views:
+        for pos in range(v.length - v.to_compute, v.length):
+            assert int(st_.token_to_page[row]) == v.page_idxs[pos // page_size]
+            assert int(st_.token_to_cache[row]) == pos % page_size
+            row += 1
