@@ -168,3 +168,38 @@ def test_publish_unknown_and_none() -> None:
     assert mgr.publish("nope") is None
     mgr.ingest_request("a")
     assert mgr.admit_retrieve("a", "n", "w", None).ready
+
+
+@pytest.mark.xfail(strict=True, reason="manager bug: admit_retrieve moves a stream a step holds")
+def test_retrieve_into_stream_with_step_in_flight(pair) -> None:  # type: ignore[no-untyped-def]
+    """dst has 5 tokens and a decode step admitted and planned at position 5;
+    a retrieve of 10 published tokens must not move that stream under the step
+    (refuse, raise StepInFlightError, or leave it alone): today it sets
+    stored_len to 10 and copies over position 5, and the commit then makes it
+    11, so the step's token is overwritten and position 10 was never written.
+    """
+    from kvref.errors import StepInFlightError
+    from kvref.step import KVStep, Segment, StepContext
+
+    src, _drv, dst = pair
+    ddrv = Driver(dst)
+    ddrv.ingest("r")
+    fill(ddrv, "r", 5)
+    step = KVStep([Segment("r", "main", 1)])
+    ctx = StepContext(("r",))
+    assert dst.admit(step, ctx).ok
+    outs = dst.plan(step, ctx)
+    rows = ddrv.write_planned(outs)
+    before = snapshot(dst)
+    try:
+        out = dst.admit_retrieve("r", "n", "w", src.publish("r"))
+    except StepInFlightError:
+        out = None
+    if out is None or not out.ok:
+        assert_same(before, snapshot(dst))
+    for fut in [s.read_future for s in dst._streams["r"].values() if s.read_future]:
+        fut.exception(timeout=10)
+    dst.commit(step, ctx)
+    ddrv.apply_commit(step, ctx, rows)
+    assert dst.stored_len("r") == 6
+    ddrv.check("r")
