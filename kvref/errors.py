@@ -15,12 +15,12 @@ class KVRefError(Exception):
     def __init__(
         self, message: str, *, request_id: str | None = None, label: str | None = None
     ) -> None:
-        where = ""
+        parts = []
         if request_id is not None:
-            where = f"request {request_id!r}"
-            if label is not None:
-                where += f" label {label!r}"
-            where += ": "
+            parts.append(f"request {request_id!r}")
+        if label is not None:
+            parts.append(f"label {label!r}")
+        where = " ".join(parts) + ": " if parts else ""
         super().__init__(where + message)
         self.request_id = request_id
         self.label = label

@@ -317,8 +317,8 @@ class KVManager(AttentionResource):
             seen.add(key)
             streams = all_streams.get(rid)
             if streams is None:
-                self._request(rid)  # raises, naming the request
-                raise AssertionError  # unreachable
+                raise UnknownRequestError("unknown request (never ingested, or removed)",
+                                          request_id=rid, label=label)
             stream = streams.get(label)
             if stream is not None and stream.offloaded:
                 return self._offloading(rid, label)
@@ -682,7 +682,10 @@ class KVManager(AttentionResource):
     def _apply_fork(self, rid: str, from_label: str, to_label: str) -> None:
         """Copy a stream onto its fork target, over pages admit reserved."""
         streams = self._streams.get(rid)
-        if streams is None or from_label not in streams:
+        if streams is None or from_label not in streams or to_label not in streams:
+            # admit reserved no target: the source did not exist and the step
+            # kept nothing in it (commit=False, or a pre-fork of a label the
+            # step itself creates), so there is nothing to copy
             return
         src = streams[from_label]
         dst = streams[to_label]
@@ -1014,6 +1017,13 @@ class KVManager(AttentionResource):
                     )
                     continue
                 self._validate_published(rid, label, info)
+                if stream is not None and stream.step_in_flight:
+                    # the step planned its writes at the old length; growing
+                    # the stream under it would overwrite or lose its tokens
+                    raise StepInFlightError(
+                        "retrieve into a stream with a step in flight; commit it first",
+                        request_id=rid, label=label,
+                    )
                 if stream is not None and stream.offloaded:
                     return AdmitOutcome(ok=False, reason=self._offloading(rid, label))
                 held = len(stream.page_indices) if stream is not None else 0

@@ -256,7 +256,6 @@ def _run(mgr, step, ctx):  # type: ignore[no-untyped-def]
     mgr.commit(step, ctx)
 
 
-@pytest.mark.xfail(strict=True, reason="manager bug: _apply_fork KeyError on unreserved target")
 def test_post_fork_from_created_source_with_commit_false() -> None:
     """The step creates 'draft' and keeps no tokens: the post-fork copies nothing.
 
@@ -272,7 +271,6 @@ def test_post_fork_from_created_source_with_commit_false() -> None:
     check_conservation(mgr)
 
 
-@pytest.mark.xfail(strict=True, reason="manager bug: _apply_fork KeyError on unreserved target")
 def test_pre_fork_from_source_this_step_creates() -> None:
     """A pre-fork from a label only this step's segment creates forks an empty stream.
 

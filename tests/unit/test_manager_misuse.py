@@ -53,7 +53,6 @@ def test_unknown_request_admit(mgr: KVManager) -> None:
     assert err.request_id == "zz"
 
 
-@pytest.mark.xfail(strict=True, reason="UnknownRequestError from admit names no label")
 def test_unknown_request_admit_names_label(mgr: KVManager) -> None:
     """DESIGN: every misuse names the request *and label*; the segment has one."""
     _raises(mgr, UnknownRequestError, lambda: mgr.admit(UNKNOWN, StepContext(("a", "zz"))),
@@ -211,7 +210,6 @@ def test_reset_in_flight_fork_source_only(mgr: KVManager) -> None:
     mgr.remove_request("b")
 
 
-@pytest.mark.xfail(strict=True, reason="KVRefError drops the label when request_id is None")
 def test_write_kv_error_message_names_plan_label(planned: KVManager) -> None:
     """A write_kv error carries label='main' but its message does not say so:
     errors.KVRefError only prefixes ``label`` when ``request_id`` is set."""

@@ -170,13 +170,12 @@ def test_publish_unknown_and_none() -> None:
     assert mgr.admit_retrieve("a", "n", "w", None).ready
 
 
-@pytest.mark.xfail(strict=True, reason="manager bug: admit_retrieve moves a stream a step holds")
 def test_retrieve_into_stream_with_step_in_flight(pair) -> None:  # type: ignore[no-untyped-def]
     """dst has 5 tokens and a decode step admitted and planned at position 5;
     a retrieve of 10 published tokens must not move that stream under the step
-    (refuse, raise StepInFlightError, or leave it alone): today it sets
-    stored_len to 10 and copies over position 5, and the commit then makes it
-    11, so the step's token is overwritten and position 10 was never written.
+    (refuse, raise StepInFlightError, or leave it alone): moving it set
+    stored_len to 10 over position 5, the commit then made it 11, the step's
+    token was overwritten and position 10 never written.
     """
     from kvref.errors import StepInFlightError
     from kvref.step import KVStep, Segment, StepContext
