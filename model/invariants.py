@@ -1,0 +1,261 @@
+"""Invariants I1-I16 (DESIGN.md), each a named predicate carrying its ID.
+
+A predicate returns None when it holds and a one-line reason when it does
+not.  State predicates look at one state; transition predicates look at
+(state, action, result, next state), for the invariants that speak of
+"after X" or "never dropped".  Where DESIGN.md speaks of page identities
+(I1, I2, I8) the model states the counting form; the identity form is the
+lockstep tests' to check.  `INTERESTING` says, per invariant, what
+transition makes it non-vacuous, so the checker can report coverage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from model.core import (
+    ADMITTED, CLAIMED, FAILED, OFFLOADED, RESIDENT, Action, Admit, ClearPreplan, Commit,
+    Flag, Freed, Misuse, Model, OffloadClaim, OffloadCommit, OffloadCopy, Plan, Refused,
+    Reload, Remove, Reset, Result, RetrieveStart, State, Write, named,
+)
+
+Msg = str | None
+StatePred = Callable[[Model, State], Msg]
+StepPred = Callable[[Model, State, Action, Result, State], Msg]
+
+
+def i1(m: Model, s: State) -> Msg:
+    held = sum(v.pages for _, v in s.streams)
+    if s.free < 0 or s.free + held != m.scope.device_pages:
+        return f"free {s.free} + held {held} != {m.scope.device_pages} usable pages"
+    return None
+
+
+def i2(m: Model, s: State) -> Msg:
+    # counting form: the sink is outside the count, so no count may exceed it
+    if s.free > m.scope.device_pages or any(v.pages < 0 for _, v in s.streams):
+        return f"free {s.free} exceeds the {m.scope.device_pages} usable pages (sink freed?)"
+    return None
+
+
+def i3(m: Model, s: State) -> Msg:
+    for k, v in s.streams:
+        if v.offload != OFFLOADED and v.pages < m.need(v.stored_len):
+            return f"{k} holds {v.pages} pages for {v.stored_len} tokens"
+    st = s.stream_map()
+    for p in (s.current, s.staged):
+        if p is None or p.phase == ADMITTED:
+            continue  # lengths settle once plan applies the pre-forks
+        for g in p.step.segments:
+            v = st.get((g.rid, g.label))
+            if g.span and v is not None and v.pages < m.need(v.stored_len + g.span):
+                return f"planned step writes {g.span} past {v.stored_len} into {v.pages} pages"
+    return None
+
+
+def i4(m: Model, s: State) -> Msg:
+    st = s.stream_map()
+    for p in (s.current, s.staged):
+        for k in sorted(named(p.step)) if p else ():
+            if k in st and st[k].offload != RESIDENT:
+                return f"{k} is {st[k].offload} while an admitted step names it"
+    return None
+
+
+def i5(m: Model, s: State) -> Msg:
+    host = dict(s.host)
+    for k, v in s.streams:
+        if v.offload == OFFLOADED and (v.pages or host.get(k) != v.contents):
+            return f"offloaded {k} holds {v.pages} pages / host copy {host.get(k)} != {v.contents}"
+    return None
+
+
+def i6(m: Model, s: State) -> Msg:
+    if m.host_used(s) > m.scope.host_pages:
+        return f"host uses {m.host_used(s)} of {m.scope.host_pages} pages"
+    st = s.stream_map()
+    for k, _ in s.host:
+        off = s.offload_of(k[0])
+        v = st.get(k)
+        copied = off is not None and k[1] in off.copied
+        if v is None or not (v.offload == OFFLOADED or (v.offload == CLAIMED and copied)):
+            return f"host copy of {k} belongs to no offload"
+    return None
+
+
+def i7(m: Model, s: State) -> Msg:
+    for k, v in s.streams:
+        if len(v.contents) != v.stored_len:
+            return f"{k} stores {v.stored_len} tokens but holds {len(v.contents)}"
+        if any(not 0 <= t < 2 * m.scope.labels for t in v.contents):
+            return f"{k} holds a token no write or retrieve produced"
+    return None
+
+
+def i8_state(m: Model, s: State) -> Msg:
+    st = s.stream_map()
+    for p in (s.current, s.staged):
+        for g in p.step.segments if p and p.phase != ADMITTED else ():
+            if g.span and (g.rid, g.label) not in st:
+                return f"planned step still writes ({g.rid}, {g.label}), which was removed"
+    return None
+
+
+def i8(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    p = s.current if not (isinstance(a, Plan) and a.preplan) else s.staged
+    if not isinstance(a, (Plan, Write, Commit)) or p is None:
+        return None
+    mine = named(p.step)
+    before, after = s.stream_map(), n.stream_map()
+    for k in set(before) | set(after):
+        old, new = before.get(k), after.get(k)
+        if k not in mine and (old and old.contents) != (new and new.contents):
+            return f"{type(a).__name__} changed {k}, which the step does not name"
+    return None
+
+
+def i9(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    if not isinstance(a, ClearPreplan) or s.staged is None:
+        return None
+    after = n.stream_map()
+    for k in sorted(s.staged.fresh):
+        if k in after:
+            return f"label {k} the preplan created survives clear_preplan"
+    if s.staged.phase != ADMITTED:
+        for k, old in s.staged.undo:
+            if old is not None and k in after and after[k].contents != old:
+                return f"fork target {k} not rewound: {after[k].contents} != {old}"
+    owned = n.current.marks if n.current else frozenset()
+    for k, v in n.streams:
+        if v.in_flight != (k in owned):
+            return f"{k} in_flight={v.in_flight} after clear_preplan; running step owns it: {k in owned}"
+    return None
+
+
+def _view(s: State) -> tuple[object, ...]:
+    return (s.free, tuple((k, v.stored_len, v.contents, v.in_flight) for k, v in s.streams))
+
+
+def i10(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    if isinstance(r, (Refused, Misuse)) and _view(s) != _view(n):
+        return f"{type(a).__name__} was refused ({r}) but changed pages, labels, lengths or marks"
+    return None
+
+
+def i11(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    after = n.stream_map()
+    for k, v in s.streams:
+        if v.retrieve != FAILED or k not in after:
+            continue
+        cleared = isinstance(a, (Reset, Remove)) and a.rid == k[0] and not isinstance(r, Misuse)
+        if cleared and after[k].retrieve == FAILED:
+            return f"reset of {k[0]} kept the latched retrieve failure"
+        if not cleared and after[k].retrieve != FAILED:
+            return f"latched failure on {k} vanished on {type(a).__name__}"
+        if isinstance(a, RetrieveStart) and (a.rid, a.label) == k and r != Refused("AdmitRuntimeError"):
+            return f"retrieve on failed {k} answered {r}"
+    return None
+
+
+def i12(m: Model, s: State) -> Msg:
+    if not s.streams and (s.free != m.scope.device_pages or s.host):
+        return f"no request left, yet {m.scope.device_pages - s.free} pages held, host {s.host}"
+    return None
+
+
+def i13(m: Model, s: State) -> Msg:
+    owned = (s.current.marks if s.current else frozenset()) | (
+        s.staged.marks if s.staged else frozenset())
+    for k, v in s.streams:
+        if v.in_flight != (k in owned):
+            return f"{k} in_flight={v.in_flight} but an admitted step owns its mark: {k in owned}"
+    return None
+
+
+def i14(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    # the generation guard's purpose: never free a stream behind a stale copy
+    if not isinstance(a, OffloadCommit) or not isinstance(r, Freed) or r.pages == 0:
+        return None
+    host, before = dict(n.host), s.stream_map()
+    for k, v in n.streams:
+        if v.offload == OFFLOADED and before[k].offload != OFFLOADED:
+            if host.get(k) != before[k].contents or before[k].offload != CLAIMED:
+                return f"offload commit freed {k}, changed since its host copy"
+    return None
+
+
+def i15(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    if not isinstance(a, Commit) or s.current is None or not s.current.step.commit:
+        return None
+    step, before, after = s.current.step, s.stream_map(), n.stream_map()
+    targets = {(rid, t) for _, t in step.post_forks for rid in step.padded}
+    for g in step.segments:
+        k = (g.rid, g.label)
+        if g.span == 0 or k in targets or k not in before:
+            continue
+        want = before[k].contents + (g.label,) * g.span
+        if k not in after or after[k].contents != want:
+            return f"commit dropped the {g.span} tokens of {k}"
+    return None
+
+
+STATE: dict[str, StatePred] = {
+    "I1": i1, "I2": i2, "I3": i3, "I4": i4, "I5": i5, "I6": i6, "I7": i7,
+    "I8": i8_state, "I12": i12, "I13": i13,
+}
+TRANSITION: dict[str, StepPred] = {
+    "I8": i8, "I9": i9, "I10": i10, "I11": i11, "I14": i14, "I15": i15,
+}
+# I16 (tp-symmetry) is not a property of one manager: the model is
+# deterministic, so every rank replaying one trace has one free count.
+# tests/distributed checks it on real ranks.
+NOT_IN_MODEL = {"I16": "checked by the distributed test only (the model is one rank)"}
+INVARIANT_IDS = tuple(f"I{i}" for i in range(1, 17))
+
+
+def _claim_in_flight(m: Model, s: State, a: Action, r: Result, n: State) -> bool:
+    return isinstance(a, OffloadClaim) and any(
+        v.in_flight for k, v in s.streams if k[0] == a.rid)
+
+
+INTERESTING: dict[str, tuple[str, StepPred | Callable[..., bool]]] = {
+    "I1": ("pages returned by an offload commit", lambda m, s, a, r, n: isinstance(r, Freed) and r.pages > 0),
+    "I2": ("every usable page handed out", lambda m, s, a, r, n: n.free == 0),
+    "I3": ("a step planned on a high-water stream", lambda m, s, a, r, n: isinstance(a, Plan) and any(
+        v.pages > m.need(v.stored_len) for _, v in n.streams)),
+    "I4": ("a claim attempted while a step was in flight", _claim_in_flight),
+    "I5": ("an offload committed", lambda m, s, a, r, n: isinstance(a, OffloadCommit) and r != Freed(0)),
+    "I6": ("a copy refused: host pool full", lambda m, s, a, r, n: isinstance(a, OffloadCopy) and r == Flag(False)),
+    "I7": ("a reload restored tokens", lambda m, s, a, r, n: isinstance(a, Reload) and r == Flag(True)
+           and any(v.contents for k, v in n.streams if k[0] == a.rid)),
+    "I8": ("a commit while another request held tokens", lambda m, s, a, r, n: isinstance(a, Commit)
+           and s.current is not None and any(v.contents for k, v in s.streams
+                                              if k not in named(s.current.step))),
+    "I9": ("a clear_preplan rewound a planned fork", lambda m, s, a, r, n: isinstance(a, ClearPreplan)
+           and s.staged is not None and s.staged.phase != ADMITTED
+           and any(o is not None and o != s.stream_map()[k].contents for k, o in s.staged.undo)),
+    "I10": ("an admit refused after part of it could have been reserved",
+            lambda m, s, a, r, n: isinstance(a, Admit) and isinstance(r, Refused)
+            and len(m.reservations(a.step, s.stream_map())) > 1),
+    "I11": ("a failed retrieve reported again later", lambda m, s, a, r, n: isinstance(a, RetrieveStart)
+            and r == Refused("AdmitRuntimeError")),
+    "I12": ("the last request removed after holding pages", lambda m, s, a, r, n: isinstance(a, Remove)
+            and not n.streams and s.free < m.scope.device_pages),
+    "I13": ("a commit cleared marks", lambda m, s, a, r, n: isinstance(a, Commit)
+            and s.current is not None and bool(s.current.marks)),
+    "I14": ("an offload commit refused by the guard (a claimed stream changed)",
+            lambda m, s, a, r, n: isinstance(a, OffloadCommit) and r == Freed(0)
+            and any(o.touched for rid, o in s.offloads if rid == a.rid)),
+    "I15": ("a commit of a span", lambda m, s, a, r, n: isinstance(a, Commit) and s.current is not None
+            and s.current.step.commit and any(g.span for g in s.current.step.segments)),
+}
+
+
+def violations(m: Model, s: State, a: Action | None = None, r: Result | None = None,
+               prev: State | None = None, states: bool = True) -> list[tuple[str, str]]:
+    """Every (ID, reason) that fails on `s`, and on the transition into it."""
+    out = [(i, msg) for i, f in STATE.items() if states and (msg := f(m, s))]
+    if a is not None and r is not None and prev is not None:
+        out += [(i, msg) for i, f in TRANSITION.items() if (msg := f(m, prev, a, r, s))]
+    return out
+
