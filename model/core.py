@@ -7,7 +7,7 @@ purpose: a stream is a page *count*, a length and a tuple of token
 identities.  Each action is one critical section of the manager, and its
 result is what the manager must return.
 
-The rules kvref departs from the reference by (specs/rules.md, R1..R10)
+The rules kvref departs from the reference by (specs/rules.md)
 are class attributes, so `model.reference` can switch them off and the
 checker can show what each one prevents.
 """
@@ -39,11 +39,14 @@ class ProtocolError(Exception):
 class Scope:
     requests: int = 2
     labels: int = 2
+    # the default scope: every action fires and every invariant's interesting
+    # case arises within depth 7, in ~20 s on two cores (host_pages=1 so a
+    # copy can find the pool full; findings.md uses page_size=2 scopes)
     device_pages: int = 3  # usable pages; the sink is extra and never counted
-    host_pages: int = 2
-    page_size: int = 2
+    host_pages: int = 1
+    page_size: int = 1
     max_span: int = 2
-    depth: int = 0  # 0: explore until no new state
+    depth: int = 7  # 0: explore until no new state
 
 
 # ---------------------------------------------------------------- state
@@ -308,6 +311,7 @@ class Model:
     R11_preplan_forks_at_promotion = True
     R12_reset_forgets_host = True
     R13_publish_resident = True
+    R14_retrieve_refuses_named = True
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
@@ -638,6 +642,10 @@ class Model:
             return NotReady(), s
         if a.length <= v.stored_len:
             return Ok(), s
+        busy = set().union(*(named(p.step) for p in (s.current, s.staged) if p))
+        if self.R14_retrieve_refuses_named and (v.in_flight or k in busy):
+            # the step planned at the old length (or at none: R14)
+            return Misuse("StepInFlightError"), s
         if v.offload != RESIDENT:
             return Refused("RequestOffloading"), s
         new = max(0, self.need(a.length) - v.pages)

@@ -43,7 +43,8 @@ def i3(m: Model, s: State) -> Msg:
         if v.offload != OFFLOADED and v.pages < m.need(v.stored_len):
             return f"{k} holds {v.pages} pages for {v.stored_len} tokens"
     st = s.stream_map()
-    for p in (s.current, s.staged):
+    # the running step only: a staged preplan's lengths settle at promotion (R11)
+    for p in (s.current,):
         if p is None or p.phase == ADMITTED:
             continue  # lengths settle once plan applies the pre-forks
         for g in p.step.segments:
@@ -231,9 +232,9 @@ INTERESTING: dict[str, tuple[str, StepPred | Callable[..., bool]]] = {
     "I8": ("a commit while another request held tokens", lambda m, s, a, r, n: isinstance(a, Commit)
            and s.current is not None and any(v.contents for k, v in s.streams
                                               if k not in named(s.current.step))),
-    "I9": ("a clear_preplan rewound a planned fork", lambda m, s, a, r, n: isinstance(a, ClearPreplan)
-           and s.staged is not None and s.staged.phase != ADMITTED
-           and any(o is not None and o != s.stream_map()[k].contents for k, o in s.staged.undo)),
+    "I9": ("a clear_preplan of a planned preplan with a pre-fork",
+           lambda m, s, a, r, n: isinstance(a, ClearPreplan) and s.staged is not None
+           and s.staged.phase != ADMITTED and bool(s.staged.undo)),
     "I10": ("an admit refused after part of it could have been reserved",
             lambda m, s, a, r, n: isinstance(a, Admit) and isinstance(r, Refused)
             and len(m.reservations(a.step, s.stream_map())) > 1),

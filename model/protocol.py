@@ -13,7 +13,7 @@ from model.core import (
     ADMITTED, IDLE, PENDING, PLANNED, WRITTEN, Action, Admit, ClearPreplan, Commit, Ingest,
     Model, OffloadAbandon, OffloadClaim, OffloadCommit, OffloadCopy, OFFLOADED, CLAIMED,
     Plan, Publish, Reload, Remove, Reset, RetrieveComplete, RetrieveStart, Seg, State, Step,
-    Write, named,
+    Write,
 )
 
 
@@ -63,7 +63,6 @@ def enabled(m: Model, s: State) -> Iterator[Action]:
         if s.staged.phase == ADMITTED:
             yield Plan(preplan=True)
         yield ClearPreplan()
-    busy = set().union(*(named(p.step) for p in (s.current, s.staged) if p))
     for r in reqs:
         off = s.offload_of(r)
         if off is None:
@@ -85,7 +84,7 @@ def enabled(m: Model, s: State) -> Iterator[Action]:
             if v is not None and v.retrieve == PENDING:
                 yield RetrieveComplete(r, label, ok=True)
                 yield RetrieveComplete(r, label, ok=False)
-            if k not in busy:
+            if True:  # into a busy stream too: kvref raises, the state must not move
                 for n in range(1, sc.max_span + 1):
                     yield RetrieveStart(r, label, n)
         if all(v.retrieve != PENDING for k, v in st.items() if k[0] == r):

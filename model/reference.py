@@ -25,6 +25,10 @@ class ReferenceModel(Model):
     R7_reset_clears_latch = False
     R9_fork_then_grow = False
     R10_preplan_after_commit = False
+    R11_preplan_forks_at_promotion = False
+    R12_reset_forgets_host = False
+    R13_publish_resident = False
+    R14_retrieve_refuses_named = False
 
     def do_Admit(self, s: State, a: Admit) -> tuple[Result, State]:
         if self.R1_atomic_admit and self.R3_offloaded_refuses:
