@@ -124,11 +124,14 @@ class Driver:
             ctx = StepContext(ctx.padded_request_ids, is_preplan=True)
         elif self.staged is not None:
             step, ctx = self.staged[0], StepContext(self.staged[1].padded_request_ids)
+        promoting = not a.preplan and self.staged is not None
         out = self.kv.admit(step, ctx)
         if out.ok:
             if a.preplan:
                 self.staged = (step, ctx)
-            else:
+            elif not promoting:
+                # the staged step's real admit changes nothing: it becomes the
+                # running step only when plan promotes it (as in the model)
                 self.step, self.step_ctx = step, ctx
         return outcome(out)
 
@@ -304,7 +307,7 @@ class Driver:
                     key = (int(rname[1:]), m.LABEL_NAMES.index(lname))
                     host.append((key, dict(model_state.host).get(key, ())))
         offloads = []
-        for rname, off in kv._offloads.items():
+        for rname in kv._offloads:
             rid = int(rname[1:])
             mine = model_state.offload_of(rid)
             offloads.append((rid, mine if mine is not None else m.Offload(())))

@@ -1,0 +1,46 @@
+"""Suite-wide options and Hypothesis profiles.
+
+Profiles (``--hypothesis-profile NAME`` or ``HYPOTHESIS_PROFILE=NAME``):
+  dev      the default: a few hundred examples, failures saved for replay
+  ci       derandomized, no database, sized for CI's time budget
+  nightly  long fuzzing on larger scopes (see README)
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("dev", max_examples=60, stateful_step_count=40, deadline=None)
+settings.register_profile(
+    "ci", max_examples=40, stateful_step_count=30, deadline=None,
+    derandomize=True, database=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "nightly", max_examples=20_000, stateful_step_count=120, deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvref")
+    group.addoption("--kvref-device", default="cpu", help="device the managers under test use")
+    group.addoption("--kvref-dtype", default="float32", help="cache dtype (float32, bfloat16)")
+    group.addoption(
+        "--kvref-factory", default=None,
+        help="module:function building the manager under test (same arguments as KVManager)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # nightly tests run only when asked for by marker
+    if "nightly" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="nightly: run with -m nightly")
+    for item in items:
+        if "nightly" in item.keywords:
+            item.add_marker(skip)
