@@ -312,6 +312,7 @@ class Model:
     R12_reset_forgets_host = True
     R13_publish_resident = True
     R14_retrieve_refuses_named = True
+    R15_retrieve_refuses_absent_named = True
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
@@ -564,7 +565,7 @@ class Model:
         if a.copy_error:  # R8: every claim of the offload is abandoned
             _, nxt = self.do_OffloadAbandon(s, OffloadAbandon(a.rid))
             return Misuse("OffloadCopyError"), nxt
-        v = s.stream_map()[(a.rid, a.label)]
+        v = s.stream_map().get((a.rid, a.label), Stream())  # removed: copies nothing
         if self.host_used(s) + self.need(v.stored_len) > self.scope.host_pages:
             return Flag(False), s  # host full: this stream stays on device
         offloads = dict(s.offloads)
@@ -578,16 +579,18 @@ class Model:
         off = s.offload_of(a.rid)
         if off is None:
             raise ProtocolError("commit outside a claim")
-        if off.touched or not off.copied:  # all or nothing
+        st = s.stream_map()
+        gone = any((a.rid, label) not in st for label in off.copied)
+        if off.touched or gone or not off.copied:  # all or nothing: the generation guard
             _, nxt = self.do_OffloadAbandon(s, OffloadAbandon(a.rid))
             return Freed(0), nxt
-        st, freed = s.stream_map(), 0
+        freed = 0
         for label, pages in off.claimed:
             k = (a.rid, label)
             if label in off.copied:
                 freed += pages  # the pages taken at claim (the reference's claim.pages)
                 st[k] = replace(st[k], pages=0, offload=OFFLOADED)
-            else:
+            elif k in st:
                 st[k] = replace(st[k], offload=RESIDENT)
         return Freed(freed), replace(
             s, free=s.free + freed, streams=_sorted(st),
@@ -643,8 +646,11 @@ class Model:
         if a.length <= v.stored_len:
             return Ok(), s
         busy = set().union(*(named(p.step) for p in (s.current, s.staged) if p))
-        if self.R14_retrieve_refuses_named and (v.in_flight or k in busy):
-            # the step planned at the old length (or at none: R14)
+        if (self.R14_retrieve_refuses_named and v.in_flight) or (
+            self.R15_retrieve_refuses_absent_named and k in busy
+        ):
+            # R14: the step planned its writes at the old length; R15: a step
+            # names a label that did not exist at admit, so no mark covers it
             return Misuse("StepInFlightError"), s
         if v.offload != RESIDENT:
             return Refused("RequestOffloading"), s
