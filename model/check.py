@@ -23,10 +23,42 @@ from dataclasses import dataclass, field, replace
 
 from model import invariants as inv
 from model.core import (
-    ACTIONS, LABEL_NAMES, Action, Admit, ClearPreplan, Claimed, Commit, Flag, Freed,
-    Ingest, Misuse, Model, NotReady, Offload, OffloadAbandon, OffloadClaim, OffloadCommit,
-    OffloadCopy, Ok, Pending, Plan, Publish, Published, Refused, Reload, Remove, Reset,
-    Result, RetrieveComplete, RetrieveStart, Scope, Seg, State, Step, Stream, Write,
+    ACTIONS,
+    LABEL_NAMES,
+    Action,
+    Admit,
+    Claimed,
+    ClearPreplan,
+    Commit,
+    Flag,
+    Freed,
+    Ingest,
+    Misuse,
+    Model,
+    NotReady,
+    Offload,
+    OffloadAbandon,
+    OffloadClaim,
+    OffloadCommit,
+    OffloadCopy,
+    Ok,
+    Pending,
+    Plan,
+    Publish,
+    Published,
+    Refused,
+    Reload,
+    Remove,
+    Reset,
+    Result,
+    RetrieveComplete,
+    RetrieveStart,
+    Scope,
+    Seg,
+    State,
+    Step,
+    Stream,
+    Write,
 )
 from model.protocol import enabled
 
@@ -378,7 +410,8 @@ def table(rep: Report, scope: Scope) -> str:
 
 
 def model_class(name: str, without: str) -> type[Model]:
-    from model.reference import ReferenceModel, without as ablate
+    from model.reference import ReferenceModel
+    from model.reference import without as ablate
     if without:
         return ablate(*without.split(","))
     return ReferenceModel if name == "reference" else Model

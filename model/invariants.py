@@ -14,9 +14,32 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from model.core import (
-    ADMITTED, CLAIMED, FAILED, OFFLOADED, RESIDENT, Action, Admit, ClearPreplan, Commit,
-    Flag, Freed, Misuse, Model, OffloadClaim, OffloadCommit, OffloadCopy, Plan, Refused,
-    Reload, Remove, Reset, Result, RetrieveStart, State, Write, named,
+    ADMITTED,
+    CLAIMED,
+    FAILED,
+    OFFLOADED,
+    RESIDENT,
+    Action,
+    Admit,
+    ClearPreplan,
+    Commit,
+    Flag,
+    Freed,
+    Misuse,
+    Model,
+    OffloadClaim,
+    OffloadCommit,
+    OffloadCopy,
+    Plan,
+    Refused,
+    Reload,
+    Remove,
+    Reset,
+    Result,
+    RetrieveStart,
+    State,
+    Write,
+    named,
 )
 
 Msg = str | None

@@ -11,7 +11,18 @@ from __future__ import annotations
 from dataclasses import replace
 
 from model.core import (
-    RESIDENT, Admit, Key, Misuse, Model, Ok, Refused, Result, State, Stream, Tokens, _sorted,
+    RESIDENT,
+    Admit,
+    Key,
+    Misuse,
+    Model,
+    Ok,
+    Refused,
+    Result,
+    State,
+    Stream,
+    Tokens,
+    _sorted,
     named,
 )
 
@@ -29,6 +40,10 @@ class ReferenceModel(Model):
     R12_reset_forgets_host = False
     R13_publish_resident = False
     R14_retrieve_refuses_named = False
+    R15_retrieve_refuses_absent_named = False
+    # the reference's clear_preplan removes invented fork targets only, not
+    # labels a preplan's segment created; kvref removes both (DESIGN.md)
+    UNDO_ALL_INVENTED = False
 
     def do_Admit(self, s: State, a: Admit) -> tuple[Result, State]:
         if self.R1_atomic_admit and self.R3_offloaded_refuses:
@@ -69,7 +84,8 @@ class ReferenceModel(Model):
                 for rid in a.step.padded:
                     extra = growth.get((rid, f), 0) if post else 0
                     if a.preplan and (rid, t) not in st:
-                        undo.append(((rid, t), None))  # _preplan_new_labels
+                        if not self.UNDO_ALL_INVENTED:  # _preplan_new_labels: fork targets
+                            undo.append(((rid, t), None))
                     elif a.preplan and not post:
                         undo.append(((rid, t), st[(rid, t)].contents))
                     if (rid, f) not in st:
@@ -92,12 +108,15 @@ class ReferenceModel(Model):
                     return r, refused()
         marks = frozenset(k for k in {(g.rid, g.label) for g in a.step.segments} if k in st)
         fresh = frozenset(k for k in st if k not in before)
+        if a.preplan and self.UNDO_ALL_INVENTED:  # DESIGN: every invented label goes
+            undo = [(k, None) for k in sorted(fresh)] + [u for u in undo if u[1] is not None]
         return Ok(), self._admitted(s, st, free, a, marks, tuple(undo), fresh)
 
 
 def without(*rules: str) -> type[Model]:
     """kvref's model with the named rules switched off (an ablation)."""
     attrs: dict[str, object] = {}
+    attrs["UNDO_ALL_INVENTED"] = True
     for r in rules:
         names = [n for n in vars(Model) if n.startswith(r + "_")]
         if not names:
