@@ -13,6 +13,7 @@ coverage hole) and, per invariant, whether its interesting case arose.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import sys
@@ -155,7 +156,7 @@ def explore(model: Model, *, keep_going: bool = False, progress: bool = False,
     canon: dict[State, State] = {}  # concrete -> canonical, a cache
 
     def trace_of(c: State) -> Trace:
-        out = []
+        out: list[tuple[Action, Result]] = []
         while True:
             _, pc, a, r = parent[c]
             if pc is None or a is None or r is None:
@@ -189,7 +190,7 @@ def explore(model: Model, *, keep_going: bool = False, progress: bool = False,
             for i, msg in bad:
                 if i not in rep.violations:
                     # the transition's own trace: the parent's plus this step
-                    rep.violations[i] = (msg, trace_of(c) + ((a, r),))
+                    rep.violations[i] = (msg, (*trace_of(c), (a, r)))
             if bad and not keep_going:
                 rep.seconds = time.monotonic() - t0
                 return
@@ -286,7 +287,8 @@ def to_pytest(trace: Trace, scope: Scope, name: str = "test_model_trace") -> str
         "    ctx = StepContext(padded_request_ids=[rid], is_preplan=False)",
         "    assert src.admit(st, ctx).ok",
         "    src.plan(st, ctx)",
-        f"    src.write_kv(*_kv({scope.labels} + LABELS.index(label), n), layer_idx=0, label=label)",
+        f"    src.write_kv(*_kv({scope.labels} + LABELS.index(label), n), layer_idx=0,",
+        "                 label=label)",
         "    src.commit(st, ctx)",
         "    return src.publish(rid)", "",
         "",
@@ -331,8 +333,8 @@ def to_pytest(trace: Trace, scope: Scope, name: str = "test_model_trace") -> str
                 w("    mgr.plan(pp, pp_ctx)")
             else:
                 w("    if 'cur' not in dir() or cur is None:  # promotion of the staged preplan")
-                w("        cur, cur_ctx = pp, StepContext(padded_request_ids=pp_ctx.padded_request_ids,"
-                  " is_preplan=False)")
+                w("        cur, cur_ctx = pp, StepContext("
+                  "padded_request_ids=pp_ctx.padded_request_ids, is_preplan=False)")
                 w("    mgr.plan(cur, cur_ctx)")
         elif isinstance(a, Write):
             w("    for seg in cur.segments:")
@@ -355,12 +357,14 @@ def to_pytest(trace: Trace, scope: Scope, name: str = "test_model_trace") -> str
             h = f"off[{q(rname(a.rid))}]"
             if a.copy_error:
                 w("    from kvref.errors import OffloadCopyError")
-                w("    with pytest.raises(OffloadCopyError):  # the conformance layer injects the fault")
+                w("    # the conformance layer supplies the fault hook")
+                w("    with pytest.raises(OffloadCopyError):")
                 w(f"        _inject_copy_fault(mgr); {h}.copy({q(lname(a.label))})")
             else:
                 w(f"    assert {h}.copy({q(lname(a.label))}) is {isinstance(r, Flag) and r.value}")
         elif isinstance(a, OffloadCommit):
-            w(f"    assert off.pop({q(rname(a.rid))}).commit() == {r.pages if isinstance(r, Freed) else 0}")
+            freed = r.pages if isinstance(r, Freed) else 0
+            w(f"    assert off.pop({q(rname(a.rid))}).commit() == {freed}")
         elif isinstance(a, OffloadAbandon):
             w(f"    off.pop({q(rname(a.rid))}).abandon()")
         elif isinstance(a, Reload):
@@ -396,7 +400,8 @@ def table(rep: Report, scope: Scope) -> str:
     ]
     for cls in ACTIONS:
         n = rep.fired[cls.__name__]
-        rows.append(f"  {cls.__name__:18} {n:>9}" + ("   <-- COVERAGE HOLE: never fired" if not n else ""))
+        hole = "" if n else "   <-- COVERAGE HOLE: never fired"
+        rows.append(f"  {cls.__name__:18} {n:>9}{hole}")
     rows += ["", "invariant  violated  interesting case (count)"]
     for i in inv.INVARIANT_IDS:
         if i in inv.NOT_IN_MODEL:
@@ -438,13 +443,12 @@ def main(argv: list[str] | None = None) -> int:
                   o.depth)
     model = model_class(o.model, o.without)(scope)
     rep = Report()
-    out = open(o.emit_traces, "w") if o.emit_traces else None
-    for _, trace in explore(model, keep_going=o.keep_going, progress=not o.quiet, report=rep,
-                            traces=out is not None):
-        if out:
-            out.write(json.dumps([[describe(a), show(r)] for a, r in trace]) + "\n")
-    if out:
-        out.close()
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(open(o.emit_traces, "w")) if o.emit_traces else None
+        for _, trace in explore(model, keep_going=o.keep_going, progress=not o.quiet,
+                                report=rep, traces=out is not None):
+            if out:
+                out.write(json.dumps([[describe(a), show(r)] for a, r in trace]) + "\n")
     print(table(rep, scope))
     for i, (msg, trace) in sorted(rep.violations.items(), key=lambda x: int(x[0][1:])):
         print(f"\nVIOLATION {i}: {msg}\nshortest trace ({len(trace)} steps):\n{render(trace)}")

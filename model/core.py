@@ -437,7 +437,7 @@ class Model:
                 undo.append((k, None))
             st[k] = replace(st.get(k, Stream()), pages=max(st.get(k, Stream()).pages, n))
         before = s.stream_map()
-        for f, t in a.step.pre_forks:
+        for _, t in a.step.pre_forks:
             for rid in a.step.padded:
                 if (rid, t) in before:
                     undo.append(((rid, t), before[(rid, t)].contents))
@@ -470,13 +470,13 @@ class Model:
             if s.staged is None or s.staged.phase != PLANNED:
                 raise ProtocolError("plan without an admitted step")
             # promotion: the staged step becomes the running one, undo dropped
-            p = replace(s.staged, undo=(), fresh=frozenset())
+            promoted = replace(s.staged, undo=(), fresh=frozenset())
             st = s.stream_map()
             if self.R11_preplan_forks_at_promotion:  # the preplan only planned them
-                for f, t in p.step.pre_forks:
-                    for rid in p.step.padded:
+                for f, t in promoted.step.pre_forks:
+                    for rid in promoted.step.padded:
                         self._fork(st, rid, f, t)
-            return Ok(), replace(s, streams=_sorted(st), current=p, staged=None)
+            return Ok(), replace(s, streams=_sorted(st), current=promoted, staged=None)
         p = s.staged if a.preplan else s.current
         if p is None or p.phase != ADMITTED:
             raise ProtocolError("plan of a step that is not admitted")

@@ -71,9 +71,9 @@ def i3(m: Model, s: State) -> Msg:
         if p is None or p.phase == ADMITTED:
             continue  # lengths settle once plan applies the pre-forks
         for g in p.step.segments:
-            v = st.get((g.rid, g.label))
-            if g.span and v is not None and v.pages < m.need(v.stored_len + g.span):
-                return f"planned step writes {g.span} past {v.stored_len} into {v.pages} pages"
+            w = st.get((g.rid, g.label))
+            if g.span and w is not None and w.pages < m.need(w.stored_len + g.span):
+                return f"planned step writes {g.span} past {w.stored_len} into {w.pages} pages"
     return None
 
 
@@ -152,7 +152,8 @@ def i9(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
     owned = n.current.marks if n.current else frozenset()
     for k, v in n.streams:
         if v.in_flight != (k in owned):
-            return f"{k} in_flight={v.in_flight} after clear_preplan; running step owns it: {k in owned}"
+            return (f"{k} in_flight={v.in_flight} after clear_preplan; "
+                    f"the running step owns it: {k in owned}")
     return None
 
 
@@ -176,7 +177,8 @@ def i11(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
             return f"reset of {k[0]} kept the latched retrieve failure"
         if not cleared and after[k].retrieve != FAILED:
             return f"latched failure on {k} vanished on {type(a).__name__}"
-        if isinstance(a, RetrieveStart) and (a.rid, a.label) == k and r != Refused("AdmitRuntimeError"):
+        asked = isinstance(a, RetrieveStart) and (a.rid, a.label) == k
+        if asked and r != Refused("AdmitRuntimeError"):
             return f"retrieve on failed {k} answered {r}"
     return None
 
@@ -202,9 +204,10 @@ def i14(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
         return None
     host, before = dict(n.host), s.stream_map()
     for k, v in n.streams:
-        if v.offload == OFFLOADED and before[k].offload != OFFLOADED:
-            if host.get(k) != before[k].contents or before[k].offload != CLAIMED:
-                return f"offload commit freed {k}, changed since its host copy"
+        now_offloaded = v.offload == OFFLOADED and before[k].offload != OFFLOADED
+        if now_offloaded and (host.get(k) != before[k].contents
+                              or before[k].offload != CLAIMED):
+            return f"offload commit freed {k}, changed since its host copy"
     return None
 
 
@@ -242,36 +245,50 @@ def _claim_in_flight(m: Model, s: State, a: Action, r: Result, n: State) -> bool
         v.in_flight for k, v in s.streams if k[0] == a.rid)
 
 
-INTERESTING: dict[str, tuple[str, StepPred | Callable[..., bool]]] = {
-    "I1": ("pages returned by an offload commit", lambda m, s, a, r, n: isinstance(r, Freed) and r.pages > 0),
-    "I2": ("every usable page handed out", lambda m, s, a, r, n: n.free == 0),
-    "I3": ("a step planned on a high-water stream", lambda m, s, a, r, n: isinstance(a, Plan) and any(
-        v.pages > m.need(v.stored_len) for _, v in n.streams)),
-    "I4": ("a claim attempted while a step was in flight", _claim_in_flight),
-    "I5": ("an offload committed", lambda m, s, a, r, n: isinstance(a, OffloadCommit) and r != Freed(0)),
-    "I6": ("a copy refused: host pool full", lambda m, s, a, r, n: isinstance(a, OffloadCopy) and r == Flag(False)),
-    "I7": ("a reload restored tokens", lambda m, s, a, r, n: isinstance(a, Reload) and r == Flag(True)
-           and any(v.contents for k, v in n.streams if k[0] == a.rid)),
-    "I8": ("a commit while another request held tokens", lambda m, s, a, r, n: isinstance(a, Commit)
-           and s.current is not None and any(v.contents for k, v in s.streams
-                                              if k not in named(s.current.step))),
-    "I9": ("a clear_preplan of a planned preplan with a pre-fork",
-           lambda m, s, a, r, n: isinstance(a, ClearPreplan) and s.staged is not None
-           and s.staged.phase != ADMITTED and bool(s.staged.undo)),
-    "I10": ("an admit refused after part of it could have been reserved",
-            lambda m, s, a, r, n: isinstance(a, Admit) and isinstance(r, Refused)
-            and len(m.reservations(a.step, s.stream_map())) > 1),
-    "I11": ("a failed retrieve reported again later", lambda m, s, a, r, n: isinstance(a, RetrieveStart)
-            and r == Refused("AdmitRuntimeError")),
-    "I12": ("the last request removed after holding pages", lambda m, s, a, r, n: isinstance(a, Remove)
-            and not n.streams and s.free < m.scope.device_pages),
-    "I13": ("a commit cleared marks", lambda m, s, a, r, n: isinstance(a, Commit)
-            and s.current is not None and bool(s.current.marks)),
-    "I14": ("an offload commit refused by the guard (a claimed stream changed)",
-            lambda m, s, a, r, n: isinstance(a, OffloadCommit) and r == Freed(0)
-            and any(o.touched for rid, o in s.offloads if rid == a.rid)),
-    "I15": ("a commit of a span", lambda m, s, a, r, n: isinstance(a, Commit) and s.current is not None
-            and s.current.step.commit and any(g.span for g in s.current.step.segments)),
+def _i(what: str, pred: Callable[[Model, State, Action, Result, State], bool]
+       ) -> tuple[str, Callable[[Model, State, Action, Result, State], bool]]:
+    return what, pred
+
+
+INTERESTING: dict[str, tuple[str, Callable[[Model, State, Action, Result, State], bool]]] = {
+    "I1": _i("pages returned by an offload commit",
+             lambda m, s, a, r, n: isinstance(r, Freed) and r.pages > 0),
+    "I2": _i("every usable page handed out", lambda m, s, a, r, n: n.free == 0),
+    "I3": _i("a step planned on a high-water stream",
+             lambda m, s, a, r, n: isinstance(a, Plan)
+             and any(v.pages > m.need(v.stored_len) for _, v in n.streams)),
+    "I4": _i("a claim attempted while a step was in flight", _claim_in_flight),
+    "I5": _i("an offload committed",
+             lambda m, s, a, r, n: isinstance(a, OffloadCommit) and r != Freed(0)),
+    "I6": _i("a copy refused: host pool full",
+             lambda m, s, a, r, n: isinstance(a, OffloadCopy) and r == Flag(False)),
+    "I7": _i("a reload restored tokens",
+             lambda m, s, a, r, n: isinstance(a, Reload) and r == Flag(True)
+             and any(v.contents for k, v in n.streams if k[0] == a.rid)),
+    "I8": _i("a commit while another request held tokens",
+             lambda m, s, a, r, n: isinstance(a, Commit) and s.current is not None
+             and any(v.contents for k, v in s.streams if k not in named(s.current.step))),
+    "I9": _i("a clear_preplan of a planned preplan with a pre-fork",
+             lambda m, s, a, r, n: isinstance(a, ClearPreplan) and s.staged is not None
+             and s.staged.phase != ADMITTED and bool(s.staged.undo)),
+    "I10": _i("an admit refused after part of it could have been reserved",
+              lambda m, s, a, r, n: isinstance(a, Admit) and isinstance(r, Refused)
+              and len(m.reservations(a.step, s.stream_map())) > 1),
+    "I11": _i("a failed retrieve reported again later",
+              lambda m, s, a, r, n: isinstance(a, RetrieveStart)
+              and r == Refused("AdmitRuntimeError")),
+    "I12": _i("the last request removed after holding pages",
+              lambda m, s, a, r, n: isinstance(a, Remove) and not n.streams
+              and s.free < m.scope.device_pages),
+    "I13": _i("a commit cleared marks",
+              lambda m, s, a, r, n: isinstance(a, Commit) and s.current is not None
+              and bool(s.current.marks)),
+    "I14": _i("an offload commit refused by the guard (a claimed stream changed)",
+              lambda m, s, a, r, n: isinstance(a, OffloadCommit) and r == Freed(0)
+              and any(o.touched for rid, o in s.offloads if rid == a.rid)),
+    "I15": _i("a commit of a span",
+              lambda m, s, a, r, n: isinstance(a, Commit) and s.current is not None
+              and s.current.step.commit and any(g.span for g in s.current.step.segments)),
 }
 
 

@@ -81,7 +81,7 @@ def enabled(m: Model, s: State) -> Iterator[Action]:
             yield Plan()
         elif ph == PLANNED and any(g.span for g in step.segments):
             yield Write()
-        elif ph == WRITTEN or ph == PLANNED:
+        elif ph in (WRITTEN, PLANNED):
             yield Commit()
     if s.staged is not None:
         if s.staged.phase == ADMITTED:
