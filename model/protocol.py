@@ -94,7 +94,8 @@ def enabled(m: Model, s: State) -> Iterator[Action]:
         else:
             for label, _ in off.claimed:
                 # the copy waits for an in-flight read of the stream first
-                if label not in off.copied and st[(r, label)].retrieve != PENDING:
+                v = st.get((r, label))  # the reference may drop a claimed label
+                if label not in off.copied and (v is None or v.retrieve != PENDING):
                     yield OffloadCopy(r, label)
                     yield OffloadCopy(r, label, copy_error=True)
             yield OffloadCommit(r)
