@@ -368,7 +368,8 @@ class Model:
                 offloads[a.rid] = replace(offloads[a.rid], touched=True)
         host = s.host
         if self.R12_reset_forgets_host:
-            host = tuple(h for h in s.host if h[0][0] != a.rid or st[h[0]].offload == CLAIMED)
+            host = tuple(h for h in s.host if h[0][0] != a.rid
+                         or (h[0] in st and st[h[0]].offload == CLAIMED))
         return Ok(), replace(
             s, free=free, streams=_sorted(st), host=host,
             offloads=tuple(sorted(offloads.items())),

@@ -109,9 +109,9 @@ def enabled(m: Model, s: State) -> Iterator[Action]:
             if v is not None and v.retrieve == PENDING:
                 yield RetrieveComplete(r, label, ok=True)
                 yield RetrieveComplete(r, label, ok=False)
-            if True:  # into a busy stream too: kvref raises, the state must not move
-                for n in range(1, sc.max_span + 1):
-                    yield RetrieveStart(r, label, n)
+            # also into a stream a step names: kvref raises and nothing moves
+            for n in range(1, sc.max_span + 1):
+                yield RetrieveStart(r, label, n)
         if all(v.retrieve != PENDING for k, v in st.items() if k[0] == r):
             yield Reset(r, free=False)
             yield Reset(r, free=True)
