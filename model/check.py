@@ -294,9 +294,16 @@ def to_pytest(trace: Trace, scope: Scope, name: str = "test_model_trace") -> str
         "",
         f"LABELS = {[lname(i) for i in range(scope.labels)]!r}", "",
         "",
+        "def _finish_retrieve(mgr, rid, label, ok):",
+        "    pytest.skip('needs the transfer-engine hook of the conformance layer')", "",
+        "",
+        "def _inject_copy_fault(mgr):",
+        "    pytest.skip('needs the copy-fault hook of the conformance layer')", "",
+        "",
         f"def {name}():",
         "    mgr = _mgr()",
         "    off = {}",
+        "    cur = cur_ctx = pp = pp_ctx = None",
     ]
     refusal = {"AllocationFailed": "AllocationFailed", "RequestOffloading": "RequestOffloading",
                "AdmitRuntimeError": "AdmitRuntimeError"}
@@ -332,7 +339,7 @@ def to_pytest(trace: Trace, scope: Scope, name: str = "test_model_trace") -> str
             if a.preplan:
                 w("    mgr.plan(pp, pp_ctx)")
             else:
-                w("    if 'cur' not in dir() or cur is None:  # promotion of the staged preplan")
+                w("    if cur is None:  # promotion of the staged preplan")
                 w("        cur, cur_ctx = pp, StepContext("
                   "padded_request_ids=pp_ctx.padded_request_ids, is_preplan=False)")
                 w("    mgr.plan(cur, cur_ctx)")
