@@ -327,16 +327,15 @@ class KVManager(AttentionResource):
             else:
                 base = None if stream is None else stream.stored_len
             if base is None:
-                if span == 0:
-                    continue  # a zero-span segment on a label nothing created
+                # a label the step names and nothing created yet: admit makes
+                # it (empty when the span is 0) so the mark covers it, or a
+                # retrieve could create it under the step and an offload then
+                # claim pages the step reads (R16)
                 base = 0
             marks[key] = None
             n = -(-(base + span) // ps)
-            if n > pages.get(key, 0):
+            if n > pages.get(key, -1):
                 pages[key] = n
-        if length_at_plan:
-            # a fork source named above may only exist once this step creates it
-            res.marks = {k: None for k in marks if k in pages or self._exists(k)}
         new_pages = 0
         for key, n in pages.items():
             stream = all_streams[key[0]].get(key[1])
@@ -383,12 +382,12 @@ class KVManager(AttentionResource):
                 extra = growth.get(src, 0) if is_post else 0
                 src_len = length(src)
                 if src_len is None:
-                    if extra <= 0:
-                        # nothing to fork from and nothing this step adds;
-                        # also what a padded request looks like during capture
-                        continue
-                    # the source does not exist yet: this step's segments create it
+                    # the source does not exist yet: this step's segments
+                    # create it, or (nothing added: a padded request during
+                    # capture) it is made empty, so both ends are marked (R16)
                     n = -(-extra // ps)
+                    res.pages.setdefault(src, 0)
+                    res.marks[src] = None
                 else:
                     source = streams.get(from_label)
                     if source is not None and source.offloaded:
@@ -1151,9 +1150,6 @@ class KVManager(AttentionResource):
         if stream is None:
             raise UnknownRequestError("request has no such label", request_id=rid, label=label)
         return stream
-
-    def _exists(self, key: Key) -> bool:
-        return key[1] in self._streams.get(key[0], {})
 
     def _refuse_if_in_flight(self, rid: str, what: str) -> None:
         for label, stream in self._streams.get(rid, {}).items():

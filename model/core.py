@@ -313,6 +313,7 @@ class Model:
     R13_publish_resident = True
     R14_retrieve_refuses_named = True
     R15_retrieve_refuses_absent_named = True
+    R16_admit_makes_named = True
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
@@ -429,6 +430,9 @@ class Model:
         if any(st[k].offload != RESIDENT for k in keys if k in st):
             return Refused("RequestOffloading"), s
         want = self.reservations(a.step, st)
+        if self.R16_admit_makes_named:  # every named stream exists, so a mark covers it
+            for k in sorted(keys):
+                want.setdefault(k, 0)
         new = sum(max(0, n - st[k].pages) if k in st else n for k, n in want.items())
         if new > s.free:
             return Refused("AllocationFailed", new - s.free), s

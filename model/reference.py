@@ -41,6 +41,7 @@ class ReferenceModel(Model):
     R13_publish_resident = False
     R14_retrieve_refuses_named = False
     R15_retrieve_refuses_absent_named = False
+    R16_admit_makes_named = False
     # the reference's clear_preplan removes invented fork targets only, not
     # labels a preplan's segment created; kvref removes both (DESIGN.md)
     UNDO_ALL_INVENTED = False

@@ -13,9 +13,9 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("dev", max_examples=60, stateful_step_count=40, deadline=None)
+settings.register_profile("dev", max_examples=200, stateful_step_count=50, deadline=None)
 settings.register_profile(
-    "ci", max_examples=40, stateful_step_count=30, deadline=None,
+    "ci", max_examples=400, stateful_step_count=50, deadline=None,
     derandomize=True, database=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )

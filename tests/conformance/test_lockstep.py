@@ -72,6 +72,7 @@ class Lockstep(RuleBasedStateMachine):
         self.model = m.Model(self.scope)
         self.state = self.model.init()
         self.driver = Driver(self.scope, self.config)
+        self._enabled: tuple[m.State | None, list[m.Action]] = (None, [])
 
     # -- the one way an action runs ------------------------------------------
 
@@ -99,7 +100,10 @@ class Lockstep(RuleBasedStateMachine):
         assert not stray, f"I8: write touched pages {sorted(stray)} outside {sorted(allowed)}"
 
     def enabled_of(self, kind: type) -> list[m.Action]:
-        return [a for a in enabled(self.model, self.state) if isinstance(a, kind)]
+        # every rule's precondition asks; enumerate the protocol once per state
+        if self._enabled[0] is not self.state:
+            self._enabled = (self.state, list(enabled(self.model, self.state)))
+        return [a for a in self._enabled[1] if isinstance(a, kind)]
 
     def draw_enabled(self, data: st.DataObject, kind: type) -> m.Action:
         return data.draw(st.sampled_from(self.enabled_of(kind)), label=kind.__name__)
@@ -126,7 +130,14 @@ class Lockstep(RuleBasedStateMachine):
     @precondition(lambda self: self.state.staged is None and bool(self.ready()))
     @rule(data=st.data())
     def admit_preplan(self, data: st.DataObject) -> None:
-        self.run(m.Admit(data.draw(steps(self.model, self.state, self.ready())), preplan=True))
+        # mostly over requests the running step leaves alone: a preplan over
+        # its streams is always the same R10 misuse, and would crowd out the rest
+        ready = self.ready()
+        cur = self.state.current
+        if cur is not None and data.draw(st.integers(0, 3), label="free requests") > 0:
+            busy = {k[0] for k in m.named(cur.step)}
+            ready = [r for r in ready if r not in busy] or ready
+        self.run(m.Admit(data.draw(steps(self.model, self.state, ready)), preplan=True))
 
     @precondition(lambda self: self.state.current is None and self.state.staged is not None
                   and self.state.staged.phase == m.PLANNED)
@@ -260,11 +271,6 @@ def report() -> str:
     return "\n".join(lines)
 
 
-# Not in CI yet: the run still finds a disagreement between the model's
-# protocol and kvref (a claim after a retrieve created a stream that a running
-# step named with a zero-span segment; the model's I4 counts named streams,
-# kvref counts marks). Run it with -m nightly until that is settled.
-@pytest.mark.nightly
 def test_lockstep(driver_config: DriverConfig, capsys: pytest.CaptureFixture[str]) -> None:
     Lockstep.config = driver_config
     Lockstep.scope = SCOPE
