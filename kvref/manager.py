@@ -254,6 +254,9 @@ class KVManager(AttentionResource):
                     )
                 # the preplan pass already reserved and marked
                 return ADMIT_OK
+            if not (ctx.is_preplan or step.pre_forks or step.post_forks
+                    or step.combined_labels):
+                return self._admit_segments(step)
             self._validate_step(step, ctx)
             if ctx.is_preplan:
                 # R10: the staged plan would be built from lengths a running
@@ -275,6 +278,68 @@ class KVManager(AttentionResource):
             if ctx.is_preplan:
                 self._preplan = _Preplan(step, ctx, new_labels, list(res.marks))
             return ADMIT_OK
+
+    def _admit_segments(self, step: KVStep) -> AdmitOutcome:
+        """`admit` of a plain step (no forks, no preplan): what every decode step is.
+
+        The same decisions as `_reserve` + `_apply_reservation`, in one pass
+        to decide and one to apply, holding the stream objects in between:
+        at batch 256 the dictionary lookups of the general path were most of
+        the step's cost.
+        """
+        ps = self.config.page_size
+        all_streams = self._streams
+        todo: list[tuple[dict[str, CacheStream], str, CacheStream | None, int]] = []
+        seen: set[Key] = set()
+        new_pages = 0
+        first_short: Key | None = None
+        for seg in step.segments:
+            rid, label, span = seg.request_id, seg.label, seg.span
+            if span < 0:
+                raise InvalidStepError(f"negative span {span}", request_id=rid, label=label)
+            streams = all_streams.get(rid)
+            if streams is None:
+                raise UnknownRequestError("unknown request (never ingested, or removed)",
+                                          request_id=rid, label=label)
+            stream = streams.get(label)
+            if stream is None:
+                # made even for a zero span, so the mark covers it (R16)
+                short = -(-span // ps)
+            elif stream.offloaded:
+                return AdmitOutcome(ok=False, reason=self._offloading(rid, label))
+            else:
+                short = -(-(stream.stored_len + span) // ps) - len(stream.page_indices)
+            if short > 0:
+                new_pages += short
+                if first_short is None:
+                    first_short = (rid, label)
+            todo.append((streams, label, stream, short))
+            seen.add((rid, label))
+        if len(seen) != len(todo):
+            dup = next(k for k in seen
+                       if sum((s.request_id, s.label) == k for s in step.segments) > 1)
+            # both would be planned from one length and write the same slots
+            raise InvalidStepError("stream appears twice in one step",
+                                   request_id=dup[0], label=dup[1])
+        free = self._allocator.num_free
+        if new_pages > free:
+            rid, label = first_short or ("", "")
+            return AdmitOutcome(ok=False, reason=AllocationFailed(
+                pages_short=new_pages - free, request_id=rid, label=label,
+                message=(f"not enough free pages: step needs {new_pages} new, {free} free "
+                         f"(first short: request {rid!r} label {label!r})"),
+            ))
+        allocate = self._allocator.try_allocate
+        for streams, label, stream, short in todo:
+            if stream is None:
+                stream = streams[label] = CacheStream()
+            if short > 0:
+                got = allocate(short)
+                assert got is not None  # counted above, under the same lock
+                stream.page_indices += got
+                stream.generation += 1
+            stream.step_in_flight = True
+        return ADMIT_OK
 
     def _validate_step(self, step: KVStep, ctx: StepContext) -> None:
         """Misuse checks that do not depend on stream state (spans are checked in `_reserve`)."""

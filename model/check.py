@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import itertools
 import json
 import sys
@@ -445,9 +446,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="report the shortest violation of every invariant, not just the first")
     ap.add_argument("--emit-traces", metavar="FILE", help="one JSON line per reachable state")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--conformance", action="store_true",
+                    help="also replay every reachable state and enabled action on kvref "
+                    "(needs kvref and the repository's tests/ importable)")
     o = ap.parse_args(argv)
     scope = Scope(o.requests, o.labels, o.device_pages, o.host_pages, o.page_size, o.max_span,
                   o.depth)
+    if o.conformance:
+        # imported by name: the model itself never depends on kvref
+        exhaustive = importlib.import_module("tests.conformance.exhaustive")
+        result = exhaustive.check_scope(scope, progress=not o.quiet)
+        print(exhaustive.summary(result))
+        for failure in result.failures:
+            print("MISMATCH", failure)
+        return 1 if result.failures else 0
     model = model_class(o.model, o.without)(scope)
     rep = Report()
     with contextlib.ExitStack() as stack:

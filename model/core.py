@@ -567,12 +567,13 @@ class Model:
         off = s.offload_of(a.rid)
         if off is None or a.label in off.copied:
             raise ProtocolError("copy outside a claim")
+        v = s.stream_map().get((a.rid, a.label), Stream())  # removed: copies nothing
+        if self.host_used(s) + self.need(v.stored_len) > self.scope.host_pages:
+            # host full: this stream stays on device; no copy runs, so none can fail
+            return Flag(False), s
         if a.copy_error:  # R8: every claim of the offload is abandoned
             _, nxt = self.do_OffloadAbandon(s, OffloadAbandon(a.rid))
             return Misuse("OffloadCopyError"), nxt
-        v = s.stream_map().get((a.rid, a.label), Stream())  # removed: copies nothing
-        if self.host_used(s) + self.need(v.stored_len) > self.scope.host_pages:
-            return Flag(False), s  # host full: this stream stays on device
         offloads = dict(s.offloads)
         offloads[a.rid] = replace(off, copied=off.copied | {a.label})
         host = dict(s.host)
