@@ -321,14 +321,8 @@ class KVManager(AttentionResource):
             # both would be planned from one length and write the same slots
             raise InvalidStepError("stream appears twice in one step",
                                    request_id=dup[0], label=dup[1])
-        free = self._allocator.num_free
-        if new_pages > free:
-            rid, label = first_short or ("", "")
-            return AdmitOutcome(ok=False, reason=AllocationFailed(
-                pages_short=new_pages - free, request_id=rid, label=label,
-                message=(f"not enough free pages: step needs {new_pages} new, {free} free "
-                         f"(first short: request {rid!r} label {label!r})"),
-            ))
+        if new_pages > self._allocator.num_free:
+            return AdmitOutcome(ok=False, reason=self._short(new_pages, first_short))
         allocate = self._allocator.try_allocate
         for streams, label, stream, short in todo:
             if stream is None:
@@ -410,19 +404,18 @@ class KVManager(AttentionResource):
                 if res.first_short is None:
                     res.first_short = key
         res.new_pages = new_pages
-        free = self._allocator.num_free
-        if new_pages > free:
-            rid, label = res.first_short or ("", "")
-            return AllocationFailed(
-                pages_short=new_pages - free,
-                request_id=rid,
-                label=label,
-                message=(
-                    f"not enough free pages: step needs {new_pages} new, "
-                    f"{free} free (first short: request {rid!r} label {label!r})"
-                ),
-            )
+        if new_pages > self._allocator.num_free:
+            return self._short(new_pages, res.first_short)
         return res
+
+    def _short(self, new_pages: int, first_short: Key | None) -> AllocationFailed:
+        free = self._allocator.num_free
+        rid, label = first_short or ("", "")
+        return AllocationFailed(
+            pages_short=new_pages - free, request_id=rid, label=label,
+            message=(f"not enough free pages: step needs {new_pages} new, {free} free "
+                     f"(first short: request {rid!r} label {label!r})"),
+        )
 
     def _reserve_forks(
         self, step: KVStep, ctx: StepContext, res: _Reservation, length_at_plan: dict[Key, int]
@@ -902,6 +895,14 @@ class KVManager(AttentionResource):
             return offload.commit()
         finally:
             offload.abandon()  # a no-op once committed
+
+    def _claims_changed(self, rid: str, claims: Iterable[ClaimedStream]) -> bool:
+        with self._lock:
+            streams = self._streams.get(rid, {})
+            return any(
+                (s := streams.get(c.label)) is None or s.generation != c.generation
+                for c in claims
+            )
 
     def _copy_claim_to_host(self, rid: str, claim: ClaimedStream) -> bool:
         assert self._cpu_pool is not None

@@ -56,7 +56,8 @@ class Offload:
         return self._open
 
     def copy(self, label: str) -> bool:
-        """Copy one claimed stream to the host. False if the host pool is full.
+        """Copy one claimed stream to the host. False if the host pool is full, or
+        if a claimed stream changed since the claim (the commit will undo it).
 
         A copy that raises undoes the whole offload (every host copy
         discarded, every claim released) and re-raises as `OffloadCopyError`:
@@ -72,6 +73,10 @@ class Offload:
             raise OffloadStateError(
                 "stream already copied", request_id=self.request_id, label=label
             )
+        if self._manager._claims_changed(self.request_id, self._claims.values()):
+            # a reset (or removal) since the claim dooms the commit's
+            # generation guard: a copy now would be thrown away
+            return False
         read = self._read_futures.pop(label, None)
         if read is not None:
             # a retrieve still writing these pages would be torn into the copy

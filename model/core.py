@@ -567,6 +567,10 @@ class Model:
         off = s.offload_of(a.rid)
         if off is None or a.label in off.copied:
             raise ProtocolError("copy outside a claim")
+        if off.touched:
+            # a claimed stream changed since the claim: the commit is doomed,
+            # so kvref copies nothing (and nothing can fail)
+            return Flag(False), s
         v = s.stream_map().get((a.rid, a.label), Stream())  # removed: copies nothing
         if self.host_used(s) + self.need(v.stored_len) > self.scope.host_pages:
             # host full: this stream stays on device; no copy runs, so none can fail
