@@ -1,0 +1,71 @@
+"""kvref's threads against the model: Hypothesis-drawn programs under
+Hypothesis-drawn schedules, PCT, and exhaustive search of small programs.
+
+A failure prints the programs, the linearization and ``schedule=[...]``;
+`tests.support.sched_harness.replay(programs, schedule)` reruns it exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from model import core as m
+from tests.concurrency.programs import choices, programs
+from tests.support.sched_harness import Op, Program, StepOp, replay, run_once
+from tests.support.sched_planted import STEP0, dfs_count
+from tests.support.scheduler import PCT, Replay
+
+# sized for CI (~90 s for the whole concurrency suite on two cores); the
+# nightly profile's max_examples applies to the nightly test below
+CI = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@CI
+@given(programs(), choices())
+def test_drawn_schedules(progs: list[Program], schedule: list[int]) -> None:
+    run_once(progs, Replay(schedule))
+
+
+@CI
+@given(programs(), st.integers(0, 2**32 - 1), st.integers(2, 3))
+def test_pct(progs: list[Program], seed: int, depth: int) -> None:
+    run_once(progs, PCT(seed, depth, steps=80))
+
+
+SMALL = {
+    "offload against admit and commit": [
+        Program("engine", [STEP0]), Program("worker", [Op("offload", 0)])],
+    "reload against remove": [
+        Program("worker", [Op("reload", 1)]), Program("life", [Op("remove", 1)])],
+    "preplan against offload": [
+        Program("engine", [StepOp(m.Step((m.Seg(0, 0, 1),), padded=(0,)), "preplan")]),
+        Program("worker", [Op("offload", 0)])],
+    "retrieve completes against an offload": [
+        Program("engine", [Op("retrieve", 2, 0, 4)]), Program("worker", [Op("offload", 2)])],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_dfs_every_schedule_up_to_two_preemptions(name: str) -> None:
+    n = dfs_count(SMALL[name], bound=2, budget=5000)
+    assert 1 < n < 5000, f"{name}: {n} schedules"
+
+
+@pytest.mark.nightly
+@settings(max_examples=5000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(programs(), choices(200))
+def test_drawn_schedules_nightly(progs: list[Program], schedule: list[int]) -> None:
+    run_once(progs, Replay(schedule))
+
+
+def test_a_failure_prints_a_schedule_that_replays_it() -> None:
+    from tests.support.sched_planted import RACES, detect, pct
+
+    race = RACES[0]
+    found = detect(race, pct(0, 3), budget=500)
+    assert found.schedule is not None and "schedule=" in found.message
+    with race.patch(), pytest.raises(AssertionError) as again:
+        replay(race.programs, found.schedule)
+    assert str(again.value).splitlines()[0] == found.message.splitlines()[0]

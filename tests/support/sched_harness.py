@@ -1,0 +1,566 @@
+"""kvref under the cooperative scheduler, checked against the model.
+
+A run: a fresh manager on a `CoopRuntime`, a sequential set-up, then two to
+four thread programs (`Program`) under one schedule. Every kvref call the
+programs make is split into the model's actions (`Linearizer.subop`); an
+action's linearization point is the moment its thread takes the lock that
+guards it (the manager's lock; the host pool's for an offload's copy), or
+its return if it took none (a refusal read before any lock, `write_kv`). A
+background task's completion is `RetrieveComplete`, logged atomically with
+the future being set.
+
+The log, in that order, is replayed on the model: each action's result must
+be the model's; at every switch point where no runtime lock is held and no
+logged action is still inside its critical section, kvref's state read back
+by the conformance driver must equal the model's, page ownership (I1, I2,
+I6) and host lengths must check, and the model's invariants must hold. At
+the end the cache bytes are checked (I7).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvref import KVManager, KVRefError, Offload, PublishedKVInfo
+from model import core as m
+from model.invariants import violations
+from tests.conformance.driver import (
+    Driver,
+    DriverConfig,
+    label_name,
+    outcome,
+    retrieve_state,
+    rid_name,
+)
+from tests.support.scheduler import (
+    CoopLock,
+    CoopRuntime,
+    Replay,
+    ScheduleFailure,
+    Scheduler,
+    Strategy,
+)
+
+SCOPE = m.Scope(requests=3, labels=2, device_pages=8, host_pages=4, page_size=2, max_span=3)
+
+
+class ConcurrentModel(m.Model):
+    """The model plus the answers kvref gives to calls on a request another
+    thread removed. A sequential engine never makes them (the protocol only
+    issues actions on ingested requests); a concurrent one does, and kvref
+    documents its answer for each."""
+
+    def step(self, s: m.State, a: m.Action) -> tuple[m.Result, m.State]:
+        gone = self.gone(s, a)
+        if gone is not None:
+            return gone, s
+        return super().step(s, a)
+
+    @staticmethod
+    def gone(s: m.State, a: m.Action) -> m.Result | None:
+        have = s.requests()
+        if isinstance(a, m.Admit):
+            if s.staged is not None and not a.preplan:
+                return None  # the staged step's own admit: answered before any lookup
+            rids = {g.rid for g in a.step.segments} | set(a.step.padded)
+            return m.Misuse("UnknownRequestError") if rids - have else None
+        rid = getattr(a, "rid", None)
+        if rid is None or rid in have:
+            return None
+        if isinstance(a, (m.RetrieveStart, m.Reset)):
+            return m.Misuse("UnknownRequestError")
+        if isinstance(a, m.Remove):
+            return m.Ok()  # idempotent
+        if isinstance(a, m.Reload):
+            return m.Flag(False)
+        if isinstance(a, m.OffloadClaim):
+            return m.Claimed(())
+        return None
+
+
+# -- the log ----------------------------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    actor: str
+    action: m.Action
+    result: m.Result | None = None
+    done: bool = False
+    # log length when the action's critical section ended (completions logged
+    # before it happened inside the section)
+    section_end: int | None = None
+    watch: str | None = None  # the lock whose section linearized it
+    # its effects all happen in that one section (else: settled only when done)
+    one_section: bool = True
+    want: m.Result | None = None
+
+
+@dataclass
+class SubOp:
+    action: m.Action
+    # the locks whose first section linearizes it: ("manager",), or for a copy
+    # ("manager", "pool") (its generation check, else its host allocation); ()
+    # linearizes it at its return
+    watch: tuple[str, ...]
+    always: bool  # logged even if it took no lock (else: only if it did)
+    entry: Entry | None = None
+    result: m.Result | None = None
+    # a copy's generation check ran here: its place in the log if the copy
+    # stops there (the claim changed); if it goes on, its allocation is the point
+    tentative: int | None = None
+
+
+class Linearizer:
+    """Records the order critical sections ran in, and checks it on the model."""
+
+    def __init__(self, model: m.Model, driver: Driver, sched: Scheduler) -> None:
+        self.model = model
+        self.driver = driver
+        self.sched = sched
+        self.log: list[Entry] = []
+        self.local = threading.local()
+        self.lock_role: dict[int, str] = {}
+        self.state = model.init()
+        self.pos = 0  # entries replayed on the model
+        self.checks = 0
+        self.stray: list[str] = []
+        self.tentative = 0  # copies between their check and their allocation
+
+    # -- the runtime's hooks -----------------------------------------------------------
+
+    def _sub(self) -> SubOp | None:
+        return getattr(self.local, "sub", None)
+
+    def _who(self) -> str:
+        me = self.sched.me()
+        return me.name if me is not None and self.sched.running else "setup"
+
+    def on_acquire(self, lock: CoopLock) -> None:
+        role = self.lock_role.get(id(lock))
+        sub = self._sub()
+        if sub is not None and sub.entry is None and role is not None and role in sub.watch:
+            if sub.watch[-1] != role:
+                if sub.tentative is None:
+                    sub.tentative = len(self.log)
+                    self.tentative += 1
+                return
+            sub.entry = self._append(Entry(self._who(), sub.action, watch=role,
+                                           one_section=sub.watch == ("manager",)))
+        elif role == "manager" and sub is None:
+            self.stray.append(f"{self._who()} took the manager lock outside any modelled action")
+
+    def on_release(self, lock: CoopLock) -> None:
+        sub = self._sub()
+        role = self.lock_role.get(id(lock))
+        if sub is not None and sub.entry is not None and sub.entry.section_end is None \
+                and role == sub.entry.watch and role is not None:
+            sub.entry.section_end = len(self.log)
+
+    def on_submit(self) -> Any:
+        sub = self._sub()
+        if sub is None or not isinstance(sub.action, m.RetrieveStart):
+            self.stray.append(f"a task submitted outside a retrieve ({sub})")
+            return None
+        return (sub.action.rid, sub.action.label)
+
+    def on_task_done(self, tag: Any, ok: bool) -> None:
+        if tag is None:
+            return
+        rid, label = tag
+        e = Entry(self._who(), m.RetrieveComplete(rid, label, ok), m.Ok(), done=True)
+        e.section_end = len(self.log) + 1
+        self._append(e)
+
+    def _append(self, e: Entry) -> Entry:
+        self.log.append(e)
+        return e
+
+    def at_point(self, sched: Scheduler) -> None:
+        if self.quiescent():
+            self.check()
+
+    # -- actions ------------------------------------------------------------------------
+
+    @contextmanager
+    def subop(self, action: m.Action, watch: tuple[str, ...] = ("manager",),
+              always: bool = True) -> Iterator[SubOp | None]:
+        """One model action; nested ones are part of the outer action."""
+        if self._sub() is not None:
+            yield None
+            return
+        sub = SubOp(action, watch, always)
+        self.local.sub = sub
+        try:
+            yield sub
+        finally:
+            self.local.sub = None
+            if sub.tentative is not None:
+                self.tentative -= 1
+                if sub.entry is None:
+                    # stopped at its check: linearized there (nothing after it
+                    # was replayed: quiescence waits for open checks)
+                    sub.entry = Entry(self._who(), action, section_end=sub.tentative + 1)
+                    self.log.insert(sub.tentative, sub.entry)
+            if sub.entry is None and always:
+                sub.entry = self._append(Entry(self._who(), action))
+            if sub.entry is not None:
+                if sub.entry.section_end is None:
+                    sub.entry.section_end = len(self.log)
+                sub.entry.result = sub.result
+                sub.entry.done = True
+
+    def call(self, action: m.Action, fn: Callable[[], m.Result],
+             watch: tuple[str, ...] = ("manager",), always: bool = True) -> m.Result:
+        with self.subop(action, watch, always) as sub:
+            try:
+                result = fn()
+            except KVRefError as err:
+                result = m.Misuse(type(err).__name__)
+            if sub is not None:
+                sub.result = result
+        return result
+
+    # -- the check ------------------------------------------------------------------------
+
+    def settled(self, e: Entry) -> bool:
+        # a manager-lock action's effects are all inside its section; a copy's
+        # are not (it records the host copy in a second pool section)
+        return e.done or (e.one_section and e.section_end is not None)
+
+    def quiescent(self) -> bool:
+        return not self.sched.locks_held() and not self.tentative and all(
+            self.settled(e) for e in self.log[self.pos:])
+
+    def replay(self) -> None:
+        """Advance the model over every settled entry; compare finished results."""
+        while self.pos < len(self.log) and self.settled(self.log[self.pos]):
+            e = self.log[self.pos]
+            try:
+                want, nxt = self.model.step(self.state, e.action)
+            except m.ProtocolError as err:
+                raise AssertionError(
+                    f"kvref ran {e.action} ({e.actor}) where the model's protocol forbids it: "
+                    f"{err}\n{self.render()}") from None
+            e.want = self.observed(e, want)
+            broken = violations(self.model, nxt, e.action, want, self.state)
+            if broken:
+                raise AssertionError(f"model invariant after {e.action}: {broken}\n"
+                                     + self.render())
+            self.state = nxt
+            self.pos += 1
+        for e in self.log[: self.pos]:
+            if e.done and e.want is not None and e.result != e.want:
+                raise AssertionError(
+                    f"{e.actor}: {e.action}: kvref answered {e.result}, the model "
+                    f"{e.want}\n{self.render()}")
+
+    def observed(self, e: Entry, want: m.Result) -> m.Result:
+        """admit_retrieve reads readiness at the end of its section: a transfer
+        that completed inside the section is already visible to it."""
+        if not isinstance(e.action, m.RetrieveStart) or want != m.NotReady():
+            return want
+        i = self.log.index(e)
+        end = e.section_end if e.section_end is not None else len(self.log)
+        for later in self.log[i + 1: end]:
+            a = later.action
+            if isinstance(a, m.RetrieveComplete) and (a.rid, a.label) == (
+                    e.action.rid, e.action.label):
+                return m.Ok() if a.ok else m.Refused("AdmitRuntimeError")
+        return want
+
+    def check(self, final: bool = False) -> None:
+        self.replay()
+        if self.pos < len(self.log):
+            return  # an action still inside its section: not a quiescent point
+        self.checks += 1
+        assert not self.stray, self.stray
+        d = self.driver
+        got = d.abstract(self.state)
+        if got != self.state:
+            raise AssertionError(f"kvref state\n  {got}\nmodel state\n  {self.state}\n"
+                                 + self.render())
+        d.check_pages()
+        d.check_host_lengths(self.state)
+        if final:
+            d.check_bytes(self.state)
+
+    def render(self) -> str:
+        lines = ["linearization:"]
+        for i, e in enumerate(self.log):
+            mark = ">" if i == self.pos else " "
+            lines.append(f" {mark}{i:3} {e.actor:>10}  {e.action}  -> {e.result}"
+                         + (f"  (model {e.want})" if e.want not in (None, e.result) else ""))
+        return "\n".join(lines)
+
+
+# -- programs ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepOp:
+    """The engine thread: admit, plan, write, commit one step (or preplan it)."""
+
+    step: m.Step
+    mode: str = "run"  # run | preplan (then promote and run) | clear (preplan, then abandon)
+
+
+@dataclass(frozen=True)
+class Op:
+    """Any other thread's call: offload / reload / reset / remove / ingest / retrieve."""
+
+    kind: str
+    rid: int
+    label: int = 0
+    n: int = 0  # retrieve length; reset: 1 frees
+    fail: bool = False  # retrieve: the transfer fails
+
+
+AnyOp = StepOp | Op
+
+
+@dataclass
+class Program:
+    name: str
+    ops: Sequence[AnyOp]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Sequential, before the threads: request -> main length; offloaded requests."""
+
+    lengths: tuple[tuple[int, int], ...] = ((0, 3), (1, 2), (2, 2))
+    offloaded: tuple[int, ...] = (1,)
+
+
+class Harness:
+    """One manager, one schedule: `run` raises `ScheduleFailure` on any disagreement."""
+
+    def __init__(self, strategy: Strategy, scope: m.Scope = SCOPE,
+                 config: DriverConfig | None = None, max_steps: int = 4000,
+                 model: m.Model | None = None) -> None:
+        self.scope = scope
+        self.sched = Scheduler(strategy, max_steps=max_steps)
+        self.runtime = CoopRuntime(self.sched)
+        base = config or DriverConfig()
+        runtime = self.runtime
+
+        def factory(**kwargs: Any) -> KVManager:
+            kwargs["runtime"] = runtime
+            return base.factory(**kwargs)
+
+        self.driver = Driver(scope, DriverConfig(base.device, base.dtype, factory))
+        self.kv = self.driver.kv
+        self.model = model or ConcurrentModel(scope)
+        self.lin = Linearizer(self.model, self.driver, self.sched)
+        self.sched.observer = self.lin
+        kv = self.kv
+        assert kv._cpu_pool is not None
+        for lk, role in ((kv._lock, "manager"), (kv._cpu_pool._lock, "pool"),
+                         (kv._transfer._lock, "transfer")):
+            assert isinstance(lk, CoopLock)
+            lk.name = role
+            self.lin.lock_role[id(lk)] = role
+        self._instrument()
+        self.published: dict[tuple[int, int, int], PublishedKVInfo] = {}
+
+    # -- offload's phases are model actions ---------------------------------------------
+
+    def _instrument(self) -> None:
+        kv, lin = self.kv, self.lin
+        begin = kv.begin_offload
+
+        def begin_offload(rid: str) -> Offload | None:
+            r = int(rid[1:])
+            box: list[Offload | None] = [None]
+
+            def claim() -> m.Result:
+                box[0] = off = begin(rid)
+                if off is None:
+                    return m.Claimed(())
+                return m.Claimed(tuple(sorted(m.LABEL_NAMES.index(n) for n in off.labels)))
+
+            lin.call(m.OffloadClaim(r), claim)
+            if box[0] is not None:
+                self._instrument_offload(box[0], r)
+            return box[0]
+
+        kv.begin_offload = begin_offload  # type: ignore[method-assign]
+
+    def _instrument_offload(self, off: Offload, r: int) -> None:
+        lin = self.lin
+        copy, commit, abandon = off.copy, off.commit, off.abandon
+
+        def copy_(label: str) -> bool:
+            ok = [False]
+
+            def run() -> m.Result:
+                ok[0] = copy(label)
+                return m.Flag(ok[0])
+
+            with lin.subop(m.OffloadCopy(r, m.LABEL_NAMES.index(label)),
+                           watch=("manager", "pool")) as sub:
+                res = run()
+                if sub is not None:
+                    sub.result = res
+            return ok[0]
+
+        def commit_() -> int:
+            freed = [0]
+
+            def run() -> m.Result:
+                freed[0] = commit()
+                return m.Freed(freed[0])
+
+            lin.call(m.OffloadCommit(r), run)
+            return freed[0]
+
+        def abandon_() -> None:
+            lin.call(m.OffloadAbandon(r), lambda: (abandon(), m.Ok())[1], always=False)
+
+        off.copy = copy_  # type: ignore[method-assign]
+        off.commit = commit_  # type: ignore[method-assign]
+        off.abandon = abandon_  # type: ignore[method-assign]
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def setup(self, setup: Setup, programs: Sequence[Program]) -> None:
+        """Requests with tokens, some offloaded; every retrieve's publisher made
+        now (outside the run: a publisher is another manager, on real locks)."""
+        lin, d = self.lin, self.driver
+        for rid, n in setup.lengths:
+            lin.call(m.Ingest(rid), lambda rid=rid: d.apply(m.Ingest(rid)))  # type: ignore[misc]
+            if n:
+                self.run_step(StepOp(m.Step((m.Seg(rid, 0, n),), padded=(rid,))))
+        for rid in setup.offloaded:
+            self.kv.offload(rid_name(rid))
+        for p in programs:
+            for op in p.ops:
+                if isinstance(op, Op) and op.kind == "retrieve":
+                    key = (op.rid, op.label, op.n)
+                    if key not in self.published:
+                        src = d.publisher(op.rid, op.label, op.n)
+                        info = src.publish(rid_name(op.rid))
+                        assert info is not None
+                        self.published[key] = info
+        lin.check()
+
+    # -- what the threads do ----------------------------------------------------------------
+
+    def ready(self, step: m.Step) -> bool:
+        """The engine admits only requests whose retrieves landed (the model's
+        protocol). Only the engine thread starts retrieves, so none can start
+        between this read and the admit."""
+        rids = {rid_name(g.rid) for g in step.segments} | {rid_name(r) for r in step.padded}
+        return all(retrieve_state(s) == m.IDLE
+                   for r in rids for s in self.kv._streams.get(r, {}).values())
+
+    def run_step(self, op: StepOp) -> None:
+        lin, d = self.lin, self.driver
+        if not self.ready(op.step):
+            return
+        if op.mode == "run":
+            if lin.call(m.Admit(op.step), lambda: d.apply(m.Admit(op.step))) != m.Ok():
+                return
+        else:
+            got = lin.call(m.Admit(op.step, preplan=True),
+                           lambda: d.apply(m.Admit(op.step, preplan=True)))
+            if got != m.Ok():
+                return
+            lin.call(m.Plan(preplan=True), lambda: d.apply(m.Plan(preplan=True)))
+            if op.mode == "clear":
+                lin.call(m.ClearPreplan(), lambda: d.apply(m.ClearPreplan()))
+                return
+            lin.call(m.Admit(op.step), lambda: d.apply(m.Admit(op.step)))
+        lin.call(m.Plan(), lambda: d.apply(m.Plan()))
+        if any(g.span for g in op.step.segments):
+            lin.call(m.Write(), lambda: d.apply(m.Write()), watch=())
+        lin.call(m.Commit(), lambda: d.apply(m.Commit()))
+
+    def run_op(self, op: AnyOp) -> None:
+        self.sched.point(f"call {op}")
+        if isinstance(op, StepOp):
+            self.run_step(op)
+            return
+        lin, d, kv = self.lin, self.driver, self.kv
+        name = rid_name(op.rid)
+        if op.kind == "offload":
+            kv.offload(name)
+        elif op.kind == "reload":
+            lin.call(m.Reload(op.rid), lambda: m.Flag(kv.reload(name)))
+        elif op.kind == "reset":
+            a = m.Reset(op.rid, free=bool(op.n))
+            lin.call(a, lambda: d.apply(a))
+        elif op.kind == "remove":
+            lin.call(m.Remove(op.rid), lambda: d.apply(m.Remove(op.rid)))
+        elif op.kind == "ingest":
+            lin.call(m.Ingest(op.rid), lambda: d.apply(m.Ingest(op.rid)))
+        elif op.kind == "retrieve":
+            info = self.published[(op.rid, op.label, op.n)]
+
+            def retrieve() -> m.Result:
+                if op.fail:
+                    kv._transfer.fail_next = 1
+                try:
+                    return outcome(kv.admit_retrieve(name, "node", label_name(op.label), info))
+                finally:
+                    kv._transfer.fail_next = 0
+
+            lin.call(m.RetrieveStart(op.rid, op.label, op.n), retrieve)
+        else:
+            raise ValueError(op.kind)
+
+    def run(self, programs: Sequence[Program], setup: Setup | None = None) -> None:
+        self.setup(setup or Setup(), programs)
+
+        def body(p: Program) -> Callable[[], None]:
+            def go() -> None:
+                for op in p.ops:
+                    self.run_op(op)
+            return go
+
+        try:
+            self.sched.run([(p.name, body(p)) for p in programs])
+            self.lin.check(final=True)
+        except ScheduleFailure as err:
+            raise ScheduleFailure(f"{err}\n{describe(programs)}", err.schedule) from None
+        except AssertionError as err:
+            raise ScheduleFailure(
+                f"{err}\n{describe(programs)}\nschedule={self.sched.schedule}",
+                list(self.sched.schedule)) from None
+
+
+def describe(programs: Sequence[Program]) -> str:
+    return "programs:\n" + "\n".join(f"  {p.name}: {list(p.ops)}" for p in programs)
+
+
+def run_once(programs: Sequence[Program], strategy: Strategy, setup: Setup | None = None,
+             **kwargs: Any) -> Harness:
+    h = Harness(strategy, **kwargs)
+    h.run(programs, setup)
+    return h
+
+
+def replay(programs: Sequence[Program], schedule: Sequence[int],
+           setup: Setup | None = None) -> Harness:
+    """Rerun a failure exactly: the schedule its message printed."""
+    return run_once(programs, Replay(schedule), setup)
+
+
+@dataclass
+class Stats:
+    runs: int = 0
+    seconds: float = 0.0
+    found_at: int | None = None
+    failure: str = ""
+    schedules: list[list[int]] = field(default_factory=list)
+
+
+__all__ = [
+    "SCOPE", "ConcurrentModel", "Harness", "Linearizer", "Op", "Program", "Setup", "StepOp",
+    "describe", "replay", "retrieve_state", "run_once",
+]
