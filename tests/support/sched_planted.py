@@ -1,0 +1,179 @@
+"""Known races, patched back into kvref, and the programs that expose them.
+
+Each planted race is a context manager that monkeypatches `KVManager` into
+the reference's (or a plausible regression's) behaviour, plus the smallest
+thread programs in which the race can happen. `detect` runs a strategy until
+the harness reports a failure and says how many schedules it took: the
+figures the README quotes come from `python -m tests.concurrency.measure`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from kvref import KVManager
+from kvref.streams import ClaimedStream
+from model import core as m
+from tests.support.sched_harness import Op, Program, StepOp, run_once
+from tests.support.scheduler import (
+    PCT,
+    Prefix,
+    RandomWalk,
+    ScheduleFailure,
+    Strategy,
+    next_dfs_prefix,
+)
+
+
+@contextmanager
+def claim_ignores_marks() -> Iterator[None]:
+    """R4 gone: an offload claims a request whose step is in flight."""
+    orig = KVManager.begin_offload
+
+    def racy(self: KVManager, rid: str) -> Any:
+        with self._lock:
+            marked = [s for s in self._streams.get(rid, {}).values() if s.step_in_flight]
+            for s in marked:
+                s.step_in_flight = False
+            try:
+                return orig(self, rid)
+            finally:
+                for s in marked:
+                    s.step_in_flight = True
+
+    KVManager.begin_offload = racy  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        KVManager.begin_offload = orig  # type: ignore[method-assign]
+
+
+@contextmanager
+def commit_ignores_guard() -> Iterator[None]:
+    """The offload commit trusts its claims: no generation guard, so a stream
+    reset (or reloaded) between copy and commit loses its pages."""
+    orig = KVManager._commit_offload
+
+    def racy(self: KVManager, rid: str, claims: Mapping[str, ClaimedStream],
+             copied: Sequence[str]) -> int:
+        with self._lock:
+            streams = self._streams.get(rid, {})
+            claims = {label: dataclasses.replace(c, generation=streams[label].generation)
+                      if label in streams else c for label, c in claims.items()}
+            return orig(self, rid, claims, copied)
+
+    KVManager._commit_offload = racy  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        KVManager._commit_offload = orig  # type: ignore[method-assign]
+
+
+@contextmanager
+def reset_skips_drain() -> Iterator[None]:
+    """reset/remove no longer wait for in-flight retrieves before reusing pages."""
+    orig = KVManager._drain_reads
+    KVManager._drain_reads = lambda self, rid: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        KVManager._drain_reads = orig  # type: ignore[method-assign]
+
+
+@contextmanager
+def nothing() -> Iterator[None]:
+    yield
+
+
+@dataclass(frozen=True)
+class Race:
+    name: str
+    patch: Callable[[], AbstractContextManager[None]]
+    programs: tuple[Program, ...]
+
+
+STEP0 = StepOp(m.Step((m.Seg(0, 0, 1),), padded=(0,)))
+
+RACES = (
+    Race("claim ignores in-flight marks", claim_ignores_marks,
+         (Program("engine", [STEP0]), Program("worker", [Op("offload", 0)]))),
+    Race("offload commit skips the generation guard", commit_ignores_guard,
+         (Program("worker", [Op("offload", 0)]), Program("life", [Op("reset", 0, n=1)]))),
+    Race("reset reuses pages under a retrieve", reset_skips_drain,
+         (Program("engine", [Op("retrieve", 2, 0, 5)]),
+          Program("life", [Op("reset", 2, n=1)]))),
+)
+
+# the same program, unpatched: kvref's reset drains, then takes its lock, and a
+# retrieve that starts in between still runs under the reset (test_known_races)
+KNOWN = Race("kvref as is: a retrieve starts between reset's drain and its lock", nothing,
+             RACES[2].programs)
+
+
+@dataclass
+class Detection:
+    schedules: int | None  # None: not found within the budget
+    seconds: float
+    schedule: list[int] | None = None
+    message: str = ""
+
+
+def detect(race: Race, strategies: Iterator[Strategy], budget: int) -> Detection:
+    """Run fresh strategies until one schedule fails; count the schedules."""
+    t0 = time.perf_counter()
+    with race.patch():
+        for n, strategy in enumerate(strategies, 1):
+            if n > budget:
+                break
+            try:
+                run_once(race.programs, strategy)
+            except ScheduleFailure as err:
+                return Detection(n, time.perf_counter() - t0, err.schedule, str(err))
+    return Detection(None, time.perf_counter() - t0)
+
+
+def pct(seed: int, depth: int, steps: int = 60) -> Iterator[Strategy]:
+    i = 0
+    while True:
+        yield PCT(seed * 100_003 + i, depth, steps)
+        i += 1
+
+
+def random_walk(seed: int) -> Iterator[Strategy]:
+    i = 0
+    while True:
+        yield RandomWalk(seed * 100_003 + i)
+        i += 1
+
+
+def dfs(race: Race, bound: int, budget: int) -> Detection:
+    """Depth-first over every schedule with at most ``bound`` preemptions."""
+    t0 = time.perf_counter()
+    prefix: list[int] | None = []
+    n = 0
+    with race.patch():
+        while prefix is not None and n < budget:
+            n += 1
+            strategy = Prefix(prefix)
+            try:
+                h = run_once(race.programs, strategy)
+            except ScheduleFailure as err:
+                return Detection(n, time.perf_counter() - t0, err.schedule, str(err))
+            prefix = next_dfs_prefix(h.sched.trace, bound)
+    return Detection(None, time.perf_counter() - t0, message=f"{n} schedules, none failed")
+
+
+def dfs_count(programs: Sequence[Program], bound: int, budget: int) -> int:
+    """How many schedules DFS visits (all pass, or the first failure raises)."""
+    prefix: list[int] | None = []
+    n = 0
+    while prefix is not None and n < budget:
+        n += 1
+        h = run_once(programs, Prefix(prefix))
+        prefix = next_dfs_prefix(h.sched.trace, bound)
+    return n
