@@ -1,0 +1,134 @@
+"""Nightly: free-running real threads on the default `ThreadingRuntime`.
+
+No scheduler and no model (results depend on timing): an engine thread runs
+steps and retrieves, a worker offloads and reloads, a lifecycle thread resets
+and re-ingests, all with a tiny ``sys.setswitchinterval`` so the interpreter
+switches threads often. A checker takes the manager's lock at intervals and
+checks device page ownership (I1, I2); at the end, every page and host page
+is checked, and removing everything must give every page back (I12).
+
+    KVREF_STRESS_SECONDS=60 python -m pytest -m nightly tests/concurrency/test_stress.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvref import KVManager, KVRefError
+from kvref.plan import SINK_PAGE
+from kvref.runtime import ThreadingRuntime
+from model import core as m
+from tests.conformance.driver import Driver, DriverConfig, label_name, rid_name
+from tests.support.sched_harness import SCOPE
+
+
+def device_pages_ok(kv: KVManager) -> None:
+    owned: list[int] = [p for ls in kv._streams.values() for s in ls.values()
+                        for p in s.page_indices]
+    free = list(kv._allocator._free)
+    assert SINK_PAGE not in owned and SINK_PAGE not in free, "I2"
+    assert len(set(owned)) == len(owned), "I1: a page in two streams"
+    assert not set(owned) & set(free), "I1: a page both free and owned"
+    assert len(owned) + len(free) + 1 == kv.config.max_num_pages, "I1: a page lost"
+
+
+@pytest.mark.nightly
+def test_free_running_threads() -> None:
+    seconds = float(os.environ.get("KVREF_STRESS_SECONDS", "20"))
+    runtime = ThreadingRuntime()
+
+    def factory(**kwargs: Any) -> KVManager:
+        kwargs["runtime"] = runtime
+        return KVManager(**kwargs)
+
+    d = Driver(SCOPE, DriverConfig(factory=factory))
+    kv = d.kv
+    infos = {}
+    for rid in range(SCOPE.requests):
+        d.apply(m.Ingest(rid))
+        for label in range(SCOPE.labels):
+            src = d.publisher(rid, label, 4)
+            infos[(rid, label)] = src.publish(rid_name(rid))
+    stop = time.monotonic() + seconds
+    errors: list[BaseException] = []
+    counts = {"steps": 0, "offloads": 0, "checks": 0}
+
+    def loop(fn: Callable[[random.Random], None], seed: int) -> Callable[[], None]:
+        def go() -> None:
+            rng = random.Random(seed)
+            try:
+                while time.monotonic() < stop and not errors:
+                    # a misuse raced into (a reset of a request another removed...)
+                    with contextlib.suppress(KVRefError):
+                        fn(rng)
+            except BaseException as err:
+                errors.append(err)
+        return go
+
+    def engine(rng: random.Random) -> None:
+        rid = rng.randrange(SCOPE.requests)
+        if rng.random() < 0.2:
+            label = rng.randrange(SCOPE.labels)
+            kv.admit_retrieve(rid_name(rid), "node", label_name(label), infos[(rid, label)])
+            return
+        streams = kv._streams.get(rid_name(rid), {})
+        if any(s.read_pending or s.read_error is not None for s in list(streams.values())):
+            return  # not ready: the engine waits for its retrieve
+        step = m.Step((m.Seg(rid, rng.randrange(SCOPE.labels), rng.randrange(3)),),
+                      padded=(rid,))
+        if d.apply(m.Admit(step)) == m.Ok():
+            d.apply(m.Plan())
+            if step.segments[0].span:
+                d.apply(m.Write())
+            d.apply(m.Commit())
+            counts["steps"] += 1
+
+    def worker(rng: random.Random) -> None:
+        rid = rid_name(rng.randrange(SCOPE.requests))
+        if rng.random() < 0.5:
+            counts["offloads"] += kv.offload(rid) > 0
+        else:
+            kv.reload(rid)
+
+    def life(rng: random.Random) -> None:
+        rid = rng.randrange(SCOPE.requests)
+        if rng.random() < 0.3:
+            kv.reset_request(rid_name(rid), free=rng.random() < 0.5)
+        kv.ingest_request(rid_name(rid))
+
+    def checker(rng: random.Random) -> None:
+        with kv._lock:
+            device_pages_ok(kv)
+        counts["checks"] += 1
+        time.sleep(0.005)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=loop(fn, i), name=fn.__name__)
+                   for i, fn in enumerate((engine, worker, life, checker))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(seconds + 30)
+        assert not any(t.is_alive() for t in threads), "a thread hung"
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    runtime.shutdown()
+    d.check_pages()
+    for rid in range(SCOPE.requests):
+        kv.remove_request(rid_name(rid))
+    assert kv.num_free_pages == SCOPE.device_pages, "I12: device pages leaked"
+    pool = kv._cpu_pool
+    assert pool is not None and pool.num_free == pool.capacity, "I12: host pages leaked"
+    assert counts["steps"] and counts["checks"], counts
