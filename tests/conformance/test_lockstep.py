@@ -125,7 +125,27 @@ class Lockstep(RuleBasedStateMachine):
                   and bool(self.ready()))
     @rule(data=st.data())
     def admit(self, data: st.DataObject) -> None:
+        self.driver.combine = data.draw(st.booleans(), label="combined labels")
         self.run(m.Admit(data.draw(steps(self.model, self.state, self.ready()))))
+
+    @precondition(lambda self: self.state.staged is None and self.state.current is None
+                  and bool(self.ready()))
+    @rule(data=st.data())
+    def whole_step(self, data: st.DataObject) -> None:
+        """admit, plan, write, commit back to back, as an engine runs most steps.
+
+        The fine-grained rules interleave other calls between these; this one
+        keeps full steps (and so committed, checkable bytes) frequent.
+        """
+        self.driver.combine = data.draw(st.booleans(), label="combined labels")
+        self.run(m.Admit(data.draw(steps(self.model, self.state, self.ready()))))
+        for action in (m.Plan(), m.Write(), m.Commit()):
+            if self.state.current is None or not any(
+                type(a) is type(action) for a in enabled(self.model, self.state)
+            ):
+                continue
+            self.run(action)
+            self.agrees_with_model()
 
     @precondition(lambda self: self.state.staged is None and bool(self.ready()))
     @rule(data=st.data())
@@ -137,6 +157,7 @@ class Lockstep(RuleBasedStateMachine):
         if cur is not None and data.draw(st.integers(0, 3), label="free requests") > 0:
             busy = {k[0] for k in m.named(cur.step)}
             ready = [r for r in ready if r not in busy] or ready
+        self.driver.combine = data.draw(st.booleans(), label="combined labels")
         self.run(m.Admit(data.draw(steps(self.model, self.state, ready)), preplan=True))
 
     @precondition(lambda self: self.state.current is None and self.state.staged is not None
