@@ -337,6 +337,27 @@ class Driver:
             assert copy is not None, f"no host copy of {(rid, label)}"
             assert copy.stored_len == len(tokens), (rid, label, copy.stored_len, tokens)
 
+    def generations(self) -> dict[tuple[str, str], tuple[int, int, tuple[int, ...]]]:
+        """(generation, stored_len, pages) per stream, for the I14 check."""
+        return {
+            (r, lb): (st.generation, st.stored_len, tuple(st.page_indices))
+            for r, labels in self.kv._streams.items() for lb, st in labels.items()
+        }
+
+    @staticmethod
+    def check_generations(
+        before: dict[tuple[str, str], tuple[int, int, tuple[int, ...]]],
+        after: dict[tuple[str, str], tuple[int, int, tuple[int, ...]]],
+    ) -> None:
+        """I14: a generation never decreases; a change of pages or length bumps it."""
+        for key, (gen, length, pages) in after.items():
+            if key not in before:
+                continue
+            old_gen, old_length, old_pages = before[key]
+            assert gen >= old_gen, f"I14: {key} generation {old_gen} -> {gen}"
+            if (length, pages) != (old_length, old_pages):
+                assert gen > old_gen, f"I14: {key} changed without a generation bump"
+
     def check_pages(self) -> None:
         """I1 and I2 on page ids: every page exactly once in free list, sink or a stream."""
         kv = self.kv

@@ -80,7 +80,9 @@ class Lockstep(RuleBasedStateMachine):
         RULES[type(action).__name__] += 1
         want, nxt = self.model.step(self.state, action)
         before = self.driver.kv.kv_cache.tensor.clone() if isinstance(action, m.Write) else None
+        generations = self.driver.generations()
         got = self.driver.apply(action)
+        self.driver.check_generations(generations, self.driver.generations())
         OUTCOMES[f"{type(action).__name__} -> {type(got).__name__}"
                  + (f"({got.kind})" if isinstance(got, (m.Refused, m.Misuse)) else "")] += 1
         assert got == want, f"{action}: kvref answered {got}, the model {want}"
@@ -191,6 +193,23 @@ class Lockstep(RuleBasedStateMachine):
     @rule(data=st.data())
     def offload_claim(self, data: st.DataObject) -> None:
         self.run(self.draw_enabled(data, m.OffloadClaim))
+
+    @precondition(lambda self: self.has(m.OffloadClaim))
+    @rule(data=st.data())
+    def whole_offload(self, data: st.DataObject) -> None:
+        """`KVManager.offload`: claim, copy each claimed stream, commit, back to back."""
+        claim = self.draw_enabled(data, m.OffloadClaim)
+        assert isinstance(claim, m.OffloadClaim)
+        self.run(claim)
+        off = self.state.offload_of(claim.rid)
+        if off is None:
+            return
+        for label, _ in off.claimed:
+            if any(isinstance(a, m.OffloadCopy) and a.label == label and not a.copy_error
+                   for a in self.enabled_of(m.OffloadCopy)):
+                self.run(m.OffloadCopy(claim.rid, label))
+        self.run(m.OffloadCommit(claim.rid))
+        self.agrees_with_model()
 
     @precondition(lambda self: any(not a.copy_error for a in self.enabled_of(m.OffloadCopy)))
     @rule(data=st.data())

@@ -1,0 +1,123 @@
+"""Mutation adequacy: realistic bugs planted in kvref, each of which the lockstep suite must find.
+
+Each mutant is one line of thinking an implementer could get wrong; the
+suite, run with a fixed budget and no shrinking, has to report it. A mutant
+that survives means a check is missing, not that the mutant is harmless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+import kvref.manager as manager_module
+from kvref.manager import KVManager
+from kvref.plan import KVPlanState
+from tests.conformance.test_lockstep import Lockstep
+
+
+def _decode_offset_off_by_one(mp: pytest.MonkeyPatch) -> None:
+    orig = manager_module.decode_plan_state
+
+    def bad(*args: Any) -> KVPlanState:
+        state = orig(*args)
+        state.token_to_cache.sub_(1).clamp_(min=0)  # writes one slot early
+        return state
+
+    mp.setattr(manager_module, "decode_plan_state", bad)
+
+
+def _fork_moves_length_not_pages(mp: pytest.MonkeyPatch) -> None:
+    def bad(self: KVManager, rid: str, src: str, dst: str) -> None:
+        streams = self._streams.get(rid, {})
+        if src in streams and dst in streams:
+            streams[dst].stored_len = streams[src].stored_len
+            streams[dst].generation += 1
+
+    mp.setattr(KVManager, "_apply_fork", bad)
+
+
+def _claim_ignores_in_flight(mp: pytest.MonkeyPatch) -> None:
+    orig = KVManager.begin_offload
+
+    def bad(self: KVManager, rid: str) -> Any:
+        marked = [s for s in self._streams.get(rid, {}).values() if s.step_in_flight]
+        for s in marked:
+            s.step_in_flight = False
+        try:
+            return orig(self, rid)
+        finally:
+            for s in marked:
+                s.step_in_flight = True
+
+    mp.setattr(KVManager, "begin_offload", bad)
+
+
+def _commit_skips_generation(mp: pytest.MonkeyPatch) -> None:
+    orig = KVManager.commit
+
+    def bad(self: KVManager, step: Any, ctx: Any) -> None:
+        gens = {id(s): s.generation for r in self._streams.values() for s in r.values()}
+        orig(self, step, ctx)
+        for streams in self._streams.values():
+            for s in streams.values():
+                s.generation = gens.get(id(s), s.generation)
+
+    mp.setattr(KVManager, "commit", bad)
+
+
+def _reload_forgets_length(mp: pytest.MonkeyPatch) -> None:
+    orig = KVManager.reload
+
+    def bad(self: KVManager, rid: str) -> bool:
+        ok = orig(self, rid)
+        if ok:
+            for s in self._streams[rid].values():
+                s.stored_len = max(0, s.stored_len - 1)
+        return ok
+
+    mp.setattr(KVManager, "reload", bad)
+
+
+def _clear_preplan_keeps_new_labels(mp: pytest.MonkeyPatch) -> None:
+    orig = KVManager.clear_preplan
+
+    def bad(self: KVManager) -> None:
+        if self._preplan is not None:
+            self._preplan.new_labels = []
+        orig(self)
+
+    mp.setattr(KVManager, "clear_preplan", bad)
+
+
+MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
+    "decode slot off by one": _decode_offset_off_by_one,
+    "fork moves the length, not the pages": _fork_moves_length_not_pages,
+    "claim ignores in-flight marks": _claim_ignores_in_flight,
+    "commit does not bump generations": _commit_skips_generation,
+    "reload loses a token": _reload_forgets_length,
+    "clear_preplan keeps invented labels": _clear_preplan_keeps_new_labels,
+}
+
+
+@pytest.fixture
+def patch() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_lockstep_finds_mutant(name: str, patch: pytest.MonkeyPatch) -> None:
+    MUTANTS[name](patch)
+    budget = settings(
+        max_examples=300, stateful_step_count=50, derandomize=True, database=None,
+        deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck),
+    )
+    with pytest.raises(BaseException) as found:  # noqa: PT011 - any failure counts
+        run_state_machine_as_test(Lockstep, settings=budget)
+    assert not isinstance(found.value, KeyboardInterrupt)
