@@ -118,6 +118,6 @@ def test_lockstep_finds_mutant(name: str, patch: pytest.MonkeyPatch) -> None:
         max_examples=300, stateful_step_count=50, derandomize=True, database=None,
         deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck),
     )
-    with pytest.raises(BaseException) as found:  # noqa: PT011 - any failure counts
+    with pytest.raises(BaseException) as found:  # any failure of the suite counts
         run_state_machine_as_test(Lockstep, settings=budget)
     assert not isinstance(found.value, KeyboardInterrupt)
