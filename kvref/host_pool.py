@@ -94,32 +94,54 @@ class CPUPagePool:
         """Copy the pages ``stored_len`` needs to the host; False if they don't fit.
 
         Only the pages holding tokens travel: a high-water stream's spare
-        pages would cost host space for nothing.
+        pages would cost host space for nothing. The three steps are also
+        callable one by one (`reserve`, `copy_out`, `record`), so a caller can
+        make the decision and the record under its own lock and copy outside it.
         """
+        host_pages = self.reserve(rid, label, stored_len, len(gpu_page_indices))
+        if host_pages is None:
+            return False
+        try:
+            self.copy_out(gpu_kv_cache, gpu_page_indices, host_pages)
+        except BaseException:
+            self.release(host_pages)  # nothing was recorded: back, or they leak
+            raise
+        self.record(rid, label, host_pages, stored_len, position, released)
+        return True
+
+    def reserve(self, rid: str, label: str, stored_len: int, held: int) -> list[int] | None:
+        """Host pages for a copy of ``stored_len`` tokens, or None if they don't fit."""
         n = -(-stored_len // self.kv_cache.page_size)
-        if n > len(gpu_page_indices):
+        if n > held:
             raise ValueError(
                 f"request {rid!r} label {label!r}: {stored_len} tokens need {n} pages, "
-                f"stream holds {len(gpu_page_indices)}"
+                f"stream holds {held}"
             )
         with self._lock:
             if label in self._copies.get(rid, {}):
                 raise ValueError(f"request {rid!r} label {label!r} already has a host copy")
-            host_pages = self._allocator.try_allocate(n)
-        if host_pages is None:
-            return False
-        try:
-            self._copy_out(gpu_kv_cache, gpu_page_indices[:n], host_pages)
-        except BaseException:
-            # nothing was recorded: the pages go straight back, or they leak
-            with self._lock:
-                self._allocator.free(host_pages)
-            raise
+            return self._allocator.try_allocate(n)
+
+    def copy_out(
+        self, gpu_kv_cache: torch.Tensor, gpu_page_indices: list[int], host_pages: list[int]
+    ) -> None:
+        self._copy_out(gpu_kv_cache, gpu_page_indices[: len(host_pages)], host_pages)
+
+    def record(
+        self, rid: str, label: str, host_pages: list[int], stored_len: int,
+        position: int = 0, released: int = 0,
+    ) -> None:
         with self._lock:
             self._copies.setdefault(rid, {})[label] = HostCopy(
                 pages=host_pages, stored_len=stored_len, position=position, released=released
             )
-        return True
+
+    def release(self, host_pages: list[int]) -> None:
+        """Return reserved pages that were never recorded."""
+        if host_pages:
+            self.sync()  # a D2H copy may still be writing them
+            with self._lock:
+                self._allocator.free(host_pages)
 
     def reload_stream(
         self, rid: str, label: str, gpu_kv_cache: torch.Tensor, gpu_page_indices: list[int]

@@ -192,44 +192,67 @@ class KVManager(AttentionResource):
         longer holds what it planned against.
         """
         self._refuse_if_in_flight(rid, "reset")
-        # in-flight retrieves write into these pages: drain them before the
-        # pages can be reused, outside the lock (the transfer does not need it)
-        self._drain_reads(rid)
-        with self._lock:
-            streams = self._request(rid)
-            self._refuse_if_in_flight(rid, "reset")
-            offloading = self._offloads.get(rid)
-            for label, stream in streams.items():
-                if stream.offloaded and (offloading is None or label not in offloading.labels):
-                    # committed to the host: the tokens are forgotten there too (R12)
-                    if self._cpu_pool is not None:
-                        self._cpu_pool.discard(rid, label)
-                    stream.offloaded = False
-                if free:
-                    self._allocator.free(stream.page_indices)
-                # a claim in progress keeps `offloaded`; the bumped generation
-                # fails its commit and the abandon clears it
-                stream.reset(freed=free)
+        while True:
+            # in-flight retrieves write into these pages: drain them before
+            # the pages can be reused, outside the lock (a transfer does not
+            # take it)
+            self._drain_reads(rid)
+            with self._lock:
+                streams = self._request(rid)
+                self._refuse_if_in_flight(rid, "reset")
+                if self._reads_pending(streams):
+                    # a retrieve started between the drain and the lock
+                    continue
+                offloading = self._offloads.get(rid)
+                for label, stream in streams.items():
+                    claimed = offloading is not None and label in offloading.labels
+                    if stream.offloaded and not claimed:
+                        # committed to the host: forgotten there too (R12)
+                        if self._cpu_pool is not None:
+                            self._cpu_pool.discard(rid, label)
+                        stream.offloaded = False
+                    if free:
+                        self._allocator.free(stream.page_indices)
+                    # a claim in progress keeps `offloaded`; the bumped
+                    # generation fails its commit and the abandon clears it
+                    stream.reset(freed=free)
+                return
 
     def remove_request(self, rid: str) -> None:
-        """Release everything the request holds, device and host. Idempotent."""
+        """Release everything the request holds, device and host. Idempotent.
+
+        An offload of the request still in progress is cancelled: its later
+        copies copy nothing and its commit frees nothing.
+        """
         if rid not in self._streams:
             return
         self._refuse_if_in_flight(rid, "remove")
-        self._drain_reads(rid)
-        with self._lock:
-            streams = self._streams.get(rid)
-            if streams is None:
+        while True:
+            self._drain_reads(rid)
+            with self._lock:
+                streams = self._streams.get(rid)
+                if streams is None:
+                    return
+                self._refuse_if_in_flight(rid, "remove")
+                if self._reads_pending(streams):
+                    continue  # a retrieve started between the drain and the lock
+                for stream in streams.values():
+                    self._allocator.free(stream.page_indices)
+                    stream.page_indices = []
+                    stream.generation += 1
+                offload = self._offloads.pop(rid, None)
+                if offload is not None:
+                    offload._cancelled = True
+                if self._cpu_pool is not None:
+                    self._cpu_pool.remove_request(rid)
+                del self._streams[rid]
+                self._overrides.pop(rid, None)
                 return
-            self._refuse_if_in_flight(rid, "remove")
-            for stream in streams.values():
-                self._allocator.free(stream.page_indices)
-                stream.page_indices = []
-                stream.generation += 1
-            if self._cpu_pool is not None:
-                self._cpu_pool.remove_request(rid)
-            del self._streams[rid]
-            self._overrides.pop(rid, None)
+
+    @staticmethod
+    def _reads_pending(streams: Mapping[str, CacheStream]) -> bool:
+        return any(s.read_future is not None and not s.read_future.done()
+                   for s in streams.values())
 
     # -- admit / plan / commit ---------------------------------------------
 
@@ -896,29 +919,59 @@ class KVManager(AttentionResource):
         finally:
             offload.abandon()  # a no-op once committed
 
-    def _claims_changed(self, rid: str, claims: Iterable[ClaimedStream]) -> bool:
-        with self._lock:
-            streams = self._streams.get(rid, {})
-            return any(
-                (s := streams.get(c.label)) is None or s.generation != c.generation
-                for c in claims
-            )
-
-    def _copy_claim_to_host(self, rid: str, claim: ClaimedStream) -> bool:
-        assert self._cpu_pool is not None
-        return self._cpu_pool.offload_stream(
-            rid=rid, label=claim.label, gpu_kv_cache=self.kv_cache.tensor,
-            gpu_page_indices=claim.pages, stored_len=claim.stored_len,
-            position=claim.position, released=claim.released,
+    def _offload_stale(self, offload: Offload) -> bool:
+        """The offload was cancelled (request removed), or a claimed stream changed
+        since the claim (a reset): its commit can only undo it. Under the lock."""
+        if offload._cancelled:
+            return True
+        streams = self._streams.get(offload.request_id, {})
+        return any(
+            (s := streams.get(c.label)) is None or s.generation != c.generation
+            for c in offload._claims.values()
         )
 
+    def _copy_claim_to_host(self, offload: Offload, claim: ClaimedStream) -> bool:
+        """One stream's host copy; False if the offload went stale or it does not fit.
+
+        Decided in one critical section (stale? room on the host?), copied
+        outside the lock, recorded in a second: a reset racing the copy fails
+        the commit's guard, a removal racing it drops the copy at the record,
+        and neither changes what this call answers.
+        """
+        pool = self._cpu_pool
+        assert pool is not None
+        rid = offload.request_id
+        with self._lock:
+            if self._offload_stale(offload):
+                # a reset (or removal) since the claim dooms the commit: a
+                # copy now would only be thrown away
+                return False
+            host_pages = pool.reserve(rid, claim.label, claim.stored_len, len(claim.pages))
+            if host_pages is None:
+                return False
+        try:
+            pool.copy_out(self.kv_cache.tensor, claim.pages, host_pages)
+        except BaseException:
+            pool.release(host_pages)
+            raise
+        with self._lock:
+            if offload._cancelled:
+                pool.release(host_pages)  # the removal already emptied the host
+            else:
+                pool.record(rid, claim.label, host_pages, claim.stored_len,
+                            claim.position, claim.released)
+        return True
+
     def _commit_offload(
-        self, rid: str, claims: Mapping[str, ClaimedStream], copied: Sequence[str]
+        self, offload: Offload, claims: Mapping[str, ClaimedStream], copied: Sequence[str]
     ) -> int:
         assert self._cpu_pool is not None
+        rid = offload.request_id
         # the device pages must not be released before the D2H copy read them
         self._cpu_pool.sync()
         with self._lock:
+            if offload._cancelled:
+                return 0  # the removal released everything, host copies included
             self._offloads.pop(rid, None)
             streams = self._streams.get(rid, {})
             intact = all(
@@ -945,9 +998,12 @@ class KVManager(AttentionResource):
                 stream.generation += 1
             return freed
 
-    def _abandon_offload(self, rid: str, labels: Sequence[str]) -> None:
+    def _abandon_offload(self, offload: Offload, labels: Sequence[str]) -> None:
         assert self._cpu_pool is not None
+        rid = offload.request_id
         with self._lock:
+            if offload._cancelled:
+                return  # the removal released everything, host copies included
             self._offloads.pop(rid, None)
             streams = self._streams.get(rid, {})
             for label in labels:

@@ -42,6 +42,9 @@ class Offload:
         self._read_futures = dict(read_futures)
         self._copied: list[str] = []
         self._open = True
+        # set by `remove_request` under the manager's lock: the request is
+        # gone, so every later phase does nothing
+        self._cancelled = False
 
     @property
     def labels(self) -> list[str]:
@@ -73,16 +76,12 @@ class Offload:
             raise OffloadStateError(
                 "stream already copied", request_id=self.request_id, label=label
             )
-        if self._manager._claims_changed(self.request_id, self._claims.values()):
-            # a reset (or removal) since the claim dooms the commit's
-            # generation guard: a copy now would be thrown away
-            return False
         read = self._read_futures.pop(label, None)
         if read is not None:
             # a retrieve still writing these pages would be torn into the copy
             self._manager._runtime.wait([read])
         try:
-            ok = self._manager._copy_claim_to_host(self.request_id, claim)
+            ok = self._manager._copy_claim_to_host(self, claim)
         except Exception as err:
             self.abandon()
             raise OffloadCopyError(
@@ -110,14 +109,14 @@ class Offload:
         """
         self._check_open("commit")
         self._open = False
-        return self._manager._commit_offload(self.request_id, self._claims, self._copied)
+        return self._manager._commit_offload(self, self._claims, self._copied)
 
     def abandon(self) -> None:
         """Drop every host copy made so far and release every claim."""
         if not self._open:
             return
         self._open = False
-        self._manager._abandon_offload(self.request_id, list(self._claims))
+        self._manager._abandon_offload(self, list(self._claims))
 
     def _check_open(self, what: str) -> None:
         if not self._open:

@@ -223,10 +223,14 @@ def decode_plan_state(
         last = v.length - 1
         slots[i] = v.page_idxs[last // page_size]
         slots[n + i] = last % page_size
-    both = torch.from_numpy(np.array(slots, dtype=np.int64))
-    if device.type != "cpu":
-        both = both.to(device, non_blocking=True)  # the one host-to-device copy
-    return KVPlanState(token_to_page=both[:n], token_to_cache=both[n:], total_tokens=n)
+    host = np.array(slots, dtype=np.int64)
+    if device.type == "cpu":
+        # numpy slices wrap for less than torch slices cost
+        pages, offsets = torch.from_numpy(host[:n]), torch.from_numpy(host[n:])
+    else:
+        both = torch.from_numpy(host).to(device, non_blocking=True)  # the one H2D copy
+        pages, offsets = both[:n], both[n:]
+    return KVPlanState(token_to_page=pages, token_to_cache=offsets, total_tokens=n)
 
 
 def packed_plan_state(

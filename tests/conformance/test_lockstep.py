@@ -205,7 +205,8 @@ class Lockstep(RuleBasedStateMachine):
         if off is None:
             return
         for label, _ in off.claimed:
-            if any(isinstance(a, m.OffloadCopy) and a.label == label and not a.copy_error
+            if any(isinstance(a, m.OffloadCopy) and (a.rid, a.label) == (claim.rid, label)
+                   and not a.copy_error
                    for a in self.enabled_of(m.OffloadCopy)):
                 self.run(m.OffloadCopy(claim.rid, label))
         self.run(m.OffloadCommit(claim.rid))
@@ -285,17 +286,22 @@ class Lockstep(RuleBasedStateMachine):
         LARGEST["host copies"] = max(LARGEST["host copies"], len(self.state.host))
 
     def teardown(self) -> None:
-        # I12: once every request is gone, every page but the sink is free
-        for off in list(self.driver.offloads.values()):
-            off.abandon()
-        if self.state.current is not None:
-            self.run(m.Commit()) if self.state.current.phase != m.ADMITTED else None
-        self.driver.runtime.complete_all()
+        """Drain the run the way an engine shuts down, checked as any other
+        action, then I12: with every request gone, every page but the sink
+        is free and the host pool is empty."""
+        for rid in sorted(rid for rid, _ in self.state.offloads):
+            self.run(m.OffloadAbandon(rid))
+        while self.state.current is not None:
+            phase = self.state.current.phase
+            self.run(m.Plan() if phase == m.ADMITTED else m.Commit())
+        if self.state.staged is not None:
+            self.run(m.ClearPreplan())
+        for k, v in self.state.streams:
+            if v.retrieve == m.PENDING:
+                self.run(m.RetrieveComplete(k[0], k[1], ok=True))
         for rid in sorted(self.state.requests()):
-            s = self.driver.kv
-            for streams in s._streams.get(f"r{rid}", {}).values():
-                streams.step_in_flight = False
-            s.remove_request(f"r{rid}")
+            self.run(m.Remove(rid))
+        self.agrees_with_model()
         kv = self.driver.kv
         assert kv.num_free_pages == self.scope.device_pages, "I12: device pages leaked"
         pool = kv._cpu_pool

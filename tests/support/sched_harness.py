@@ -69,6 +69,12 @@ class ConcurrentModel(m.Model):
             rids = {g.rid for g in a.step.segments} | set(a.step.padded)
             return m.Misuse("UnknownRequestError") if rids - have else None
         rid = getattr(a, "rid", None)
+        if isinstance(a, (m.OffloadCopy, m.OffloadCommit, m.OffloadAbandon)) and (
+                s.offload_of(a.rid) is None):
+            # the request was removed under the offload, which kvref cancels:
+            # later copies copy nothing, the commit frees nothing
+            return {m.OffloadCopy: m.Flag(False), m.OffloadCommit: m.Freed(0),
+                    m.OffloadAbandon: m.Ok()}[type(a)]
         if rid is None or rid in have:
             return None
         if isinstance(a, (m.RetrieveStart, m.Reset)):
@@ -108,6 +114,12 @@ class SubOp:
     # linearizes it at its return
     watch: tuple[str, ...]
     always: bool  # logged even if it took no lock (else: only if it did)
+    # effects after its linearizing section (a copy's record): settled only when done
+    split: bool = False
+    # linearized at its last manager section, not its first (reset and remove
+    # retry when a retrieve started between their drain and their lock: the
+    # earlier sections only looked)
+    last: bool = False
     entry: Entry | None = None
     result: m.Result | None = None
     # a copy's generation check ran here: its place in the log if the copy
@@ -143,6 +155,12 @@ class Linearizer:
     def on_acquire(self, lock: CoopLock) -> None:
         role = self.lock_role.get(id(lock))
         sub = self._sub()
+        if sub is not None and sub.last and sub.entry is not None and role == "manager":
+            # a retry: this later section is the one that counts
+            self.log.remove(sub.entry)
+            sub.entry.section_end = None
+            self._append(sub.entry)
+            return
         if sub is not None and sub.entry is None and role is not None and role in sub.watch:
             if sub.watch[-1] != role:
                 if sub.tentative is None:
@@ -150,7 +168,8 @@ class Linearizer:
                     self.tentative += 1
                 return
             sub.entry = self._append(Entry(self._who(), sub.action, watch=role,
-                                           one_section=sub.watch == ("manager",)))
+                                           one_section=sub.watch == ("manager",)
+                                           and not sub.split and not sub.last))
         elif role == "manager" and sub is None:
             self.stray.append(f"{self._who()} took the manager lock outside any modelled action")
 
@@ -188,12 +207,13 @@ class Linearizer:
 
     @contextmanager
     def subop(self, action: m.Action, watch: tuple[str, ...] = ("manager",),
-              always: bool = True) -> Iterator[SubOp | None]:
+              always: bool = True, split: bool = False,
+              last: bool = False) -> Iterator[SubOp | None]:
         """One model action; nested ones are part of the outer action."""
         if self._sub() is not None:
             yield None
             return
-        sub = SubOp(action, watch, always)
+        sub = SubOp(action, watch, always, split=split, last=last)
         self.local.sub = sub
         try:
             yield sub
@@ -215,8 +235,9 @@ class Linearizer:
                 sub.entry.done = True
 
     def call(self, action: m.Action, fn: Callable[[], m.Result],
-             watch: tuple[str, ...] = ("manager",), always: bool = True) -> m.Result:
-        with self.subop(action, watch, always) as sub:
+             watch: tuple[str, ...] = ("manager",), always: bool = True,
+             last: bool = False) -> m.Result:
+        with self.subop(action, watch, always, last=last) as sub:
             try:
                 result = fn()
             except KVRefError as err:
@@ -402,8 +423,9 @@ class Harness:
                 ok[0] = copy(label)
                 return m.Flag(ok[0])
 
-            with lin.subop(m.OffloadCopy(r, m.LABEL_NAMES.index(label)),
-                           watch=("manager", "pool")) as sub:
+            # decided in its first manager section (stale? room?), recorded
+            # in a second
+            with lin.subop(m.OffloadCopy(r, m.LABEL_NAMES.index(label)), split=True) as sub:
                 res = run()
                 if sub is not None:
                     sub.result = res
@@ -494,9 +516,9 @@ class Harness:
             lin.call(m.Reload(op.rid), lambda: m.Flag(kv.reload(name)))
         elif op.kind == "reset":
             a = m.Reset(op.rid, free=bool(op.n))
-            lin.call(a, lambda: d.apply(a))
+            lin.call(a, lambda: d.apply(a), last=True)
         elif op.kind == "remove":
-            lin.call(m.Remove(op.rid), lambda: d.apply(m.Remove(op.rid)))
+            lin.call(m.Remove(op.rid), lambda: d.apply(m.Remove(op.rid)), last=True)
         elif op.kind == "ingest":
             lin.call(m.Ingest(op.rid), lambda: d.apply(m.Ingest(op.rid)))
         elif op.kind == "retrieve":

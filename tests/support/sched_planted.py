@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvref import KVManager
+from kvref.offload import Offload
 from kvref.streams import ClaimedStream
 from model import core as m
 from tests.support.sched_harness import Op, Program, StepOp, run_once
@@ -59,13 +60,13 @@ def commit_ignores_guard() -> Iterator[None]:
     reset (or reloaded) between copy and commit loses its pages."""
     orig = KVManager._commit_offload
 
-    def racy(self: KVManager, rid: str, claims: Mapping[str, ClaimedStream],
+    def racy(self: KVManager, offload: Offload, claims: Mapping[str, ClaimedStream],
              copied: Sequence[str]) -> int:
         with self._lock:
-            streams = self._streams.get(rid, {})
+            streams = self._streams.get(offload.request_id, {})
             claims = {label: dataclasses.replace(c, generation=streams[label].generation)
                       if label in streams else c for label, c in claims.items()}
-            return orig(self, rid, claims, copied)
+            return orig(self, offload, claims, copied)
 
     KVManager._commit_offload = racy  # type: ignore[method-assign]
     try:
@@ -77,12 +78,14 @@ def commit_ignores_guard() -> Iterator[None]:
 @contextmanager
 def reset_skips_drain() -> Iterator[None]:
     """reset/remove no longer wait for in-flight retrieves before reusing pages."""
-    orig = KVManager._drain_reads
+    drain, pending = KVManager._drain_reads, KVManager._reads_pending
     KVManager._drain_reads = lambda self, rid: None  # type: ignore[method-assign]
+    KVManager._reads_pending = staticmethod(lambda streams: False)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        KVManager._drain_reads = orig  # type: ignore[method-assign]
+        KVManager._drain_reads = drain  # type: ignore[method-assign]
+        KVManager._reads_pending = pending  # type: ignore[method-assign]
 
 
 @contextmanager
