@@ -104,6 +104,12 @@ MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
 }
 
 
+BUDGET = settings(
+    max_examples=300, stateful_step_count=50, derandomize=True, database=None,
+    deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck),
+)
+
+
 @pytest.fixture
 def patch() -> Iterator[pytest.MonkeyPatch]:
     with pytest.MonkeyPatch.context() as mp:
@@ -114,10 +120,13 @@ def patch() -> Iterator[pytest.MonkeyPatch]:
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_lockstep_finds_mutant(name: str, patch: pytest.MonkeyPatch) -> None:
     MUTANTS[name](patch)
-    budget = settings(
-        max_examples=300, stateful_step_count=50, derandomize=True, database=None,
-        deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck),
-    )
     with pytest.raises(BaseException) as found:  # any failure of the suite counts
-        run_state_machine_as_test(Lockstep, settings=budget)
+        run_state_machine_as_test(Lockstep, settings=BUDGET)
     assert not isinstance(found.value, KeyboardInterrupt)
+
+
+@pytest.mark.slow
+def test_unmutated_kvref_passes_the_same_budget() -> None:
+    """The control: with no mutant the same run passes, so each detection above
+    is the mutant's doing, not a harness failure that any run would hit."""
+    run_state_machine_as_test(Lockstep, settings=BUDGET)
