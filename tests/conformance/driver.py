@@ -200,7 +200,7 @@ class Driver:
             def broken(*args: Any) -> None:
                 raise OSError("host copy failed (injected)")
 
-            pool._copy_out = broken  # type: ignore[method-assign]
+            pool._copy_out = broken  # type: ignore[method-assign,assignment]
             try:
                 # no copy runs when the host is full, and then nothing can fail
                 copied = off.copy(label_name(a.label))

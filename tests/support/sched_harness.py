@@ -73,8 +73,10 @@ class ConcurrentModel(m.Model):
                 s.offload_of(a.rid) is None):
             # the request was removed under the offload, which kvref cancels:
             # later copies copy nothing, the commit frees nothing
-            return {m.OffloadCopy: m.Flag(False), m.OffloadCommit: m.Freed(0),
-                    m.OffloadAbandon: m.Ok()}[type(a)]
+            cancelled: dict[type, m.Result] = {
+                m.OffloadCopy: m.Flag(False), m.OffloadCommit: m.Freed(0),
+                m.OffloadAbandon: m.Ok()}
+            return cancelled[type(a)]
         if rid is None or rid in have:
             return None
         if isinstance(a, (m.RetrieveStart, m.Reset)):

@@ -78,7 +78,9 @@ def commit_ignores_guard() -> Iterator[None]:
 @contextmanager
 def reset_skips_drain() -> Iterator[None]:
     """reset/remove no longer wait for in-flight retrieves before reusing pages."""
-    drain, pending = KVManager._drain_reads, KVManager._reads_pending
+    # the raw staticmethod: read through the class it is a plain function,
+    # and putting that back would make it an instance method
+    drain, pending = KVManager._drain_reads, KVManager.__dict__["_reads_pending"]
     KVManager._drain_reads = lambda self, rid: None  # type: ignore[method-assign]
     KVManager._reads_pending = staticmethod(lambda streams: False)  # type: ignore[method-assign]
     try:
