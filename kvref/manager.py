@@ -41,7 +41,7 @@ from kvref.plan import (
     KVPlanState,
     SequenceView,
     build_paged_indptrs,
-    decode_plan_state,
+    decode_tables,
     group_by_plan_label,
     packed_plan_state,
 )
@@ -549,9 +549,16 @@ class KVManager(AttentionResource):
             step.segments, step.combined_labels
         ).items():
             views = self._sequence_views(segments, fork_len)
-            out = KVPlanOutput(cpu_indptrs=build_paged_indptrs(views, ps), views=views)
+            if views and all(v.to_compute == 1 for v in views):
+                # decode: page table and write slots from one host buffer
+                indptrs, state = decode_tables(views, ps, self._device)
+                out = KVPlanOutput(cpu_indptrs=indptrs, views=views)
+            else:
+                out = KVPlanOutput(cpu_indptrs=build_paged_indptrs(views, ps), views=views)
+                out.cuda_indptrs = out.cpu_indptrs.to_device(self._device)
+                state = packed_plan_state(out.cpu_indptrs, ps, out.get_total_len(), self._device)
             outputs[plan_label] = out
-            states[plan_label] = self._plan_state(out, ctx.slot_lease, plan_label)
+            states[plan_label] = self._leased(state, ctx.slot_lease, plan_label)
         return KVPlanOutputs(outputs, step.pre_forks, step.post_forks), states
 
     def _sequence_views(
@@ -583,16 +590,8 @@ class KVManager(AttentionResource):
             append(SequenceView(rid, label, pages, length, span, stream.generation))
         return views
 
-    def _plan_state(
-        self, out: KVPlanOutput, lease: SlotLease | None, label: str
-    ) -> KVPlanState:
-        ps = self.config.page_size
-        if out.is_decode:
-            state = decode_plan_state(out.views, ps, self._device)
-        else:
-            total = out.get_total_len()
-            out.cuda_indptrs = out.cpu_indptrs.to_device(self._device)
-            state = packed_plan_state(out.cpu_indptrs, ps, total, self._device)
+    def _leased(self, state: KVPlanState, lease: SlotLease | None, label: str) -> KVPlanState:
+        """Under a slot lease, the step's slots staged into the graph's static buffer."""
         if lease is None:
             return state
         static = self._static_plan_state(lease.slot, label)

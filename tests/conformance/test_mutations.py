@@ -15,20 +15,21 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import kvref.manager as manager_module
+import kvref.plan as plan_module
 from kvref.manager import KVManager
-from kvref.plan import KVPlanState
+from kvref.plan import KVPlanState, PagedIndptrs
 from tests.conformance.test_lockstep import Lockstep
 
 
 def _decode_offset_off_by_one(mp: pytest.MonkeyPatch) -> None:
-    orig = manager_module.decode_plan_state
+    orig = plan_module.decode_tables
 
-    def bad(*args: Any) -> KVPlanState:
-        state = orig(*args)
+    def bad(*args: Any) -> tuple[PagedIndptrs, KVPlanState]:
+        indptrs, state = orig(*args)
         state.token_to_cache.sub_(1).clamp_(min=0)  # writes one slot early
-        return state
+        return indptrs, state
 
-    mp.setattr(manager_module, "decode_plan_state", bad)
+    mp.setattr(manager_module, "decode_tables", bad)
 
 
 def _fork_moves_length_not_pages(mp: pytest.MonkeyPatch) -> None:

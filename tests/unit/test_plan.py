@@ -173,3 +173,28 @@ def test_packed_addressing_positions(page_size: int, shapes: list[tuple[int, int
             assert int(st_.token_to_page[row]) == v.page_idxs[pos // page_size]
             assert int(st_.token_to_cache[row]) == pos % page_size
             row += 1
+
+
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    page_size=st.sampled_from([1, 2, 4, 16]),
+)
+def test_decode_tables_equal_the_separate_builders(lengths: list[int], page_size: int) -> None:
+    """The fused decode path builds exactly the page table and slots of the two
+    general builders (and so of the packed path, compared above)."""
+    from kvref.plan import SequenceView, build_paged_indptrs, decode_plan_state, decode_tables
+
+    views, next_page = [], 1
+    for i, n in enumerate(lengths):
+        pages = list(range(next_page, next_page + -(-n // page_size)))
+        next_page += len(pages) + 1  # a gap: pages are not contiguous across views
+        views.append(SequenceView(f"r{i}", "main", pages, n, 1, 0))
+    indptrs, state = decode_tables(views, page_size, torch.device("cpu"))
+    want = build_paged_indptrs(views, page_size)
+    for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"):
+        got, exp = getattr(indptrs, name), getattr(want, name)
+        assert got.dtype == torch.int32 and torch.equal(got, exp), name
+    slots = decode_plan_state(views, page_size, torch.device("cpu"))
+    assert torch.equal(state.token_to_page, slots.token_to_page)
+    assert torch.equal(state.token_to_cache, slots.token_to_cache)
+    assert state.token_to_page.dtype == torch.long
