@@ -82,7 +82,6 @@ class _Reservation:
     pages: dict[Key, int] = field(default_factory=dict)
     # every stream the step names that exists once the pages are taken (R2)
     marks: dict[Key, None] = field(default_factory=dict)
-    new_pages: int = 0
     first_short: Key | None = None
 
 
@@ -426,7 +425,6 @@ class KVManager(AttentionResource):
                 new_pages += short
                 if res.first_short is None:
                     res.first_short = key
-        res.new_pages = new_pages
         if new_pages > self._allocator.num_free:
             return self._short(new_pages, res.first_short)
         return res

@@ -7,7 +7,8 @@ that survives means a check is missing, not that the mutant is harmless.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ import kvref.plan as plan_module
 from kvref.manager import KVManager
 from kvref.plan import KVPlanState, PagedIndptrs
 from tests.conformance.test_lockstep import Lockstep
+from tests.support.sched_planted import claim_ignores_marks
 
 
 def _decode_offset_off_by_one(mp: pytest.MonkeyPatch) -> None:
@@ -40,22 +42,6 @@ def _fork_moves_length_not_pages(mp: pytest.MonkeyPatch) -> None:
             streams[dst].generation += 1
 
     mp.setattr(KVManager, "_apply_fork", bad)
-
-
-def _claim_ignores_in_flight(mp: pytest.MonkeyPatch) -> None:
-    orig = KVManager.begin_offload
-
-    def bad(self: KVManager, rid: str) -> Any:
-        marked = [s for s in self._streams.get(rid, {}).values() if s.step_in_flight]
-        for s in marked:
-            s.step_in_flight = False
-        try:
-            return orig(self, rid)
-        finally:
-            for s in marked:
-                s.step_in_flight = True
-
-    mp.setattr(KVManager, "begin_offload", bad)
 
 
 def _commit_skips_generation(mp: pytest.MonkeyPatch) -> None:
@@ -95,13 +81,22 @@ def _clear_preplan_keeps_new_labels(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(KVManager, "clear_preplan", bad)
 
 
-MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
-    "decode slot off by one": _decode_offset_off_by_one,
-    "fork moves the length, not the pages": _fork_moves_length_not_pages,
+def _claim_ignores_in_flight(stack: ExitStack) -> None:
+    # the race the concurrency suite plants, reused as it is
+    stack.enter_context(claim_ignores_marks())
+
+
+def _patched(mutant: Callable[[pytest.MonkeyPatch], None]) -> Callable[[ExitStack], None]:
+    return lambda stack: mutant(stack.enter_context(pytest.MonkeyPatch.context()))
+
+
+MUTANTS: dict[str, Callable[[ExitStack], None]] = {
+    "decode slot off by one": _patched(_decode_offset_off_by_one),
+    "fork moves the length, not the pages": _patched(_fork_moves_length_not_pages),
     "claim ignores in-flight marks": _claim_ignores_in_flight,
-    "commit does not bump generations": _commit_skips_generation,
-    "reload loses a token": _reload_forgets_length,
-    "clear_preplan keeps invented labels": _clear_preplan_keeps_new_labels,
+    "commit does not bump generations": _patched(_commit_skips_generation),
+    "reload loses a token": _patched(_reload_forgets_length),
+    "clear_preplan keeps invented labels": _patched(_clear_preplan_keeps_new_labels),
 }
 
 
@@ -111,18 +106,13 @@ BUDGET = settings(
 )
 
 
-@pytest.fixture
-def patch() -> Iterator[pytest.MonkeyPatch]:
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MUTANTS))
-def test_lockstep_finds_mutant(name: str, patch: pytest.MonkeyPatch) -> None:
-    MUTANTS[name](patch)
-    with pytest.raises(BaseException) as found:  # any failure of the suite counts
-        run_state_machine_as_test(Lockstep, settings=BUDGET)
+def test_lockstep_finds_mutant(name: str) -> None:
+    with ExitStack() as stack:
+        MUTANTS[name](stack)
+        with pytest.raises(BaseException) as found:  # any failure of the suite counts
+            run_state_machine_as_test(Lockstep, settings=BUDGET)
     assert not isinstance(found.value, KeyboardInterrupt)
 
 

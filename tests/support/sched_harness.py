@@ -111,9 +111,8 @@ class Entry:
 @dataclass
 class SubOp:
     action: m.Action
-    # the locks whose first section linearizes it: ("manager",), or for a copy
-    # ("manager", "pool") (its generation check, else its host allocation); ()
-    # linearizes it at its return
+    # the locks whose first section linearizes it: ("manager",); () linearizes
+    # it at its return
     watch: tuple[str, ...]
     always: bool  # logged even if it took no lock (else: only if it did)
     # effects after its linearizing section (a copy's record): settled only when done
@@ -124,9 +123,6 @@ class SubOp:
     last: bool = False
     entry: Entry | None = None
     result: m.Result | None = None
-    # a copy's generation check ran here: its place in the log if the copy
-    # stops there (the claim changed); if it goes on, its allocation is the point
-    tentative: int | None = None
 
 
 class Linearizer:
@@ -143,7 +139,6 @@ class Linearizer:
         self.pos = 0  # entries replayed on the model
         self.checks = 0
         self.stray: list[str] = []
-        self.tentative = 0  # copies between their check and their allocation
 
     # -- the runtime's hooks -----------------------------------------------------------
 
@@ -164,11 +159,6 @@ class Linearizer:
             self._append(sub.entry)
             return
         if sub is not None and sub.entry is None and role is not None and role in sub.watch:
-            if sub.watch[-1] != role:
-                if sub.tentative is None:
-                    sub.tentative = len(self.log)
-                    self.tentative += 1
-                return
             sub.entry = self._append(Entry(self._who(), sub.action, watch=role,
                                            one_section=sub.watch == ("manager",)
                                            and not sub.split and not sub.last))
@@ -221,13 +211,6 @@ class Linearizer:
             yield sub
         finally:
             self.local.sub = None
-            if sub.tentative is not None:
-                self.tentative -= 1
-                if sub.entry is None:
-                    # stopped at its check: linearized there (nothing after it
-                    # was replayed: quiescence waits for open checks)
-                    sub.entry = Entry(self._who(), action, section_end=sub.tentative + 1)
-                    self.log.insert(sub.tentative, sub.entry)
             if sub.entry is None and always:
                 sub.entry = self._append(Entry(self._who(), action))
             if sub.entry is not None:
@@ -256,7 +239,7 @@ class Linearizer:
         return e.done or (e.one_section and e.section_end is not None)
 
     def quiescent(self) -> bool:
-        return not self.sched.locks_held() and not self.tentative and all(
+        return not self.sched.locks_held() and all(
             self.settled(e) for e in self.log[self.pos:])
 
     def replay(self) -> None:
