@@ -62,7 +62,7 @@ from model.core import (
     Stream,
     Write,
 )
-from model.protocol import enabled
+from model.protocol import calls as enabled
 
 Trace = tuple[tuple[Action, Result], ...]
 

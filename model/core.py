@@ -28,11 +28,15 @@ IDLE, PENDING, FAILED = "", "pending", "failed"
 ADMITTED, PLANNED, WRITTEN = "admitted", "planned", "written"
 
 LABEL_NAMES = ("main", "cfg", "draft", "aux")
+# the identity of a position a commit counted that no write filled (a step
+# committed before it was planned or written): its bytes are unspecified
+UNWRITTEN = -1
 
 
 class ProtocolError(Exception):
-    """An action the engine protocol never issues in this state (not a
-    manager result: the checker only generates enabled actions)."""
+    """An event that cannot happen in this state: only the environment's
+    actions have preconditions (a retrieve completing needs one running).
+    Every call of the manager's API has a result in every state."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,12 @@ class Pending:
     # preplan only: what clear_preplan restores. None: a label the preplan
     # invented (removed with its pages); else a pre-fork target's contents
     undo: tuple[tuple[Key, Tokens | None], ...] = ()
-    # ghost, for I9 only: the streams this (preplan) admit created
+    # the streams this admit created (R16): a fork from one of them that is
+    # still empty copies nothing (R20); a cleared preplan removes them (I9)
     fresh: frozenset[Key] = frozenset()
+    # the pre-forks ran (at plan, or at a plan that faulted): neither a
+    # retried plan nor the commit of an unplanned step runs them again
+    forked: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,7 @@ class Admit:
 @dataclass(frozen=True)
 class Plan:
     preplan: bool = False
+    fork_error: bool = False  # the first fork copy that runs raises
 
 
 @dataclass(frozen=True)
@@ -158,8 +167,15 @@ class Write:
 
 
 @dataclass(frozen=True)
+class Read:
+    """attention reads back the slots the planned (running) step writes"""
+
+
+@dataclass(frozen=True)
 class Commit:
     """commit the running step"""
+
+    fork_error: bool = False  # the first post-fork copy that runs raises
 
 
 @dataclass(frozen=True)
@@ -192,6 +208,7 @@ class OffloadAbandon:
 @dataclass(frozen=True)
 class Reload:
     rid: int
+    copy_error: bool = False  # a host-to-device copy raises
 
 
 @dataclass(frozen=True)
@@ -201,11 +218,13 @@ class Publish:
 
 @dataclass(frozen=True)
 class RetrieveStart:
-    """admit_retrieve of info published by another manager: `length` tokens"""
+    """admit_retrieve of info published by another manager: `length` tokens
+    (0: nothing published, `None` handed in: a readiness check)"""
 
     rid: int
     label: int
     length: int
+    start_error: bool = False  # the transfer engine raises starting the copy
 
 
 @dataclass(frozen=True)
@@ -227,12 +246,12 @@ class Remove:
 
 
 Action = (
-    Ingest | Admit | Plan | Write | Commit | ClearPreplan | OffloadClaim | OffloadCopy
-    | OffloadCommit | OffloadAbandon | Reload | Publish | RetrieveStart
+    Ingest | Admit | Plan | Write | Read | Commit | ClearPreplan | OffloadClaim
+    | OffloadCopy | OffloadCommit | OffloadAbandon | Reload | Publish | RetrieveStart
     | RetrieveComplete | Reset | Remove
 )
 ACTIONS: tuple[type, ...] = (
-    Ingest, Admit, Plan, Write, Commit, ClearPreplan, OffloadClaim, OffloadCopy,
+    Ingest, Admit, Plan, Write, Read, Commit, ClearPreplan, OffloadClaim, OffloadCopy,
     OffloadCommit, OffloadAbandon, Reload, Publish, RetrieveStart, RetrieveComplete,
     Reset, Remove,
 )
@@ -253,13 +272,22 @@ class NotReady:
 
 @dataclass(frozen=True)
 class Refused:
-    kind: str  # AllocationFailed | RequestOffloading | AdmitRuntimeError
+    # AllocationFailed | RequestOffloading | RetrieveInProgress | AdmitRuntimeError
+    kind: str
     pages_short: int = 0
 
 
 @dataclass(frozen=True)
 class Misuse:
-    kind: str  # the KVRefError subclass kvref raises
+    kind: str  # the KVRefError subclass kvref raises; the state is unchanged
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected fault reached the caller as this KVRefError subclass; what
+    the call promises (all or nothing, nothing leaked) is its invariant's."""
+
+    kind: str
 
 
 @dataclass(frozen=True)
@@ -282,7 +310,9 @@ class Published:
     lengths: tuple[tuple[int, int], ...]  # (label, stored_len) on device
 
 
-Result = Ok | NotReady | Refused | Misuse | Freed | Flag | Claimed | Published
+Result = Ok | NotReady | Refused | Misuse | Fault | Freed | Flag | Claimed | Published
+RESULTS: tuple[type, ...] = (Ok, NotReady, Refused, Misuse, Fault, Freed, Flag, Claimed,
+                             Published)
 
 
 # ---------------------------------------------------------------- model
@@ -314,6 +344,10 @@ class Model:
     R14_retrieve_refuses_named = True
     R15_retrieve_refuses_absent_named = True
     R16_admit_makes_named = True
+    R20_fork_from_absent_copies_nothing = True
+    R21_publish_complete = True
+    R22_admit_waits_for_retrieve = True
+    R24_commit_runs_pending_forks = True
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
@@ -327,7 +361,7 @@ class Model:
     def step(self, s: State, a: Action) -> tuple[Result, State]:
         handler = getattr(self, "do_" + type(a).__name__)
         result, nxt = handler(s, a)
-        assert isinstance(result, (Ok, NotReady, Refused, Misuse, Freed, Flag, Claimed, Published))
+        assert isinstance(result, RESULTS)
         assert isinstance(nxt, State)
         return result, nxt
 
@@ -341,18 +375,24 @@ class Model:
     def _in_flight(self, s: State, rid: int) -> bool:
         return any(v.in_flight for k, v in s.streams if k[0] == rid)
 
-    def _draining(self, s: State, rid: int) -> None:
-        # reset/remove wait for in-flight reads: blocked, so not enabled
-        if any(v.retrieve == PENDING for k, v in s.streams if k[0] == rid):
-            raise ProtocolError("reset/remove waits for the retrieve to finish")
+    def _drained(self, s: State, rid: int) -> State:
+        # reset and remove wait for the request's running retrieves, which
+        # land (the transfer completes) before the call goes on
+        if not any(v.retrieve == PENDING for k, v in s.streams if k[0] == rid):
+            return s
+        return replace(s, streams=tuple(
+            (k, replace(v, retrieve=IDLE) if k[0] == rid and v.retrieve == PENDING else v)
+            for k, v in s.streams))
 
     def _latch(self, v: Stream) -> str:
         return IDLE if self.R7_reset_clears_latch else v.retrieve  # R7
 
     def do_Reset(self, s: State, a: Reset) -> tuple[Result, State]:
-        self._draining(s, a.rid)
+        if a.rid not in s.requests():
+            return Misuse("UnknownRequestError"), s
         if self.R5_no_reset_in_flight and self._in_flight(s, a.rid):
             return Misuse("StepInFlightError"), s
+        s = self._drained(s, a.rid)
         st, free, offloads = s.stream_map(), s.free, dict(s.offloads)
         for k, v in st.items():
             if k[0] != a.rid:
@@ -377,9 +417,11 @@ class Model:
         )
 
     def do_Remove(self, s: State, a: Remove) -> tuple[Result, State]:
-        self._draining(s, a.rid)
+        if a.rid not in s.requests():
+            return Ok(), s  # idempotent, as the reference
         if self.R5_no_reset_in_flight and self._in_flight(s, a.rid):
             return Misuse("StepInFlightError"), s
+        s = self._drained(s, a.rid)
         st = s.stream_map()
         freed = sum(v.pages for k, v in st.items() if k[0] == a.rid)
         st = {k: v for k, v in st.items() if k[0] != a.rid}
@@ -391,42 +433,82 @@ class Model:
 
     # --- steps
 
+    def _copies(self, src: Key, length: dict[Key, int], fresh: frozenset[Key]) -> bool:
+        """Whether a fork from ``src`` copies anything (R20): a source that did not
+        exist before this step's admit (R16 made it empty) and that nothing has
+        filled since is no source at all, e.g. a padded request without it."""
+        if src not in length:
+            return False
+        return not (self.R20_fork_from_absent_copies_nothing and src in fresh
+                    and length[src] == 0)
+
     def reservations(self, step: Step, st: dict[Key, Stream]) -> dict[Key, int]:
-        """Pages each stream must hold once the step is admitted."""
-        growth: dict[Key, int] = {}
-        for g in step.segments:
-            if step.commit:
-                growth[(g.rid, g.label)] = growth.get((g.rid, g.label), 0) + g.span
+        """Pages each stream must hold once the step is admitted: the most its
+        length reaches while the step runs, its forks applied in list order
+        (a chain a->b, b->c copies a's tokens twice; a cycle ends as the first
+        source)."""
         want: dict[Key, int] = {}
 
         def ask(k: Key, tokens: int) -> None:
             want[k] = max(want.get(k, 0), self.need(tokens))
 
-        base = {k: v.stored_len for k, v in st.items()}
-        for forks, post in ((step.pre_forks, False), (step.post_forks, True)):
+        fresh = frozenset(named(step) - set(st))
+        length = {k: v.stored_len for k, v in st.items()} | dict.fromkeys(fresh, 0)
+
+        def fork(forks: tuple[tuple[int, int], ...]) -> None:
             for f, t in forks:
                 for rid in step.padded:
-                    extra = growth.get((rid, f), 0) if post else 0
-                    if (rid, f) in st:
-                        ask((rid, t), st[(rid, f)].stored_len + extra)
-                        if not post and self.R9_fork_then_grow:
-                            base[(rid, t)] = st[(rid, f)].stored_len
-                    elif extra > 0:  # the step's own segment creates the source
-                        ask((rid, t), extra)
+                    if self._copies((rid, f), length, fresh):
+                        length[(rid, t)] = length[(rid, f)]
+                        ask((rid, t), length[(rid, f)])
+
+        fork(step.pre_forks)
         for g in step.segments:
+            k = (g.rid, g.label)
+            base = length[k] if self.R9_fork_then_grow else st.get(k, Stream()).stored_len
             if g.span > 0:
-                ask((g.rid, g.label), base.get((g.rid, g.label), 0) + g.span)
+                ask(k, base + g.span)
+        if step.commit:
+            for g in step.segments:
+                length[(g.rid, g.label)] += g.span
+        fork(step.post_forks)
         return want
 
+    def _misused(self, s: State, a: Admit) -> Misuse | None:
+        """What makes an admit a misuse, whatever the streams hold."""
+        step = a.step
+        if s.staged is not None:
+            if a.preplan or step != s.staged.step:
+                # one step staged at a time; the next admit is its own (R23)
+                return Misuse("PreplanPendingError")
+        elif not a.preplan and s.current is not None and step != s.current.step:
+            return Misuse("StepInFlightError")  # one running step (R23)
+        if any(r not in s.requests() for r in {g.rid for g in step.segments} | set(step.padded)):
+            return Misuse("UnknownRequestError")
+        if (step.pre_forks or step.post_forks) and not step.padded:
+            return Misuse("InvalidStepError")  # a fork applied to no request (R25)
+        return None
+
     def do_Admit(self, s: State, a: Admit) -> tuple[Result, State]:
-        if not a.preplan and s.staged is not None:
-            return Ok(), s  # the staged preplan already reserved this step
+        misuse = self._misused(s, a)
+        if misuse is not None:
+            return misuse, s
+        if not a.preplan and (s.staged is not None or s.current is not None):
+            # the staged preplan, or the running step, admitted again: everything
+            # is already reserved and marked
+            return Ok(), s
         st = s.stream_map()
         keys = named(a.step)
         if a.preplan and self.R10_preplan_after_commit and any(
             st[k].in_flight for k in keys if k in st
         ):
             return Misuse("StepInFlightError"), s
+        if self.R22_admit_waits_for_retrieve:
+            retrieving = {st[k].retrieve for k in keys if k in st}
+            if FAILED in retrieving:
+                return Refused("AdmitRuntimeError"), s  # latched: terminal (I11)
+            if PENDING in retrieving:
+                return Refused("RetrieveInProgress"), s  # its pages are still zeros
         if any(st[k].offload != RESIDENT for k in keys if k in st):
             return Refused("RequestOffloading"), s
         want = self.reservations(a.step, st)
@@ -459,46 +541,75 @@ class Model:
             marks = frozenset(k for k in marks if k in {(g.rid, g.label) for g in a.step.segments})
         for k in marks:
             st[k] = replace(st[k], in_flight=True)
-        p = Pending(a.step, ADMITTED, marks, undo if a.preplan else (),
-                    fresh if a.preplan else frozenset())
+        p = Pending(a.step, ADMITTED, marks, undo if a.preplan else (), fresh)
         if a.preplan:
             return replace(s, free=free, streams=_sorted(st), staged=p)
         return replace(s, free=free, streams=_sorted(st), current=p)
 
-    def _fork(self, st: dict[Key, Stream], rid: int, f: int, t: int) -> None:
-        if (rid, f) in st and (rid, t) in st:
-            src = st[(rid, f)]
-            st[(rid, t)] = replace(st[(rid, t)], stored_len=src.stored_len, contents=src.contents)
+    def _fork_all(self, st: dict[Key, Stream], p: Pending, forks: tuple[tuple[int, int], ...],
+                  fault: bool) -> bool:
+        """Apply ``forks`` for every padded request, in order. With ``fault``,
+        the first copy that moves tokens raises: its target is left empty
+        (never half old, half new) and the rest still run. True if it fired."""
+        fired = False
+        for f, t in forks:
+            for rid in p.step.padded:
+                src, dst = (rid, f), (rid, t)
+                length = {k: v.stored_len for k, v in st.items()}
+                if not self._copies(src, length, p.fresh) or dst not in st:
+                    continue
+                if fault and not fired and st[src].stored_len > 0:
+                    fired = True
+                    st[dst] = replace(st[dst], stored_len=0, contents=())
+                    continue
+                st[dst] = replace(st[dst], stored_len=st[src].stored_len,
+                                  contents=st[src].contents)
+        return fired
 
     def do_Plan(self, s: State, a: Plan) -> tuple[Result, State]:
-        if not a.preplan and s.current is None:
-            if s.staged is None or s.staged.phase != PLANNED:
-                raise ProtocolError("plan without an admitted step")
-            # promotion: the staged step becomes the running one, undo dropped
-            promoted = replace(s.staged, undo=(), fresh=frozenset())
-            st = s.stream_map()
-            if self.R11_preplan_forks_at_promotion:  # the preplan only planned them
-                for f, t in promoted.step.pre_forks:
-                    for rid in promoted.step.padded:
-                        self._fork(st, rid, f, t)
-            return Ok(), replace(s, streams=_sorted(st), current=promoted, staged=None)
-        p = s.staged if a.preplan else s.current
-        if p is None or p.phase != ADMITTED:
-            raise ProtocolError("plan of a step that is not admitted")
-        st = s.stream_map()
-        if not (a.preplan and self.R11_preplan_forks_at_promotion):
-            for f, t in p.step.pre_forks:
-                for rid in p.step.padded:
-                    self._fork(st, rid, f, t)
-        p = replace(p, phase=PLANNED)
         if a.preplan:
-            return Ok(), replace(s, streams=_sorted(st), staged=p)
+            p = s.staged
+            if p is None:
+                return Misuse("StepNotAdmittedError"), s
+            if p.phase != ADMITTED:
+                return Misuse("PreplanPendingError"), s  # planned already
+            st = s.stream_map()
+            fired = False
+            if not self.R11_preplan_forks_at_promotion:
+                fired = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
+            p = replace(p, phase=PLANNED, forked=not self.R11_preplan_forks_at_promotion)
+            return (Fault("ForkCopyError") if fired else Ok()), replace(
+                s, streams=_sorted(st), staged=p)
+        s0 = s
+        if s.current is None:
+            if s.staged is None:
+                return Misuse("StepNotAdmittedError"), s
+            # promotion: the staged step becomes the running one, undo dropped;
+            # one that was only admitted is planned now like any other
+            s = replace(s, current=replace(s.staged, undo=()), staged=None)
+        p = s.current
+        assert p is not None
+        if p is s0.current and p.phase != ADMITTED:
+            return Misuse("StepOrderError"), s  # a step is planned once (R27)
+        st = s.stream_map()
+        fired = False
+        if not p.forked:
+            fired = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
+        if fired:  # plan again: the forks ran, the failed target stays empty (R26)
+            p = replace(p, phase=ADMITTED, forked=True)
+            return Fault("ForkCopyError"), replace(s, streams=_sorted(st), current=p)
+        p = replace(p, phase=PLANNED, forked=True)
         return Ok(), replace(s, streams=_sorted(st), current=p)
 
     def do_Write(self, s: State, a: Write) -> tuple[Result, State]:
-        if s.current is None or s.current.phase != PLANNED:
-            raise ProtocolError("write outside a planned step")
+        if s.current is None or s.current.phase == ADMITTED:
+            return Misuse("StepNotAdmittedError"), s  # no slots to write (R27)
         return Ok(), replace(s, current=replace(s.current, phase=WRITTEN))
+
+    def do_Read(self, s: State, a: Read) -> tuple[Result, State]:
+        if s.current is None or s.current.phase == ADMITTED:
+            return Misuse("StepNotAdmittedError"), s
+        return Ok(), s
 
     def _unmark(self, st: dict[Key, Stream], keys: frozenset[Key], keep: frozenset[Key]) -> None:
         # kvref: a mark another pending step also owns stays (R10 makes this
@@ -509,10 +620,15 @@ class Model:
 
     def do_Commit(self, s: State, a: Commit) -> tuple[Result, State]:
         p = s.current
-        if p is None or p.phase == ADMITTED:
-            raise ProtocolError("commit of a step that was not planned")
+        if p is None:
+            return Misuse("StepNotAdmittedError"), s
         st = s.stream_map()
+        fired = False
+        if not p.forked and self.R24_commit_runs_pending_forks:
+            # committed unplanned: its pre-forks run now (R24)
+            fired = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
         self._unmark(st, p.marks, s.staged.marks if s.staged else frozenset())
+        token = None if p.phase == WRITTEN else UNWRITTEN
         for g in p.step.segments:
             k = (g.rid, g.label)
             if not p.step.commit or g.span == 0 or k not in st:
@@ -521,11 +637,10 @@ class Model:
                 continue  # the reference's "dropping committed tokens" (I15)
             v = st[k]
             st[k] = replace(v, stored_len=v.stored_len + g.span,
-                            contents=v.contents + (g.label,) * g.span)
-        for f, t in p.step.post_forks:
-            for rid in p.step.padded:
-                self._fork(st, rid, f, t)
-        return Ok(), replace(s, streams=_sorted(st), current=None)
+                            contents=v.contents + (g.label if token is None else token,) * g.span)
+        fired = self._fork_all(st, p, p.step.post_forks, a.fork_error and not fired) or fired
+        nxt = replace(s, streams=_sorted(st), current=None)
+        return (Fault("ForkCopyError") if fired else Ok()), nxt
 
     def do_ClearPreplan(self, s: State, a: ClearPreplan) -> tuple[Result, State]:
         p = s.staged
@@ -547,6 +662,8 @@ class Model:
     def do_OffloadClaim(self, s: State, a: OffloadClaim) -> tuple[Result, State]:
         st = s.stream_map()
         mine = {k: v for k, v in st.items() if k[0] == a.rid}
+        if not mine or a.rid in dict(s.offloads):
+            return Claimed(()), s
         if any(v.in_flight for v in mine.values()):  # R4: the whole request
             return Claimed(()), s
         claim = tuple((k[1], v.pages) for k, v in sorted(mine.items())
@@ -565,30 +682,37 @@ class Model:
 
     def do_OffloadCopy(self, s: State, a: OffloadCopy) -> tuple[Result, State]:
         off = s.offload_of(a.rid)
-        if off is None or a.label in off.copied:
-            raise ProtocolError("copy outside a claim")
+        if off is None or a.label in off.copied or a.label not in dict(off.claimed):
+            # a closed handle, a label it never claimed, or one copied already
+            return Misuse("OffloadStateError"), s
+        k = (a.rid, a.label)
+        if k in s.stream_map() and s.stream_map()[k].retrieve == PENDING:
+            # the copy waits for the retrieve still writing these pages
+            st = s.stream_map()
+            st[k] = replace(st[k], retrieve=IDLE)
+            s = replace(s, streams=_sorted(st))
         if off.touched:
             # a claimed stream changed since the claim: the commit is doomed,
             # so kvref copies nothing (and nothing can fail)
             return Flag(False), s
-        v = s.stream_map().get((a.rid, a.label), Stream())  # removed: copies nothing
+        v = s.stream_map().get(k, Stream())  # removed: copies nothing
         if self.host_used(s) + self.need(v.stored_len) > self.scope.host_pages:
             # host full: this stream stays on device; no copy runs, so none can fail
             return Flag(False), s
         if a.copy_error:  # R8: every claim of the offload is abandoned
             _, nxt = self.do_OffloadAbandon(s, OffloadAbandon(a.rid))
-            return Misuse("OffloadCopyError"), nxt
+            return Fault("OffloadCopyError"), nxt
         offloads = dict(s.offloads)
         offloads[a.rid] = replace(off, copied=off.copied | {a.label})
         host = dict(s.host)
-        host[(a.rid, a.label)] = v.contents
+        host[k] = v.contents
         return Flag(True), replace(
             s, host=tuple(sorted(host.items())), offloads=tuple(sorted(offloads.items())))
 
     def do_OffloadCommit(self, s: State, a: OffloadCommit) -> tuple[Result, State]:
         off = s.offload_of(a.rid)
         if off is None:
-            raise ProtocolError("commit outside a claim")
+            return Misuse("OffloadStateError"), s  # committed or abandoned already
         st = s.stream_map()
         gone = any((a.rid, label) not in st for label in off.copied)
         if off.touched or gone or not off.copied:  # all or nothing: the generation guard
@@ -609,7 +733,7 @@ class Model:
     def do_OffloadAbandon(self, s: State, a: OffloadAbandon) -> tuple[Result, State]:
         off = s.offload_of(a.rid)
         if off is None:
-            raise ProtocolError("abandon outside a claim")
+            return Ok(), s  # a closed handle: abandon is a no-op
         st = s.stream_map()
         for label, _ in off.claimed:
             if (a.rid, label) in st:
@@ -626,6 +750,8 @@ class Model:
         needed = sum(self.need(len(c)) for c in copies.values())
         if not copies or needed > s.free:
             return Flag(False), s  # nothing moves
+        if a.copy_error:  # all streams or none: the pages taken go back (R26)
+            return Fault("ReloadCopyError"), s
         st = s.stream_map()
         for k, c in copies.items():
             st[k] = replace(st.get(k, Stream()), pages=self.need(len(c)), stored_len=len(c),
@@ -637,15 +763,17 @@ class Model:
     # --- disaggregation
 
     def do_Publish(self, s: State, a: Publish) -> tuple[Result, State]:
-        if self.R13_publish_resident and any(
-            v.offload != RESIDENT for k, v in s.streams if k[0] == a.rid
-        ):
+        mine = [(k, v) for k, v in s.streams if k[0] == a.rid]
+        if self.R13_publish_resident and any(v.offload != RESIDENT for _, v in mine):
             return Published(()), s  # its pages are not on the device to be read
-        lengths = tuple((k[1], v.stored_len if v.offload != OFFLOADED else 0)
-                        for k, v in s.streams if k[0] == a.rid)
+        if self.R21_publish_complete and any(v.retrieve != IDLE for _, v in mine):
+            return Published(()), s  # its pages are still being (or were never) written
+        lengths = tuple((k[1], v.stored_len if v.offload != OFFLOADED else 0) for k, v in mine)
         return Published(lengths), s
 
     def do_RetrieveStart(self, s: State, a: RetrieveStart) -> tuple[Result, State]:
+        if a.rid not in s.requests():
+            return Misuse("UnknownRequestError"), s
         st = s.stream_map()
         k = (a.rid, a.label)
         v = st.get(k, Stream())
@@ -667,6 +795,8 @@ class Model:
         new = max(0, self.need(a.length) - v.pages)
         if new > s.free:
             return Refused("AllocationFailed", new - s.free), s
+        if a.start_error:  # the copy never started: nothing taken, nothing latched (R26)
+            return Refused("AdmitRuntimeError"), s
         # retrieved tokens carry identity labels+label: distinct from local writes
         tokens = v.contents + (self.scope.labels + a.label,) * (a.length - v.stored_len)
         st[k] = replace(v, pages=v.pages + new, stored_len=a.length, contents=tokens,

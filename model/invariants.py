@@ -12,9 +12,11 @@ transition makes it non-vacuous, so the checker can report coverage.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from model.core import (
     ADMITTED,
+    WRITTEN,
     CLAIMED,
     FAILED,
     OFFLOADED,
@@ -23,6 +25,7 @@ from model.core import (
     Admit,
     ClearPreplan,
     Commit,
+    Fault,
     Flag,
     Freed,
     Misuse,
@@ -30,7 +33,9 @@ from model.core import (
     OffloadClaim,
     OffloadCommit,
     OffloadCopy,
+    Ok,
     Plan,
+    Read,
     Refused,
     Reload,
     Remove,
@@ -38,6 +43,7 @@ from model.core import (
     Result,
     RetrieveStart,
     State,
+    UNWRITTEN,
     Write,
     named,
 )
@@ -111,7 +117,7 @@ def i7(m: Model, s: State) -> Msg:
     for k, v in s.streams:
         if len(v.contents) != v.stored_len:
             return f"{k} stores {v.stored_len} tokens but holds {len(v.contents)}"
-        if any(not 0 <= t < 2 * m.scope.labels for t in v.contents):
+        if any(not 0 <= t < 2 * m.scope.labels and t != UNWRITTEN for t in v.contents):
             return f"{k} holds a token no write or retrieve produced"
     return None
 
@@ -126,6 +132,10 @@ def i8_state(m: Model, s: State) -> Msg:
 
 
 def i8(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    if isinstance(a, (Write, Read)) and r == Ok() and (
+        s.current is None or s.current.phase == ADMITTED
+    ):
+        return f"{type(a).__name__} went through with no planned step to address"
     p = s.current if not (isinstance(a, Plan) and a.preplan) else s.staged
     if not isinstance(a, (Plan, Write, Commit)) or p is None:
         return None
@@ -157,13 +167,10 @@ def i9(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
     return None
 
 
-def _view(s: State) -> tuple[object, ...]:
-    return (s.free, tuple((k, v.stored_len, v.contents, v.in_flight) for k, v in s.streams))
-
-
 def i10(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
-    if isinstance(r, (Refused, Misuse)) and _view(s) != _view(n):
-        return f"{type(a).__name__} was refused ({r}) but changed pages, labels, lengths or marks"
+    # every misuse and every refusal, of every call: nothing at all changes
+    if isinstance(r, (Refused, Misuse)) and s != n:
+        return f"{type(a).__name__} was refused ({r}) but changed the state"
     return None
 
 
@@ -214,15 +221,54 @@ def i14(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
 def i15(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
     if not isinstance(a, Commit) or s.current is None or not s.current.step.commit:
         return None
-    step, before, after = s.current.step, s.stream_map(), n.stream_map()
-    targets = {(rid, t) for _, t in step.post_forks for rid in step.padded}
-    for g in step.segments:
+    p, before, after = s.current, s.stream_map(), n.stream_map()
+    # a fork target's tokens are the source's: its own span is not what lands
+    forks = p.step.post_forks + (() if p.forked else p.step.pre_forks)
+    targets = {(rid, t) for _, t in forks for rid in p.step.padded}
+    written = p.phase == WRITTEN
+    for g in p.step.segments:
         k = (g.rid, g.label)
         if g.span == 0 or k in targets or k not in before:
             continue
-        want = before[k].contents + (g.label,) * g.span
+        want = before[k].contents + ((g.label if written else UNWRITTEN),) * g.span
         if k not in after or after[k].contents != want:
             return f"commit dropped the {g.span} tokens of {k}"
+    return None
+
+
+def i17(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    """A fault keeps the call's promise: beside what a fault-free call does,
+    a fork fault may only leave fork targets empty; reload moves nothing; a
+    copy fault leaves nothing of the offload behind."""
+    if not isinstance(r, Fault):
+        return None
+    if isinstance(a, Reload):
+        return None if n == s else "a faulted reload moved something"
+    if isinstance(a, OffloadCopy):
+        off = s.offload_of(a.rid)
+        claimed = {(a.rid, label) for label, _ in off.claimed} if off else set()
+        left = [k for k, _ in n.host if k in claimed] + [r for r, _ in n.offloads if r == a.rid]
+        return f"a faulted offload copy left {left}" if left else None
+    if isinstance(a, (Plan, Commit)):
+        preplan = isinstance(a, Plan) and a.preplan
+        p = s.staged if preplan else (s.current if s.current is not None else s.staged)
+        assert p is not None
+        _, clean = m.step(s, replace(a, fork_error=False))
+        forks = p.step.pre_forks + (p.step.post_forks if isinstance(a, Commit) else ())
+        targets = {(rid, t) for _, t in forks for rid in p.step.padded}
+        got, want = n.stream_map(), clean.stream_map()
+        for k in set(got) | set(want):
+            g, w = got.get(k), want.get(k)
+            if g == w:
+                continue
+            # a target left empty keeps only what the step added after the
+            # fork (its own span), and so does a target fed by it in a chain
+            lost = (k in targets and g is not None and w is not None
+                    and replace(g, stored_len=w.stored_len, contents=w.contents) == w
+                    and w.contents[len(w.contents) - len(g.contents):] == g.contents)
+            if not lost:
+                return f"a fork fault changed {k} beyond emptying a fork target: {g} != {w}"
+        return None
     return None
 
 
@@ -231,13 +277,13 @@ STATE: dict[str, StatePred] = {
     "I8": i8_state, "I12": i12, "I13": i13,
 }
 TRANSITION: dict[str, StepPred] = {
-    "I8": i8, "I9": i9, "I10": i10, "I11": i11, "I14": i14, "I15": i15,
+    "I8": i8, "I9": i9, "I10": i10, "I11": i11, "I14": i14, "I15": i15, "I17": i17,
 }
 # I16 (tp-symmetry) is not a property of one manager: the model is
 # deterministic, so every rank replaying one trace has one free count.
 # tests/distributed checks it on real ranks.
 NOT_IN_MODEL = {"I16": "checked by the distributed test only (the model is one rank)"}
-INVARIANT_IDS = tuple(f"I{i}" for i in range(1, 17))
+INVARIANT_IDS = tuple(f"I{i}" for i in range(1, 18))
 
 
 def _claim_in_flight(m: Model, s: State, a: Action, r: Result, n: State) -> bool:
@@ -286,6 +332,8 @@ INTERESTING: dict[str, tuple[str, Callable[[Model, State, Action, Result, State]
     "I14": _i("an offload commit refused by the guard (a claimed stream changed)",
               lambda m, s, a, r, n: isinstance(a, OffloadCommit) and r == Freed(0)
               and any(o.touched for rid, o in s.offloads if rid == a.rid)),
+    "I17": _i("a fork copy fault that emptied a target",
+              lambda m, s, a, r, n: isinstance(a, (Plan, Commit)) and r == Fault("ForkCopyError")),
     "I15": _i("a commit of a span",
               lambda m, s, a, r, n: isinstance(a, Commit) and s.current is not None
               and s.current.step.commit and any(g.span for g in s.current.step.segments)),

@@ -1,8 +1,12 @@
-"""Preconditions: which actions the engine protocol issues in a state.
+"""Which calls the checkers issue in a state.
 
-These are not refusals (those are results of `Model.step`): they are the
-calls an engine never makes, or makes only once a blocking wait is over.
-The checker explores exactly these.  Bounds come from the `Scope`.
+The model is total: every call of the manager's API has a result in every
+state (ok, a typed refusal, a misuse that changes nothing, or an injected
+fault), so `calls` issues all of them, careless ones included. `enabled` is
+the subset a careful engine issues: what the engine-like rules of the
+lockstep suite and the concurrency programs draw from. Only the
+environment's events (a retrieve completing) have preconditions.
+Bounds come from the `Scope`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from model.core import (
     OffloadCopy,
     Plan,
     Publish,
+    Read,
     Reload,
     Remove,
     Reset,
@@ -40,25 +45,82 @@ from model.core import (
     Write,
 )
 
+Forks = tuple[tuple[int, int], ...]
+
+
+def fork_shapes(labels: int) -> list[tuple[Forks, Forks]]:
+    """(pre_forks, post_forks): none; one fork between any two labels, either
+    kind; a chain or cycle of two pre-forks (a->b, b->c; c may be a); one of
+    each kind."""
+    pairs = [(f, t) for f in range(labels) for t in range(labels) if f != t]
+    shapes: list[tuple[Forks, Forks]] = [((), ())]
+    shapes += [((p,), ()) for p in pairs] + [((), (p,)) for p in pairs]
+    shapes += [((p, q), ()) for p in pairs for q in pairs if q[0] == p[1]]
+    shapes += [((p,), (q,)) for p in pairs for q in pairs]
+    return shapes
+
 
 def step_shapes(m: Model, reqs: list[int]) -> Iterator[Step]:
-    """One segment per step (any request, label, span), optionally one fork
-    from main, padded to that request or to every ingested one."""
+    """One segment per step (any request, label, span); forks as `fork_shapes`,
+    padded to every one of ``reqs`` (so some padded requests lack the source or
+    already hold the target); a fork-free step padded to its own request."""
     sc = m.scope
-    forks: list[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = [((), ())]
-    for t in range(1, sc.labels):
-        forks += [(((0, t),), ()), ((), ((0, t),))]
+    forks = fork_shapes(sc.labels)
     for r in reqs:
         for label in range(sc.labels):
             for span in range(sc.max_span + 1):
                 for pre, post in forks:
-                    paddings = {(r,), tuple(reqs)} if (pre or post) else {(r,)}
-                    for padded in sorted(paddings):
-                        for commit in (True, False) if span else (True,):
-                            yield Step((Seg(r, label, span),), pre, post, padded, commit)
+                    padded = tuple(reqs) if (pre or post) else (r,)
+                    for commit in (True, False) if span else (True,):
+                        yield Step((Seg(r, label, span),), pre, post, padded, commit)
+
+
+def calls(m: Model, s: State) -> Iterator[Action]:
+    """Every call, in every state: the total protocol the checker explores."""
+    sc = m.scope
+    every = list(range(sc.requests))
+    st = s.stream_map()
+    for r in every:
+        yield Ingest(r)
+    for step in step_shapes(m, every):
+        yield Admit(step)
+        yield Admit(step, preplan=True)
+    # a step with a fork and nobody to apply it to
+    yield Admit(Step((Seg(0, 0, 1),), ((0, 1),), (), ()))
+    yield Plan()
+    yield Plan(fork_error=True)
+    yield Plan(preplan=True)
+    yield Write()
+    yield Read()
+    yield Commit()
+    yield Commit(fork_error=True)
+    yield ClearPreplan()
+    for r in every:
+        yield OffloadClaim(r)
+        for label in range(sc.labels):
+            yield OffloadCopy(r, label)
+            yield OffloadCopy(r, label, copy_error=True)
+        yield OffloadCommit(r)
+        yield OffloadAbandon(r)
+        yield Reload(r)
+        yield Reload(r, copy_error=True)
+        yield Publish(r)
+        for label in range(sc.labels):
+            v = st.get((r, label))
+            if v is not None and v.retrieve == PENDING:
+                yield RetrieveComplete(r, label, ok=True)
+                yield RetrieveComplete(r, label, ok=False)
+            for n in range(sc.max_span + 1):
+                yield RetrieveStart(r, label, n)
+            yield RetrieveStart(r, label, sc.max_span, start_error=True)
+        yield Reset(r, free=False)
+        yield Reset(r, free=True)
+        yield Remove(r)
 
 
 def enabled(m: Model, s: State) -> Iterator[Action]:
+    """What a careful engine issues: steps in order over ready requests, handle
+    calls on open handles, no fault injected (the fault rules add those)."""
     sc = m.scope
     reqs = sorted(s.requests())
     st = s.stream_map()
@@ -93,26 +155,21 @@ def enabled(m: Model, s: State) -> Iterator[Action]:
             yield OffloadClaim(r)
         else:
             for label, _ in off.claimed:
-                # the copy waits for an in-flight read of the stream first
-                v = st.get((r, label))  # the reference may drop a claimed label
-                if label not in off.copied and (v is None or v.retrieve != PENDING):
+                if label not in off.copied:
                     yield OffloadCopy(r, label)
-                    yield OffloadCopy(r, label, copy_error=True)
             yield OffloadCommit(r)
             yield OffloadAbandon(r)
         if any(v.offload in (CLAIMED, OFFLOADED) for k, v in st.items() if k[0] == r):
             yield Reload(r)
         yield Publish(r)
         for label in range(sc.labels):
-            k = (r, label)
-            v = st.get(k)
+            v = st.get((r, label))
             if v is not None and v.retrieve == PENDING:
                 yield RetrieveComplete(r, label, ok=True)
                 yield RetrieveComplete(r, label, ok=False)
             # also into a stream a step names: kvref raises and nothing moves
             for n in range(1, sc.max_span + 1):
                 yield RetrieveStart(r, label, n)
-        if all(v.retrieve != PENDING for k, v in st.items() if k[0] == r):
-            yield Reset(r, free=False)
-            yield Reset(r, free=True)
-            yield Remove(r)
+        yield Reset(r, free=False)
+        yield Reset(r, free=True)
+        yield Remove(r)

@@ -42,6 +42,9 @@ class ReferenceModel(Model):
     R14_retrieve_refuses_named = False
     R15_retrieve_refuses_absent_named = False
     R16_admit_makes_named = False
+    R21_publish_complete = False
+    R22_admit_waits_for_retrieve = False
+    R24_commit_runs_pending_forks = False
     # the reference's clear_preplan removes invented fork targets only, not
     # labels a preplan's segment created; kvref removes both (DESIGN.md)
     UNDO_ALL_INVENTED = False
@@ -49,7 +52,10 @@ class ReferenceModel(Model):
     def do_Admit(self, s: State, a: Admit) -> tuple[Result, State]:
         if self.R1_atomic_admit and self.R3_offloaded_refuses:
             return super().do_Admit(s, a)
-        if not a.preplan and s.staged is not None:
+        misuse = self._misused(s, a)
+        if misuse is not None:
+            return misuse, s
+        if not a.preplan and (s.staged is not None or s.current is not None):
             return Ok(), s
         st, before = s.stream_map(), s.stream_map()
         keys = named(a.step)

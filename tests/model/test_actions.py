@@ -19,6 +19,7 @@ from model.core import (
     Flag,
     Freed,
     Ingest,
+    Fault,
     Misuse,
     Model,
     NotReady,
@@ -158,7 +159,7 @@ def test_copy_host_full_and_copy_error() -> None:
     rs, _ = run(Ingest(0), *decode(2), *decode(1), OffloadClaim(0), OffloadCopy(0, MAIN), m=m)
     assert rs[-1] == Flag(False)
     rs, s = run(Ingest(0), *decode(1), OffloadClaim(0), OffloadCopy(0, MAIN, copy_error=True))
-    assert rs[-1] == Misuse("OffloadCopyError") and s.offloads == () and s.host == ()
+    assert rs[-1] == Fault("OffloadCopyError") and s.offloads == () and s.host == ()
 
 
 def test_reset_during_offload_fails_the_guard() -> None:
@@ -204,12 +205,14 @@ def test_retrieve_into_a_named_stream_raises() -> None:  # R14
     assert rs[-1] == Misuse("StepInFlightError")
 
 
-def test_protocol_errors() -> None:
+def test_calls_out_of_order_are_misuse_and_change_nothing() -> None:
     m = Model(SC)
+    s = m.init()
+    assert m.step(s, Plan()) == (Misuse("StepNotAdmittedError"), s)
+    assert m.step(s, OffloadCommit(0)) == (Misuse("OffloadStateError"), s)
+    # only the environment's events have preconditions
     with pytest.raises(ProtocolError):
-        m.step(m.init(), Plan())
-    with pytest.raises(ProtocolError):
-        m.step(m.init(), OffloadCommit(0))
+        m.step(s, RetrieveComplete(0, MAIN, ok=True))
 
 
 # --- each invariant flags a bad state or transition
