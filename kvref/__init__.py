@@ -17,6 +17,7 @@ from kvref.config import KVConfig, KVLayout, KVReqConfig, KVSpec
 from kvref.distributed import JointGroups
 from kvref.errors import (
     AsymmetricStateError,
+    ForkCopyError,
     InvalidStepError,
     KVRefError,
     KVShapeError,
@@ -24,8 +25,10 @@ from kvref.errors import (
     OffloadStateError,
     PreplanPendingError,
     PublishedInfoError,
+    ReloadCopyError,
     StepInFlightError,
     StepNotAdmittedError,
+    StepOrderError,
     UnknownRequestError,
 )
 from kvref.host_pool import CPUPagePool
@@ -52,6 +55,7 @@ from kvref.step import (
     BucketKey,
     KVStep,
     RequestOffloading,
+    RetrieveInProgress,
     Segment,
     SlotLease,
     StepContext,
@@ -71,6 +75,7 @@ __all__ = [
     "CGSlotSpec",
     "CPUPagePool",
     "EngineResourceInfo",
+    "ForkCopyError",
     "InvalidStepError",
     "JointGroups",
     "KVCache",
@@ -96,8 +101,10 @@ __all__ = [
     "PublishedInfo",
     "PublishedInfoError",
     "PublishedKVInfo",
+    "ReloadCopyError",
     "RequestOffloading",
     "Resource",
+    "RetrieveInProgress",
     "Runtime",
     "Segment",
     "SequenceView",
@@ -105,6 +112,7 @@ __all__ = [
     "StepContext",
     "StepInFlightError",
     "StepNotAdmittedError",
+    "StepOrderError",
     "ThreadingRuntime",
     "TransferEngineInfo",
     "UnknownRequestError",

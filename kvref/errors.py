@@ -42,7 +42,22 @@ class StepNotAdmittedError(KVRefError):
 
 
 class StepInFlightError(KVRefError):
-    """A call that must not overlap an admitted step of the same request."""
+    """A call that must not overlap an admitted step: of the same request, or
+    a second step while one is admitted (one step runs at a time)."""
+
+
+class StepOrderError(KVRefError):
+    """A step call out of its order: a step planned a second time."""
+
+
+class ForkCopyError(KVRefError):
+    """A fork's page copy failed. Its target was left empty (length 0), never
+    half old and half new; the call's other work was done."""
+
+
+class ReloadCopyError(KVRefError):
+    """A host-to-device copy failed during reload; nothing was reloaded and
+    the host copies are kept."""
 
 
 class PreplanPendingError(KVRefError):

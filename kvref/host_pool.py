@@ -147,6 +147,15 @@ class CPUPagePool:
         self, rid: str, label: str, gpu_kv_cache: torch.Tensor, gpu_page_indices: list[int]
     ) -> HostCopy:
         """Copy a host copy back onto ``gpu_page_indices`` and drop it from the pool."""
+        copy = self.copy_in(rid, label, gpu_kv_cache, gpu_page_indices)
+        self.drop_reloaded(rid, label)
+        return copy
+
+    def copy_in(
+        self, rid: str, label: str, gpu_kv_cache: torch.Tensor, gpu_page_indices: list[int]
+    ) -> HostCopy:
+        """Copy a host copy back onto ``gpu_page_indices``; the copy stays in the
+        pool until `drop_reloaded`, so a reload whose later copy fails loses nothing."""
         with self._lock:
             copy = self._copies[rid][label]
         if len(gpu_page_indices) < len(copy.pages):
@@ -155,7 +164,12 @@ class CPUPagePool:
                 f"it needs {len(copy.pages)}"
             )
         self._copy_in(gpu_kv_cache, gpu_page_indices[: len(copy.pages)], copy.pages)
+        return copy
+
+    def drop_reloaded(self, rid: str, label: str) -> None:
+        """Forget a host copy that `copy_in` brought back to the device."""
         with self._lock:
+            copy = self._copies[rid][label]
             self._drop(rid, label)
             if self._stream is None:
                 self._allocator.free(copy.pages)
@@ -163,7 +177,6 @@ class CPUPagePool:
                 # the H2D copy may still be reading these; a new offload must
                 # not overwrite them before `sync`
                 self._pending_free.extend(copy.pages)
-        return copy
 
     def discard(self, rid: str, label: str) -> None:
         """Forget a host copy (an abandoned offload); a no-op if there is none."""

@@ -10,26 +10,30 @@ the reference manager, ``specs/rules.md`` says why (R1..R13 below).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvref import admission
 from kvref.allocator import PageAllocator
 from kvref.base import AttentionResource, CGSlotSpec, EngineResourceInfo
 from kvref.cache import KVCache
 from kvref.config import KVConfig, KVReqConfig, KVSpec
 from kvref.errors import (
     AsymmetricStateError,
+    ForkCopyError,
     InvalidStepError,
     KVRefError,
     KVShapeError,
     PreplanPendingError,
     PublishedInfoError,
+    ReloadCopyError,
     StepInFlightError,
     StepNotAdmittedError,
+    StepOrderError,
     UnknownRequestError,
 )
 from kvref.host_pool import CPUPagePool
@@ -54,7 +58,6 @@ from kvref.step import (
     AdmitRuntimeError,
     AllocationFailed,
     KVStep,
-    RequestOffloading,
     Segment,
     SlotLease,
     StepContext,
@@ -74,15 +77,33 @@ def _pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
-@dataclass
-class _Reservation:
-    """What an admit will do, computed before it does any of it (R1)."""
+def _where(step: KVStep, admitted: KVStep | None = None) -> dict[str, str]:
+    """The request and label an error about ``step`` names: its first segment
+    that the ``admitted`` step does not have, else its first."""
+    segments = list(step.segments) if isinstance(step, KVStep) else []
+    known = {(g.request_id, g.label) for g in admitted.segments} if admitted else set()
+    stray = [g for g in segments if (g.request_id, g.label) not in known] or segments
+    if not stray:
+        return {}
+    return {"request_id": stray[0].request_id, "label": stray[0].label}
 
-    # (rid, label) -> pages the stream must hold, in reservation order
-    pages: dict[Key, int] = field(default_factory=dict)
-    # every stream the step names that exists once the pages are taken (R2)
-    marks: dict[Key, None] = field(default_factory=dict)
-    first_short: Key | None = None
+
+@dataclass
+class _Running:
+    """The admitted step, from admit (or a preplan's promotion) to commit (R23)."""
+
+    step: KVStep
+    padded: tuple[str, ...]  # the admit's padded_request_ids: what its forks reserved
+    # streams its admit created and no fork has written since: a fork from
+    # one of them that is still empty copies nothing (R20)
+    created: set[Key]
+    planned: bool = False
+    # its pre-forks ran (perhaps at a plan that failed): never twice
+    forked: bool = False
+
+
+class _ForkFailed(Exception):
+    """One fork copy failed; `_run_forks` gathers them into a ForkCopyError."""
 
 
 @dataclass
@@ -92,7 +113,7 @@ class _Preplan:
     step: KVStep
     ctx: StepContext
     # labels this step's admit created; an abandon removes them with their pages
-    new_labels: list[Key]
+    created: list[Key]
     marked: list[Key]
     outputs: KVPlanOutputs | None = None
     states: dict[str, KVPlanState] = field(default_factory=dict)
@@ -148,6 +169,7 @@ class KVManager(AttentionResource):
         self._static_plan_states: dict[tuple[int, str], KVPlanState] = {}
         self._cg_max_seq_len = 0
         self._current_plan_states: dict[str, KVPlanState] = {}
+        self._running: _Running | None = None
         self._preplan: _Preplan | None = None
         self.reset_default_cursors()
 
@@ -259,55 +281,74 @@ class KVManager(AttentionResource):
         """Reserve the step's pages and mark its streams in flight, or refuse.
 
         A refusal changes nothing (R1). Forks reserve here and copy later
-        (pre-forks at plan, post-forks at commit), so a step admitted and
-        never run leaves pages reserved but no contents moved: admitting it
-        again allocates nothing more.
+        (pre-forks at plan, post-forks at commit). One step is admitted at a
+        time, plus one preplanned (R23): admitting the admitted (or staged)
+        step again is a no-op, admitting another raises.
         """
         with self._lock:
-            if self._preplan is not None:
+            staged = self._preplan
+            if staged is not None:
                 if ctx.is_preplan:
                     raise PreplanPendingError(
                         "a preplan is already staged; clear_preplan before preplanning again"
                     )
-                if step is not self._preplan.step and step != self._preplan.step:
+                if step is not staged.step and step != staged.step:
                     raise PreplanPendingError(
                         "admit of a different step than the staged preplan; "
                         "clear_preplan first"
                     )
-                # the preplan pass already reserved and marked
-                return ADMIT_OK
+                return ADMIT_OK  # the preplan pass already reserved and marked
+            running = self._running
+            if running is not None and not ctx.is_preplan:
+                if step is running.step or step == running.step:
+                    return ADMIT_OK  # admitted again: everything is reserved already
+                # R23: a second step would be planned against lengths the
+                # first has not committed, and its commit would clear the
+                # first one's marks
+                raise StepInFlightError(
+                    "a step is already admitted; commit it before admitting another"
+                )
             if not (ctx.is_preplan or step.pre_forks or step.post_forks
                     or step.combined_labels):
-                return self._admit_segments(step)
-            self._validate_step(step, ctx)
+                return self._admit_segments(step, ctx)
+            padded = tuple(ctx.padded_request_ids)
+            admission.validate_step(self._streams, step, padded)
+            keys = admission.named_keys(step, padded)
             if ctx.is_preplan:
                 # R10: the staged plan would be built from lengths a running
                 # step has not committed, and its commit would clear these marks
-                for rid, label in self._named_streams(step, ctx):
-                    if self._streams[rid][label].step_in_flight:
+                for rid, label in keys:
+                    stream = self._streams[rid].get(label)
+                    if stream is not None and stream.step_in_flight:
                         raise StepInFlightError(
                             "preplan names a stream of a step still in flight; "
                             "commit that step first",
                             request_id=rid,
                             label=label,
                         )
-            res = self._reserve(step, ctx)
-            if isinstance(res, AdmitFailedReason):
-                return AdmitOutcome(ok=False, reason=res)
-            new_labels = self._apply_reservation(res)
-            for rid, label in res.marks:
+            refused = admission.refusal(self._streams, keys)
+            if refused is not None:
+                return AdmitOutcome(ok=False, reason=refused)
+            grant = admission.reserve(self._streams, step, padded, keys,
+                                      self.config.page_size, self._allocator.num_free)
+            if isinstance(grant, AdmitFailedReason):
+                return AdmitOutcome(ok=False, reason=grant)
+            created = self._apply_grant(grant)
+            for rid, label in keys:
                 self._streams[rid][label].step_in_flight = True
             if ctx.is_preplan:
-                self._preplan = _Preplan(step, ctx, new_labels, list(res.marks))
+                self._preplan = _Preplan(step, ctx, created, list(keys))
+            else:
+                self._running = _Running(step, padded, set(created))
             return ADMIT_OK
 
-    def _admit_segments(self, step: KVStep) -> AdmitOutcome:
+    def _admit_segments(self, step: KVStep, ctx: StepContext) -> AdmitOutcome:
         """`admit` of a plain step (no forks, no preplan): what every decode step is.
 
-        The same decisions as `_reserve` + `_apply_reservation`, in one pass
-        to decide and one to apply, holding the stream objects in between:
-        at batch 256 the dictionary lookups of the general path were most of
-        the step's cost.
+        The decisions of `admission.validate_step`, `refusal` and `reserve`,
+        in one pass to decide and one to apply, holding the stream objects in
+        between: at batch 256 the dictionary lookups of the general path were
+        most of the step's cost.
         """
         ps = self.config.page_size
         all_streams = self._streams
@@ -315,6 +356,7 @@ class KVManager(AttentionResource):
         seen: set[Key] = set()
         new_pages = 0
         first_short: Key | None = None
+        refused: AdmitFailedReason | None = None
         for seg in step.segments:
             rid, label, span = seg.request_id, seg.label, seg.span
             if span < 0:
@@ -327,9 +369,11 @@ class KVManager(AttentionResource):
             if stream is None:
                 # made even for a zero span, so the mark covers it (R16)
                 short = -(-span // ps)
-            elif stream.offloaded:
-                return AdmitOutcome(ok=False, reason=self._offloading(rid, label))
             else:
+                if stream.offloaded or stream.read_future is not None or (
+                        stream.read_error is not None):
+                    # rare: decided by the general rule, which ranks the kinds
+                    refused = refused or admission.refusal(all_streams, {(rid, label): None})
                 short = -(-(stream.stored_len + span) // ps) - len(stream.page_indices)
             if short > 0:
                 new_pages += short
@@ -343,8 +387,15 @@ class KVManager(AttentionResource):
             # both would be planned from one length and write the same slots
             raise InvalidStepError("stream appears twice in one step",
                                    request_id=dup[0], label=dup[1])
+        if refused is not None:
+            # rank across every segment: a latched failure before a running
+            # retrieve before an offload, whichever segment came first
+            refused = admission.refusal(all_streams, dict.fromkeys(seen))
+            if refused is not None:
+                return AdmitOutcome(ok=False, reason=refused)
         if new_pages > self._allocator.num_free:
-            return AdmitOutcome(ok=False, reason=self._short(new_pages, first_short))
+            return AdmitOutcome(ok=False, reason=admission.allocation_failed(
+                new_pages, self._allocator.num_free, first_short))
         allocate = self._allocator.try_allocate
         for streams, label, stream, short in todo:
             if stream is None:
@@ -355,136 +406,12 @@ class KVManager(AttentionResource):
                 stream.page_indices += got
                 stream.generation += 1
             stream.step_in_flight = True
+        self._running = _Running(step, tuple(ctx.padded_request_ids), set())
         return ADMIT_OK
 
-    def _validate_step(self, step: KVStep, ctx: StepContext) -> None:
-        """Misuse checks that do not depend on stream state (spans are checked in `_reserve`)."""
-        if step.pre_forks or step.post_forks:
-            for rid in ctx.padded_request_ids:
-                self._request(rid)
-            for from_label, to_label in (*step.pre_forks, *step.post_forks):
-                if from_label == to_label:
-                    raise InvalidStepError(f"fork of label {from_label!r} onto itself")
-        if step.combined_labels:
-            try:
-                group_by_plan_label((), step.combined_labels)
-            except ValueError as err:
-                raise InvalidStepError(str(err)) from None
-
-    def _reserve(self, step: KVStep, ctx: StepContext) -> _Reservation | AdmitFailedReason:
-        """Every page the step needs, and every refusal, without changing anything."""
-        ps = self.config.page_size
-        res = _Reservation()
-        pages = res.pages
-        marks = res.marks
-        all_streams = self._streams
-        # the length each stream will have when the step's spans are placed:
-        # a pre-fork target takes its source's length at plan (R9)
-        length_at_plan: dict[Key, int] = {}
-        if step.pre_forks or step.post_forks:
-            refusal = self._reserve_forks(step, ctx, res, length_at_plan)
-            if refusal is not None:
-                return refusal
-        seen: set[Key] = set()
-        for seg in step.segments:
-            rid, label, span = seg.request_id, seg.label, seg.span
-            key = (rid, label)
-            if span < 0:
-                raise InvalidStepError(f"negative span {span}", request_id=rid, label=label)
-            if key in seen:
-                # both would be planned from one length and write the same slots
-                raise InvalidStepError("stream appears twice in one step",
-                                       request_id=rid, label=label)
-            seen.add(key)
-            streams = all_streams.get(rid)
-            if streams is None:
-                raise UnknownRequestError("unknown request (never ingested, or removed)",
-                                          request_id=rid, label=label)
-            stream = streams.get(label)
-            if stream is not None and stream.offloaded:
-                return self._offloading(rid, label)
-            if length_at_plan and key in length_at_plan:
-                base: int | None = length_at_plan[key]
-            else:
-                base = None if stream is None else stream.stored_len
-            if base is None:
-                # a label the step names and nothing created yet: admit makes
-                # it (empty when the span is 0) so the mark covers it, or a
-                # retrieve could create it under the step and an offload then
-                # claim pages the step reads (R16)
-                base = 0
-            marks[key] = None
-            n = -(-(base + span) // ps)
-            if n > pages.get(key, -1):
-                pages[key] = n
-        new_pages = 0
-        for key, n in pages.items():
-            stream = all_streams[key[0]].get(key[1])
-            short = n - (len(stream.page_indices) if stream is not None else 0)
-            if short > 0:
-                new_pages += short
-                if res.first_short is None:
-                    res.first_short = key
-        if new_pages > self._allocator.num_free:
-            return self._short(new_pages, res.first_short)
-        return res
-
-    def _short(self, new_pages: int, first_short: Key | None) -> AllocationFailed:
-        free = self._allocator.num_free
-        rid, label = first_short or ("", "")
-        return AllocationFailed(
-            pages_short=new_pages - free, request_id=rid, label=label,
-            message=(f"not enough free pages: step needs {new_pages} new, {free} free "
-                     f"(first short: request {rid!r} label {label!r})"),
-        )
-
-    def _reserve_forks(
-        self, step: KVStep, ctx: StepContext, res: _Reservation, length_at_plan: dict[Key, int]
-    ) -> AdmitFailedReason | None:
-        ps = self.config.page_size
-        growth: dict[Key, int] = {}
-        if step.commit:
-            for seg in step.segments:
-                growth[(seg.request_id, seg.label)] = seg.span
-
-        def length(key: Key) -> int | None:
-            if key in length_at_plan:
-                return length_at_plan[key]
-            stream = self._streams[key[0]].get(key[1])
-            return None if stream is None else stream.stored_len
-
-        forks = [(f, False) for f in step.pre_forks] + [(f, True) for f in step.post_forks]
-        for (from_label, to_label), is_post in forks:
-            for rid in ctx.padded_request_ids:
-                streams = self._streams[rid]
-                src, dst = (rid, from_label), (rid, to_label)
-                extra = growth.get(src, 0) if is_post else 0
-                src_len = length(src)
-                if src_len is None:
-                    # the source does not exist yet: this step's segments
-                    # create it, or (nothing added: a padded request during
-                    # capture) it is made empty, so both ends are marked (R16)
-                    n = -(-extra // ps)
-                    res.pages.setdefault(src, 0)
-                    res.marks[src] = None
-                else:
-                    source = streams.get(from_label)
-                    if source is not None and source.offloaded:
-                        return self._offloading(rid, from_label)
-                    res.marks[src] = None
-                    n = -(-(src_len + extra) // ps)
-                    if not is_post:
-                        length_at_plan[dst] = src_len
-                target = streams.get(to_label)
-                if target is not None and target.offloaded:
-                    return self._offloading(rid, to_label)
-                res.pages[dst] = max(res.pages.get(dst, 0), n)
-                res.marks[dst] = None
-        return None
-
-    def _apply_reservation(self, res: _Reservation) -> list[Key]:
+    def _apply_grant(self, grant: admission.Grant) -> list[Key]:
         created: list[Key] = []
-        for (rid, label), pages in res.pages.items():
+        for (rid, label), pages in grant.pages.items():
             streams = self._streams[rid]
             stream = streams.get(label)
             if stream is None:
@@ -493,7 +420,7 @@ class KVManager(AttentionResource):
             short = pages - len(stream.page_indices)
             if short > 0:
                 got = self._allocator.try_allocate(short)
-                # `_reserve` counted these under the same lock
+                # `reserve` counted these under the same lock
                 assert got is not None, "allocator lost pages between reserve and apply"
                 stream.page_indices.extend(got)
                 stream.generation += 1
@@ -502,44 +429,59 @@ class KVManager(AttentionResource):
     def plan(self, step: KVStep, ctx: StepContext) -> KVPlanOutputs:
         """Page tables per plan label, and this step's write addressing.
 
-        The real plan after a preplan promotes it: the staged page tables are
-        returned and its pre-forks are applied now (R11).
+        A step is planned once (R27). The real plan after a preplan promotes
+        it: the staged page tables are returned and its pre-forks are applied
+        now (R11). A fork copy that fails empties its target, leaves the step
+        admitted with its forks done, and raises `ForkCopyError`: plan again.
         """
         self.reset_default_cursors()
         with self._lock:
             staged = self._preplan
             if ctx.is_preplan:
                 if staged is None or staged.step != step:
-                    raise StepNotAdmittedError("preplan of a step that was not preplan-admitted")
+                    raise StepNotAdmittedError("preplan of a step that was not preplan-admitted",
+                                               **_where(step))
                 if staged.outputs is not None:
                     raise PreplanPendingError("the staged preplan was already planned")
-                outputs, states = self._build_plan(step, ctx, apply_forks=False)
+                outputs, states = self._build_plan(
+                    step, ctx, self._pre_fork_lengths(step, staged.ctx, staged.created))
                 staged.outputs, staged.states = outputs, states
                 return outputs
-            if staged is not None and (step is staged.step or step == staged.step):
+            running = self._running
+            if running is None:
+                if staged is None or (step is not staged.step and step != staged.step):
+                    raise StepNotAdmittedError("plan of a step that was not admitted",
+                                               **_where(step))
                 # promotion, not abandonment: its reservations and marks stay
-                # (any other step planned now is one admitted before the
-                # preplan, on streams R10 kept apart from it)
                 self._preplan = None
+                running = self._running = _Running(
+                    staged.step, tuple(staged.ctx.padded_request_ids), set(staged.created))
                 if staged.outputs is not None:
-                    self._apply_pre_forks(step, staged.ctx)
+                    self._run_pre_forks(running)
+                    # the views were built before the forks ran: what they
+                    # report now is what the step runs against
+                    for out in staged.outputs.values():
+                        for view in out.views:
+                            stream = self._streams[view.request_id][view.label]
+                            view.generation = stream.generation
+                    running.planned = True
                     self._current_plan_states = staged.states
                     return staged.outputs
-            if step.pre_forks:
-                # the forks below change state: check before them, not in the views
-                self._check_admitted(step, "plan")
-            outputs, states = self._build_plan(step, ctx, apply_forks=True)
+            elif step is not running.step and step != running.step:
+                raise StepNotAdmittedError("plan of a step other than the admitted one",
+                                           **_where(step, running.step))
+            elif running.planned:
+                raise StepOrderError("the admitted step was already planned; commit it",
+                                     **_where(step))
+            self._run_pre_forks(running)
+            outputs, states = self._build_plan(step, ctx, {})
+            running.planned = True
             self._current_plan_states = states
             return outputs
 
     def _build_plan(
-        self, step: KVStep, ctx: StepContext, apply_forks: bool
+        self, step: KVStep, ctx: StepContext, fork_len: Mapping[Key, int]
     ) -> tuple[KVPlanOutputs, dict[str, KVPlanState]]:
-        if apply_forks:
-            self._apply_pre_forks(step, ctx)
-            fork_len: dict[Key, int] = {}
-        else:
-            fork_len = self._pre_fork_lengths(step, ctx)
         ps = self.config.page_size
         outputs: dict[str, KVPlanOutput] = {}
         states: dict[str, KVPlanState] = {}
@@ -568,14 +510,7 @@ class KVManager(AttentionResource):
         append = views.append
         for seg in segments:
             rid, label, span = seg.request_id, seg.label, seg.span
-            streams = all_streams.get(rid)
-            stream = streams.get(label) if streams is not None else None
-            if stream is None or (span and not stream.step_in_flight):
-                if span == 0:
-                    continue  # a zero-span segment on a label nothing created
-                raise StepNotAdmittedError(
-                    "plan of a step that was not admitted", request_id=rid, label=label
-                )
+            stream = all_streams[rid][label]  # admit made every named stream (R16)
             if fork_len:
                 length = fork_len.get((rid, label), stream.stored_len) + span
             else:
@@ -641,7 +576,7 @@ class KVManager(AttentionResource):
                 return
             # labels the staged step invented are removed with their pages:
             # a stream at length 0 that nothing asked for still holds them
-            for rid, label in reversed(staged.new_labels):
+            for rid, label in reversed(staged.created):
                 stream = self._streams.get(rid, {}).pop(label, None)
                 if stream is not None:
                     self._allocator.free(stream.page_indices)
@@ -652,44 +587,53 @@ class KVManager(AttentionResource):
                     stream.step_in_flight = False
 
     def commit(self, step: KVStep, ctx: StepContext) -> None:
-        """Clear the step's marks, add its spans, then apply its post-forks."""
+        """Clear the step's marks, add its spans, then apply its post-forks.
+
+        A step committed without a plan runs its pre-forks first (R24). The
+        write addressing dies here (R27): a late `write_kv` raises instead of
+        landing in pages that are committed, or owned by another request. A
+        fork copy that fails empties its target and raises `ForkCopyError`
+        once the commit is otherwise complete (R26).
+        """
         with self._lock:
-            if self._preplan is not None and self._preplan.step == step:
-                raise StepNotAdmittedError("commit of a step that is only preplanned")
+            running = self._running
+            if running is None or (step is not running.step and step != running.step):
+                staged = self._preplan
+                if staged is not None and staged.step == step:
+                    raise StepNotAdmittedError("commit of a step that is only preplanned",
+                                               **_where(step))
+                raise StepNotAdmittedError(
+                    "commit of a step that was not admitted",
+                    **_where(step, running.step if running is not None else None))
+            fault: ForkCopyError | None = None
+            try:
+                self._run_pre_forks(running)
+            except ForkCopyError as err:
+                fault = err
+            self._running = None
+            self._current_plan_states = {}
             keep = step.commit
             all_streams = self._streams
-            # a staged preplan may have created and marked a stream this step
-            # named without marking (a zero-span segment on a new label)
-            staged = (
+            # a staged preplan may own a mark this step also set (a stream
+            # both name): it stays until the preplan is promoted or cleared
+            staged_marks = (
                 {all_streams[r][lb] for r, lb in self._preplan.marked
                  if lb in all_streams.get(r, {})}
                 if self._preplan is not None else None
             )
-            done: list[tuple[CacheStream, int]] = []
-            for seg in step.segments:
-                span = seg.span
-                streams = all_streams.get(seg.request_id)
-                stream = streams.get(seg.label) if streams is not None else None
-                if stream is None or not stream.step_in_flight:
-                    if span == 0:
-                        continue
-                    # undo this call's changes, so a misuse leaves no trace
-                    for s, added in done:
-                        s.step_in_flight = True
-                        if added:
-                            s.stored_len -= added
-                            s.generation -= 1
-                    raise StepNotAdmittedError(
-                        "commit of a step that was not admitted",
-                        request_id=seg.request_id, label=seg.label,
-                    )
+            for rid, label in admission.named_keys(step, running.padded):
+                stream = all_streams[rid][label]
                 # cleared whether or not the step keeps its tokens: a step
                 # with commit=False still read these pages, and a mark left
                 # set would make the request unevictable
-                if staged is None or stream not in staged:
+                if staged_marks is None or stream not in staged_marks:
                     stream.step_in_flight = False
-                added = 0
-                if keep and span:
+            if keep:
+                for seg in step.segments:
+                    span = seg.span
+                    if not span:
+                        continue
+                    stream = all_streams[seg.request_id][seg.label]
                     if stream.offloaded:
                         # unreachable under R2-R5; kept as the last defence,
                         # loudly, because it drops a committed span (I15)
@@ -698,74 +642,72 @@ class KVManager(AttentionResource):
                             "the stream was offloaded mid-step",
                             self.name, span, seg.request_id, seg.label,
                         )
-                    else:
-                        stream.stored_len += span
-                        stream.generation += 1
-                        added = span
-                done.append((stream, added))
-            if step.pre_forks or step.post_forks:
-                for rid, label in self._named_streams(step, ctx):
-                    named = self._streams[rid][label]
-                    if staged is None or named not in staged:
-                        named.step_in_flight = False
+                        continue
+                    stream.stored_len += span
+                    stream.generation += 1
             # post-forks copy what this step just wrote, so after the spans land
-            for from_label, to_label in step.post_forks:
-                for rid in ctx.padded_request_ids:
-                    self._apply_fork(rid, from_label, to_label)
+            try:
+                self._run_forks(running, step.post_forks)
+            except ForkCopyError as err:
+                fault = fault or err
+            if fault is not None:
+                raise fault
 
-    def _check_admitted(self, step: KVStep, what: str) -> None:
-        for seg in step.segments:
-            if seg.span == 0:
-                continue
-            stream = self._request(seg.request_id).get(seg.label)
-            if stream is None or not stream.step_in_flight:
-                raise StepNotAdmittedError(
-                    f"{what} of a step that was not admitted",
-                    request_id=seg.request_id,
-                    label=seg.label,
-                )
+    def _run_pre_forks(self, running: _Running) -> None:
+        if running.forked:
+            return
+        # done even if a copy fails: a retried plan, or the commit, must not
+        # run a chain of forks twice over its own results
+        running.forked = True
+        self._run_forks(running, running.step.pre_forks)
 
-    def _named_streams(self, step: KVStep, ctx: StepContext) -> Iterable[Key]:
-        """The existing streams a step names: what its admit marked (R2)."""
-        for seg in step.segments:
-            streams = self._streams.get(seg.request_id)
-            if streams is not None and seg.label in streams:
-                yield seg.request_id, seg.label
-        for from_label, to_label in (*step.pre_forks, *step.post_forks):
-            for rid in ctx.padded_request_ids:
-                streams = self._streams.get(rid)
-                if streams is None:
-                    continue
-                if from_label in streams:
-                    yield rid, from_label
-                if to_label in streams:
-                    yield rid, to_label
+    def _run_forks(self, running: _Running, forks: Sequence[tuple[str, str]]) -> None:
+        """Each fork for each padded request, in order; a failed copy empties its
+        target and the rest still run, then the first failure is raised."""
+        failed: list[tuple[Key, BaseException]] = []
+        for from_label, to_label in forks:
+            for rid in running.padded:
+                try:
+                    self._apply_fork(rid, from_label, to_label, running.created)
+                except _ForkFailed as err:
+                    failed.append(((rid, to_label), err.__cause__ or err))
+        if failed:
+            (rid, label), cause = failed[0]
+            raise ForkCopyError(
+                f"fork copy failed ({type(cause).__name__}: {cause}); the target was left "
+                f"empty ({len(failed)} target(s) in this call)",
+                request_id=rid, label=label,
+            ) from cause
 
-    def _pre_fork_lengths(self, step: KVStep, ctx: StepContext) -> dict[Key, int]:
+    def _pre_fork_lengths(self, step: KVStep, ctx: StepContext,
+                          created: Sequence[Key]) -> dict[Key, int]:
         """Target lengths the pre-forks will give, without applying them (R11)."""
+        unfilled = set(created)
         lengths: dict[Key, int] = {}
         for from_label, to_label in step.pre_forks:
             for rid in ctx.padded_request_ids:
                 src = self._streams[rid].get(from_label)
-                if src is not None:
-                    lengths[(rid, to_label)] = lengths.get((rid, from_label), src.stored_len)
+                if src is None:
+                    continue
+                n = lengths.get((rid, from_label), src.stored_len)
+                if (rid, from_label) in unfilled and n == 0:
+                    continue  # R20
+                unfilled.discard((rid, to_label))
+                lengths[(rid, to_label)] = n
         return lengths
 
-    def _apply_pre_forks(self, step: KVStep, ctx: StepContext) -> None:
-        for from_label, to_label in step.pre_forks:
-            for rid in ctx.padded_request_ids:
-                self._apply_fork(rid, from_label, to_label)
-
-    def _apply_fork(self, rid: str, from_label: str, to_label: str) -> None:
+    def _apply_fork(self, rid: str, from_label: str, to_label: str,
+                    created: set[Key]) -> None:
         """Copy a stream onto its fork target, over pages admit reserved."""
-        streams = self._streams.get(rid)
-        if streams is None or from_label not in streams or to_label not in streams:
-            # admit reserved no target: the source did not exist and the step
-            # kept nothing in it (commit=False, or a pre-fork of a label the
-            # step itself creates), so there is nothing to copy
-            return
-        src = streams[from_label]
+        streams = self._streams[rid]
+        src = streams[from_label]  # admit made both ends (R16)
         dst = streams[to_label]
+        if (rid, from_label) in created and src.stored_len == 0:
+            # R20: this step's admit made the source only so a mark covers
+            # it; a padded request without the label has nothing to give, and
+            # copying the empty stream wiped the target's tokens
+            return
+        created.discard((rid, to_label))  # a fork wrote it: a source from here on
         # sized off the source's length, not either side's page count: both
         # may hold spare pages, and copying those made the copy lopsided
         n = _pages_for(src.stored_len, self.config.page_size)
@@ -776,7 +718,15 @@ class KVManager(AttentionResource):
                 request_id=rid,
                 label=to_label,
             )
-        self.kv_cache.copy_pages(src.page_indices[:n], dst.page_indices[:n])
+        if n:
+            try:
+                self.kv_cache.copy_pages(src.page_indices[:n], dst.page_indices[:n])
+            except Exception as err:
+                # the target may hold part of the source: nothing of it is
+                # trustworthy, so it is emptied rather than left torn (R26)
+                dst.stored_len = 0
+                dst.generation += 1
+                raise _ForkFailed() from err
         dst.stored_len = src.stored_len
         dst.generation += 1
 
@@ -1028,11 +978,27 @@ class KVManager(AttentionResource):
             needed = sum(pool.num_pages(rid, label) for label in labels)
             if needed > self._allocator.num_free:
                 return False
+            taken: list[tuple[str, list[int]]] = []
+            try:
+                for label in labels:
+                    pages = self._allocator.try_allocate(pool.num_pages(rid, label))
+                    assert pages is not None  # counted above, under the same lock
+                    taken.append((label, pages))
+                    pool.copy_in(rid, label, self.kv_cache.tensor, pages)
+            except Exception as err:
+                # all streams or none (R26): the pages go back, the host copies
+                # stay, and a later reload can try again
+                for _, pages in taken:
+                    self._allocator.free(pages)
+                raise ReloadCopyError(
+                    f"host-to-device copy failed ({type(err).__name__}: {err}); nothing "
+                    "was reloaded", request_id=rid, label=taken[-1][0] if taken else None,
+                ) from err
             streams = self._streams[rid]
-            for label in labels:
-                pages = self._allocator.try_allocate(pool.num_pages(rid, label))
-                assert pages is not None  # counted above, under the same lock
-                copy = pool.reload_stream(rid, label, self.kv_cache.tensor, pages)
+            for label, pages in taken:
+                copy = pool.copy_of(rid, label)
+                assert copy is not None
+                pool.drop_reloaded(rid, label)
                 stream = streams[label]
                 stream.page_indices = pages
                 stream.stored_len = copy.stored_len
@@ -1063,12 +1029,16 @@ class KVManager(AttentionResource):
         """What another manager needs to retrieve this request's KV.
 
         None when the request is gone (a removal can race the engine's
-        finalize) or any stream is off the device (R13).
+        finalize), any stream is off the device (R13), or any stream is still
+        receiving a retrieve or holds a failed one (R21): its pages do not hold
+        the tokens its length counts, and the peer would copy them anyway.
         """
         transfer_info = self._own_transfer_info()
         with self._lock:
             streams = self._streams.get(request_id)
             if streams is None or any(s.offloaded for s in streams.values()):
+                return None
+            if any(admission.retrieve_state(s) != admission.IDLE for s in streams.values()):
                 return None
             seq_info = {
                 label: KVSequenceInfo(
@@ -1093,9 +1063,7 @@ class KVManager(AttentionResource):
         ``ok=True, ready=False`` while a copy runs; a failed copy is latched
         and reported on every later call (I11) until reset or removal.
         """
-        if published is None:
-            return ADMIT_OK
-        if published.world_size != self._world_size:
+        if published is not None and published.world_size != self._world_size:
             # terminal for this request, not for the worker serving it
             return AdmitOutcome(
                 ok=False, ready=False,
@@ -1114,7 +1082,8 @@ class KVManager(AttentionResource):
             needed = self._overrides[rid].get_labels(node_name, graph_walk)
             todo: list[tuple[str, KVSequenceInfo, int]] = []
             new_pages = 0
-            for label, info in published.get(self._rank).items():
+            offered = published.get(self._rank).items() if published is not None else ()
+            for label, info in offered:
                 if label not in needed:
                     continue
                 ready, failed = self._check_ready(rid, label)
@@ -1134,7 +1103,10 @@ class KVManager(AttentionResource):
                         self.name, rid, label, info.seq_len, old_len,
                     )
                     continue
-                self._validate_published(rid, label, info)
+                # every misuse before anything moves: a bad descriptor or an
+                # incompatible publisher found at the second label used to
+                # leave the first one's pages taken and its copy running
+                self._validate_published(rid, label, info, old_len)
                 if stream is not None and stream.step_in_flight:
                     # the step planned its writes at the old length; growing
                     # the stream under it would overwrite or lose its tokens
@@ -1143,7 +1115,8 @@ class KVManager(AttentionResource):
                         request_id=rid, label=label,
                     )
                 if stream is not None and stream.offloaded:
-                    return AdmitOutcome(ok=False, reason=self._offloading(rid, label))
+                    return AdmitOutcome(ok=False, reason=admission.request_offloading(
+                        rid, label))
                 held = len(stream.page_indices) if stream is not None else 0
                 new_pages += max(0, _pages_for(info.seq_len, ps) - held)
                 todo.append((label, info, old_len))
@@ -1155,24 +1128,9 @@ class KVManager(AttentionResource):
                     message=f"retrieve needs {new_pages} new pages, {free} free",
                 ))
             for label, info, old_len in todo:
-                stream = streams.get(label)
-                if stream is None:
-                    stream = streams[label] = CacheStream()
-                short = _pages_for(info.seq_len, ps) - len(stream.page_indices)
-                if short > 0:
-                    got = self._allocator.try_allocate(short)
-                    assert got is not None  # counted above
-                    stream.page_indices.extend(got)
-                fut = self._transfer.start_async_retrieve(
-                    start_len=old_len, end_len=info.seq_len,
-                    local_page_indices=list(stream.page_indices),
-                    remote_page_indices=info.page_indices,
-                    kv_transfer_info=info.latest_kv_transfer_info,
-                )
-                stream.read_future = fut
-                stream.read_pending = fut is not None
-                stream.stored_len = info.seq_len
-                stream.generation += 1
+                started = self._start_retrieve(rid, streams, label, info, old_len)
+                if started is not None:
+                    return AdmitOutcome(ok=False, ready=False, reason=started)
             ready = True
             for label in needed:
                 label_ready, failed = self._check_ready(rid, label)
@@ -1181,7 +1139,47 @@ class KVManager(AttentionResource):
                 ready = ready and label_ready
             return AdmitOutcome(ok=True, ready=ready)
 
-    def _validate_published(self, rid: str, label: str, info: KVSequenceInfo) -> None:
+    def _start_retrieve(self, rid: str, streams: dict[str, CacheStream], label: str,
+                        info: KVSequenceInfo, old_len: int) -> AdmitRuntimeError | None:
+        """Take the pages and start one label's copy; if the transfer engine
+        raises, give back what this label took and refuse (R26). Labels started
+        before it keep copying: their pages are theirs, and reset drains them."""
+        stream = streams.get(label)
+        created = stream is None
+        if stream is None:
+            stream = streams[label] = CacheStream()
+        short = _pages_for(info.seq_len, self.config.page_size) - len(stream.page_indices)
+        got: list[int] = []
+        if short > 0:
+            taken = self._allocator.try_allocate(short)
+            assert taken is not None  # counted by the caller, under the same lock
+            got = taken
+            stream.page_indices.extend(got)
+        try:
+            fut = self._transfer.start_async_retrieve(
+                start_len=old_len, end_len=info.seq_len,
+                local_page_indices=list(stream.page_indices),
+                remote_page_indices=info.page_indices,
+                kv_transfer_info=info.latest_kv_transfer_info,
+            )
+        except Exception as err:
+            if got:
+                del stream.page_indices[-len(got):]
+                self._allocator.free(got)
+            if created:
+                del streams[label]
+            return AdmitRuntimeError(
+                f"KV retrieve could not start: {type(err).__name__}: {err}",
+                request_id=rid, label=label,
+            )
+        stream.read_future = fut
+        stream.read_pending = fut is not None
+        stream.stored_len = info.seq_len
+        stream.generation += 1
+        return None
+
+    def _validate_published(self, rid: str, label: str, info: KVSequenceInfo,
+                            old_len: int) -> None:
         remote = info.latest_kv_transfer_info
         num_pages = getattr(remote, "num_pages", None)
         page_size = getattr(remote, "page_size", self.config.page_size)
@@ -1202,6 +1200,11 @@ class KVManager(AttentionResource):
                 f"published page indices {bad[:4]} are outside [1, {num_pages})",
                 request_id=rid, label=label,
             )
+        try:
+            self._transfer.check_remote(old_len, info.seq_len, info.page_indices, remote)
+        except KVRefError as err:
+            # a misuse of this call, named as one: it changes nothing
+            raise PublishedInfoError(str(err), request_id=rid, label=label) from err
 
     def _check_ready(self, rid: str, label: str) -> tuple[bool, AdmitRuntimeError | None]:
         """(ready, terminal failure). A failed retrieve is latched on the stream."""
@@ -1284,11 +1287,4 @@ class KVManager(AttentionResource):
         if futures:
             self._runtime.wait(futures)
 
-    @staticmethod
-    def _offloading(rid: str, label: str) -> RequestOffloading:
-        return RequestOffloading(
-            message=f"request {rid!r} label {label!r} is offloaded or being offloaded; "
-            "retry once it is reloaded",
-            request_id=rid,
-            label=label,
-        )
+

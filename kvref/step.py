@@ -85,6 +85,12 @@ class RequestOffloading(AdmitFailedReason):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RetrieveInProgress(AdmitFailedReason):
+    """A stream the step names is still receiving a retrieve; its pages hold
+    no KV yet. Retry once `admit_retrieve` reports the request ready."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class _AdmitRuntimeErrorFields(AdmitFailedReason):
     pass
 

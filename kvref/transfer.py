@@ -411,27 +411,18 @@ class KVTransferManager:
         """
         if start_len >= end_len:
             return None
-        if not isinstance(kv_transfer_info, KVTransferInfo):
-            raise TransferRangeError(
-                f"kv_transfer_info must be a KVTransferInfo, got {type(kv_transfer_info).__name__}"
-            )
-        if start_len < 0:
-            raise TransferRangeError(f"negative start_len {start_len}")
         if self._closed:
             raise TransferError("retrieve on a KVTransferManager after cleanup()")
+        self.check_remote(start_len, end_len, remote_page_indices, kv_transfer_info)
         remote = kv_transfer_info
-        self._check_compatible(remote)
         # snapshot: the caller's page list is a live stream list that may grow
         local_pages, remote_pages = list(local_page_indices), list(remote_page_indices)
-        for side, pages, ps, n in (
-            ("local", local_pages, self.kv_cache.page_size, int(self.kv_cache.tensor.shape[1])),
-            ("remote", remote_pages, remote.page_size, remote.num_pages),
-        ):
-            problem = _page_problem(pages, start_len, end_len, ps, n)
-            if problem is not None:
-                raise TransferRangeError(
-                    f"retrieve of tokens [{start_len}, {end_len}): {side} pages: {problem}"
-                )
+        problem = _page_problem(local_pages, start_len, end_len, self.kv_cache.page_size,
+                                int(self.kv_cache.tensor.shape[1]))
+        if problem is not None:
+            raise TransferRangeError(
+                f"retrieve of tokens [{start_len}, {end_len}): local pages: {problem}"
+            )
         fail = self.fail_next > 0
         if fail:
             self.fail_next -= 1
@@ -442,6 +433,28 @@ class KVTransferManager:
             self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(future)
         return future
+
+    def check_remote(
+        self, start_len: int, end_len: int, remote_page_indices: Sequence[int],
+        kv_transfer_info: KVTransferInfo,
+    ) -> None:
+        """Raise `TransferRangeError` for what `start_async_retrieve` would refuse on
+        the remote side (descriptor, geometry, dtype, pages), without starting
+        anything: a caller checks every label before it takes a page."""
+        if not isinstance(kv_transfer_info, KVTransferInfo):
+            raise TransferRangeError(
+                f"kv_transfer_info must be a KVTransferInfo, got {type(kv_transfer_info).__name__}"
+            )
+        if start_len < 0:
+            raise TransferRangeError(f"negative start_len {start_len}")
+        remote = kv_transfer_info
+        self._check_compatible(remote)
+        problem = _page_problem(list(remote_page_indices), start_len, end_len,
+                                remote.page_size, remote.num_pages)
+        if problem is not None:
+            raise TransferRangeError(
+                f"retrieve of tokens [{start_len}, {end_len}): remote pages: {problem}"
+            )
 
     def cleanup(self) -> None:
         """Wait for retrieves in flight, drop remote mappings, unpublish this cache.

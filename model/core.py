@@ -43,14 +43,15 @@ class ProtocolError(Exception):
 class Scope:
     requests: int = 2
     labels: int = 2
-    # the default scope: every action fires and every invariant's interesting
-    # case arises within depth 7, in ~20 s on two cores (host_pages=1 so a
-    # copy can find the pool full; findings.md uses page_size=2 scopes)
+    # the default scope: every call in every state (the total protocol), every
+    # action fires and every invariant's interesting case arises within depth
+    # 6 (a reload of retrieved tokens needs six calls); host_pages=1 so a copy
+    # can find the pool full; findings.md uses page_size=2 scopes
     device_pages: int = 3  # usable pages; the sink is extra and never counted
     host_pages: int = 1
     page_size: int = 1
-    max_span: int = 2
-    depth: int = 7  # 0: explore until no new state
+    max_span: int = 1
+    depth: int = 6  # 0: explore until no new state
 
 
 # ---------------------------------------------------------------- state
@@ -360,6 +361,7 @@ class Model:
 
     def step(self, s: State, a: Action) -> tuple[Result, State]:
         handler = getattr(self, "do_" + type(a).__name__)
+        result: Result
         result, nxt = handler(s, a)
         assert isinstance(result, RESULTS)
         assert isinstance(nxt, State)
@@ -435,8 +437,9 @@ class Model:
 
     def _copies(self, src: Key, length: dict[Key, int], fresh: frozenset[Key]) -> bool:
         """Whether a fork from ``src`` copies anything (R20): a source that did not
-        exist before this step's admit (R16 made it empty) and that nothing has
-        filled since is no source at all, e.g. a padded request without it."""
+        exist before this step's admit (R16 made it empty), that no earlier fork
+        of the step wrote and that is still empty is no source at all, e.g. a
+        padded request without it."""
         if src not in length:
             return False
         return not (self.R20_fork_from_absent_copies_nothing and src in fresh
@@ -452,13 +455,14 @@ class Model:
         def ask(k: Key, tokens: int) -> None:
             want[k] = max(want.get(k, 0), self.need(tokens))
 
-        fresh = frozenset(named(step) - set(st))
+        fresh = set(named(step) - set(st))
         length = {k: v.stored_len for k, v in st.items()} | dict.fromkeys(fresh, 0)
 
         def fork(forks: tuple[tuple[int, int], ...]) -> None:
             for f, t in forks:
                 for rid in step.padded:
-                    if self._copies((rid, f), length, fresh):
+                    if self._copies((rid, f), length, frozenset(fresh)):
+                        fresh.discard((rid, t))  # written by a fork: a source from here on
                         length[(rid, t)] = length[(rid, f)]
                         ask((rid, t), length[(rid, f)])
 
@@ -547,24 +551,27 @@ class Model:
         return replace(s, free=free, streams=_sorted(st), current=p)
 
     def _fork_all(self, st: dict[Key, Stream], p: Pending, forks: tuple[tuple[int, int], ...],
-                  fault: bool) -> bool:
+                  fault: bool) -> tuple[bool, Pending]:
         """Apply ``forks`` for every padded request, in order. With ``fault``,
         the first copy that moves tokens raises: its target is left empty
-        (never half old, half new) and the rest still run. True if it fired."""
+        (never half old, half new) and the rest still run. Returns whether it
+        fired, and the pending step with the written targets no longer fresh."""
         fired = False
+        fresh = set(p.fresh)
         for f, t in forks:
             for rid in p.step.padded:
                 src, dst = (rid, f), (rid, t)
                 length = {k: v.stored_len for k, v in st.items()}
-                if not self._copies(src, length, p.fresh) or dst not in st:
+                if not self._copies(src, length, frozenset(fresh)) or dst not in st:
                     continue
+                fresh.discard(dst)  # written by a fork: a source from here on
                 if fault and not fired and st[src].stored_len > 0:
                     fired = True
                     st[dst] = replace(st[dst], stored_len=0, contents=())
                     continue
                 st[dst] = replace(st[dst], stored_len=st[src].stored_len,
                                   contents=st[src].contents)
-        return fired
+        return fired, replace(p, fresh=frozenset(fresh))
 
     def do_Plan(self, s: State, a: Plan) -> tuple[Result, State]:
         if a.preplan:
@@ -576,7 +583,7 @@ class Model:
             st = s.stream_map()
             fired = False
             if not self.R11_preplan_forks_at_promotion:
-                fired = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
+                fired, p = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
             p = replace(p, phase=PLANNED, forked=not self.R11_preplan_forks_at_promotion)
             return (Fault("ForkCopyError") if fired else Ok()), replace(
                 s, streams=_sorted(st), staged=p)
@@ -594,7 +601,7 @@ class Model:
         st = s.stream_map()
         fired = False
         if not p.forked:
-            fired = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
+            fired, p = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
         if fired:  # plan again: the forks ran, the failed target stays empty (R26)
             p = replace(p, phase=ADMITTED, forked=True)
             return Fault("ForkCopyError"), replace(s, streams=_sorted(st), current=p)
@@ -626,7 +633,7 @@ class Model:
         fired = False
         if not p.forked and self.R24_commit_runs_pending_forks:
             # committed unplanned: its pre-forks run now (R24)
-            fired = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
+            fired, p = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
         self._unmark(st, p.marks, s.staged.marks if s.staged else frozenset())
         token = None if p.phase == WRITTEN else UNWRITTEN
         for g in p.step.segments:
@@ -638,7 +645,8 @@ class Model:
             v = st[k]
             st[k] = replace(v, stored_len=v.stored_len + g.span,
                             contents=v.contents + (g.label if token is None else token,) * g.span)
-        fired = self._fork_all(st, p, p.step.post_forks, a.fork_error and not fired) or fired
+        post_fired, p = self._fork_all(st, p, p.step.post_forks, a.fork_error and not fired)
+        fired = fired or post_fired
         nxt = replace(s, streams=_sorted(st), current=None)
         return (Fault("ForkCopyError") if fired else Ok()), nxt
 

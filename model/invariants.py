@@ -152,7 +152,8 @@ def i9(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
     if not isinstance(a, ClearPreplan) or s.staged is None:
         return None
     after = n.stream_map()
-    for k in sorted(s.staged.fresh):
+    invented = set(s.staged.fresh) | {k for k, old in s.staged.undo if old is None}
+    for k in sorted(invented):
         if k in after:
             return f"label {k} the preplan created survives clear_preplan"
     if s.staged.phase != ADMITTED:

@@ -76,34 +76,56 @@ def step_shapes(m: Model, reqs: list[int]) -> Iterator[Step]:
 
 
 def calls(m: Model, s: State) -> Iterator[Action]:
-    """Every call, in every state: the total protocol the checker explores."""
+    """Every call, in every state: the total protocol the checker explores.
+
+    Calls whose answer an early rule of `Model.step` fixes whatever their
+    arguments are issued once, not once per argument: with a step running,
+    every other plain admit is the same `StepInFlightError` (R23); with a
+    preplan staged, every other admit the same `PreplanPendingError`; a step
+    over a request never ingested is `UnknownRequestError` before anything
+    else; a fault flag on a call that runs no such copy changes nothing.
+    """
     sc = m.scope
     every = list(range(sc.requests))
+    ingested = sorted(s.requests())
     st = s.stream_map()
     for r in every:
         yield Ingest(r)
-    for step in step_shapes(m, every):
+    shapes = list(step_shapes(m, ingested))
+    held = s.staged or s.current
+    plain = shapes if held is None else [held.step, *shapes[:1]]
+    preplan = shapes if s.staged is None else shapes[:1]
+    for step in plain:
         yield Admit(step)
+    for step in preplan:
         yield Admit(step, preplan=True)
+    unknown = [r for r in every if r not in ingested]
+    if unknown:  # a step over a request never ingested, or removed
+        yield Admit(Step((Seg(unknown[0], 0, 1),), (), (), (unknown[0],)))
     # a step with a fork and nobody to apply it to
     yield Admit(Step((Seg(0, 0, 1),), ((0, 1),), (), ()))
+    forks = held is not None and bool(held.step.pre_forks or held.step.post_forks)
     yield Plan()
-    yield Plan(fork_error=True)
     yield Plan(preplan=True)
     yield Write()
     yield Read()
     yield Commit()
-    yield Commit(fork_error=True)
+    if forks:
+        yield Plan(fork_error=True)
+        yield Commit(fork_error=True)
     yield ClearPreplan()
     for r in every:
         yield OffloadClaim(r)
+        off = s.offload_of(r)
         for label in range(sc.labels):
             yield OffloadCopy(r, label)
-            yield OffloadCopy(r, label, copy_error=True)
+            if off is not None and label in dict(off.claimed):
+                yield OffloadCopy(r, label, copy_error=True)
         yield OffloadCommit(r)
         yield OffloadAbandon(r)
         yield Reload(r)
-        yield Reload(r, copy_error=True)
+        if any(k[0] == r for k, _ in s.host):
+            yield Reload(r, copy_error=True)
         yield Publish(r)
         for label in range(sc.labels):
             v = st.get((r, label))

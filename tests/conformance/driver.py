@@ -15,7 +15,8 @@ the request id is in the value, isolation between requests (I8).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,14 @@ class DriverConfig:
     factory: ManagerFactory = default_factory
 
 
+# the KVRefError kinds an injected fault surfaces as: a fault, not a misuse
+FAULTS = frozenset({"ForkCopyError", "ReloadCopyError", "OffloadCopyError"})
+
+
+class InjectedCopyFault(OSError):
+    """The failure an injected copy fault raises."""
+
+
 class Driver:
     """A kvref manager plus what the test holds between calls (plans, offload handles)."""
 
@@ -83,11 +92,15 @@ class Driver:
             transfer_engine_info=TransferEngineInfo(), device=self.config.device,
             dtype=self.config.dtype, runtime=self.runtime,
         )
-        self.step: KVStep | None = None  # the running step (admitted, maybe planned)
-        self.step_ctx: StepContext | None = None
+        # the running step (admitted, maybe planned) and the staged preplan, each
+        # as (model step, kvref step, ctx): an admit of the same model step
+        # hands kvref the very step it admitted, as an engine retrying would
+        self.step: tuple[m.Step, KVStep, StepContext] | None = None
         self.outputs: KVPlanOutputs | None = None
-        self.staged: tuple[KVStep, StepContext] | None = None
+        self.written: dict[str, torch.Tensor] = {}  # plan label -> K/V last written
+        self.staged: tuple[m.Step, KVStep, StepContext] | None = None
         self.offloads: dict[int, Offload] = {}
+        self.closed: dict[int, Offload] = {}  # the last handle of each request, closed
         self.sources: list[KVManager] = []  # publishers of retrieves, kept alive
         self.combine = False  # the next admitted step plans its labels combined
 
@@ -98,7 +111,8 @@ class Driver:
         try:
             result: m.Result = handler(action)
         except KVRefError as err:
-            return m.Misuse(type(err).__name__)
+            kind = type(err).__name__
+            return m.Fault(kind) if kind in FAULTS else m.Misuse(kind)
         return result
 
     def _Ingest(self, a: m.Ingest) -> m.Result:
@@ -126,39 +140,51 @@ class Driver:
         )
         return kv_step, StepContext(padded_request_ids=[rid_name(r) for r in step.padded])
 
+    # a step no engine admitted: what a careless plan or commit hands in
+    STRAY = KVStep(segments=[Segment("r0", "main", 1)])
+
     def _Admit(self, a: m.Admit) -> m.Result:
-        step, ctx = self.to_kvref(a.step, self.combine)
-        if a.preplan:
-            ctx = StepContext(ctx.padded_request_ids, is_preplan=True)
-        elif self.staged is not None:
-            step, ctx = self.staged[0], StepContext(self.staged[1].padded_request_ids)
-        promoting = not a.preplan and self.staged is not None
+        held = self.staged if self.staged is not None else self.step
+        if held is not None and held[0] == a.step:
+            _, step, ctx = held  # the same step again, as the engine admitted it
+            ctx = StepContext(ctx.padded_request_ids, is_preplan=a.preplan)
+        else:
+            step, ctx = self.to_kvref(a.step, self.combine)
+            ctx = StepContext(ctx.padded_request_ids, is_preplan=a.preplan)
         out = self.kv.admit(step, ctx)
-        if out.ok:
+        if out.ok and self.staged is None and not (self.step and not a.preplan):
             if a.preplan:
-                self.staged = (step, ctx)
-            elif not promoting:
-                # the staged step's real admit changes nothing: it becomes the
-                # running step only when plan promotes it (as in the model)
-                self.step, self.step_ctx = step, ctx
+                self.staged = (a.step, step, ctx)
+            else:
+                self.step = (a.step, step, ctx)
         return outcome(out)
 
     def _Plan(self, a: m.Plan) -> m.Result:
-        if a.preplan:
-            assert self.staged is not None
-            self.kv.plan(*self.staged)
+        with self.copy_fault(a.fork_error):
+            if a.preplan:
+                if self.staged is None:
+                    self.kv.plan(self.STRAY, StepContext(["r0"], is_preplan=True))
+                else:
+                    self.kv.plan(self.staged[1], self.staged[2])
+                return m.Ok()
+            if self.step is None and self.staged is not None:
+                # promotion of the staged preplan: from here it is the running step
+                mstep, step, ctx = self.staged
+                self.step, self.staged = (mstep, step, StepContext(ctx.padded_request_ids)), None
+            if self.step is None:
+                self.kv.plan(self.STRAY, StepContext(["r0"]))
+                return m.Ok()
+            self.outputs = self.kv.plan(self.step[1], self.step[2])
+            self.written = {}
             return m.Ok()
-        if self.step is None:  # promotion of the staged preplan
-            assert self.staged is not None
-            self.step = self.staged[0]
-            self.step_ctx = StepContext(self.staged[1].padded_request_ids)
-            self.staged = None
-        assert self.step_ctx is not None
-        self.outputs = self.kv.plan(self.step, self.step_ctx)
-        return m.Ok()
 
     def _Write(self, a: m.Write) -> m.Result:
-        assert self.outputs is not None
+        if self.outputs is None:
+            # no slots to write: kvref must refuse rather than use stale ones
+            junk = torch.ones(1, self.cfg.num_kv_heads, self.cfg.head_dim)
+            junk = junk.to(self.config.device, self.config.dtype)
+            self.kv.write_kv(junk, junk, layer_idx=0)
+            return m.Ok()
         for plan_label, out in self.outputs.items():
             rows = []
             for view in out.views:
@@ -171,18 +197,71 @@ class Driver:
             kv = kv.to(self.config.device, self.config.dtype)
             for layer in range(self.cfg.num_layers):
                 self.kv.write_kv(kv, kv, layer_idx=layer, label=plan_label)
+            self.written[plan_label] = kv
+        return m.Ok()
+
+    def _Read(self, a: m.Read) -> m.Result:
+        if self.outputs is None:
+            self.kv.read_kv(layer_idx=0)
+            return m.Ok()
+        for plan_label in self.outputs:
+            got = self.kv.read_kv(layer_idx=self.cfg.num_layers - 1, plan_label=plan_label)
+            want = self.written.get(plan_label)
+            if want is not None:
+                # what attention reads back is what it wrote, K and V
+                assert torch.equal(got[:, 0], want) and torch.equal(got[:, 1], want), (
+                    f"read_kv of {plan_label!r} differs from what write_kv wrote")
         return m.Ok()
 
     def _Commit(self, a: m.Commit) -> m.Result:
-        assert self.step is not None and self.step_ctx is not None
-        self.kv.commit(self.step, self.step_ctx)
-        self.step = self.step_ctx = self.outputs = None
+        held, self.outputs, self.written = self.step, None, {}
+        with self.copy_fault(a.fork_error):
+            if held is None:
+                staged = self.staged
+                step, ctx = (staged[1], staged[2]) if staged else (self.STRAY, StepContext())
+                self.kv.commit(step, ctx)
+                return m.Ok()
+            self.step = None
+            self.kv.commit(held[1], held[2])
         return m.Ok()
 
     def _ClearPreplan(self, a: m.ClearPreplan) -> m.Result:
         self.kv.clear_preplan()
         self.staged = None
         return m.Ok()
+
+    @contextlib.contextmanager
+    def copy_fault(self, on: bool) -> Iterator[None]:
+        """With ``on``, the next page copy of the cache (a fork's) raises."""
+        if not on:
+            yield
+            return
+        cache = self.kv.kv_cache
+        real = cache.copy_pages
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            cache.copy_pages = real  # type: ignore[method-assign]
+            raise InjectedCopyFault("page copy failed (injected)")
+
+        cache.copy_pages = broken  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            cache.copy_pages = real  # type: ignore[method-assign]
+
+    def handle(self, rid: int) -> Offload:
+        """The request's open offload handle, else its last closed one (a careless
+        engine's stale handle), else a handle that was never open."""
+        off = self.offloads.get(rid) or self.closed.get(rid)
+        if off is None:
+            off = self.closed[rid] = Offload(self.kv, rid_name(rid), [], {})
+            off.abandon()
+        return off
+
+    def close(self, rid: int) -> None:
+        off = self.offloads.pop(rid, None)
+        if off is not None:
+            self.closed[rid] = off
 
     def _OffloadClaim(self, a: m.OffloadClaim) -> m.Result:
         off = self.kv.begin_offload(rid_name(a.rid))
@@ -192,20 +271,21 @@ class Driver:
         return m.Claimed(tuple(sorted(m.LABEL_NAMES.index(n) for n in off.labels)))
 
     def _OffloadCopy(self, a: m.OffloadCopy) -> m.Result:
-        off = self.offloads[a.rid]
+        off = self.handle(a.rid)
         if a.copy_error:
             pool = self.kv._cpu_pool
             assert pool is not None
 
             def broken(*args: Any) -> None:
-                raise OSError("host copy failed (injected)")
+                raise InjectedCopyFault("host copy failed (injected)")
 
             pool._copy_out = broken  # type: ignore[method-assign,assignment]
             try:
                 # no copy runs when the host is full, and then nothing can fail
                 copied = off.copy(label_name(a.label))
-            except KVRefError:
-                self.offloads.pop(a.rid)
+            except KVRefError as err:
+                if type(err).__name__ in FAULTS:
+                    self.close(a.rid)
                 raise
             finally:
                 del pool._copy_out
@@ -213,14 +293,29 @@ class Driver:
         return m.Flag(off.copy(label_name(a.label)))
 
     def _OffloadCommit(self, a: m.OffloadCommit) -> m.Result:
-        return m.Freed(self.offloads.pop(a.rid).commit())
+        off = self.handle(a.rid)
+        self.close(a.rid)
+        return m.Freed(off.commit())
 
     def _OffloadAbandon(self, a: m.OffloadAbandon) -> m.Result:
-        self.offloads.pop(a.rid).abandon()
+        off = self.handle(a.rid)
+        self.close(a.rid)
+        off.abandon()
         return m.Ok()
 
     def _Reload(self, a: m.Reload) -> m.Result:
-        return m.Flag(self.kv.reload(rid_name(a.rid)))
+        pool = self.kv._cpu_pool
+        assert pool is not None
+        if a.copy_error:
+            def broken(*args: Any) -> None:
+                raise InjectedCopyFault("host-to-device copy failed (injected)")
+
+            pool._copy_in = broken  # type: ignore[method-assign,assignment]
+        try:
+            return m.Flag(self.kv.reload(rid_name(a.rid)))
+        finally:
+            if a.copy_error:
+                del pool._copy_in
 
     def _Publish(self, a: m.Publish) -> m.Result:
         info = self.kv.publish(rid_name(a.rid))
@@ -232,10 +327,19 @@ class Driver:
 
     def _RetrieveStart(self, a: m.RetrieveStart) -> m.Result:
         rid, label = rid_name(a.rid), label_name(a.label)
-        src = self.publisher(a.rid, a.label, a.length)
-        out = self.kv.admit_retrieve(rid, "node", label, src.publish(rid))
-        return outcome(out)
+        # length 0: nothing published, the engine hands in None
+        info = self.publisher(a.rid, a.label, a.length).publish(rid) if a.length else None
+        transfer = self.kv._transfer
+        if a.start_error:
+            def broken(**kwargs: Any) -> None:
+                raise InjectedCopyFault("transfer engine failed to start the copy (injected)")
 
+            transfer.start_async_retrieve = broken  # type: ignore[method-assign,assignment]
+        try:
+            return outcome(self.kv.admit_retrieve(rid, "node", label, info))
+        finally:
+            if a.start_error:
+                del transfer.start_async_retrieve
     def publisher(self, rid: int, label: int, length: int) -> KVManager:
         """Another manager holding ``length`` retrieved tokens of (rid, label)."""
         cfg = KVConfig(
@@ -274,11 +378,12 @@ class Driver:
 
     def _Remove(self, a: m.Remove) -> m.Result:
         self.kv.remove_request(rid_name(a.rid))
-        off = self.offloads.pop(a.rid, None)
-        if off is not None:
+        off = self.offloads.get(a.rid)
+        if off is not None and rid_name(a.rid) not in self.kv._streams:
             # the model forgets an offload whose request was removed; kvref's
             # handle is still open and finds nothing left to undo
             off.abandon()
+            self.close(a.rid)
         return m.Ok()
 
     # -- kvref state -> model state ---------------------------------------------

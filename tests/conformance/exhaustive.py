@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from model import core as m
 from model.check import reachable
-from model.protocol import enabled
+from model.protocol import calls
 from tests.conformance.driver import Driver, DriverConfig
 
 # small enough for CI; `python -m model.check --conformance` takes any scope
@@ -66,7 +66,7 @@ def check_scope(scope: m.Scope, config: DriverConfig | None = None,
     for state, trace in reachable(scope):
         prefix = [a for a, _ in trace]
         out.states += 1
-        for a in enabled(model, state):
+        for a in calls(model, state):
             out.transitions += 1
             try:
                 run_trace(model, [*prefix, a], config)

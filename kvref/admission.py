@@ -1,0 +1,216 @@
+"""Admission: from the stream table and a step to a grant or a refusal.
+
+Pure computation under the manager's lock: nothing here changes a stream,
+so a refusal leaves nothing to unwind (R1). `KVManager.admit` applies a
+grant; the decode fast path makes the same decisions per segment.
+
+Order of answers, as `model.core.Model.do_Admit` states it: misuse first
+(`validate_step`), then a latched retrieve failure (terminal), a retrieve
+still copying, an offloaded stream, and last the page count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvref.errors import InvalidStepError, UnknownRequestError
+from kvref.plan import group_by_plan_label
+from kvref.step import (
+    AdmitFailedReason,
+    AdmitRuntimeError,
+    AllocationFailed,
+    KVStep,
+    RequestOffloading,
+    RetrieveInProgress,
+)
+from kvref.streams import CacheStream
+
+Key = tuple[str, str]  # (request id, label)
+Table = Mapping[str, Mapping[str, CacheStream]]
+
+IDLE, PENDING, FAILED = "idle", "pending", "failed"
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def retrieve_state(stream: CacheStream) -> str:
+    """idle / pending / failed. A finished transfer's outcome is read off its
+    future once and latched on the stream (I11), as readiness checks do."""
+    fut = stream.read_future
+    if fut is not None and fut.done():
+        stream.read_future = None
+        err = fut.exception()
+        if err is not None:
+            stream.read_error = err
+        else:
+            stream.read_pending = False
+    if stream.read_error is not None:
+        return FAILED
+    return PENDING if stream.read_future is not None else IDLE
+
+
+def named_keys(step: KVStep, padded: tuple[str, ...]) -> dict[Key, None]:
+    """Every stream a step names (R2): its segments, and both ends of every
+    fork for every padded request; in that order."""
+    keys: dict[Key, None] = {(g.request_id, g.label): None for g in step.segments}
+    for from_label, to_label in (*step.pre_forks, *step.post_forks):
+        for rid in padded:
+            keys[(rid, from_label)] = None
+            keys[(rid, to_label)] = None
+    return keys
+
+
+def validate_step(table: Table, step: KVStep, padded: tuple[str, ...]) -> None:
+    """Misuse that does not depend on what the streams hold; raises, changes nothing."""
+    seen: set[Key] = set()
+    for seg in step.segments:
+        rid, label = seg.request_id, seg.label
+        if rid not in table:
+            raise UnknownRequestError("unknown request (never ingested, or removed)",
+                                      request_id=rid, label=label)
+        if seg.span < 0:
+            raise InvalidStepError(f"negative span {seg.span}", request_id=rid, label=label)
+        if (rid, label) in seen:
+            # both would be planned from one length and write the same slots
+            raise InvalidStepError("stream appears twice in one step", request_id=rid,
+                                   label=label)
+        seen.add((rid, label))
+    forks = (*step.pre_forks, *step.post_forks)
+    if forks:
+        for rid in padded:
+            if rid not in table:
+                raise UnknownRequestError("padded request is unknown (never ingested, or "
+                                          "removed)", request_id=rid)
+        if not padded:
+            # R25: a fork applies to each padded request; with none it would
+            # do nothing, silently
+            raise InvalidStepError("a step with forks names no padded_request_ids to apply "
+                                   "them to")
+        for from_label, to_label in forks:
+            if from_label == to_label:
+                raise InvalidStepError(f"fork of label {from_label!r} onto itself")
+    if step.combined_labels:
+        try:
+            group_by_plan_label((), step.combined_labels)
+        except ValueError as err:
+            raise InvalidStepError(str(err)) from None
+
+
+def refusal(table: Table, keys: Mapping[Key, None]) -> AdmitFailedReason | None:
+    """The first refusal the named streams call for, by kind, or None."""
+    failed = pending = offloading = None
+    for rid, label in keys:
+        stream = table[rid].get(label)
+        if stream is None:
+            continue
+        state = retrieve_state(stream) if (stream.read_future is not None
+                                           or stream.read_error is not None) else IDLE
+        if state == FAILED and failed is None:
+            err = stream.read_error
+            failed = AdmitRuntimeError(
+                f"KV retrieve failed: {type(err).__name__}: {err}; reset or remove the request",
+                request_id=rid, label=label)
+        elif state == PENDING and pending is None:
+            pending = retrieve_in_progress(rid, label)
+        if stream.offloaded and offloading is None:
+            offloading = request_offloading(rid, label)
+    return failed or pending or offloading
+
+
+@dataclass
+class Grant:
+    """What an admit will do, computed before it does any of it (R1)."""
+
+    # (rid, label) -> pages the stream must hold, in reservation order; every
+    # named stream is here, so applying the grant creates them all (R16)
+    pages: dict[Key, int] = field(default_factory=dict)
+    # named streams this admit creates: a fork from one that no fork wrote
+    # and that is still empty copies nothing (R20)
+    fresh: frozenset[Key] = frozenset()
+    new_pages: int = 0
+    first_short: Key | None = None
+
+
+def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[Key, None],
+            page_size: int, free: int) -> Grant | AllocationFailed:
+    """Pages per stream: the most its length reaches while the step runs, the
+    forks applied in list order (a chain a->b, b->c copies a's tokens onward;
+    a segment on a pre-fork target grows from the source's length, R9)."""
+    fresh = frozenset(k for k in keys if k[1] not in table[k[0]])
+    unfilled = set(fresh)  # made by this admit, and not yet written by a fork
+    length: dict[Key, int] = {}
+
+    def length_of(key: Key) -> int:
+        if key in length:
+            return length[key]
+        stream = table[key[0]].get(key[1])
+        return stream.stored_len if stream is not None else 0
+
+    want: dict[Key, int] = {}
+
+    def ask(key: Key, tokens: int) -> None:
+        n = pages_for(tokens, page_size)
+        if n > want.get(key, -1):
+            want[key] = n
+
+    def fork(forks: tuple[tuple[str, str], ...]) -> None:
+        for from_label, to_label in forks:
+            for rid in padded:
+                src = (rid, from_label)
+                n = length_of(src)
+                if src in unfilled and n == 0:
+                    continue  # R20: no source to copy (a padded request without it)
+                unfilled.discard((rid, to_label))
+                length[(rid, to_label)] = n
+                ask((rid, to_label), n)
+
+    fork(tuple(step.pre_forks))
+    for seg in step.segments:
+        key = (seg.request_id, seg.label)
+        ask(key, length_of(key) + seg.span)
+    if step.commit:
+        grown = {(g.request_id, g.label): length_of((g.request_id, g.label)) + g.span
+                 for g in step.segments}
+        length.update(grown)
+    fork(tuple(step.post_forks))
+    for key in keys:
+        want.setdefault(key, 0)
+    grant = Grant(pages=want, fresh=fresh)
+    for key, n in want.items():
+        stream = table[key[0]].get(key[1])
+        short = n - (len(stream.page_indices) if stream is not None else 0)
+        if short > 0:
+            grant.new_pages += short
+            if grant.first_short is None:
+                grant.first_short = key
+    if grant.new_pages > free:
+        return allocation_failed(grant.new_pages, free, grant.first_short)
+    return grant
+
+
+def allocation_failed(new_pages: int, free: int, first_short: Key | None) -> AllocationFailed:
+    rid, label = first_short or ("", "")
+    return AllocationFailed(
+        pages_short=new_pages - free, request_id=rid, label=label,
+        message=(f"not enough free pages: step needs {new_pages} new, {free} free "
+                 f"(first short: request {rid!r} label {label!r})"),
+    )
+
+
+def request_offloading(rid: str, label: str) -> RequestOffloading:
+    return RequestOffloading(
+        message=f"request {rid!r} label {label!r} is offloaded or being offloaded; "
+        "retry once it is reloaded",
+        request_id=rid, label=label,
+    )
+
+
+def retrieve_in_progress(rid: str, label: str) -> RetrieveInProgress:
+    return RetrieveInProgress(
+        message=f"request {rid!r} label {label!r} is still receiving retrieved KV; "
+        "retry once admit_retrieve reports it ready",
+        request_id=rid, label=label,
+    )
