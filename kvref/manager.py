@@ -77,6 +77,12 @@ def _pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def _same(step: KVStep, ctx: StepContext, other: KVStep, padded: tuple[str, ...]) -> bool:
+    """The same step admitted again: equal, and padded to the same requests
+    (its forks reserved for those)."""
+    return (step is other or step == other) and tuple(ctx.padded_request_ids) == padded
+
+
 def _where(step: KVStep, admitted: KVStep | None = None) -> dict[str, str]:
     """The request and label an error about ``step`` names: its first segment
     that the ``admitted`` step does not have, else its first."""
@@ -292,7 +298,7 @@ class KVManager(AttentionResource):
                     raise PreplanPendingError(
                         "a preplan is already staged; clear_preplan before preplanning again"
                     )
-                if step is not staged.step and step != staged.step:
+                if not _same(step, ctx, staged.step, tuple(staged.ctx.padded_request_ids)):
                     raise PreplanPendingError(
                         "admit of a different step than the staged preplan; "
                         "clear_preplan first"
@@ -300,7 +306,7 @@ class KVManager(AttentionResource):
                 return ADMIT_OK  # the preplan pass already reserved and marked
             running = self._running
             if running is not None and not ctx.is_preplan:
-                if step is running.step or step == running.step:
+                if _same(step, ctx, running.step, running.padded):
                     return ADMIT_OK  # admitted again: everything is reserved already
                 # R23: a second step would be planned against lengths the
                 # first has not committed, and its commit would clear the

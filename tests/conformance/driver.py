@@ -491,7 +491,11 @@ class Driver:
             if s.offload != m.RESIDENT or s.retrieve != m.IDLE:
                 continue
             got = self.kv.read_stream(rid_name(rid), label_name(label)).float()
-            want = torch.tensor([value(rid, t, p) for p, t in enumerate(s.contents)])
+            # a position no write filled (committed before it was written) holds
+            # unspecified bytes: only the written ones are compared
+            written = [p for p, t in enumerate(s.contents) if t != m.UNWRITTEN]
+            got = got[:, written]
+            want = torch.tensor([value(rid, s.contents[p], p) for p in written])
             # through the cache dtype, as the writes were: in bf16 the identities
             # round (and may collide), so that variant checks less
             want = want.to(self.config.dtype).float()
@@ -499,9 +503,33 @@ class Driver:
             if not torch.equal(got, want):
                 bad = (got != want).nonzero()[0].tolist()
                 raise AssertionError(
-                    f"I7: {rid_name(rid)}/{label_name(label)} token {bad[1]} reads "
+                    f"I7: {rid_name(rid)}/{label_name(label)} token {written[bad[1]]} reads "
                     f"{got[tuple(bad)].item()} (contents {s.contents})"
                 )
+
+    def page_owners(self) -> dict[int, tuple[str, str]]:
+        """Device page -> the stream holding it (I10 compares it across a refusal)."""
+        return {p: (r, lb) for r, labels in self.kv._streams.items()
+                for lb, st in labels.items() for p in st.page_indices}
+
+    def check_views(self) -> None:
+        """What plan handed the engine is state too: each view says what the
+        step runs against now, with or without a preplan (blind spot e)."""
+        assert self.outputs is not None and self.step is not None
+        ps = self.cfg.page_size
+        spans = {(g.request_id, g.label): g.span for g in self.step[1].segments}
+        for out in self.outputs.values():
+            for v in out.views:
+                stream = self.kv._streams[v.request_id][v.label]
+                where = f"view of {v.request_id}/{v.label}"
+                assert v.to_compute == spans[(v.request_id, v.label)], where
+                assert v.length == stream.stored_len + v.to_compute, (
+                    f"{where}: length {v.length}, stream holds {stream.stored_len} + "
+                    f"{v.to_compute}")
+                assert list(v.page_idxs) == stream.page_indices[: -(-v.length // ps)], (
+                    f"{where}: pages {v.page_idxs} vs {stream.page_indices}")
+                assert v.generation == stream.generation, (
+                    f"{where}: generation {v.generation}, stream at {stream.generation}")
 
     def pages_of_step(self) -> set[int]:
         """Pages the running step's plan may write: its views' pages, and the sink."""

@@ -1,8 +1,9 @@
-"""Bounded exhaustive conformance: every reachable model state, every enabled action, on kvref.
+"""Bounded exhaustive conformance: every reachable model state, every call, on kvref.
 
 For each state the model checker reaches in a scope (one per symmetry
-class), a fresh manager replays the state's shortest trace, then each action
-the protocol enables there is tried once more on a fresh replay. Results,
+class), a fresh manager replays the state's shortest trace, then each call
+of the total protocol (`model.protocol.calls`: careless calls and injected
+faults included) is tried once more on a fresh replay. Results,
 abstract states, page ownership and bytes are compared after every action,
 as in the Hypothesis lockstep suite; the difference is coverage: nothing here
 is sampled.
@@ -22,9 +23,10 @@ from model.check import reachable
 from model.protocol import calls
 from tests.conformance.driver import Driver, DriverConfig
 
-# small enough for CI; `python -m model.check --conformance` takes any scope
+# small enough for CI (every call of the total protocol in every state is a
+# fresh replay); `python -m model.check --conformance` takes any scope
 CI_SCOPE = m.Scope(requests=2, labels=2, device_pages=2, host_pages=1, page_size=1,
-                   max_span=1, depth=4)
+                   max_span=1, depth=3)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Every reachable state of a small scope, every enabled action, replayed on kvref."""
+"""Every reachable state of a small scope, every call, replayed on kvref."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tests.conformance.driver import DriverConfig
 from tests.conformance.exhaustive import CI_SCOPE, check_scope, summary
 
 NIGHTLY_SCOPE = m.Scope(requests=2, labels=2, device_pages=3, host_pages=2, page_size=1,
-                        max_span=2, depth=7)
+                        max_span=2, depth=5)
 
 
 @pytest.mark.slow
@@ -20,7 +20,7 @@ def test_every_reachable_state_and_action(driver_config: DriverConfig,
         print("\n" + summary(out))
     assert not out.failures, "\n".join(out.failures)
     # the scope must be the one reviewed: a model change that shrank it would pass vacuously
-    assert out.states > 500 and out.transitions > 10_000
+    assert out.states > 500 and out.transitions > 40_000
 
 
 @pytest.mark.nightly

@@ -42,25 +42,73 @@ LARGEST: dict[str, int] = collections.defaultdict(int)
 
 
 def steps(model: m.Model, s: m.State, ready: list[int]) -> st.SearchStrategy[m.Step]:
-    """A step over some of the ready requests: several segments, at most one fork."""
+    """A step over some of the ready requests: one to three segments in any
+    order (combined labels then see an unsorted batch), up to two forks
+    between any labels, pre, post or one of each (chains and cycles too)."""
     sc = model.scope
     seg = st.builds(
         m.Seg, st.sampled_from(ready), st.integers(0, sc.labels - 1), st.integers(0, sc.max_span)
     )
-    fork = st.tuples(st.just(0), st.integers(1, sc.labels - 1))
+    pair = st.tuples(st.integers(0, sc.labels - 1), st.integers(0, sc.labels - 1)).filter(
+        lambda p: p[0] != p[1])
 
     @st.composite
     def build(draw: Any) -> m.Step:
         segs = draw(st.lists(seg, min_size=1, max_size=3,
                              unique_by=lambda g: (g.rid, g.label)))
-        kind = draw(st.sampled_from(["none", "pre", "post"]))
-        forks = (draw(fork),) if kind != "none" else ()
+        kind = draw(st.sampled_from(["none", "none", "pre", "post", "chain", "both"]))
+        pre: tuple[tuple[int, int], ...] = ()
+        post: tuple[tuple[int, int], ...] = ()
+        if kind in ("pre", "chain", "both"):
+            pre = (draw(pair),)
+        if kind == "chain":  # a->b, b->c (c may be a: a cycle)
+            nxt = draw(st.integers(0, sc.labels - 1).filter(lambda t: t != pre[0][1]))
+            pre = (*pre, (pre[0][1], nxt))
+        if kind in ("post", "both"):
+            post = (draw(pair),)
         rids = sorted({g.rid for g in segs})
-        padded = tuple(draw(st.sampled_from([rids, ready]))) if forks else tuple(rids)
-        return m.Step(tuple(segs), forks if kind == "pre" else (),
-                      forks if kind == "post" else (), padded, draw(st.booleans()))
+        padded = tuple(draw(st.sampled_from([rids, ready]))) if pre or post else tuple(rids)
+        return m.Step(tuple(segs), pre, post, padded, draw(st.booleans()))
 
     return build()
+
+
+def careless(model: m.Model, s: m.State) -> st.SearchStrategy[m.Action]:
+    """Any call at all, with any arguments: what a careless engine issues. The
+    model answers each (a misuse changes nothing); faults at every copy too."""
+    sc = model.scope
+    rid = st.integers(0, sc.requests - 1)
+    label = st.integers(0, sc.labels - 1)
+    # over the ingested requests (some of them may be busy), so the careless
+    # admits exercise more than the unknown-request check
+    step = steps(model, s, sorted(s.requests()) or list(range(sc.requests)))
+    return st.one_of(
+        st.builds(m.Admit, step, st.booleans()),
+        st.builds(m.Admit, st.just(s.current.step if s.current else m.Step(())),
+                  st.just(False)),
+        st.builds(m.Plan, st.booleans(), st.booleans()).filter(
+            lambda a: not (a.preplan and a.fork_error)),
+        st.just(m.Write()), st.just(m.Read()),
+        st.builds(m.Commit, st.booleans()),
+        st.just(m.ClearPreplan()),
+        st.builds(m.OffloadClaim, rid),
+        st.builds(m.OffloadCopy, rid, label, st.booleans()),
+        st.builds(m.OffloadCommit, rid), st.builds(m.OffloadAbandon, rid),
+        st.builds(m.Reload, rid, st.booleans()),
+        st.builds(m.Publish, rid),
+        st.builds(m.RetrieveStart, rid, label, st.integers(0, sc.max_span), st.booleans()),
+        st.builds(m.Reset, rid, st.booleans()), st.builds(m.Remove, rid),
+    )
+
+
+def fault_name(action: m.Action) -> str | None:
+    """The coverage name of an injected fault, if the action carries one."""
+    for field in ("copy_error", "fork_error", "start_error"):
+        if getattr(action, field, False):
+            return f"{type(action).__name__} (fault)"
+    if isinstance(action, m.RetrieveComplete) and not action.ok:
+        return "RetrieveComplete (failed)"
+    return None
 
 
 class Lockstep(RuleBasedStateMachine):
@@ -76,26 +124,35 @@ class Lockstep(RuleBasedStateMachine):
 
     # -- the one way an action runs ------------------------------------------
 
-    def run(self, action: m.Action) -> None:
+    def run(self, action: m.Action) -> m.Result:
         RULES[type(action).__name__] += 1
-        if isinstance(action, m.OffloadCopy) and action.copy_error:
-            RULES["OffloadCopy (fault)"] += 1
-        if isinstance(action, m.RetrieveComplete) and not action.ok:
-            RULES["RetrieveComplete (failed)"] += 1
+        fault = fault_name(action)
+        if fault is not None:
+            RULES[fault] += 1
         want, nxt = self.model.step(self.state, action)
-        before = self.driver.kv.kv_cache.tensor.clone() if isinstance(action, m.Write) else None
+        before = self.driver.kv.kv_cache.tensor.clone()
+        owners = self.driver.page_owners()
         generations = self.driver.generations()
         got = self.driver.apply(action)
         self.driver.check_generations(generations, self.driver.generations())
         OUTCOMES[f"{type(action).__name__} -> {type(got).__name__}"
-                 + (f"({got.kind})" if isinstance(got, (m.Refused, m.Misuse)) else "")] += 1
+                 + (f"({got.kind})" if isinstance(got, (m.Refused, m.Misuse, m.Fault))
+                    else "")] += 1
         assert got == want, f"{action}: kvref answered {got}, the model {want}"
         broken = violations(self.model, nxt, action, want, self.state)
         assert not broken, f"model invariant after {action}: {broken}"
         prev, self.state = self.state, nxt
-        if before is not None:
+        if isinstance(got, (m.Misuse, m.Refused)):
+            # I10 on kvref itself: not a byte, not a page owner moved
+            assert self.driver.page_owners() == owners, f"I10: {action} moved pages"
+            assert torch.equal(self.driver.kv.kv_cache.tensor, before), (
+                f"I10: {action} was refused ({got}) but changed cache bytes")
+        if isinstance(action, m.Write):
             self.check_isolation(before)
+        if isinstance(action, m.Plan) and not action.preplan and got == m.Ok():
+            self.driver.check_views()
         del prev
+        return got
 
     def check_isolation(self, before: torch.Tensor) -> None:
         """I8: a write changed only pages of the streams its plan named, or the sink."""
@@ -216,17 +273,41 @@ class Lockstep(RuleBasedStateMachine):
         self.run(m.OffloadCommit(claim.rid))
         self.agrees_with_model()
 
-    @precondition(lambda self: any(not a.copy_error for a in self.enabled_of(m.OffloadCopy)))
+    @precondition(lambda self: self.has(m.OffloadCopy))
     @rule(data=st.data())
     def offload_copy(self, data: st.DataObject) -> None:
-        ok = [a for a in self.enabled_of(m.OffloadCopy) if not a.copy_error]
-        self.run(data.draw(st.sampled_from(ok)))
+        self.run(self.draw_enabled(data, m.OffloadCopy))
 
-    @precondition(lambda self: any(a.copy_error for a in self.enabled_of(m.OffloadCopy)))
+    @precondition(lambda self: self.has(m.OffloadCopy))
     @rule(data=st.data())
     def offload_copy_raises(self, data: st.DataObject) -> None:
-        faults = [a for a in self.enabled_of(m.OffloadCopy) if a.copy_error]
-        self.run(data.draw(st.sampled_from(faults)))
+        a = self.draw_enabled(data, m.OffloadCopy)
+        assert isinstance(a, m.OffloadCopy)
+        self.run(m.OffloadCopy(a.rid, a.label, copy_error=True))
+
+    @precondition(lambda self: self.state.current is not None and bool(
+        self.state.current.step.pre_forks or self.state.current.step.post_forks))
+    @rule(data=st.data())
+    def fork_copy_raises(self, data: st.DataObject) -> None:
+        """A fork's page copy fails, at plan or at commit (R26)."""
+        cur = self.state.current
+        assert cur is not None
+        plan = cur.phase == m.ADMITTED and data.draw(st.booleans(), label="at plan")
+        self.run(m.Plan(fork_error=True) if plan else m.Commit(fork_error=True))
+
+    @precondition(lambda self: self.has(m.Reload))
+    @rule(data=st.data())
+    def reload_copy_raises(self, data: st.DataObject) -> None:
+        a = self.draw_enabled(data, m.Reload)
+        assert isinstance(a, m.Reload)
+        self.run(m.Reload(a.rid, copy_error=True))
+
+    @precondition(lambda self: self.has(m.RetrieveStart))
+    @rule(data=st.data())
+    def retrieve_start_raises(self, data: st.DataObject) -> None:
+        a = self.draw_enabled(data, m.RetrieveStart)
+        assert isinstance(a, m.RetrieveStart)
+        self.run(m.RetrieveStart(a.rid, a.label, a.length, start_error=True))
 
     @precondition(lambda self: self.has(m.OffloadCommit))
     @rule(data=st.data())
@@ -275,6 +356,12 @@ class Lockstep(RuleBasedStateMachine):
     def remove_request(self, data: st.DataObject) -> None:
         self.run(self.draw_enabled(data, m.Remove))
 
+    @rule(data=st.data())
+    def careless_call(self, data: st.DataObject) -> None:
+        """Any call, in any state, misuse included: one rule among ~25, so about
+        one call in twenty-five is drawn here (the controlled rate)."""
+        self.run(data.draw(careless(self.model, self.state), label="careless call"))
+
     # -- after every rule --------------------------------------------------------
 
     @invariant()
@@ -295,9 +382,8 @@ class Lockstep(RuleBasedStateMachine):
         is free and the host pool is empty."""
         for rid in sorted(rid for rid, _ in self.state.offloads):
             self.run(m.OffloadAbandon(rid))
-        while self.state.current is not None:
-            phase = self.state.current.phase
-            self.run(m.Plan() if phase == m.ADMITTED else m.Commit())
+        if self.state.current is not None:
+            self.run(m.Commit())
         if self.state.staged is not None:
             self.run(m.ClearPreplan())
         for k, v in self.state.streams:
@@ -330,9 +416,12 @@ def test_lockstep(driver_config: DriverConfig, capsys: pytest.CaptureFixture[str
     with capsys.disabled():
         print("\n" + report())
     if settings().database is None:  # the ci profile: a rule that never ran is a hole
-        faults = {"OffloadCopy (fault)", "RetrieveComplete (failed)"}
+        faults = {"OffloadCopy (fault)", "RetrieveComplete (failed)", "Plan (fault)",
+                  "Commit (fault)", "Reload (fault)", "RetrieveStart (fault)"}
         never = ({t.__name__ for t in m.ACTIONS} | faults) - set(RULES)
         assert not never, f"actions never exercised: {sorted(never)}"
+        misused = {k for k in OUTCOMES if "Misuse" in k}
+        assert len(misused) >= 10, f"too few kinds of misuse exercised: {sorted(misused)}"
 
 
 @pytest.mark.nightly
