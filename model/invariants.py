@@ -16,11 +16,12 @@ from dataclasses import replace
 
 from model.core import (
     ADMITTED,
-    WRITTEN,
     CLAIMED,
     FAILED,
     OFFLOADED,
     RESIDENT,
+    UNWRITTEN,
+    WRITTEN,
     Action,
     Admit,
     ClearPreplan,
@@ -43,7 +44,6 @@ from model.core import (
     Result,
     RetrieveStart,
     State,
-    UNWRITTEN,
     Write,
     named,
 )
