@@ -300,7 +300,10 @@ class StaticDenseTable:
                                f"or {self.num_rows} rows")
         parts = _fill(list(range(n)), rows, self.num_rows, self.batch, self.max_pages, self.max_q)
         host = torch.tensor([x for part in parts for x in part], dtype=torch.long)
-        self._flat.copy_(host)
+        if self._flat.is_cuda:
+            # pinned, so the copy is async yet its source outlives it (see plan.host_to_device)
+            host = host.pin_memory()
+        self._flat.copy_(host, non_blocking=True)
 
     def run(
         self,
