@@ -34,11 +34,11 @@ def test_offload_waits_for_writes_on_the_engines_own_stream() -> None:
     step, ctx = KVStep([Segment("r", "main", 40)]), StepContext(["r"])
     assert kv.admit(step, ctx).ok
     kv.plan(step, ctx)
-    engine = torch.cuda.Stream()
+    engine = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     x = torch.full((40, 2, 64), 5.0, dtype=torch.bfloat16, device="cuda")
     engine.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(engine):
-        torch.cuda._sleep(SLEEP_CYCLES)
+        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
         for layer in range(2):
             kv.write_kv(x, -x, layer_idx=layer)
     kv.commit(step, ctx)
