@@ -41,6 +41,9 @@ class DenseTable:
     q_len: torch.Tensor  # [B] long
     q_start: torch.Tensor  # [B] long
     row_src: torch.Tensor  # [num_rows] long
+    # eager tables: flat indices into [B * P * page_size] of the slots past
+    # each request's tokens (None in a graph's static table: masked instead)
+    stale: torch.Tensor | None = None
 
 
 def _host_rows(
@@ -107,8 +110,13 @@ def dense_table(
     max_pages = max((len(rows[3][i]) for i in sel), default=0)
     max_q = max((rows[1][i] for i in sel), default=0)
     n = int(indptrs.qo_indptr[-1]) if num_rows is None else num_rows
-    parts = _fill(sel, rows, n, batch, max(max_pages, 1), max_q)
-    return _to_table(parts, batch, max(max_pages, 1), device)[0]
+    pages = max(max_pages, 1)
+    parts = _fill(sel, rows, n, batch, pages, max_q)
+    table = _to_table(parts, batch, pages, device)[0]
+    keys = pages * page_size
+    stale = [b * keys + t for b, i in enumerate(sel) for t in range(rows[2][i], keys)]
+    table.stale = torch.tensor(stale, dtype=torch.long).to(device)
+    return table
 
 
 def _to_table(
@@ -149,38 +157,52 @@ def sdpa_run(
     batch, max_pages = table.block_table.shape
     if batch == 0 or max_q == 0:
         return torch.zeros_like(q)
-    blocks = kv_layer[table.block_table]  # [B, P, 2, ps, H, D] (NHD)
-    if layout is KVLayout.HND:
-        blocks = blocks.transpose(3, 4)
-    ps, hkv = int(blocks.shape[3]), int(blocks.shape[4])
-    if hq % hkv or int(blocks.shape[5]) != d:
-        raise KVShapeError(f"q heads/dim {hq}x{d} do not fit kv heads/dim {hkv}x{blocks.shape[5]}")
+    token_major = kv_layer if layout is KVLayout.NHD else kv_layer.transpose(2, 3)
+    ps, hkv = int(token_major.shape[2]), int(token_major.shape[3])
+    if hq % hkv or int(token_major.shape[4]) != d:
+        raise KVShapeError(f"q heads/dim {hq}x{d} do not fit kv heads/dim "
+                           f"{hkv}x{token_major.shape[4]}")
+    group, n_keys = hq // hkv, max_pages * ps
     compute = torch.float32 if q.device.type == "cpu" else q.dtype
-    kv = blocks.to(compute).reshape(batch, max_pages, 2, ps, hkv, d)
-    k = kv[:, :, 0].reshape(batch, max_pages * ps, hkv, d).transpose(1, 2)
-    v = kv[:, :, 1].reshape(batch, max_pages * ps, hkv, d).transpose(1, 2)
-    kpos = torch.arange(max_pages * ps, device=q.device)
+    # K and V gathered apart, so each lands contiguous as [B, P * ps, H, D];
+    # index_select copies whole pages, several times faster than [] indexing
+    pages = table.block_table.view(-1)
+
+    def gather(which: int) -> torch.Tensor:
+        got = token_major[:, which].index_select(0, pages).to(compute)
+        return got.contiguous().view(batch, n_keys, hkv, d)
+
+    k, v = gather(0), gather(1)
+    kpos = torch.arange(n_keys, device=q.device)
     # slots past a request's tokens (the rest of its last page, the sink
     # padding) may hold anything, NaN included, and a masked NaN still
-    # poisons P @ V: zero them
-    stale = (kpos[None, :] >= table.kv_len[:, None])[:, None, :, None]  # [B, 1, K, 1]
-    k, v = k.masked_fill(stale, 0.0), v.masked_fill(stale, 0.0)
-    if hq != hkv:  # GQA: qo head h reads kv head h // group
-        k = k.repeat_interleave(hq // hkv, dim=1)
-        v = v.repeat_interleave(hq // hkv, dim=1)
+    # poisons the scores and P @ V: zero them
+    if table.stale is not None:  # eager: the few slots the host listed
+        k.view(-1, hkv, d).index_fill_(0, table.stale, 0.0)
+        v.view(-1, hkv, d).index_fill_(0, table.stale, 0.0)
+    else:  # a graph: a fixed-shape pass
+        stale = (kpos[None, :] >= table.kv_len[:, None])[:, :, None, None]
+        k, v = k.masked_fill(stale, 0.0), v.masked_fill(stale, 0.0)
     j = torch.arange(max_q, device=q.device)
     valid = j[None, :] < table.q_len[:, None]  # [B, Q]
     rows = (table.q_start[:, None] + j[None, :]).clamp(max=max(num_rows - 1, 0))
-    qb = q[rows].to(compute).transpose(1, 2)  # [B, Hq, Q, D]
+    # GQA without repeating K/V: the group's q heads become extra query rows
+    # of their kv head, [B, Hkv, G * Q, D] (qo head h reads kv head h // G)
+    qb = q[rows].to(compute).view(batch, max_q, hkv, group, d)
+    qb = qb.permute(0, 2, 3, 1, 4).reshape(batch, hkv, group * max_q, d)
     allowed = kpos[None, None, :] < table.kv_len[:, None, None]  # [B, 1|Q, K]
     if causal:
         qpos = table.kv_len[:, None] - table.q_len[:, None] + j[None, :]
         allowed = allowed & (kpos[None, None, :] <= qpos[:, :, None])
     # a padded query row with nothing to read would be NaN: let it read key 0
     allowed = allowed | ((~valid)[:, :, None] & (kpos == 0)[None, None, :])
+    mask = allowed.expand(batch, max_q, n_keys)[:, None].expand(batch, group, max_q, n_keys)
+    mask = mask.reshape(batch, 1, group * max_q, n_keys)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
-    o = F.scaled_dot_product_attention(qb, k, v, attn_mask=allowed[:, None], scale=scale)
-    flat = o.transpose(1, 2).reshape(batch * max_q, hq, d)
+    o = F.scaled_dot_product_attention(qb, k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, scale=scale)
+    o = o.view(batch, hkv, group, max_q, d).permute(0, 3, 1, 2, 4)
+    flat = o.reshape(batch * max_q, hq, d)
     flat = torch.cat((flat, flat.new_zeros(1, hq, d)))
     return flat[table.row_src].to(q.dtype)
 
@@ -220,8 +242,8 @@ def plan_sdpa(
     rows = _host_rows(indptrs, page_size)
     num_rows = int(indptrs.qo_indptr[-1])
     hq, hkv, d = heads
-    # float32 K and V (each expanded to the q heads) plus the scores' row
-    row_bytes = 4 * d * (2 * hkv + 2 * hq) + 4 * hq
+    # a key's float32 K and V, and its column of scores over the group's queries
+    row_bytes = 4 * d * 2 * hkv + 4 * hq
     groups = []
     for group in _chunks(rows[2], rows[1], row_bytes, chunk_bytes):
         live = [i for i in group if rows[1][i]]

@@ -1,0 +1,30 @@
+"""benchmarks/attention.py runs and its dense baseline computes the same attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from benchmarks.attention import Case, bench, build, dense
+from kvref.attention import paged_attention_reference
+from kvref.config import KVLayout
+
+
+def test_dense_baseline_is_the_same_attention() -> None:
+    # the ratio means something only if dense computes what the paged paths do
+    case = Case("mixed", (40, 17, 3), (1, 5, 3))
+    b = build(case)
+    got = dense(b)  # [B, HQ, Qmax, D]
+    want = paged_attention_reference(b.q, b.layer, b.table, KVLayout.NHD)
+    row = 0
+    for i, q_len in enumerate(case.q_lens):
+        torch.testing.assert_close(got[i, :, :q_len].transpose(0, 1), want[row : row + q_len],
+                                   atol=1e-4, rtol=1e-4)
+        row += q_len
+
+
+def test_bench_row() -> None:
+    r = bench(Case("tiny", (20, 33), (1, 1)), rounds=2, warmup=1)
+    assert r.dense_us.n == r.sdpa_us.n == r.ref_us.n == 2
+    assert all(math.isfinite(x) and x > 0 for x in (r.sdpa_ratio, r.ref_ratio))
