@@ -2,9 +2,10 @@
 
 The torch reference (`kvref.attention.paged_attention_reference`) loops over
 requests in Python; it is the oracle. This path pads the batch's requests
-to a dense block table ``[B, P]``, gathers their pages in one indexing op
-and runs one masked SDPA, so on CPU it costs a few large kernels instead of
-several small ones per request, and on CUDA it is capturable in a graph
+to a dense block table ``[B, P]``, gathers their K pages and their V pages
+in one ``index_select`` each and runs one masked SDPA (requests grouped by
+length, so the padding stays small), so on CPU it costs a few large kernels
+instead of several small ones per request, and on CUDA it is capturable in a graph
 without FlashInfer: every shape is fixed by the table's buffers and nothing
 reads the device on the host (`StaticDenseTable`).
 """
