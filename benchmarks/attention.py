@@ -7,8 +7,9 @@ interleaved (one call of each per round) in one run:
 - *sdpa*: `kvref.attention_sdpa`, one gather of the batch's pages and one
   masked ``scaled_dot_product_attention`` (plan built once, as per step);
 - *dense*: ``scaled_dot_product_attention`` over K/V already laid out
-  contiguously per request (``[B, H, L, D]``, padded, the same mask): what
-  attention costs with no pages at all, the floor the ratios are against.
+  contiguously (``[B, H, L, D]``, the same mask; the decodes as one padded
+  batch, each longer query alone): what attention costs with no pages at
+  all, the floor the ratios are against.
 
 Ratios are path / dense (lower is better; 1.0 is the cost of no paging).
 """
@@ -59,14 +60,43 @@ def cases(quick: bool) -> list[Case]:
 
 
 @dataclass
+class DenseGroup:
+    """Requests whose K/V sit contiguously, padded to the group's longest."""
+
+    rows: list[tuple[int, int]]  # per request: (first q row in the packed q, q_len)
+    k: torch.Tensor  # [B, HKV, Lmax, D]
+    v: torch.Tensor
+    q: torch.Tensor  # [B, HQ, Qmax, D]
+    mask: torch.Tensor  # [B, 1, Qmax, Lmax]
+
+
+@dataclass
 class Built:
     q: torch.Tensor
     layer: torch.Tensor
     table: PagedIndptrs
-    dense_k: torch.Tensor  # [B, HKV, Lmax, D]
-    dense_v: torch.Tensor
-    dense_q: torch.Tensor  # [B, HQ, Qmax, D]
-    mask: torch.Tensor  # [B, 1, Qmax, Lmax]
+    # the decodes batched, each longer query alone: how a dense engine runs it
+    groups: list[DenseGroup]
+
+
+def _dense_group(views: list[SequenceView], starts: list[int], q: torch.Tensor,
+                 layer: torch.Tensor) -> DenseGroup:
+    b = len(views)
+    lmax, qmax = max(v.length for v in views), max(v.to_compute for v in views)
+    dk, dv = torch.zeros(b, HKV, lmax, D), torch.zeros(b, HKV, lmax, D)
+    dq = torch.zeros(b, HQ, qmax, D)
+    mask = torch.zeros(b, 1, qmax, lmax, dtype=torch.bool)
+    for i, (v, row) in enumerate(zip(views, starts, strict=True)):
+        # [L, 2, H, D]: pages [n, 2, ps, H, D] token-major
+        tokens = layer[v.page_idxs].transpose(1, 2).reshape(-1, 2, HKV, D)[: v.length]
+        dk[i, :, : v.length] = tokens[:, 0].transpose(0, 1)
+        dv[i, :, : v.length] = tokens[:, 1].transpose(0, 1)
+        dq[i, :, : v.to_compute] = q[row : row + v.to_compute].transpose(0, 1)
+        qpos = torch.arange(v.length - v.to_compute, v.length)
+        mask[i, 0, : v.to_compute, : v.length] = torch.arange(v.length)[None] <= qpos[:, None]
+        mask[i, 0, v.to_compute :, 0] = True  # padded query rows: something to read
+    return DenseGroup([(r, v.to_compute) for v, r in zip(views, starts, strict=True)],
+                      dk, dv, dq, mask)
 
 
 def build(case: Case, seed: int = 0) -> Built:
@@ -74,35 +104,35 @@ def build(case: Case, seed: int = 0) -> Built:
     pages_per = [-(-n // PS) for n in case.kv_lens]
     free = list(range(1, sum(pages_per) + 1))
     random.Random(seed).shuffle(free)  # a long-running cache: pages scattered
-    views, start = [], 0
-    for i, (n, q, p) in enumerate(zip(case.kv_lens, case.q_lens, pages_per, strict=True)):
-        views.append(SequenceView(f"r{i}", "main", free[start : start + p], n, q, 0))
-        start += p
+    views, starts, start, row = [], [], 0, 0
+    for i, (n, q_len, p) in enumerate(zip(case.kv_lens, case.q_lens, pages_per, strict=True)):
+        views.append(SequenceView(f"r{i}", "main", free[start : start + p], n, q_len, 0))
+        starts.append(row)
+        start, row = start + p, row + q_len
     layer = torch.randn(sum(pages_per) + 1, 2, PS, HKV, D, generator=gen)
-    table = build_paged_indptrs(views, PS)
-    q = torch.randn(sum(case.q_lens), HQ, D, generator=gen)
-    b, lmax, qmax = len(views), max(case.kv_lens), max(case.q_lens)
-    dk = torch.zeros(b, HKV, lmax, D)
-    dv = torch.zeros(b, HKV, lmax, D)
-    dq = torch.zeros(b, HQ, qmax, D)
-    mask = torch.zeros(b, 1, qmax, lmax, dtype=torch.bool)
-    row = 0
-    for i, v in enumerate(views):
-        # [L, 2, H, D]: pages [n, 2, ps, H, D] token-major
-        tokens = layer[v.page_idxs].transpose(1, 2).reshape(-1, 2, HKV, D)[: v.length]
-        dk[i, :, : v.length] = tokens[:, 0].transpose(0, 1)
-        dv[i, :, : v.length] = tokens[:, 1].transpose(0, 1)
-        dq[i, :, : v.to_compute] = q[row : row + v.to_compute].transpose(0, 1)
-        row += v.to_compute
-        qpos = torch.arange(v.length - v.to_compute, v.length)
-        mask[i, 0, : v.to_compute, : v.length] = torch.arange(v.length)[None] <= qpos[:, None]
-        mask[i, 0, v.to_compute :, 0] = True  # padded query rows: something to read
-    return Built(q, layer, table, dk, dv, dq, mask)
+    q = torch.randn(row, HQ, D, generator=gen)
+    decodes = [i for i, v in enumerate(views) if v.to_compute == 1]
+    members = ([decodes] if decodes else []) + [
+        [i] for i, v in enumerate(views) if v.to_compute > 1
+    ]
+    groups = [_dense_group([views[i] for i in g], [starts[i] for i in g], q, layer)
+              for g in members]
+    return Built(q, layer, build_paged_indptrs(views, PS), groups)
 
 
-def dense(b: Built) -> torch.Tensor:
-    return F.scaled_dot_product_attention(b.dense_q, b.dense_k, b.dense_v, attn_mask=b.mask,
-                                          enable_gqa=True)
+def dense(b: Built) -> list[torch.Tensor]:
+    """Each group's ``[B, HQ, Qmax, D]`` output (what is timed)."""
+    return [F.scaled_dot_product_attention(g.q, g.k, g.v, attn_mask=g.mask, enable_gqa=True)
+            for g in b.groups]
+
+
+def dense_rows(b: Built) -> torch.Tensor:
+    """`dense` laid out as the paged paths return it, ``[tokens, HQ, D]`` (for tests)."""
+    out = torch.zeros_like(b.q)
+    for g, o in zip(b.groups, dense(b), strict=True):
+        for i, (row, q_len) in enumerate(g.rows):
+            out[row : row + q_len] = o[i, :, :q_len].transpose(0, 1)
+    return out
 
 
 @dataclass

@@ -208,19 +208,36 @@ def sdpa_run(
     return flat[table.row_src].to(q.dtype)
 
 
-def _chunks(kv_lens: list[int], max_qs: list[int], row_bytes: int, budget: int) -> list[list[int]]:
-    """Requests grouped by length so each group's padded gather stays under ``budget``."""
-    order = sorted(range(len(kv_lens)), key=lambda i: (kv_lens[i], max_qs[i]))
+# queries per request up to which requests share a padded batch (decode,
+# speculative verification); a longer chunk runs alone
+SHARED_MAX_Q = 16
+
+
+def _chunks(kv_lens: list[int], q_lens: list[int], row_bytes: int, budget: int) -> list[list[int]]:
+    """Groups of requests, each padded as little as it can be.
+
+    A prefill chunk padded into a batch of decodes would multiply their
+    query rows, so requests are pooled by query count (rounded up to a power
+    of two; past `SHARED_MAX_Q` each is alone), then by length, each group's
+    padded gather under ``budget``.
+    """
+    pools: dict[int, list[int]] = {}
     groups: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        # sorted ascending: the newest member is the longest, it sets the padding
-        if cur and (len(cur) + 1) * max(kv_lens[i], 1) * row_bytes > budget:
+    for i, n in enumerate(q_lens):
+        if n > SHARED_MAX_Q:
+            groups.append([i])
+        else:
+            pools.setdefault(1 << max(n - 1, 0).bit_length(), []).append(i)
+    for members in pools.values():
+        cur: list[int] = []
+        for i in sorted(members, key=lambda i: kv_lens[i]):
+            # ascending: the newest member is the longest, it sets the padding
+            if cur and (len(cur) + 1) * max(kv_lens[i], 1) * row_bytes > budget:
+                groups.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
             groups.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        groups.append(cur)
     return groups
 
 
