@@ -89,7 +89,7 @@ run_part() {
   if [ "$kind" = exhaustive ]; then
     # its progress line every 5 s, or the summary once it finished
     last=$(grep -E "conformance: |exhaustive conformance:" "$log" | tail -1)
-    last=${last:-"no progress line before the end (states of the scope still being enumerated)"}
+    last=${last:-"no progress line before the end"}
   else
     last=$(grep -E "passed|failed|deselected|error" "$log" | tail -1)
   fi
