@@ -211,8 +211,8 @@ class CPUPagePool:
             copy_page_blocks(self.tensor, host_pages, cache, pages)
             return
         device = self.kv_cache.device
-        # the side stream must see every write the compute stream queued
-        self._stream.wait_stream(torch.cuda.current_stream(device))
+        # the side stream must see every write the compute streams queued
+        self.kv_cache.order_after_compute(self._stream)
         with torch.cuda.stream(self._stream):
             index = torch.tensor(pages, dtype=torch.long).to(device, non_blocking=True)
             staged = cache.index_select(1, index).transpose(0, 1).contiguous()
@@ -224,7 +224,8 @@ class CPUPagePool:
             copy_page_blocks(cache, pages, self.tensor, host_pages)
             return
         device = self.kv_cache.device
-        self._stream.wait_stream(torch.cuda.current_stream(device))
+        # and no kernel may still read the pages this overwrites
+        self.kv_cache.order_after_compute(self._stream)
         with torch.cuda.stream(self._stream):
             staged = torch.empty(
                 (len(pages), *self.tensor.shape[1:]), dtype=self.tensor.dtype, device=device
