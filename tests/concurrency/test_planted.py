@@ -14,7 +14,6 @@ from tests.support.sched_planted import (
     detect,
     dfs,
     dfs_count,
-    nothing,
     pct,
     random_walk,
     run_race,
@@ -69,39 +68,19 @@ def test_unpatched_program_passes_every_schedule(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(DATA))
 def test_lockset_reports_a_deleted_lock_without_preemption(name: str) -> None:
-    # the run-to-completion schedule: no interleaving needed, the locksets disagree
-    found = detect(DATA[name], iter([Replay([])]), budget=1)
+    # one run to completion, no switch at accesses: no interleaving is needed,
+    # the two threads' locksets for one datum share no lock
+    found = detect(DATA[name], iter([Replay([])]), budget=1, access_points=False)
     assert found.schedules == 1 and "data race on" in found.message, found.message
 
 
 @pytest.mark.parametrize("name", sorted(DATA))
-@pytest.mark.parametrize("strategy", ["dfs", "pct", "random"])
-def test_exploration_finds_a_deleted_lock(name: str, strategy: str) -> None:
+def test_exploration_finds_a_deleted_lock(name: str) -> None:
     # the detector's reports ignored: a wrong result, state or exception only,
-    # reachable because unlocked accesses are switch points
-    race = DATA[name]
-    if strategy == "dfs":
-        found = dfs(race, bound=2, budget=300, lockset=False)
-    elif strategy == "pct":
-        found = detect(race, pct(1, 3), budget=300, lockset=False)
-    else:
-        found = detect(race, random_walk(1), budget=300, lockset=False)
-    assert found.schedules is not None, f"{name} not found by {strategy}"
+    # reachable because accesses made holding no lock are switch points
+    found = dfs(DATA[name], bound=2, budget=300, lockset=False)
+    assert found.schedules is not None, f"{name} not found"
     assert "data race on" not in found.message
-
-
-@pytest.mark.parametrize("name", sorted(DATA))
-def test_hypothesis_shrinks_a_deleted_lock_to_its_accesses(name: str) -> None:
-    race = DATA[name]
-    minimal = find(choices(), lambda s: _fails(race, s, lockset=False),
-                   settings=settings(max_examples=300, database=None, deadline=None,
-                                     suppress_health_check=list(HealthCheck)))
-    assert sum(1 for c in minimal if c) <= 3, minimal
-
-
-@pytest.mark.parametrize("name", sorted(DATA))
-def test_data_race_program_is_clean_unpatched(name: str) -> None:
-    # no report and no failure in any schedule up to two preemptions
-    race = DATA[name]
-    found = dfs(Race(race.name, nothing, race.programs, race.runner), bound=2, budget=1000)
-    assert found.schedules is None, found.message
+    if found.schedule and any(found.schedule):
+        # the failing schedule names where it preempted
+        assert "preempted before" in found.message, found.message

@@ -67,7 +67,7 @@ class Access:
     op: str
     write: bool
     locks: tuple[Any, ...]
-    stack: tuple[tuple[str, int, str], ...]
+    stack: tuple[tuple[Any, int], ...]
 
     def render(self) -> str:
         held = ", ".join(getattr(lk, "name", repr(lk)) for lk in self.locks) or "no lock"
@@ -75,7 +75,8 @@ class Access:
         if self.op not in ("read", "write"):
             what += f" ({self.op})"
         lines = [f"  {self.thread}: {what} holding {held}"]
-        lines += [f"    {os.path.relpath(f)}:{n} in {fn}" for f, n, fn in self.stack]
+        lines += [f"    {os.path.relpath(code.co_filename)}:{n} in {code.co_name}"
+                  for code, n in self.stack if code.co_filename not in _SKIP]
         return "\n".join(lines)
 
 
@@ -90,13 +91,12 @@ class RaceReport:
                 f"{self.first.render()}\n{self.second.render()}")
 
 
-def _stack(depth: int = 10) -> tuple[tuple[str, int, str], ...]:
-    out: list[tuple[str, int, str]] = []
+def _stack(depth: int = 8) -> tuple[tuple[Any, int], ...]:
+    """The caller's frames as (code, line): cheap now, rendered only in a report."""
+    out: list[tuple[Any, int]] = []
     f: Any = sys._getframe(2)
     while f is not None and len(out) < depth:
-        code = f.f_code
-        if code.co_filename not in _SKIP:
-            out.append((code.co_filename, f.f_lineno, code.co_name))
+        out.append((f.f_code, f.f_lineno))
         f = f.f_back
     return tuple(out)
 
@@ -156,13 +156,15 @@ class Detector:
 
     # -- the check -----------------------------------------------------------------
 
-    def access(self, serial: int, datum: str, kind: str, op: str, write: bool) -> None:
+    def access(self, serial: int, base: str, field: str, kind: str, op: str,
+               write: bool) -> None:
+        """One read or write of datum ``base + field`` (named only if reported)."""
         tl = self._tl
         if getattr(tl, "ignore", 0):
             return
         held = getattr(tl, "held", None)
         if not held and self.preempt is not None:
-            self.preempt(f"{op} {datum}")
+            self.preempt(f"{op} {base}{field}")
         if (kind, op) in LOCK_FREE:
             return
         locks = tuple(held) if held else ()
@@ -181,10 +183,10 @@ class Detector:
         with self._meta:
             entries.setdefault(k, this)
             for other in racing:
-                key = (kind, other.stack[:2], this.stack[:2])
+                key = (kind, other.stack[:3], this.stack[:3])
                 if key not in self._seen:
                     self._seen.add(key)
-                    self.reports.append(RaceReport(datum, other, this))
+                    self.reports.append(RaceReport(base + field, other, this))
 
     def _drop(self, serial: int) -> None:
         with self._meta:
@@ -252,11 +254,11 @@ class Detector:
 
 def _attr_property(det: Detector, name: str, kind: str) -> property:
     def get(self: Any) -> Any:
-        det.access(det._manager_serial, kind, kind, "read", False)
+        det.access(det._manager_serial, kind, "", kind, "read", False)
         return self.__dict__[name]
 
     def put(self: Any, value: Any) -> None:
-        det.access(det._manager_serial, kind, kind, "write", True)
+        det.access(det._manager_serial, kind, "", kind, "write", True)
         self.__dict__[name] = value
 
     return property(get, put)
@@ -267,17 +269,19 @@ def _traced_stream_class(det: Detector) -> type[CacheStream]:
         slot = CacheStream.__dict__[f]
         kind = f"stream.{f}"
 
+        dot = f".{f}"
+
         def get(self: CacheStream) -> Any:
-            det.access(det._serials[id(self)], f"{det._names.get(id(self))}.{f}", kind,
-                       "read", False)
+            i = id(self)
+            det.access(det._serials[i], det._names[i], dot, kind, "read", False)
             return slot.__get__(self, CacheStream)
 
         def put(self: CacheStream, value: Any) -> None:
-            det.access(det._serials[id(self)], f"{det._names.get(id(self))}.{f}", kind,
-                       "write", True)
+            i = id(self)
+            det.access(det._serials[i], det._names[i], dot, kind, "write", True)
             if f == "page_indices" and isinstance(value, list):
                 # the list is shared state too (admit extends it in place)
-                value = det.wrap(value, f"{det._names.get(id(self))}.pages", "stream.pages")
+                value = det.wrap(value, f"{det._names[id(self)]}.pages", "stream.pages")
             slot.__set__(self, value)
 
         return property(get, put)
@@ -302,7 +306,7 @@ class _Traced:
         self._serial = det.new_serial(self)
 
     def _rec(self, op: str, write: bool) -> None:
-        self._det.access(self._serial, self._name, self._kind, op, write)
+        self._det.access(self._serial, self._name, "", self._kind, op, write)
 
 
 def _methods(base: type, reads: tuple[str, ...], writes: tuple[str, ...]) -> dict[str, Any]:

@@ -576,6 +576,8 @@ class Harness:
                 list(self.sched.schedule))
 
     def races(self) -> str:
+        if not self.lockset:
+            return ""
         reports = self.detector.reports
         return "".join(f"{r}\n" for r in reports[:3]) + (
             f"(and {len(reports) - 3} more)\n" if len(reports) > 3 else "")

@@ -251,7 +251,7 @@ class Detection:
 
 
 def detect(race: Race, strategies: Iterator[Strategy], budget: int,
-           lockset: bool = True) -> Detection:
+           lockset: bool = True, access_points: bool = True) -> Detection:
     """Run fresh strategies until one schedule fails; count the schedules.
     ``lockset=False``: only a wrong result or state counts (no race report)."""
     t0 = time.perf_counter()
@@ -260,7 +260,7 @@ def detect(race: Race, strategies: Iterator[Strategy], budget: int,
             if n > budget:
                 break
             try:
-                run_race(race, strategy, lockset)
+                run_race(race, strategy, lockset, access_points)
             except ScheduleFailure as err:
                 return Detection(n, time.perf_counter() - t0, err.schedule, str(err))
     return Detection(None, time.perf_counter() - t0)

@@ -188,6 +188,7 @@ class Scheduler:
         self.by_thread: dict[int, Actor] = {}
         self.schedule: list[int] = []
         self.trace: list[tuple[int, int, bool]] = []
+        self.preemptions: list[str] = []
         self.failure: BaseException | None = None
         self.failure_text = ""
         self.aborted = False
@@ -256,8 +257,10 @@ class Scheduler:
                 a.thread.join(5.0)
         self.running = False
         if self.failure is not None or self.failure_text:
+            where = "".join(f"\n  {p}" for p in self.preemptions)
             raise ScheduleFailure(
-                f"{self.failure_text}\nschedule={compact(self.schedule)}", list(self.schedule)
+                f"{self.failure_text}\npreemptions:{where or ' none'}"
+                f"\nschedule={compact(self.schedule)}", list(self.schedule)
             ) from self.failure
 
     def point(self, where: str, ready: Callable[[], bool] | None = None) -> None:
@@ -304,6 +307,11 @@ class Scheduler:
         idx = self.strategy.choose(len(self.schedule), runnable, runs)
         self.schedule.append(idx)
         self.trace.append((len(runnable), idx, runs))
+        if idx and runs and me is not None:
+            # a preemption: the failure message names where (an access, a lock...)
+            self.preemptions.append(
+                f"step {len(self.schedule) - 1}: {me.name} preempted before {me.where}, "
+                f"{runnable[idx].name} runs")
         return runnable[idx]
 
     def _pass_on(self, me: Actor | None) -> None:
