@@ -104,7 +104,9 @@ def _stack(depth: int = 8) -> tuple[tuple[Any, int], ...]:
 class Detector:
     """The lockset check; one per manager under test (or per scheduled run)."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = True) -> None:
+        # False: the containers only provide switch points (no lockset check)
+        self.record = record
         self._tl = threading.local()
         self._meta = threading.Lock()  # the detector's own tables, across real threads
         # (serial, field) -> (thread id, write, lock ids) -> first such access
@@ -165,7 +167,7 @@ class Detector:
         held = getattr(tl, "held", None)
         if not held and self.preempt is not None:
             self.preempt(f"{op} {base}{field}")
-        if (kind, op) in LOCK_FREE:
+        if not self.record or (kind, op) in LOCK_FREE:
             return
         locks = tuple(held) if held else ()
         ids = frozenset(id(lk) for lk in locks)

@@ -355,7 +355,8 @@ class Setup:
 class Harness:
     """One manager, one schedule: `run` raises `ScheduleFailure` on any disagreement.
 
-    ``lockset``: a data race the detector reports fails the run too.
+    ``lockset``: record every access and fail the run on a data race the
+    detector reports (off: the instrumented containers only add switch points).
     ``access_points``: the scheduler also switches at accesses made holding
     no lock (the detector's instrumented containers are used either way).
     """
@@ -366,7 +367,7 @@ class Harness:
                  access_points: bool = True) -> None:
         self.scope = scope
         self.sched = Scheduler(strategy, max_steps=max_steps)
-        self.detector = Detector()
+        self.detector = Detector(record=lockset)
         self.lockset = lockset
         self.runtime = CoopRuntime(self.sched, self.detector, access_points)
         base = config or DriverConfig()
