@@ -84,7 +84,7 @@ def shared(runtime: Runtime, value: T, name: str) -> T:
     cost is this call, once, when the container is made.
     """
     hook = getattr(runtime, "shared", None)
-    return value if hook is None else hook(value, name)  # type: ignore[no-any-return]
+    return value if hook is None else hook(value, name)
 
 
 _default: Runtime = ThreadingRuntime()

@@ -369,7 +369,7 @@ class TracedList(_Traced, list):  # type: ignore[type-arg]
         ("append", "extend", "__iadd__", "__setitem__", "__delitem__", "pop", "clear",
          "insert", "remove", "sort", "reverse"),
     ))
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None
 
 
 class TracedDeque(_Traced, deque):  # type: ignore[type-arg]

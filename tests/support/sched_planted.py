@@ -123,7 +123,7 @@ def lock_removed(cls: type, methods: tuple[str, ...],
     def unlocked(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def racy(self: Any, *args: Any, **kwargs: Any) -> Any:
-            before = getattr(_skip, "ids", frozenset())
+            before: frozenset[int] = getattr(_skip, "ids", frozenset())
             _skip.ids = before | {id(lock_of(self))}
             try:
                 return fn(self, *args, **kwargs)
@@ -131,8 +131,8 @@ def lock_removed(cls: type, methods: tuple[str, ...],
                 _skip.ids = before
         return racy
 
-    CoopLock.acquire = acquire_  # type: ignore[method-assign]
-    CoopLock.release = release_  # type: ignore[method-assign]
+    CoopLock.acquire = acquire_  # type: ignore[method-assign,assignment]
+    CoopLock.release = release_  # type: ignore[method-assign,assignment]
     for name, fn in origs.items():
         setattr(cls, name, unlocked(fn))
     try:
