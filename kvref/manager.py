@@ -50,7 +50,7 @@ from kvref.plan import (
     packed_plan_state,
 )
 from kvref.published import KVSequenceInfo, PublishedKVInfo
-from kvref.runtime import Runtime, default_runtime
+from kvref.runtime import Runtime, default_runtime, shared
 from kvref.step import (
     ADMIT_OK,
     AdmitFailedReason,
@@ -152,7 +152,7 @@ class KVManager(AttentionResource):
             info, KVCache.shape_for(cfg, cfg.max_num_pages), dtype, self._device
         )
         self.kv_cache = KVCache(cfg, self._device, dtype, tensor=tensor)
-        self._allocator = PageAllocator(cfg.max_num_pages)
+        self._allocator = PageAllocator(cfg.max_num_pages, self._runtime, name="device pages")
         # take the sink out of circulation before anything else can get it;
         # the allocator is FIFO from page 0
         sink = self._allocator.try_allocate(1)
@@ -162,12 +162,15 @@ class KVManager(AttentionResource):
         self._cpu_pool: CPUPagePool | None = None
         if cfg.cpu_offload_pages > 0:
             self._cpu_pool = CPUPagePool(
-                cfg, self.kv_cache, cfg.cpu_offload_pages, lock=self._runtime.lock()
+                cfg, self.kv_cache, cfg.cpu_offload_pages, lock=self._runtime.lock(),
+                runtime=self._runtime,
             )
-        self._streams: dict[str, dict[str, CacheStream]] = {}
+        # the shared containers come through the runtime seam: plain ones in
+        # production, the race detector's in the tests
+        self._streams: dict[str, dict[str, CacheStream]] = shared(self._runtime, {}, "streams")
         self._overrides: dict[str, KVReqConfig] = {}
         # rid -> the offload between its claim and its commit/abandon (R6)
-        self._offloads: dict[str, Offload] = {}
+        self._offloads: dict[str, Offload] = shared(self._runtime, {}, "offloads")
         self._comm_group = joint_comm_group
         self._rank = joint_comm_group.rank if joint_comm_group is not None else 0
         self._world_size = joint_comm_group.world_size if joint_comm_group is not None else 1
@@ -1280,16 +1283,22 @@ class KVManager(AttentionResource):
         return stream
 
     def _refuse_if_in_flight(self, rid: str, what: str) -> None:
-        for label, stream in self._streams.get(rid, {}).items():
-            if stream.step_in_flight:
-                raise StepInFlightError(
-                    f"{what} while a step is in flight; commit it first",
-                    request_id=rid, label=label,
-                )
+        # under the lock also when called before it is taken: an admit may add
+        # a label meanwhile, and iterating the labels then raises (R32)
+        with self._lock:
+            for label, stream in self._streams.get(rid, {}).items():
+                if stream.step_in_flight:
+                    raise StepInFlightError(
+                        f"{what} while a step is in flight; commit it first",
+                        request_id=rid, label=label,
+                    )
 
     def _drain_reads(self, rid: str) -> None:
-        futures = [s.read_future for s in self._streams.get(rid, {}).values()
-                   if s.read_future is not None]
+        # the streams are read under the lock (R32), the wait is outside it
+        # (R17): a transfer does not take the lock, a reset must not hold it
+        with self._lock:
+            futures = [s.read_future for s in self._streams.get(rid, {}).values()
+                       if s.read_future is not None]
         if futures:
             self._runtime.wait(futures)
 
