@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvref import validate
 from kvref.allocator import PageAllocator
 from kvref.base import AttentionResource, CGSlotSpec, EngineResourceInfo
 from kvref.cache import KVCache
@@ -113,9 +114,10 @@ class KVManager(AttentionResource):
         runtime: Runtime | None = None,
     ) -> None:
         super().__init__()
-        if joint_comm_group is not None:
-            # before the cache is allocated: it is sized off the head counts
-            cfg.shard(joint_comm_group.world_size)
+        # a private, validated copy, sharded before the cache is sized off its
+        # head counts: the caller's config stays unsharded, and a field the
+        # caller changes later does not reach this manager
+        cfg = cfg.sharded(joint_comm_group.world_size) if joint_comm_group else cfg.copy()
         self.config = cfg
         self.name = name
         self._device = torch.device(device)
@@ -165,6 +167,8 @@ class KVManager(AttentionResource):
     # -- requests ---------------------------------------------------------
 
     def ingest_request(self, rid: str, overrides: KVReqConfig | None = None) -> None:
+        validate.request_id(rid, "ingest_request")
+        validate.req_config(overrides, rid)
         with self._lock:
             # idempotent: one request reaches a worker once per partition it
             # serves, and replacing the streams on the second ingest dropped
@@ -176,10 +180,13 @@ class KVManager(AttentionResource):
         return rid in self._streams
 
     def labels(self, rid: str) -> list[str]:
+        validate.request_id(rid, "labels")
         with self._lock:
             return list(self._request(rid))
 
     def stored_len(self, rid: str, label: str = "main") -> int:
+        validate.request_id(rid, "stored_len")
+        validate.label(label, "stored_len", rid)
         with self._lock:
             return self._stream(rid, label).stored_len
 
@@ -190,6 +197,7 @@ class KVManager(AttentionResource):
         (R5): the step would write into, and commit onto, a stream that no
         longer holds what it planned against.
         """
+        validate.request_id(rid, "reset_request")
         self._refuse_if_in_flight(rid, "reset")
         while True:
             # in-flight retrieves write into these pages: drain them before
@@ -223,6 +231,7 @@ class KVManager(AttentionResource):
         An offload of the request still in progress is cancelled: its later
         copies copy nothing and its commit frees nothing.
         """
+        validate.request_id(rid, "remove_request")
         if rid not in self._streams:
             return
         self._refuse_if_in_flight(rid, "remove")
@@ -263,7 +272,9 @@ class KVManager(AttentionResource):
         never run leaves pages reserved but no contents moved: admitting it
         again allocates nothing more.
         """
+        validate.step(step, ctx)
         with self._lock:
+            validate.step_lengths(step, ctx, self._streams, self.config.max_seq_len)
             if self._preplan is not None:
                 if ctx.is_preplan:
                     raise PreplanPendingError(
@@ -505,6 +516,8 @@ class KVManager(AttentionResource):
         The real plan after a preplan promotes it: the staged page tables are
         returned and its pre-forks are applied now (R11).
         """
+        validate.step(step, ctx)
+        validate.slot_lease(step, ctx, self._cg_max_seq_len)
         self.reset_default_cursors()
         with self._lock:
             staged = self._preplan
@@ -617,6 +630,7 @@ class KVManager(AttentionResource):
     def build_cuda_graph_buffers(
         self, slots: list[CGSlotSpec], max_bs: int, max_seq_len: int
     ) -> None:
+        validate.capture_len(max_seq_len)
         del slots, max_bs
         # the (slot, label) buffers are made on the first plan under that key
         # (the step declares its labels), all at one length so they outlive
@@ -653,6 +667,7 @@ class KVManager(AttentionResource):
 
     def commit(self, step: KVStep, ctx: StepContext) -> None:
         """Clear the step's marks, add its spans, then apply its post-forks."""
+        validate.step(step, ctx)
         with self._lock:
             if self._preplan is not None and self._preplan.step == step:
                 raise StepNotAdmittedError("commit of a step that is only preplanned")
@@ -782,8 +797,12 @@ class KVManager(AttentionResource):
 
     # -- what attention layers call ------------------------------------------
 
+    def set_default_layer_idx(self, layer_idx: int | None) -> None:
+        validate.optional_layer_idx(layer_idx, self.config.num_layers, "set_layer_idx")
+        super().set_default_layer_idx(layer_idx)
+
     # the reference's name for the layer cursor
-    set_layer_idx = AttentionResource.set_default_layer_idx
+    set_layer_idx = set_default_layer_idx
 
     def reset_default_cursors(self) -> None:
         super().reset_default_cursors()
@@ -792,6 +811,8 @@ class KVManager(AttentionResource):
 
     def layer_view(self, layer_idx: int | None = None) -> torch.Tensor:
         """One layer's pages in the shape FlashInfer's paged attention takes."""
+        validate.layer_idx(self._default_layer_idx if layer_idx is None else layer_idx,
+                           self.config.num_layers, "layer_view")
         if layer_idx is None:
             layer_idx = self._default_layer_idx
         assert layer_idx is not None
@@ -799,6 +820,9 @@ class KVManager(AttentionResource):
 
     def read_kv(self, layer_idx: int | None = None, plan_label: str | None = None) -> torch.Tensor:
         """The slots this step's plan writes: ``[num_tokens, 2, H, D]`` (K, then V)."""
+        validate.optional_label(plan_label, "read_kv")
+        validate.layer_idx(self._default_layer_idx if layer_idx is None else layer_idx,
+                           self.config.num_layers, "read_kv")
         state, _ = self._plan_state_for(plan_label)
         n = state.write_len
         layer = self._default_layer_idx if layer_idx is None else layer_idx
@@ -818,6 +842,11 @@ class KVManager(AttentionResource):
         Under a slot lease ``num_tokens`` is the bucket's: the padding rows
         land on the sink page.
         """
+        validate.optional_label(label, "write_kv")
+        validate.layer_idx(self._default_layer_idx if layer_idx is None else layer_idx,
+                           self.config.num_layers, "write_kv")
+        validate.kv_pair(k, v, self.kv_cache.tensor.device,
+                         self._default_label if label is None else label)
         state, plan_label = self._plan_state_for(label)
         n = state.write_len
         want = (n, *self.kv_cache.token_shape)
@@ -875,6 +904,7 @@ class KVManager(AttentionResource):
         Refused for the whole request while any of its streams is in flight
         (R4): a step already holds addressing into these pages.
         """
+        validate.request_id(rid, "begin_offload")
         if self._cpu_pool is None:
             return None
         with self._lock:
@@ -906,6 +936,7 @@ class KVManager(AttentionResource):
         offload still frees what did fit. 0 when refused (a step in flight,
         an offload already running, an unknown request) or nothing moved.
         """
+        validate.request_id(rid, "offload")
         offload = self.begin_offload(rid)
         if offload is None:
             return 0
@@ -1018,6 +1049,7 @@ class KVManager(AttentionResource):
         an offload of the request is still in progress (R6), or when nothing
         of ``rid`` is on the host.
         """
+        validate.request_id(rid, "reload")
         pool = self._cpu_pool
         if pool is None:
             return False
@@ -1065,6 +1097,7 @@ class KVManager(AttentionResource):
         None when the request is gone (a removal can race the engine's
         finalize) or any stream is off the device (R13).
         """
+        validate.request_id(request_id, "publish")
         transfer_info = self._own_transfer_info()
         with self._lock:
             streams = self._streams.get(request_id)
@@ -1093,6 +1126,10 @@ class KVManager(AttentionResource):
         ``ok=True, ready=False`` while a copy runs; a failed copy is latched
         and reported on every later call (I11) until reset or removal.
         """
+        validate.request_id(rid, "admit_retrieve")
+        validate.label(node_name, "admit_retrieve", rid, what="node_name")
+        validate.label(graph_walk, "admit_retrieve", rid, what="graph_walk")
+        validate.published(published, rid, self._rank)
         if published is None:
             return ADMIT_OK
         if published.world_size != self._world_size:
