@@ -35,6 +35,8 @@ from kvref.transfer import KVTransferInfo, TransferEngineInfo
 
 def _manager(cfg: KVConfig | None = None, *, world: int = 1, rank: int = 0,
              kind: str = "local", shm_prefix: str = "kvref_") -> KVManager:
+    # cuda_ipc shares a CUDA cache; the other kinds are tested on the CPU
+    device = "cuda" if kind == "cuda_ipc" else "cpu"
     groups = None
     if world > 1:
         # CommGroup only needs a process group for collectives, which
@@ -43,7 +45,7 @@ def _manager(cfg: KVConfig | None = None, *, world: int = 1, rank: int = 0,
         groups = JointGroups(rank, world, tp, CommGroup.single(rank))
     return KVManager(cfg if cfg is not None else make_cfg(pages=16, page_size=4, heads=2),
                      "kv", groups, TransferEngineInfo(kind=kind, shm_prefix=shm_prefix),
-                     "cpu", dtype=torch.float32)
+                     device, dtype=torch.float32)
 
 
 def _state(mgr: KVManager) -> tuple[object, torch.Tensor]:
@@ -115,7 +117,11 @@ def shm_prefix() -> Iterator[str]:
     assert [n for n in os.listdir("/dev/shm") if n.startswith(prefix)] == []
 
 
-@pytest.mark.parametrize("kind", ["local", "shm"])
+KINDS = ["local", "shm", pytest.param("cuda_ipc", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="cuda_ipc needs CUDA"))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_pickled_descriptor_equals_the_original(kind: str, shm_prefix: str) -> None:
     mgr = _manager(kind=kind, shm_prefix=shm_prefix)
     other = _manager(kind=kind, shm_prefix=shm_prefix)
@@ -129,6 +135,11 @@ def test_pickled_descriptor_equals_the_original(kind: str, shm_prefix: str) -> N
     mgr.cleanup()
 
 
+KINDS = ["local", "shm", pytest.param("cuda_ipc", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="cuda_ipc needs CUDA"))]
+
+
+# cuda_ipc: the descriptor check above; filling a CUDA cache needs a device-aware driver
 @pytest.mark.parametrize("kind", ["local", "shm"])
 def test_self_retrieve_recognised_after_pickle(
     kind: str, shm_prefix: str, caplog: pytest.LogCaptureFixture
