@@ -254,14 +254,22 @@ def step_lengths(
     ends at its source's, which its own segment already bounds. Unknown
     requests pass here: the admit itself names them.
     """
-    if not step.pre_forks:
-        # the decode path: one lookup per segment, no fork bookkeeping
-        for seg in step.segments:
+    pre = _pre_fork_lengths(step, ctx, streams) if step.pre_forks else None
+    for seg in step.segments:
+        if pre and (seg.request_id, seg.label) in pre:
+            base = pre[(seg.request_id, seg.label)]
+        else:
             labels = streams.get(seg.request_id)
             stream = labels.get(seg.label) if labels is not None else None
-            if (stream.stored_len if stream is not None else 0) + seg.span > max_seq_len:
-                _too_long(seg, stream.stored_len if stream is not None else 0, max_seq_len)
-        return
+            base = stream.stored_len if stream is not None else 0
+        if base + seg.span > max_seq_len:
+            _too_long(seg, base, max_seq_len)
+
+
+def _pre_fork_lengths(
+    step: KVStep, ctx: StepContext, streams: Mapping[str, Mapping[str, _HasLength]]
+) -> dict[tuple[str, str], int]:
+    """Each pre-fork target's length at plan: its source's, chains followed in order."""
     pre: dict[tuple[str, str], int] = {}
     for src, dst in step.pre_forks:
         for rid in ctx.padded_request_ids:
@@ -272,17 +280,7 @@ def step_lengths(
                 pre[(rid, dst)] = pre[(rid, src)]
             elif src in labels:
                 pre[(rid, dst)] = labels[src].stored_len
-    for seg in step.segments:
-        rid, name = seg.request_id, seg.label
-        key = (rid, name)
-        if pre and key in pre:
-            base = pre[key]
-        else:
-            labels = streams.get(rid)
-            stream = labels.get(name) if labels is not None else None
-            base = stream.stored_len if stream is not None else 0
-        if base + seg.span > max_seq_len:
-            _too_long(seg, base, max_seq_len)
+    return pre
 
 
 def _too_long(seg: Segment, base: int, max_seq_len: int) -> None:

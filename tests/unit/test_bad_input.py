@@ -282,13 +282,15 @@ def test_bad_input(world: World, planned: bool, call: Call, exc: type[KVRefError
                    for s in streams.values())
 
 
-def test_max_seq_len_boundary_is_admitted(world: World) -> None:
-    """Exactly max_seq_len fits: the check refuses past it, not at it."""
-    step = _step(_seg("a", "main", MAX_SEQ_LEN - 5))
+@pytest.mark.parametrize("label", ["main", "cfg"])
+def test_max_seq_len_boundary_is_admitted(world: World, label: str) -> None:
+    """Exactly max_seq_len fits: the check refuses past it, not at it (``cfg`` is
+    a pre-fork target, which starts the step at main's 5 tokens)."""
+    step = _step(_seg("a", label, MAX_SEQ_LEN - 5), **(FORK if label == "cfg" else {}))
     assert world.mgr.admit(step, _ctx("a")).ok
     world.mgr.plan(step, _ctx("a"))
     world.mgr.commit(step, _ctx("a"))
-    assert world.mgr.stored_len("a") == MAX_SEQ_LEN
+    assert world.mgr.stored_len("a", label) == MAX_SEQ_LEN
 
 
 # -- the config ---------------------------------------------------------------------------
