@@ -1,7 +1,8 @@
 """Plant one bug per class of defect that test_bad_input / test_boundaries claim to
 catch, and check that the tests named for it fail; the clean tree passes them.
 
-    python tests/unit/_plant_validate.py          # from the repository root
+    python tests/unit/_plant_validate.py [WORD]   # from the repository root; WORD: only
+                                                  # the plants whose name holds it
 
 Each plant runs in a scratch copy of kvref/ and tests/ (the tree is not touched).
 """
@@ -34,7 +35,7 @@ PLANTS: list[tuple[str, str, str, str, list[str]]] = [
      "if not 0 <= idx < num_layers:", "if not -num_layers <= idx < num_layers:",
      [f"{BAD}::test_bad_input[write-layer-neg]"]),
     ("max_seq_len ignores the pre-fork length", "kvref/validate.py",
-     "        if pre and key in pre:", "        if False:",
+     "        if pre and (seg.request_id, seg.label) in pre:", "        if False:",
      [f"{BAD}::test_bad_input[max-seq-len-pre-fork-target]"]),
     ("max_seq_len off by one", "kvref/validate.py",
      "if base + seg.span > max_seq_len:", "if base + seg.span >= max_seq_len:",
@@ -96,7 +97,10 @@ def _run(tree: Path, tests: list[str]) -> tuple[int, str]:
 def main() -> int:
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
+        only = sys.argv[1] if len(sys.argv) > 1 else ""
         for name, path, old, new, tests in PLANTS:
+            if only not in name:
+                continue
             tree = Path(tmp) / "tree"
             shutil.rmtree(tree, ignore_errors=True)
             for part in ("kvref", "tests", "pyproject.toml"):
