@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvref import admission
+from kvref import admission, validate
 from kvref.allocator import PageAllocator
 from kvref.base import AttentionResource, CGSlotSpec, EngineResourceInfo
 from kvref.cache import KVCache
@@ -140,9 +140,10 @@ class KVManager(AttentionResource):
         runtime: Runtime | None = None,
     ) -> None:
         super().__init__()
-        if joint_comm_group is not None:
-            # before the cache is allocated: it is sized off the head counts
-            cfg.shard(joint_comm_group.world_size)
+        # a private, validated copy, sharded before the cache is sized off its
+        # head counts: the caller's config stays unsharded, and a field the
+        # caller changes later does not reach this manager
+        cfg = cfg.sharded(joint_comm_group.world_size) if joint_comm_group else cfg.copy()
         self.config = cfg
         self.name = name
         self._device = torch.device(device)
@@ -196,6 +197,8 @@ class KVManager(AttentionResource):
     # -- requests ---------------------------------------------------------
 
     def ingest_request(self, rid: str, overrides: KVReqConfig | None = None) -> None:
+        validate.request_id(rid, "ingest_request")
+        validate.req_config(overrides, rid)
         with self._lock:
             # idempotent: one request reaches a worker once per partition it
             # serves, and replacing the streams on the second ingest dropped
@@ -207,10 +210,13 @@ class KVManager(AttentionResource):
         return rid in self._streams
 
     def labels(self, rid: str) -> list[str]:
+        validate.request_id(rid, "labels")
         with self._lock:
             return list(self._request(rid))
 
     def stored_len(self, rid: str, label: str = "main") -> int:
+        validate.request_id(rid, "stored_len")
+        validate.label(label, "stored_len", rid)
         with self._lock:
             return self._stream(rid, label).stored_len
 
@@ -221,6 +227,7 @@ class KVManager(AttentionResource):
         (R5): the step would write into, and commit onto, a stream that no
         longer holds what it planned against.
         """
+        validate.request_id(rid, "reset_request")
         self._refuse_if_in_flight(rid, "reset")
         while True:
             # in-flight retrieves write into these pages: drain them before
@@ -254,6 +261,7 @@ class KVManager(AttentionResource):
         An offload of the request still in progress is cancelled: its later
         copies copy nothing and its commit frees nothing.
         """
+        validate.request_id(rid, "remove_request")
         if rid not in self._streams:
             return
         self._refuse_if_in_flight(rid, "remove")
@@ -294,6 +302,7 @@ class KVManager(AttentionResource):
         time, plus one preplanned (R23): admitting the admitted (or staged)
         step again is a no-op, admitting another raises.
         """
+        validate.step(step, ctx)
         with self._lock:
             staged = self._preplan
             if staged is not None:
@@ -317,6 +326,7 @@ class KVManager(AttentionResource):
                 raise StepInFlightError(
                     "a step is already admitted; commit it before admitting another"
                 )
+            validate.step_lengths(step, ctx, self._streams, self.config.max_seq_len)
             if not (ctx.is_preplan or step.pre_forks or step.post_forks
                     or step.combined_labels):
                 return self._admit_segments(step, ctx)
@@ -443,6 +453,8 @@ class KVManager(AttentionResource):
         now (R11). A fork copy that fails empties its target, leaves the step
         admitted with its forks done, and raises `ForkCopyError`: plan again.
         """
+        validate.step(step, ctx)
+        validate.slot_lease(step, ctx, self._cg_max_seq_len)
         self.reset_default_cursors()
         with self._lock:
             staged = self._preplan
@@ -561,6 +573,7 @@ class KVManager(AttentionResource):
     def build_cuda_graph_buffers(
         self, slots: list[CGSlotSpec], max_bs: int, max_seq_len: int
     ) -> None:
+        validate.capture_len(max_seq_len)
         del slots, max_bs
         # the (slot, label) buffers are made on the first plan under that key
         # (the step declares its labels), all at one length so they outlive
@@ -604,6 +617,7 @@ class KVManager(AttentionResource):
         fork copy that fails empties its target and raises `ForkCopyError`
         once the commit is otherwise complete (R26).
         """
+        validate.step(step, ctx)
         with self._lock:
             running = self._running
             if running is None or (step is not running.step and step != running.step):
@@ -741,8 +755,12 @@ class KVManager(AttentionResource):
 
     # -- what attention layers call ------------------------------------------
 
+    def set_default_layer_idx(self, layer_idx: int | None) -> None:
+        validate.optional_layer_idx(layer_idx, self.config.num_layers, "set_layer_idx")
+        super().set_default_layer_idx(layer_idx)
+
     # the reference's name for the layer cursor
-    set_layer_idx = AttentionResource.set_default_layer_idx
+    set_layer_idx = set_default_layer_idx
 
     def reset_default_cursors(self) -> None:
         super().reset_default_cursors()
@@ -751,6 +769,8 @@ class KVManager(AttentionResource):
 
     def layer_view(self, layer_idx: int | None = None) -> torch.Tensor:
         """One layer's pages in the shape FlashInfer's paged attention takes."""
+        validate.layer_idx(self._default_layer_idx if layer_idx is None else layer_idx,
+                           self.config.num_layers, "layer_view")
         if layer_idx is None:
             layer_idx = self._default_layer_idx
         assert layer_idx is not None
@@ -758,6 +778,9 @@ class KVManager(AttentionResource):
 
     def read_kv(self, layer_idx: int | None = None, plan_label: str | None = None) -> torch.Tensor:
         """The slots this step's plan writes: ``[num_tokens, 2, H, D]`` (K, then V)."""
+        validate.optional_label(plan_label, "read_kv")
+        validate.layer_idx(self._default_layer_idx if layer_idx is None else layer_idx,
+                           self.config.num_layers, "read_kv")
         state, _ = self._plan_state_for(plan_label)
         n = state.write_len
         layer = self._default_layer_idx if layer_idx is None else layer_idx
@@ -777,6 +800,11 @@ class KVManager(AttentionResource):
         Under a slot lease ``num_tokens`` is the bucket's: the padding rows
         land on the sink page.
         """
+        validate.optional_label(label, "write_kv")
+        validate.layer_idx(self._default_layer_idx if layer_idx is None else layer_idx,
+                           self.config.num_layers, "write_kv")
+        validate.kv_pair(k, v, self.kv_cache.tensor.device,
+                         self._default_label if label is None else label)
         state, plan_label = self._plan_state_for(label)
         n = state.write_len
         want = (n, *self.kv_cache.token_shape)
@@ -834,6 +862,7 @@ class KVManager(AttentionResource):
         Refused for the whole request while any of its streams is in flight
         (R4): a step already holds addressing into these pages.
         """
+        validate.request_id(rid, "begin_offload")
         if self._cpu_pool is None:
             return None
         with self._lock:
@@ -865,6 +894,7 @@ class KVManager(AttentionResource):
         offload still frees what did fit. 0 when refused (a step in flight,
         an offload already running, an unknown request) or nothing moved.
         """
+        validate.request_id(rid, "offload")
         offload = self.begin_offload(rid)
         if offload is None:
             return 0
@@ -977,6 +1007,7 @@ class KVManager(AttentionResource):
         an offload of the request is still in progress (R6), or when nothing
         of ``rid`` is on the host.
         """
+        validate.request_id(rid, "reload")
         pool = self._cpu_pool
         if pool is None:
             return False
@@ -1042,6 +1073,7 @@ class KVManager(AttentionResource):
         receiving a retrieve or holds a failed one (R21): its pages do not hold
         the tokens its length counts, and the peer would copy them anyway.
         """
+        validate.request_id(request_id, "publish")
         transfer_info = self._own_transfer_info()
         with self._lock:
             streams = self._streams.get(request_id)
@@ -1072,6 +1104,10 @@ class KVManager(AttentionResource):
         ``ok=True, ready=False`` while a copy runs; a failed copy is latched
         and reported on every later call (I11) until reset or removal.
         """
+        validate.request_id(rid, "admit_retrieve")
+        validate.label(node_name, "admit_retrieve", rid, what="node_name")
+        validate.label(graph_walk, "admit_retrieve", rid, what="graph_walk")
+        validate.published(published, rid, self._rank)
         if published is not None and published.world_size != self._world_size:
             # terminal for this request, not for the worker serving it
             return AdmitOutcome(
