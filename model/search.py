@@ -198,11 +198,13 @@ class Search:
     def __init__(self, spec: Spec, *, workers: int = 1, keep_going: bool = False,
                  progress: bool = False, checkpoint: str | None = None,
                  checkpoint_every: float = 60.0, resume: str | None = None,
-                 stop_after_chunks: int | None = None, report: Report | None = None) -> None:
+                 stop_after_chunks: int | None = None, report: Report | None = None,
+                 progress_every: float = 2.0) -> None:
         self.spec = spec
         self.workers = max(1, workers)
         self.keep_going = keep_going
         self.progress = progress
+        self.progress_every = progress_every
         self.checkpoint_path = checkpoint
         self.checkpoint_every = checkpoint_every
         self.resume_path = resume
@@ -318,7 +320,7 @@ class Search:
                 rep.seconds = now - t0
                 if stopped:
                     return
-                if self.progress and now - last_progress >= 2:
+                if self.progress and now - last_progress >= self.progress_every:
                     last_progress = now
                     self._show_progress(cur, nxt, pool)
                 if self.checkpoint_path and (now - last_checkpoint >= self.checkpoint_every
