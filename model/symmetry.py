@@ -59,33 +59,36 @@ def token_map(lp: Perm, n_labels: int) -> Perm:
                  for t in range(2 * n_labels))
 
 
-def _encode(s: State, rp: Perm, lp: Perm, tm: Perm) -> tuple[Any, ...]:
+def _pending(p: Pending | None, rp: Perm, lp: Perm, tm: Perm) -> tuple[Any, ...]:
+    if p is None:
+        return ()
+    st = p.step
+    step = (tuple(sorted([(rp[g.rid], lp[g.label], g.span) for g in st.segments])),
+            tuple([(lp[f], lp[t]) for f, t in st.pre_forks]),
+            tuple([(lp[f], lp[t]) for f, t in st.post_forks]),
+            tuple(sorted([rp[r] for r in st.padded])), st.commit)
+    undo = tuple(sorted([((rp[k[0]], lp[k[1]]),
+                          (0,) if c is None else (1, tuple([tm[t] for t in c])))
+                         for k, c in p.undo]))
+    return (1, step, p.phase, tuple(sorted([(rp[r], lp[lb]) for r, lb in p.marks])), undo,
+            tuple(sorted([(rp[r], lp[lb]) for r, lb in p.fresh])))
+
+
+def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
+            staged: tuple[Any, ...]) -> tuple[Any, ...]:
     """`s` renamed, as nested tuples of ints, bools and strs (comparable and
     with a deterministic repr).  Steps' segments and padded ids are sets to
-    the manager, so they are sorted, as are all keyed collections."""
-
-    def pend(p: Pending | None) -> tuple[Any, ...]:
-        if p is None:
-            return ()
-        st = p.step
-        step = (tuple(sorted((rp[g.rid], lp[g.label], g.span) for g in st.segments)),
-                tuple((lp[f], lp[t]) for f, t in st.pre_forks),
-                tuple((lp[f], lp[t]) for f, t in st.post_forks),
-                tuple(sorted(rp[r] for r in st.padded)), st.commit)
-        undo = tuple(sorted(((rp[k[0]], lp[k[1]]),
-                             (0,) if c is None else (1, tuple(tm[t] for t in c)))
-                            for k, c in p.undo))
-        return (1, step, p.phase, tuple(sorted((rp[r], lp[lb]) for r, lb in p.marks)), undo,
-                tuple(sorted((rp[r], lp[lb]) for r, lb in p.fresh)))
-
-    streams = tuple(sorted(
-        ((rp[r], lp[lb]), v.pages, v.stored_len, tuple(tm[t] for t in v.contents),
-         v.in_flight, v.offload, v.retrieve) for (r, lb), v in s.streams))
-    host = tuple(sorted(((rp[r], lp[lb]), tuple(tm[t] for t in c)) for (r, lb), c in s.host))
-    offloads = tuple(sorted(
-        (rp[r], tuple(sorted((lp[lb], n) for lb, n in o.claimed)),
-         tuple(sorted(lp[lb] for lb in o.copied)), o.touched) for r, o in s.offloads))
-    return (s.free, streams, host, pend(s.current), pend(s.staged), offloads)
+    the manager, so they are sorted, as are all keyed collections.  The
+    pending steps come encoded already (`_pending`, cached)."""
+    streams = tuple(sorted([
+        ((rp[r], lp[lb]), v.pages, v.stored_len, tuple([tm[t] for t in v.contents]),
+         v.in_flight, v.offload, v.retrieve) for (r, lb), v in s.streams]))
+    host = tuple(sorted([((rp[r], lp[lb]), tuple([tm[t] for t in c]))
+                         for (r, lb), c in s.host]))
+    offloads = tuple(sorted([
+        (rp[r], tuple(sorted([(lp[lb], n) for lb, n in o.claimed])),
+         tuple(sorted([lp[lb] for lb in o.copied])), o.touched) for r, o in s.offloads]))
+    return (s.free, streams, host, cur, staged, offloads)
 
 
 def plain(obj: object) -> object:
@@ -112,18 +115,37 @@ class Canonicaliser:
         self.n_labels = scope.labels
         syms = symmetries(scope) if self.reduce else []
         self._renamings = [(rp, lp, token_map(lp, scope.labels)) for rp, lp in syms]
+        # a pending step is shared by a state and most of its successors:
+        # its encodings are cached by identity (the entry keeps it alive, so
+        # the id is not reused) and the cache is dropped when it grows
+        self._pending: dict[int, tuple[Pending | None, list[tuple[Any, ...]]]] = {}
+
+    def _pendings(self, p: Pending | None) -> list[tuple[Any, ...]]:
+        got = self._pending.get(id(p))
+        if got is None:
+            if len(self._pending) > 4096:
+                self._pending.clear()
+            got = self._pending[id(p)] = (p, [_pending(p, rp, lp, tm)
+                                              for rp, lp, tm in self._renamings])
+        return got[1]
+
+    def encodings(self, s: State) -> list[tuple[Any, ...]]:
+        """`s` under every renaming, in `symmetries` order."""
+        cur, staged = self._pendings(s.current), self._pendings(s.staged)
+        return [_encode(s, rp, lp, tm, c, st)
+                for (rp, lp, tm), c, st in zip(self._renamings, cur, staged, strict=True)]
 
     def key(self, s: State) -> bytes:
         if not self._renamings:
             return repr(plain(s)).encode()
-        best = min(_encode(s, rp, lp, tm) for rp, lp, tm in self._renamings)
-        return repr(best).encode()
+        return repr(min(self.encodings(s))).encode()
 
     def canonical(self, s: State) -> State:
         """The orbit member whose encoding is `key(s)` (for tests and display)."""
         if not self._renamings:
             return s
-        _, rp, lp = min((_encode(s, rp, lp, tm), rp, lp) for rp, lp, tm in self._renamings)
+        _, j = min((e, j) for j, e in enumerate(self.encodings(s)))
+        rp, lp, _ = self._renamings[j]
         return rename(s, rp, lp, self.n_labels)
 
 
