@@ -71,22 +71,27 @@ def explore(model: Model, *, keep_going: bool = False, progress: bool = False,
             report: Report | None = None, traces: bool = True, workers: int = 1,
             reduce: bool = True, checkpoint: str | None = None,
             checkpoint_every: float = 60.0, resume: str | None = None,
-            stop_after_chunks: int | None = None) -> Iterator[tuple[State, Trace]]:
+            stop_after_chunks: int | None = None,
+            states: bool = True) -> Iterator[tuple[State | None, Trace]]:
     """BFS; yields each reachable (representative) state with its shortest
     trace (empty unless `traces`).  Violations land in `report`; without
-    keep_going the search stops at the first one."""
+    keep_going the search stops at the first one.  With `states` False the
+    deepest level's states come as None (they are never decoded: faster)."""
     search = Search(make_spec(model, reduce), workers=workers, keep_going=keep_going,
                     progress=progress, checkpoint=checkpoint,
                     checkpoint_every=checkpoint_every, resume=resume,
-                    stop_after_chunks=stop_after_chunks, report=report)
+                    stop_after_chunks=stop_after_chunks, report=report,
+                    want_states=states or traces)
     for sid, data in search.run():
-        yield loads(data), search.trace(sid) if traces else ()
+        yield loads(data) if data else None, search.trace(sid) if traces else ()
 
 
 def reachable(scope: Scope, model: type[Model] = Model) -> Iterator[tuple[State, Trace]]:
     """Every reachable state (one per symmetry class) with its shortest trace:
     what the bounded conformance layer replays on kvref."""
-    return explore(model(scope), keep_going=True)
+    for state, trace in explore(model(scope), keep_going=True):
+        assert state is not None  # states=True decodes every level
+        yield state, trace
 
 
 # ------------------------------------------------------------ reports
@@ -245,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             for _, trace in explore(cls(scope), keep_going=o.keep_going, progress=not o.quiet,
                                     report=rep, traces=out is not None, workers=o.workers,
                                     reduce=not o.no_symmetry, checkpoint=o.checkpoint,
-                                    checkpoint_every=o.checkpoint_every, resume=o.resume):
+                                    checkpoint_every=o.checkpoint_every, resume=o.resume,
+                                    states=False):
                 if out:
                     out.write(json.dumps([[describe(a), show(r)] for a, r in trace]) + "\n")
         except CheckpointMismatch as err:

@@ -129,10 +129,13 @@ class ChunkResult:
     events: list[tuple[str, Any]] = field(default_factory=list)
 
 
-def expand_chunk(spec: Spec, chunk: list[Entry], expand: bool) -> ChunkResult:
+def expand_chunk(spec: Spec, chunk: list[Entry], expand: bool,
+                 leaves: bool = False) -> ChunkResult:
     """Every enabled action of every state in `chunk`: counts, coverage,
     transition checks, and each successor new to this chunk (with its state
-    checks; whether it is new to the search only the merge knows)."""
+    checks; whether it is new to the search only the merge knows).  With
+    `leaves` the successors are the last level: nobody expands or reads
+    them, so they travel without their bytes."""
     out = ChunkResult()
     if not expand:
         return out
@@ -158,7 +161,8 @@ def expand_chunk(spec: Spec, chunk: list[Entry], expand: bool) -> ChunkResult:
                 fp = fingerprint(key(n))
                 if fp not in local:
                     local.add(fp)
-                    events.append(("n", (fp, sid, idx, dumps(n), spec.state_checks(m, n))))
+                    events.append(("n", (fp, sid, idx, b"" if leaves else dumps(n),
+                                         spec.state_checks(m, n))))
             for iid, msg in tchecks(m, s, a, r, n):
                 events.append(("v", (iid, msg, sid, idx)))
     out.transitions = n_trans
@@ -173,9 +177,9 @@ def _install(spec: Spec) -> None:
     _SPEC = spec
 
 
-def _work(chunk: list[Entry], expand: bool) -> ChunkResult:
+def _work(chunk: list[Entry], expand: bool, leaves: bool) -> ChunkResult:
     assert _SPEC is not None
-    return expand_chunk(_SPEC, chunk, expand)
+    return expand_chunk(_SPEC, chunk, expand, leaves)
 
 
 class _Done:
@@ -199,12 +203,15 @@ class Search:
                  progress: bool = False, checkpoint: str | None = None,
                  checkpoint_every: float = 60.0, resume: str | None = None,
                  stop_after_chunks: int | None = None, report: Report | None = None,
-                 progress_every: float = 2.0) -> None:
+                 progress_every: float = 2.0, want_states: bool = True) -> None:
         self.spec = spec
         self.workers = max(1, workers)
         self.keep_going = keep_going
         self.progress = progress
         self.progress_every = progress_every
+        # False: run() may yield the last level's states without their bytes
+        self.want_states = want_states
+        self.leaf_states = 0
         self.checkpoint_path = checkpoint
         self.checkpoint_every = checkpoint_every
         self.resume_path = resume
@@ -296,6 +303,7 @@ class Search:
         while True:
             rep.depth = self.level
             expand = spec.depth == 0 or self.level < spec.depth
+            leaves = not self.want_states and self.level + 1 == spec.depth
             chunks = cur.chunks()
             pending: deque[tuple[int, Any]] = deque()
             more = True
@@ -307,9 +315,9 @@ class Search:
                         break
                     at, chunk = got
                     if pool is not None:
-                        pending.append((at, pool.apply_async(_work, (chunk, expand))))
+                        pending.append((at, pool.apply_async(_work, (chunk, expand, leaves))))
                     else:
-                        pending.append((at, _Done(expand_chunk(spec, chunk, expand))))
+                        pending.append((at, _Done(expand_chunk(spec, chunk, expand, leaves))))
                 if not pending:
                     break
                 _, handle = pending.popleft()
@@ -319,6 +327,8 @@ class Search:
                 now = time.monotonic()
                 rep.seconds = now - t0
                 if stopped:
+                    if self.checkpoint_path:
+                        self._save(cur, offset, nxt)
                     return
                 if self.progress and now - last_progress >= self.progress_every:
                     last_progress = now
@@ -329,11 +339,16 @@ class Search:
                     self._save(cur, offset, nxt)
                 if merged == self.stop_after_chunks:
                     return
-            cur.close()
+            if leaves and self.leaf_states:
+                rep.depth = self.level + 1
             if nxt.count == 0:
                 rep.complete = True
                 rep.seconds = time.monotonic() - t0
+                if self.checkpoint_path:  # resuming it gives this report back
+                    self._save(cur, cur.position(), nxt)
+                cur.close()
                 return
+            cur.close()
             cur, nxt, offset = nxt.close(), LevelWriter(workdir), 0
             self.level += 1
 
@@ -356,7 +371,10 @@ class Search:
                 sid = len(self.parents)
                 self.parents.append(parent)
                 self.actions.append(idx)
-                nxt.append((sid, data))
+                if data:
+                    nxt.append((sid, data))
+                else:
+                    self.leaf_states += 1
                 for iid, msg in checks:
                     if iid not in rep.violations:
                         rep.violations[iid] = (msg, self.trace(sid))
