@@ -34,7 +34,7 @@ class FingerprintSet:
     8 bytes a slot, at most 4/3 slots a state between resizes, so 10.7 to
     21.3 bytes a state (a Python set of ints costs about 90)."""
 
-    def __init__(self, capacity: int = 1 << 12) -> None:
+    def __init__(self, capacity: int = 1 << 10) -> None:
         cap = 1 << max(capacity - 1, 1).bit_length()
         self._slots = array("Q", bytes(8 * cap))
         self._mask = cap - 1
