@@ -21,6 +21,7 @@ import contextlib
 import importlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -224,7 +225,15 @@ def model_class(name: str, without: str) -> type[Model]:
     return ReferenceModel if name == "reference" else Model
 
 
+def _terminated(signum: int, frame: object) -> NoReturn:
+    # unwind, so the search stops its worker processes and removes its files
+    # (the last periodic checkpoint stays: --resume goes on from it)
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if __name__ == "__main__" or sys.argv[0].endswith("kvref-model-check"):
+        signal.signal(signal.SIGTERM, _terminated)
     ap = _parser()
     o = ap.parse_args(argv)
     scope = Scope(o.requests, o.labels, o.device_pages, o.host_pages, o.page_size, o.max_span,

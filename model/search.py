@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -141,7 +142,8 @@ def expand_chunk(spec: Spec, chunk: list[Entry], expand: bool,
         return out
     m, step, enabled, key = spec.model, spec.model.step, spec.enabled, spec.key
     tchecks, preds = spec.transition_checks, tuple(spec.interesting.items())
-    fired, interesting, events = out.fired, out.interesting, out.events
+    interesting, events = out.interesting, out.events
+    by_type: Counter[type] = Counter()  # names once at the end: cheaper per transition
     # successors already taken in this chunk: by value first (a cheap hash),
     # then by fingerprint (canonicalising is the dear part)
     seen: set[Any] = set()
@@ -152,7 +154,7 @@ def expand_chunk(spec: Spec, chunk: list[Entry], expand: bool,
         for idx, a in enumerate(enabled(m, s)):
             r, n = step(s, a)
             n_trans += 1
-            fired[type(a).__name__] += 1
+            by_type[type(a)] += 1
             for iid, pred in preds:
                 if pred(m, s, a, r, n):
                     interesting[iid] += 1
@@ -166,6 +168,8 @@ def expand_chunk(spec: Spec, chunk: list[Entry], expand: bool,
             for iid, msg in tchecks(m, s, a, r, n):
                 events.append(("v", (iid, msg, sid, idx)))
     out.transitions = n_trans
+    for cls, k in by_type.items():
+        out.fired[cls.__name__] += k
     return out
 
 
@@ -175,6 +179,10 @@ _SPEC: Spec | None = None
 def _install(spec: Spec) -> None:
     global _SPEC
     _SPEC = spec
+    # a worker inherits the parent's handlers: it must die on terminate()
+    # (SIGTERM) and leave Ctrl-C (SIGINT) to the parent, which stops the pool
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _work(chunk: list[Entry], expand: bool, leaves: bool) -> ChunkResult:
