@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -76,3 +77,28 @@ def test_model_imports_neither_torch_nor_kvref() -> None:
     code = ("import sys, model.check, model.search, model.symmetry, model.render; "
             "bad = {'torch', 'kvref', 'numpy'} & set(sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_sigterm_stops_the_workers_and_keeps_the_checkpoint(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "model.check", "--depth", "9", "--workers", "2", "--quiet",
+         "--checkpoint", str(ck), "--checkpoint-every", "1"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    children: set[str] = set()
+    try:
+        for _ in range(600):  # until the first checkpoint (at most a minute)
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                children |= set(f.read().split())
+            if ck.exists():
+                break
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert ck.exists() and len(children) >= 2
+        proc.terminate()
+        assert proc.wait(timeout=60) == 128 + 15
+    finally:
+        proc.kill()
+    assert b"Traceback" not in proc.stderr.read()  # type: ignore[union-attr]
+    assert not [c for c in children if Path(f"/proc/{c}").exists()], "workers left running"
