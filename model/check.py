@@ -193,7 +193,8 @@ def _parser() -> _Parser:
                     help="kvref's model minus these rules of specs/rules.md; empty: none")
     se = ap.add_argument_group("search")
     se.add_argument("--workers", type=_count(1), default=os.cpu_count() or 1,
-                    help="processes expanding each BFS level (the counts do not depend on it)")
+                    help="processes expanding each BFS level; the default is this machine's core "
+                    "count (the counts found do not depend on it)")
     se.add_argument("--keep-going", action="store_true",
                     help="report the shortest violation of every invariant, not just the first")
     se.add_argument("--no-symmetry", action="store_true",
