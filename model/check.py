@@ -31,7 +31,7 @@ from model.core import ACTIONS, Action, Model, Result, Scope, State
 from model.protocol import enabled
 from model.render import describe, lname, render, rname, show, to_pytest
 from model.search import CheckpointMismatch, Report, Search, Spec, Trace, loads
-from model.symmetry import Canonicaliser, rename, symmetries
+from model.symmetry import Canonicaliser, symmetries
 
 __all__ = [
     "Report", "Trace", "canonical", "describe", "explore", "lname", "main", "make_spec",
@@ -284,5 +284,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-_ = rename  # re-exported for tests of the symmetry
