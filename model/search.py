@@ -220,6 +220,7 @@ class Search:
         # False: run() may yield the last level's states without their bytes
         self.want_states = want_states
         self.leaf_states = 0
+        self._left = 0
         self.checkpoint_path = checkpoint
         self.checkpoint_every = checkpoint_every
         self.resume_path = resume
@@ -313,7 +314,8 @@ class Search:
             expand = spec.depth == 0 or self.level < spec.depth
             leaves = not self.want_states and self.level + 1 == spec.depth
             chunks = cur.chunks()
-            pending: deque[tuple[int, Any]] = deque()
+            pending: deque[tuple[int, int, Any]] = deque()
+            self._left = cur.count  # states of this level not merged yet
             more = True
             while True:
                 while more and len(pending) < window:
@@ -323,12 +325,15 @@ class Search:
                         break
                     at, chunk = got
                     if pool is not None:
-                        pending.append((at, pool.apply_async(_work, (chunk, expand, leaves))))
+                        pending.append((at, len(chunk),
+                                        pool.apply_async(_work, (chunk, expand, leaves))))
                     else:
-                        pending.append((at, _Done(expand_chunk(spec, chunk, expand, leaves))))
+                        pending.append((at, len(chunk),
+                                        _Done(expand_chunk(spec, chunk, expand, leaves))))
                 if not pending:
                     break
-                _, handle = pending.popleft()
+                _, size, handle = pending.popleft()
+                self._left -= size
                 stopped = yield from self._merge(handle.get(), nxt)
                 merged += 1
                 offset = pending[0][0] if pending else cur.position()
@@ -405,7 +410,7 @@ class Search:
         mem = rss() + sum(rss(p.pid) for p in getattr(pool, "_pool", []))
         print(f"  ... {rep.states:,} states, {rep.transitions:,} transitions, depth "
               f"{self.level}, {rep.states / max(rep.seconds, 1e-9):,.0f} states/s, queue "
-              f"{cur.count + nxt.count:,}, memory {mem / 2**20:,.0f} MiB", file=sys.stderr,
+              f"{self._left + nxt.count:,}, memory {mem / 2**20:,.0f} MiB", file=sys.stderr,
               flush=True)
 
     # ------------------------------------------------------------ checkpoints
@@ -417,7 +422,7 @@ class Search:
             "level": self.level, "report": self.report,
             "visited": self.visited.to_bytes(), "parents": self.parents.tobytes(),
             "actions": self.actions.tobytes(), "current": cur.rest(offset),
-            "current_count": cur.count, "next": nxt.written(), "next_buffer": nxt.buffer,
+            "current_count": self._left, "next": nxt.written(), "next_buffer": nxt.buffer,
             "next_count": nxt.count,
         }
         tmp = self.checkpoint_path + ".tmp"
