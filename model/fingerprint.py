@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from typing import BinaryIO
 
 BITS = 64
 _EMPTY = 0  # slot marker; a fingerprint of 0 is stored as 1 (odds unchanged in practice)
@@ -87,6 +88,18 @@ class FingerprintSet:
             if v != _EMPTY:
                 self.add(v)
 
+    def to_file(self, f: BinaryIO) -> None:
+        self._slots.tofile(f)
+
+    @classmethod
+    def from_file(cls, f: BinaryIO, slots: int) -> FingerprintSet:
+        out = cls(1)
+        out._slots = array("Q")
+        out._slots.fromfile(f, slots)
+        out._mask = slots - 1
+        out._count = len(out._slots) - out._slots.count(_EMPTY)
+        return out
+
     def to_bytes(self) -> bytes:
         return self._slots.tobytes()
 
@@ -96,5 +109,5 @@ class FingerprintSet:
         out._slots = array("Q")
         out._slots.frombytes(data)
         out._mask = len(out._slots) - 1
-        out._count = sum(1 for v in out._slots if v != _EMPTY)
+        out._count = len(out._slots) - out._slots.count(_EMPTY)
         return out

@@ -39,14 +39,18 @@ class LevelWriter:
             pickle.dump(self.buffer, self._f, protocol=pickle.HIGHEST_PROTOCOL)
             self.buffer = []
 
-    def written(self) -> bytes:
-        """The full chunks so far (for a checkpoint); `buffer` holds the rest."""
+    def size(self) -> int:
+        """Bytes of full chunks so far (a checkpoint copies them; `buffer`
+        holds the rest)."""
         self._f.flush()
-        with open(self.path, "rb") as f:
-            return f.read()
+        return os.path.getsize(self.path)
 
-    def restore(self, data: bytes, buffer: list[Entry], count: int) -> None:
-        self._f.write(data)
+    def copy_to(self, out: BinaryIO) -> None:
+        with open(self.path, "rb") as f:
+            copy(f, out, self.size())
+
+    def restore(self, src: BinaryIO, nbytes: int, buffer: list[Entry], count: int) -> None:
+        copy(src, self._f, nbytes)
         self.buffer = list(buffer)
         self.count = count
 
@@ -79,18 +83,32 @@ class LevelReader:
     def position(self) -> int:
         return self._f.tell()
 
-    def rest(self, offset: int) -> bytes:
-        """The file from `offset` on (for a checkpoint)."""
+    def size_from(self, offset: int) -> int:
+        return os.path.getsize(self.path) - offset
+
+    def copy_from(self, offset: int, out: BinaryIO) -> None:
+        """The file from `offset` on into `out` (for a checkpoint)."""
         with open(self.path, "rb") as f:
             f.seek(offset)
-            return f.read()
+            copy(f, out, self.size_from(offset))
 
     def close(self) -> None:
         self._f.close()
         os.unlink(self.path)
 
 
-def level_from_bytes(directory: str, data: bytes, count: int) -> LevelReader:
+def level_from(directory: str, src: BinaryIO, nbytes: int, count: int) -> LevelReader:
     w = LevelWriter(directory)
-    w.restore(data, [], count)
+    w.restore(src, nbytes, [], count)
     return w.close()
+
+
+def copy(src: BinaryIO, dst: BinaryIO, nbytes: int) -> None:
+    """`nbytes` from `src` to `dst`, a megabyte at a time (a level can be
+    hundreds of megabytes: it must not pass through memory whole)."""
+    while nbytes > 0:
+        block = src.read(min(nbytes, 1 << 20))
+        if not block:
+            raise EOFError("checkpoint truncated")
+        dst.write(block)
+        nbytes -= len(block)

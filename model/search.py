@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from model.fingerprint import BITS, FingerprintSet, collision_odds, fingerprint
-from model.frontier import Entry, LevelReader, LevelWriter, level_from_bytes
+from model.frontier import Entry, LevelReader, LevelWriter, level_from
 from model.memory import peak_rss, rss
 
 NO_ACTION = 0xFFFF  # the root's action index
@@ -416,40 +416,48 @@ class Search:
     # ------------------------------------------------------------ checkpoints
 
     def _save(self, cur: LevelReader, offset: int, nxt: LevelWriter) -> None:
+        """A small pickled header, then the visited table, the parent
+        pointers and the two levels' files, streamed (never whole in memory)."""
         assert self.checkpoint_path is not None
-        snap = {
+        head = {
             "version": CHECKPOINT_VERSION, "identity": self.spec.identity,
             "level": self.level, "report": self.report,
-            "visited": self.visited.to_bytes(), "parents": self.parents.tobytes(),
-            "actions": self.actions.tobytes(), "current": cur.rest(offset),
-            "current_count": self._left, "next": nxt.written(), "next_buffer": nxt.buffer,
-            "next_count": nxt.count,
+            "visited_slots": self.visited.nbytes // 8, "states": len(self.parents),
+            "current_bytes": cur.size_from(offset), "current_count": self._left,
+            "next_bytes": nxt.size(), "next_buffer": nxt.buffer, "next_count": nxt.count,
         }
         tmp = self.checkpoint_path + ".tmp"
         with open(tmp, "wb") as f:
-            pickle.dump(snap, f, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(head, f, protocol=pickle.HIGHEST_PROTOCOL)
+            self.visited.to_file(f)
+            self.parents.tofile(f)
+            self.actions.tofile(f)
+            cur.copy_from(offset, f)
+            nxt.copy_to(f)
         os.replace(tmp, self.checkpoint_path)  # a crash mid-write keeps the last one
 
     def _load(self, path: str, workdir: str) -> tuple[LevelReader, LevelWriter, int]:
         with open(path, "rb") as f:
-            snap = pickle.load(f)
-        if snap.get("version") != CHECKPOINT_VERSION:
-            raise CheckpointMismatch(f"{path}: not a checkpoint of this checker version")
-        if snap["identity"] != self.spec.identity:
-            raise CheckpointMismatch(f"{path} is of another search: {snap['identity']}")
-        self.level = snap["level"]
-        old: Report = snap["report"]
-        for name in [f.name for f in fields(Report)]:  # into the caller's report object
-            setattr(self.report, name, getattr(old, name))
-        self.report.workers = self.workers
-        self._elapsed_before = old.seconds
-        self.visited = FingerprintSet.from_bytes(snap["visited"])
-        self.parents = array("I")
-        self.parents.frombytes(snap["parents"])
-        self.actions = array("H")
-        self.actions.frombytes(snap["actions"])
-        cur = level_from_bytes(workdir, snap["current"], snap["current_count"])
-        nxt = LevelWriter(workdir)
-        nxt.restore(snap["next"], snap["next_buffer"], snap["next_count"])
+            try:
+                head = pickle.load(f)
+            except Exception as err:
+                raise CheckpointMismatch(f"{path}: not a checkpoint ({err})") from None
+            if not isinstance(head, dict) or head.get("version") != CHECKPOINT_VERSION:
+                raise CheckpointMismatch(f"{path}: not a checkpoint of this checker version")
+            if head["identity"] != self.spec.identity:
+                raise CheckpointMismatch(f"{path} is of another search: {head['identity']}")
+            self.level = head["level"]
+            old: Report = head["report"]
+            for name in [f.name for f in fields(Report)]:  # into the caller's report object
+                setattr(self.report, name, getattr(old, name))
+            self.report.workers = self.workers
+            self._elapsed_before = old.seconds
+            self.visited = FingerprintSet.from_file(f, head["visited_slots"])
+            self.parents = array("I")
+            self.parents.fromfile(f, head["states"])
+            self.actions = array("H")
+            self.actions.fromfile(f, head["states"])
+            cur = level_from(workdir, f, head["current_bytes"], head["current_count"])
+            nxt = LevelWriter(workdir)
+            nxt.restore(f, head["next_bytes"], head["next_buffer"], head["next_count"])
         return cur, nxt, 0
-
