@@ -173,25 +173,62 @@ def expand_chunk(spec: Spec, chunk: list[Entry], expand: bool,
     return out
 
 
-_SPEC: Spec | None = None
-
-
-def _install(spec: Spec) -> None:
-    global _SPEC
-    _SPEC = spec
-    # a worker inherits the parent's handlers: it must die on terminate()
-    # (SIGTERM) and leave Ctrl-C (SIGINT) to the parent, which stops the pool
+def _serve(conn: Any, spec: Spec) -> None:
+    """A worker process: expand each chunk it is sent, in order."""
+    # it must die on SIGTERM (also when sent to the whole process group) and
+    # leave Ctrl-C to the parent, which stops the workers
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while (task := conn.recv()) is not None:
+        conn.send(expand_chunk(spec, *task))
 
 
-def _work(chunk: list[Entry], expand: bool, leaves: bool) -> ChunkResult:
-    assert _SPEC is not None
-    return expand_chunk(_SPEC, chunk, expand, leaves)
+class Workers:
+    """N processes, each with its own pipe; chunk i goes to worker i mod N,
+    so results come back in chunk order without any lock shared between
+    processes (a worker killed while holding one, as multiprocessing.Pool's
+    queues have, would hang the rest)."""
+
+    def __init__(self, n: int, spec: Spec) -> None:
+        ctx = multiprocessing.get_context("fork")  # the spec is inherited, not pickled
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        for _ in range(n):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(theirs, spec), daemon=True)
+            p.start()
+            theirs.close()
+            self.conns.append(mine)
+            self.procs.append(p)
+
+    def submit(self, i: int, task: tuple[list[Entry], bool, bool]) -> _Result:
+        conn = self.conns[i % len(self.conns)]
+        conn.send(task)
+        return _Result(conn)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.kill()  # nothing they hold is shared: killing is safe
+        for p in self.procs:
+            p.join()
+        for c in self.conns:
+            c.close()
+
+
+class _Result:
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def get(self) -> ChunkResult:
+        got: ChunkResult = self.conn.recv()
+        return got
 
 
 class _Done:
-    """A chunk expanded in this process: the same interface as an AsyncResult."""
+    """A chunk expanded in this process: the same interface as a _Result."""
 
     def __init__(self, value: ChunkResult) -> None:
         self.value = value
@@ -265,22 +302,19 @@ class Search:
 
     def run(self) -> Iterator[tuple[int, bytes]]:
         workdir = tempfile.mkdtemp(prefix="model-check-")
-        pool = None
+        pool: Workers | None = None
         try:
             if self.resume_path:
                 cur, nxt, offset = self._load(self.resume_path, workdir)
             else:
                 cur, nxt, offset = yield from self._start(workdir)
             if self.workers > 1:
-                ctx = multiprocessing.get_context("fork")  # the spec is inherited, not pickled
-                pool = ctx.Pool(self.workers, initializer=_install, initargs=(self.spec,))
+                pool = Workers(self.workers, self.spec)
             yield from self._levels(cur, nxt, offset, workdir, pool)
         finally:
             if pool is not None:
-                procs: list[Any] = getattr(pool, "_pool", [])
-                self.report.peak_rss_workers = sum(peak_rss(p.pid) for p in procs if p.pid)
-                pool.terminate()
-                pool.join()
+                self.report.peak_rss_workers = sum(peak_rss(pid) for pid in pool.pids())
+                pool.stop()
             self.report.peak_rss = peak_rss()
             self.report.states = len(self.visited)
             self.report.visited_bytes = (self.visited.nbytes + self.parents.itemsize
@@ -303,12 +337,14 @@ class Search:
         return first.close(), LevelWriter(workdir), 0
 
     def _levels(self, cur: LevelReader, nxt: LevelWriter, offset: int, workdir: str,
-                pool: Any) -> Generator[tuple[int, bytes], None, None]:
+                pool: Workers | None) -> Generator[tuple[int, bytes], None, None]:
         rep, spec = self.report, self.spec
         t0 = time.monotonic() - self._elapsed_before
         last_progress = last_checkpoint = time.monotonic()
         merged = 0
-        window = 2 * self.workers + 1 if pool is not None else 1
+        # two chunks a worker in flight: one expanding, one waiting
+        window = 2 * self.workers if pool is not None else 1
+        submitted = 0
         while True:
             rep.depth = self.level
             expand = spec.depth == 0 or self.level < spec.depth
@@ -326,7 +362,8 @@ class Search:
                     at, chunk = got
                     if pool is not None:
                         pending.append((at, len(chunk),
-                                        pool.apply_async(_work, (chunk, expand, leaves))))
+                                        pool.submit(submitted, (chunk, expand, leaves))))
+                        submitted += 1
                     else:
                         pending.append((at, len(chunk),
                                         _Done(expand_chunk(spec, chunk, expand, leaves))))
@@ -405,9 +442,10 @@ class Search:
 
     # ------------------------------------------------------------ progress
 
-    def _show_progress(self, cur: LevelReader, nxt: LevelWriter, pool: Any) -> None:
+    def _show_progress(self, cur: LevelReader, nxt: LevelWriter,
+                       pool: Workers | None) -> None:
         rep = self.report
-        mem = rss() + sum(rss(p.pid) for p in getattr(pool, "_pool", []))
+        mem = rss() + sum(rss(pid) for pid in (pool.pids() if pool else []))
         print(f"  ... {rep.states:,} states, {rep.transitions:,} transitions, depth "
               f"{self.level}, {rep.states / max(rep.seconds, 1e-9):,.0f} states/s, queue "
               f"{self._left + nxt.count:,}, memory {mem / 2**20:,.0f} MiB", file=sys.stderr,
