@@ -346,7 +346,7 @@ class Search:
         window = 2 * self.workers if pool is not None else 1
         submitted = 0
         while True:
-            rep.depth = self.level
+            rep.depth = max(rep.depth, self.level)
             expand = spec.depth == 0 or self.level < spec.depth
             leaves = not self.want_states and self.level + 1 == spec.depth
             chunks = cur.chunks()
