@@ -304,6 +304,9 @@ class KVManager(AttentionResource):
         """
         validate.step(step, ctx)
         with self._lock:
+            # malformed input first, whatever the lifecycle state: it is the
+            # caller's bug in any state
+            validate.step_lengths(step, ctx, self._streams, self.config.max_seq_len)
             staged = self._preplan
             if staged is not None:
                 if ctx.is_preplan:
@@ -326,7 +329,6 @@ class KVManager(AttentionResource):
                 raise StepInFlightError(
                     "a step is already admitted; commit it before admitting another"
                 )
-            validate.step_lengths(step, ctx, self._streams, self.config.max_seq_len)
             if not (ctx.is_preplan or step.pre_forks or step.post_forks
                     or step.combined_labels):
                 return self._admit_segments(step, ctx)
