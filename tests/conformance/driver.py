@@ -98,6 +98,9 @@ class Driver:
         self.step: tuple[m.Step, KVStep, StepContext] | None = None
         self.outputs: KVPlanOutputs | None = None
         self.written: dict[str, torch.Tensor] = {}  # plan label -> K/V last written
+        # plan label -> rows of the last plan, kept past its step: the shape a
+        # careless engine's late write has
+        self.last_rows: dict[str, int] = {}
         self.staged: tuple[m.Step, KVStep, StepContext] | None = None
         self.offloads: dict[int, Offload] = {}
         self.closed: dict[int, Offload] = {}  # the last handle of each request, closed
@@ -176,14 +179,18 @@ class Driver:
                 return m.Ok()
             self.outputs = self.kv.plan(self.step[1], self.step[2])
             self.written = {}
+            self.last_rows = {label: sum(v.to_compute for v in out.views)
+                              for label, out in self.outputs.items()}
             return m.Ok()
 
     def _Write(self, a: m.Write) -> m.Result:
         if self.outputs is None:
-            # no slots to write: kvref must refuse rather than use stale ones
-            junk = torch.ones(1, self.cfg.num_kv_heads, self.cfg.head_dim)
-            junk = junk.to(self.config.device, self.config.dtype)
-            self.kv.write_kv(junk, junk, layer_idx=0)
+            # no slots to write: a late write, shaped as the last plan's, must
+            # be refused rather than land in its stale slots (R27)
+            for plan_label, rows in (self.last_rows or {"main": 1}).items():
+                junk = torch.ones(rows, self.cfg.num_kv_heads, self.cfg.head_dim)
+                junk = junk.to(self.config.device, self.config.dtype)
+                self.kv.write_kv(junk, junk, layer_idx=0, label=plan_label)
             return m.Ok()
         for plan_label, out in self.outputs.items():
             rows = []
@@ -202,7 +209,8 @@ class Driver:
 
     def _Read(self, a: m.Read) -> m.Result:
         if self.outputs is None:
-            self.kv.read_kv(layer_idx=0)
+            for plan_label in self.last_rows or {"main": 1}:
+                self.kv.read_kv(layer_idx=0, plan_label=plan_label)
             return m.Ok()
         for plan_label in self.outputs:
             got = self.kv.read_kv(layer_idx=self.cfg.num_layers - 1, plan_label=plan_label)

@@ -215,7 +215,7 @@ MUTANTS: dict[str, Callable[[ExitStack], None]] = {
 
 
 BUDGET = settings(
-    max_examples=300, stateful_step_count=50, derandomize=True, database=None,
+    max_examples=100, stateful_step_count=50, derandomize=True, database=None,
     deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck),
 )
 
