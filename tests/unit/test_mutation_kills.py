@@ -1,0 +1,52 @@
+"""Behavioural checks that kill mutants the rest of the unit suite let survive.
+
+Each test asserts one observable property of the public API; specs/mutation.md
+maps every surviving mutant of kvref/plan.py and kvref/manager.py to the test
+here that kills it, or to the argument that it is equivalent.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvref.plan import SINK_PAGE, KVPlanState
+
+
+def _static_state(capacity: int) -> KVPlanState:
+    """A graph-captured state: buffers of ``capacity`` slots, filled with junk."""
+    return KVPlanState(
+        token_to_page=torch.full((capacity,), 99, dtype=torch.int64),
+        token_to_cache=torch.full((capacity,), 99, dtype=torch.int64),
+        total_tokens=0,
+    )
+
+
+def _live_state(pages: list[int], offsets: list[int]) -> KVPlanState:
+    return KVPlanState(
+        token_to_page=torch.tensor(pages, dtype=torch.int64),
+        token_to_cache=torch.tensor(offsets, dtype=torch.int64),
+        total_tokens=len(pages),
+    )
+
+
+def test_static_state_accepts_a_bucket_as_large_as_its_buffers() -> None:
+    # the largest bucket a buffer was built for must fit it exactly
+    static = _static_state(4)
+    static.copy_(_live_state([5, 6, 7], [1, 2, 3]), capture_len=4)
+    assert static.token_to_page.tolist() == [5, 6, 7, SINK_PAGE]
+    assert static.token_to_cache.tolist() == [1, 2, 3, 0]
+    assert static.total_tokens == 3
+
+
+def test_static_state_refuses_a_bucket_past_its_buffers_naming_the_remedy() -> None:
+    static = _static_state(4)
+    with pytest.raises(ValueError, match="build_cuda_graph_buffers with a larger max_seq_len"):
+        static.copy_(_live_state([5], [1]), capture_len=5)
+    assert static.token_to_page.tolist() == [99] * 4  # nothing staged
+
+
+def test_static_state_refuses_more_tokens_than_the_bucket() -> None:
+    static = _static_state(8)
+    with pytest.raises(ValueError, match="do not fit a bucket of 2"):
+        static.copy_(_live_state([5, 6, 7], [1, 2, 3]), capture_len=2)
