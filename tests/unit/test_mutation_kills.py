@@ -10,7 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvref.plan import SINK_PAGE, KVPlanState
+from kvref.plan import (
+    SINK_PAGE,
+    KVPlanState,
+    SequenceView,
+    build_paged_indptrs,
+    decode_plan_state,
+    decode_tables,
+    packed_plan_state,
+)
 
 
 def _static_state(capacity: int) -> KVPlanState:
@@ -50,3 +58,38 @@ def test_static_state_refuses_more_tokens_than_the_bucket() -> None:
     static = _static_state(8)
     with pytest.raises(ValueError, match="do not fit a bucket of 2"):
         static.copy_(_live_state([5, 6, 7], [1, 2, 3]), capture_len=2)
+
+
+# ``meta`` is the one non-CPU device every build has: it checks where the
+# write slots are placed (the host-to-device branch) without a GPU.
+META = torch.device("meta")
+
+
+def _decode_views() -> list[SequenceView]:
+    return [SequenceView("a", "main", [3, 7], 6, 1, 0), SequenceView("b", "main", [5], 1, 1, 0)]
+
+
+def test_decode_slots_are_placed_on_the_requested_device() -> None:
+    state = decode_plan_state(_decode_views(), 4, META)
+    for t in (state.token_to_page, state.token_to_cache):
+        assert t.device == META
+        assert tuple(t.shape) == (2,)
+    assert state.total_tokens == 2
+
+
+def test_fused_decode_tables_place_slots_on_the_requested_device() -> None:
+    indptrs, state = decode_tables(_decode_views(), 4, META)
+    for t in (state.token_to_page, state.token_to_cache):
+        assert t.device == META
+        assert tuple(t.shape) == (2,)
+    # the page table stays on the host: plan copies it once, with the rest
+    assert indptrs.paged_kv_indices.device.type == "cpu"
+    assert indptrs.paged_kv_indices.tolist() == [3, 7, 5]
+
+
+def test_packed_slots_are_placed_on_the_requested_device() -> None:
+    views = [SequenceView("a", "main", [3, 7], 6, 3, 0)]
+    state = packed_plan_state(build_paged_indptrs(views, 4), 4, 3, META)
+    for t in (state.token_to_page, state.token_to_cache):
+        assert t.device == META
+        assert tuple(t.shape) == (3,)
