@@ -12,13 +12,16 @@ import torch
 
 from kvref.plan import (
     SINK_PAGE,
+    KVPlanOutputs,
     KVPlanState,
     SequenceView,
     build_paged_indptrs,
     decode_plan_state,
     decode_tables,
+    group_by_plan_label,
     packed_plan_state,
 )
+from kvref.step import Segment
 
 
 def _static_state(capacity: int) -> KVPlanState:
@@ -93,3 +96,32 @@ def test_packed_slots_are_placed_on_the_requested_device() -> None:
     for t in (state.token_to_page, state.token_to_cache):
         assert t.device == META
         assert tuple(t.shape) == (3,)
+
+
+def test_page_table_moves_whole_to_the_requested_device() -> None:
+    host = build_paged_indptrs(_decode_views(), 4)
+    moved = host.to_device(META)
+    for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"):
+        t = getattr(moved, name)
+        assert t.device == META, name
+        assert t.shape == getattr(host, name).shape, name
+
+
+def test_plan_outputs_carry_the_steps_forks_as_tuples() -> None:
+    outs = KVPlanOutputs({}, pre_forks=[("main", "cfg")], post_forks=[("cfg", "aux")])
+    assert outs.pre_forks == (("main", "cfg"),)
+    assert outs.post_forks == (("cfg", "aux"),)
+    assert KVPlanOutputs({}).pre_forks == () == KVPlanOutputs({}).post_forks
+
+
+def test_a_combined_pair_is_planned_label_major() -> None:
+    # exactly two segments, given cfg first: the group still plans main first
+    grouped = group_by_plan_label(
+        [Segment("a", "cfg", 1), Segment("a", "main", 1)], [("main", "cfg")])
+    assert list(grouped) == ["main"]
+    assert [s.label for s in grouped["main"]] == ["main", "cfg"]
+
+
+def test_a_label_in_two_combined_groups_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="label 'cfg' is in two combined groups"):
+        group_by_plan_label([Segment("a", "main", 1)], [("main", "cfg"), ("aux", "cfg")])
