@@ -12,6 +12,7 @@ import torch
 from _manager_fixtures import make_manager
 
 from kvref.base import CGSlotSpec
+from kvref.errors import ForkCopyError
 from kvref.manager import KVManager
 from kvref.plan import (
     SINK_PAGE,
@@ -155,6 +156,8 @@ def test_read_kv_reads_the_layer_it_is_asked_for_not_the_cursor() -> None:
     got = mgr.read_kv(layer_idx=1)
     assert tuple(got.shape) == (2, 2, mgr.config.num_kv_heads, mgr.config.head_dim)
     assert torch.all(got[:, 0] == 20.0) and torch.all(got[:, 1] == 21.0)
+    mgr.set_layer_idx(1)  # no layer given: the cursor's
+    assert torch.equal(mgr.read_kv(), got)
 
 
 def test_read_kv_reads_the_plan_label_it_is_asked_for() -> None:
@@ -181,3 +184,100 @@ def test_read_kv_under_a_slot_lease_returns_the_buckets_rows() -> None:
     got = mgr.read_kv(layer_idx=0)
     assert got.shape[0] == 4
     assert torch.all(got[:, 0] == 3.0) and torch.all(got[:, 1] == 4.0)
+
+
+def test_a_preplanned_chain_of_forks_predicts_the_chained_length() -> None:
+    # main -> b, then b -> c: c ends with main's length, known before any copy
+    mgr = make_manager(pages=32, page_size=4)
+    mgr.ingest_request("a")
+    fill_step = KVStep([Segment("a", "main", 5)])
+    ctx = StepContext(("a",))
+    assert mgr.admit(fill_step, ctx).ok
+    mgr.plan(fill_step, ctx)
+    mgr.commit(fill_step, ctx)
+    step = KVStep([Segment("a", "c", 1)], pre_forks=[("main", "b"), ("b", "c")])
+    pre = StepContext(("a",), is_preplan=True)
+    assert mgr.admit(step, pre).ok
+    staged = mgr.plan(step, pre)
+    assert [v.length for v in staged["c"].views] == [6]
+    assert mgr.stored_len("a", "c") == 0  # predicted, not copied (R11)
+    real = StepContext(("a",))
+    assert mgr.admit(step, real).ok
+    outs = mgr.plan(step, real)
+    assert [v.length for v in outs["c"].views] == [6]
+    mgr.commit(step, real)
+    assert mgr.stored_len("a", "c") == 6
+
+
+# -- manager: forks (R11, R16, R20, R26) -----------------------------------------
+
+
+def _commit_span(mgr: KVManager, rid: str, label: str, span: int) -> None:
+    step = KVStep([Segment(rid, label, span)])
+    ctx = StepContext((rid,))
+    assert mgr.admit(step, ctx).ok
+    mgr.plan(step, ctx)
+    mgr.commit(step, ctx)
+
+
+def _preplan_then_run(mgr: KVManager, step: KVStep, padded: tuple[str, ...],
+                      label: str) -> tuple[list[int], list[int]]:
+    """View lengths of ``label`` as preplanned, then as really planned; commits."""
+    pre = StepContext(padded, is_preplan=True)
+    assert mgr.admit(step, pre).ok
+    staged = [v.length for v in mgr.plan(step, pre)[label].views]
+    real = StepContext(padded)
+    assert mgr.admit(step, real).ok
+    planned = [v.length for v in mgr.plan(step, real)[label].views]
+    mgr.commit(step, real)
+    return staged, planned
+
+
+def test_a_padded_request_without_the_fork_source_keeps_its_target() -> None:
+    # "b" (first in the batch) lacks src but holds keep; "a" holds src only
+    mgr = make_manager(pages=32, page_size=4)
+    mgr.ingest_request("a")
+    mgr.ingest_request("b")
+    _commit_span(mgr, "a", "src", 3)
+    _commit_span(mgr, "b", "keep", 5)
+    step = KVStep([Segment("b", "keep", 1), Segment("a", "keep", 1)],
+                  pre_forks=[("src", "keep")])
+    staged, planned = _preplan_then_run(mgr, step, ("b", "a"), "keep")
+    assert staged == planned == [6, 4]
+    assert mgr.stored_len("b", "keep") == 6  # nothing copied over it (R20)
+    assert mgr.stored_len("a", "keep") == 4  # src's 3, then the step's 1
+
+
+def test_a_chain_through_an_empty_source_empties_its_end() -> None:
+    # main exists and is empty: main -> b -> c copies that emptiness onto c
+    mgr = make_manager(pages=32, page_size=4)
+    mgr.ingest_request("a")
+    _commit_span(mgr, "a", "c", 5)
+    step = KVStep([Segment("a", "c", 1)], pre_forks=[("main", "b"), ("b", "c")])
+    staged, planned = _preplan_then_run(mgr, step, ("a",), "c")
+    assert staged == planned == [1]
+    assert mgr.stored_len("a", "c") == 1
+    assert mgr.stored_len("a", "b") == 0
+
+
+def test_a_failed_fork_copy_empties_its_target_and_moves_its_generation() -> None:
+    mgr = make_manager(pages=32, page_size=4)
+    mgr.ingest_request("a")
+    _commit_span(mgr, "a", "main", 3)
+    _commit_span(mgr, "a", "cfg", 6)
+    step = KVStep([Segment("a", "main", 1)], post_forks=[("main", "cfg")])
+    ctx = StepContext(("a",))
+    assert mgr.admit(step, ctx).ok
+    mgr.plan(step, ctx)
+    gen_before = mgr._streams["a"]["cfg"].generation
+
+    def broken(src: list[int], dst: list[int]) -> None:
+        raise RuntimeError("injected copy fault")
+
+    mgr.kv_cache.copy_pages = broken  # type: ignore[method-assign]
+    with pytest.raises(ForkCopyError) as err:
+        mgr.commit(step, ctx)
+    assert err.value.request_id == "a" and err.value.label == "cfg"
+    assert mgr.stored_len("a", "cfg") == 0  # never half old, half new (R26)
+    assert mgr.stored_len("a", "main") == 4  # the rest of the commit was done
+    assert mgr._streams["a"]["cfg"].generation > gen_before
