@@ -356,6 +356,34 @@ class Lockstep(RuleBasedStateMachine):
     def remove_request(self, data: st.DataObject) -> None:
         self.run(self.draw_enabled(data, m.Remove))
 
+    @precondition(lambda self: bool(self.driver.last_rows) and (
+        self.state.current is None or self.state.current.phase == m.ADMITTED))
+    @rule(data=st.data())
+    def late_write_or_read(self, data: st.DataObject) -> None:
+        """The careless engine's commonest slip: attention writes or reads again
+        after the step committed (or before the next is planned), shaped as
+        the last plan; kvref must refuse instead of using stale slots (R27)."""
+        self.run(data.draw(st.sampled_from([m.Write(), m.Read()]), label="late call"))
+
+    @precondition(lambda self: self.state.staged is None and self.state.current is None
+                  and len(self.ready()) > 1)
+    @rule(data=st.data())
+    def fork_over_the_batch(self, data: st.DataObject) -> None:
+        """A forked step padded to every ready request, run whole: some padded
+        requests lack the source label, some already hold the target (R20)."""
+        step = data.draw(steps(self.model, self.state, self.ready()))
+        pair = data.draw(st.tuples(st.integers(0, self.scope.labels - 1),
+                                   st.integers(0, self.scope.labels - 1)).filter(
+            lambda p: p[0] != p[1]), label="fork")
+        post = data.draw(st.booleans(), label="post-fork")
+        step = m.Step(step.segments, () if post else (pair,), (pair,) if post else (),
+                      tuple(self.ready()), step.commit)
+        self.run(m.Admit(step))
+        for action in (m.Plan(), m.Write(), m.Commit()):
+            if self.state.current is not None:
+                self.run(action)
+        self.agrees_with_model()
+
     @rule(data=st.data())
     def careless_call(self, data: st.DataObject) -> None:
         """Any call, in any state, misuse included: one rule among ~25, so about
