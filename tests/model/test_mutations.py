@@ -18,7 +18,7 @@ from model.core import (
 )
 from model.reference import without
 
-SCOPE = Scope(requests=2, labels=2, device_pages=3, host_pages=2, page_size=2, max_span=2,
+SCOPE = Scope(requests=2, labels=2, device_pages=3, host_pages=2, page_size=2, max_span=1,
               depth=7)
 
 
