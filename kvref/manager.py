@@ -36,6 +36,7 @@ from kvref.errors import (
     StepOrderError,
     UnknownRequestError,
 )
+from kvref.graph_staging import GraphStaging
 from kvref.host_pool import CPUPagePool
 from kvref.offload import Offload
 from kvref.plan import (
@@ -59,9 +60,9 @@ from kvref.step import (
     AllocationFailed,
     KVStep,
     Segment,
-    SlotLease,
     StepContext,
 )
+from kvref.stream_table import StreamTable
 from kvref.streams import CacheStream, ClaimedStream
 from kvref.transfer import KVTransferManager, TransferEngineInfo, allocate_cache_tensor
 
@@ -158,22 +159,23 @@ class KVManager(AttentionResource):
         sink = self._allocator.try_allocate(1)
         assert sink == [SINK_PAGE], f"expected page {SINK_PAGE} first, got {sink}"
         self._transfer = KVTransferManager(info, self.kv_cache, runtime=self._runtime)
-        self._lock = self._runtime.lock()
+        self._table = StreamTable(self._allocator, self._runtime.lock(), self._runtime,
+                                  cfg.page_size)
+        # the manager's one lock, and the table every mechanism shares
+        self._lock = self._table.lock
+        self._streams = self._table.streams
+        self._overrides = self._table.overrides
         self._cpu_pool: CPUPagePool | None = None
         if cfg.cpu_offload_pages > 0:
             self._cpu_pool = CPUPagePool(
                 cfg, self.kv_cache, cfg.cpu_offload_pages, lock=self._runtime.lock()
             )
-        self._streams: dict[str, dict[str, CacheStream]] = {}
-        self._overrides: dict[str, KVReqConfig] = {}
         # rid -> the offload between its claim and its commit/abandon (R6)
         self._offloads: dict[str, Offload] = {}
         self._comm_group = joint_comm_group
         self._rank = joint_comm_group.rank if joint_comm_group is not None else 0
         self._world_size = joint_comm_group.world_size if joint_comm_group is not None else 1
-        # (slot, label) -> static addressing, sized for the largest capture bucket
-        self._static_plan_states: dict[tuple[int, str], KVPlanState] = {}
-        self._cg_max_seq_len = 0
+        self._graph_staging = GraphStaging(self._device)
         self._current_plan_states: dict[str, KVPlanState] = {}
         self._running: _Running | None = None
         self._preplan: _Preplan | None = None
@@ -504,7 +506,7 @@ class KVManager(AttentionResource):
                 out.cuda_indptrs = out.cpu_indptrs.to_device(self._device)
                 state = packed_plan_state(out.cpu_indptrs, ps, out.get_total_len(), self._device)
             outputs[plan_label] = out
-            states[plan_label] = self._leased(state, ctx.slot_lease, plan_label)
+            states[plan_label] = self._graph_staging.leased(state, ctx.slot_lease, plan_label)
         return KVPlanOutputs(outputs, step.pre_forks, step.post_forks), states
 
     def _sequence_views(
@@ -529,46 +531,11 @@ class KVManager(AttentionResource):
             append(SequenceView(rid, label, pages, length, span, stream.generation))
         return views
 
-    def _leased(self, state: KVPlanState, lease: SlotLease | None, label: str) -> KVPlanState:
-        """Under a slot lease, the step's slots staged into the graph's static buffer."""
-        if lease is None:
-            return state
-        static = self._static_plan_state(lease.slot, label)
-        static.copy_(state, lease.bucket.num_tokens)
-        static.write_len = lease.bucket.num_tokens
-        return static
-
-    def _static_plan_state(self, slot: int, label: str) -> KVPlanState:
-        state = self._static_plan_states.get((slot, label))
-        if state is None:
-            if self._cg_max_seq_len == 0:
-                raise KVRefError(
-                    "a step planned under a slot lease before build_cuda_graph_buffers",
-                    label=label,
-                )
-            n = self._cg_max_seq_len
-            state = KVPlanState(
-                token_to_page=torch.full((n,), SINK_PAGE, dtype=torch.long, device=self._device),
-                token_to_cache=torch.zeros(n, dtype=torch.long, device=self._device),
-                total_tokens=0,
-            )
-            self._static_plan_states[(slot, label)] = state
-        return state
-
     def build_cuda_graph_buffers(
         self, slots: list[CGSlotSpec], max_bs: int, max_seq_len: int
     ) -> None:
         del slots, max_bs
-        # the (slot, label) buffers are made on the first plan under that key
-        # (the step declares its labels), all at one length so they outlive
-        # any bucket; every runner capturing against this cache calls in, so
-        # keep the largest
-        if self._static_plan_states and max_seq_len > self._cg_max_seq_len:
-            raise KVRefError(
-                f"graph buffers already built for {self._cg_max_seq_len} tokens; "
-                f"a later capture of {max_seq_len} would outgrow addresses a graph recorded"
-            )
-        self._cg_max_seq_len = max(self._cg_max_seq_len, max_seq_len)
+        self._graph_staging.build_buffers(max_seq_len)
 
     @property
     def supports_preplan(self) -> bool:
@@ -1267,17 +1234,10 @@ class KVManager(AttentionResource):
     # -- helpers -----------------------------------------------------------------
 
     def _request(self, rid: str) -> dict[str, CacheStream]:
-        streams = self._streams.get(rid)
-        if streams is None:
-            raise UnknownRequestError("unknown request (never ingested, or removed)",
-                                      request_id=rid)
-        return streams
+        return self._table.request(rid)
 
     def _stream(self, rid: str, label: str) -> CacheStream:
-        stream = self._request(rid).get(label)
-        if stream is None:
-            raise UnknownRequestError("request has no such label", request_id=rid, label=label)
-        return stream
+        return self._table.stream(rid, label)
 
     def _refuse_if_in_flight(self, rid: str, what: str) -> None:
         for label, stream in self._streams.get(rid, {}).items():
