@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,44 +23,33 @@ from kvref.cache import KVCache
 from kvref.config import KVConfig, KVReqConfig, KVSpec
 from kvref.errors import (
     AsymmetricStateError,
-    ForkCopyError,
-    InvalidStepError,
     KVRefError,
     KVShapeError,
-    PreplanPendingError,
     PublishedInfoError,
     ReloadCopyError,
     StepInFlightError,
     StepNotAdmittedError,
-    StepOrderError,
-    UnknownRequestError,
 )
+from kvref.forks import Forks
 from kvref.graph_staging import GraphStaging
 from kvref.host_pool import CPUPagePool
 from kvref.offload import Offload
 from kvref.plan import (
     SINK_PAGE,
-    KVPlanOutput,
     KVPlanOutputs,
     KVPlanState,
-    SequenceView,
-    build_paged_indptrs,
-    decode_tables,
-    group_by_plan_label,
-    packed_plan_state,
 )
 from kvref.published import KVSequenceInfo, PublishedKVInfo
+from kvref.running_step import RunningStep, StagedPreplan
 from kvref.runtime import Runtime, default_runtime
 from kvref.step import (
-    ADMIT_OK,
-    AdmitFailedReason,
     AdmitOutcome,
     AdmitRuntimeError,
     AllocationFailed,
     KVStep,
-    Segment,
     StepContext,
 )
+from kvref.stepping import Stepping
 from kvref.stream_table import StreamTable
 from kvref.streams import CacheStream, ClaimedStream
 from kvref.transfer import KVTransferManager, TransferEngineInfo, allocate_cache_tensor
@@ -76,54 +64,6 @@ Key = tuple[str, str]  # (request id, label)
 
 def _pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
-
-
-def _same(step: KVStep, ctx: StepContext, other: KVStep, padded: tuple[str, ...]) -> bool:
-    """The same step admitted again: equal, and padded to the same requests
-    (its forks reserved for those)."""
-    return (step is other or step == other) and tuple(ctx.padded_request_ids) == padded
-
-
-def _where(step: KVStep, admitted: KVStep | None = None) -> dict[str, str]:
-    """The request and label an error about ``step`` names: its first segment
-    that the ``admitted`` step does not have, else its first."""
-    segments = list(step.segments) if isinstance(step, KVStep) else []
-    known = {(g.request_id, g.label) for g in admitted.segments} if admitted else set()
-    stray = [g for g in segments if (g.request_id, g.label) not in known] or segments
-    if not stray:
-        return {}
-    return {"request_id": stray[0].request_id, "label": stray[0].label}
-
-
-@dataclass
-class _Running:
-    """The admitted step, from admit (or a preplan's promotion) to commit (R23)."""
-
-    step: KVStep
-    padded: tuple[str, ...]  # the admit's padded_request_ids: what its forks reserved
-    # streams its admit created and no fork has written since: a fork from
-    # one of them that is still empty copies nothing (R20)
-    created: set[Key]
-    planned: bool = False
-    # its pre-forks ran (perhaps at a plan that failed): never twice
-    forked: bool = False
-
-
-class _ForkFailed(Exception):
-    """One fork copy failed; `_run_forks` gathers them into a ForkCopyError."""
-
-
-@dataclass
-class _Preplan:
-    """A step admitted (and maybe planned) one ahead, not yet promoted."""
-
-    step: KVStep
-    ctx: StepContext
-    # labels this step's admit created; an abandon removes them with their pages
-    created: list[Key]
-    marked: list[Key]
-    outputs: KVPlanOutputs | None = None
-    states: dict[str, KVPlanState] = field(default_factory=dict)
 
 
 class KVManager(AttentionResource):
@@ -176,9 +116,8 @@ class KVManager(AttentionResource):
         self._rank = joint_comm_group.rank if joint_comm_group is not None else 0
         self._world_size = joint_comm_group.world_size if joint_comm_group is not None else 1
         self._graph_staging = GraphStaging(self._device)
-        self._current_plan_states: dict[str, KVPlanState] = {}
-        self._running: _Running | None = None
-        self._preplan: _Preplan | None = None
+        self._stepping = Stepping(self._table, Forks(self._table, self.kv_cache),
+                                  self._graph_staging, self._device, name)
         self.reset_default_cursors()
 
     @classmethod
@@ -294,145 +233,7 @@ class KVManager(AttentionResource):
         step again is a no-op, admitting another raises.
         """
         with self._lock:
-            staged = self._preplan
-            if staged is not None:
-                if ctx.is_preplan:
-                    raise PreplanPendingError(
-                        "a preplan is already staged; clear_preplan before preplanning again"
-                    )
-                if not _same(step, ctx, staged.step, tuple(staged.ctx.padded_request_ids)):
-                    raise PreplanPendingError(
-                        "admit of a different step than the staged preplan; "
-                        "clear_preplan first"
-                    )
-                return ADMIT_OK  # the preplan pass already reserved and marked
-            running = self._running
-            if running is not None and not ctx.is_preplan:
-                if _same(step, ctx, running.step, running.padded):
-                    return ADMIT_OK  # admitted again: everything is reserved already
-                # R23: a second step would be planned against lengths the
-                # first has not committed, and its commit would clear the
-                # first one's marks
-                raise StepInFlightError(
-                    "a step is already admitted; commit it before admitting another"
-                )
-            if not (ctx.is_preplan or step.pre_forks or step.post_forks
-                    or step.combined_labels):
-                return self._admit_segments(step, ctx)
-            padded = tuple(ctx.padded_request_ids)
-            admission.validate_step(self._streams, step, padded)
-            keys = admission.named_keys(step, padded)
-            if ctx.is_preplan:
-                # R10: the staged plan would be built from lengths a running
-                # step has not committed, and its commit would clear these marks
-                for rid, label in keys:
-                    stream = self._streams[rid].get(label)
-                    if stream is not None and stream.step_in_flight:
-                        raise StepInFlightError(
-                            "preplan names a stream of a step still in flight; "
-                            "commit that step first",
-                            request_id=rid,
-                            label=label,
-                        )
-            refused = admission.refusal(self._streams, keys)
-            if refused is not None:
-                return AdmitOutcome(ok=False, reason=refused)
-            grant = admission.reserve(self._streams, step, padded, keys,
-                                      self.config.page_size, self._allocator.num_free)
-            if isinstance(grant, AdmitFailedReason):
-                return AdmitOutcome(ok=False, reason=grant)
-            created = self._apply_grant(grant)
-            for rid, label in keys:
-                self._streams[rid][label].step_in_flight = True
-            if ctx.is_preplan:
-                self._preplan = _Preplan(step, ctx, created, list(keys))
-            else:
-                self._running = _Running(step, padded, set(created))
-            return ADMIT_OK
-
-    def _admit_segments(self, step: KVStep, ctx: StepContext) -> AdmitOutcome:
-        """`admit` of a plain step (no forks, no preplan): what every decode step is.
-
-        The decisions of `admission.validate_step`, `refusal` and `reserve`,
-        in one pass to decide and one to apply, holding the stream objects in
-        between: at batch 256 the dictionary lookups of the general path were
-        most of the step's cost.
-        """
-        ps = self.config.page_size
-        all_streams = self._streams
-        todo: list[tuple[dict[str, CacheStream], str, CacheStream | None, int]] = []
-        seen: set[Key] = set()
-        new_pages = 0
-        first_short: Key | None = None
-        refused: AdmitFailedReason | None = None
-        for seg in step.segments:
-            rid, label, span = seg.request_id, seg.label, seg.span
-            if span < 0:
-                raise InvalidStepError(f"negative span {span}", request_id=rid, label=label)
-            streams = all_streams.get(rid)
-            if streams is None:
-                raise UnknownRequestError("unknown request (never ingested, or removed)",
-                                          request_id=rid, label=label)
-            stream = streams.get(label)
-            if stream is None:
-                # made even for a zero span, so the mark covers it (R16)
-                short = -(-span // ps)
-            else:
-                if stream.offloaded or stream.read_future is not None or (
-                        stream.read_error is not None):
-                    # rare: decided by the general rule, which ranks the kinds
-                    refused = refused or admission.refusal(all_streams, {(rid, label): None})
-                short = -(-(stream.stored_len + span) // ps) - len(stream.page_indices)
-            if short > 0:
-                new_pages += short
-                if first_short is None:
-                    first_short = (rid, label)
-            todo.append((streams, label, stream, short))
-            seen.add((rid, label))
-        if len(seen) != len(todo):
-            dup = next(k for k in seen
-                       if sum((s.request_id, s.label) == k for s in step.segments) > 1)
-            # both would be planned from one length and write the same slots
-            raise InvalidStepError("stream appears twice in one step",
-                                   request_id=dup[0], label=dup[1])
-        if refused is not None:
-            # rank across every segment: a latched failure before a running
-            # retrieve before an offload, whichever segment came first
-            refused = admission.refusal(all_streams, dict.fromkeys(seen))
-            if refused is not None:
-                return AdmitOutcome(ok=False, reason=refused)
-        if new_pages > self._allocator.num_free:
-            return AdmitOutcome(ok=False, reason=admission.allocation_failed(
-                new_pages, self._allocator.num_free, first_short))
-        allocate = self._allocator.try_allocate
-        for streams, label, stream, short in todo:
-            if stream is None:
-                stream = streams[label] = CacheStream()
-            if short > 0:
-                got = allocate(short)
-                assert got is not None  # counted above, under the same lock
-                stream.page_indices += got
-                stream.generation += 1
-            stream.step_in_flight = True
-        self._running = _Running(step, tuple(ctx.padded_request_ids), set())
-        return ADMIT_OK
-
-    def _apply_grant(self, grant: admission.Grant) -> list[Key]:
-        created: list[Key] = []
-        for (rid, label), pages in grant.pages.items():
-            streams = self._streams[rid]
-            stream = streams.get(label)
-            if stream is None:
-                stream = streams[label] = CacheStream()
-                created.append((rid, label))
-            short = pages - len(stream.page_indices)
-            if short > 0:
-                got = self._allocator.try_allocate(short)
-                # `reserve` counted these under the same lock
-                assert got is not None, "allocator lost pages between reserve and apply"
-                stream.page_indices.extend(got)
-                stream.generation += 1
-        return created
+            return self._stepping.admit(step, ctx)
 
     def plan(self, step: KVStep, ctx: StepContext) -> KVPlanOutputs:
         """Page tables per plan label, and this step's write addressing.
@@ -444,92 +245,7 @@ class KVManager(AttentionResource):
         """
         self.reset_default_cursors()
         with self._lock:
-            staged = self._preplan
-            if ctx.is_preplan:
-                if staged is None or staged.step != step:
-                    raise StepNotAdmittedError("preplan of a step that was not preplan-admitted",
-                                               **_where(step))
-                if staged.outputs is not None:
-                    raise PreplanPendingError("the staged preplan was already planned")
-                outputs, states = self._build_plan(
-                    step, ctx, self._pre_fork_lengths(step, staged.ctx, staged.created))
-                staged.outputs, staged.states = outputs, states
-                return outputs
-            running = self._running
-            if running is None:
-                if staged is None or (step is not staged.step and step != staged.step):
-                    raise StepNotAdmittedError("plan of a step that was not admitted",
-                                               **_where(step))
-                # promotion, not abandonment: its reservations and marks stay
-                self._preplan = None
-                running = self._running = _Running(
-                    staged.step, tuple(staged.ctx.padded_request_ids), set(staged.created))
-                if staged.outputs is not None:
-                    self._run_pre_forks(running)
-                    # the views were built before the forks ran: what they
-                    # report now is what the step runs against
-                    for out in staged.outputs.values():
-                        for view in out.views:
-                            stream = self._streams[view.request_id][view.label]
-                            view.generation = stream.generation
-                    running.planned = True
-                    self._current_plan_states = staged.states
-                    return staged.outputs
-            elif step is not running.step and step != running.step:
-                raise StepNotAdmittedError("plan of a step other than the admitted one",
-                                           **_where(step, running.step))
-            elif running.planned:
-                raise StepOrderError("the admitted step was already planned; commit it",
-                                     **_where(step))
-            self._run_pre_forks(running)
-            outputs, states = self._build_plan(step, ctx, {})
-            running.planned = True
-            self._current_plan_states = states
-            return outputs
-
-    def _build_plan(
-        self, step: KVStep, ctx: StepContext, fork_len: Mapping[Key, int]
-    ) -> tuple[KVPlanOutputs, dict[str, KVPlanState]]:
-        ps = self.config.page_size
-        outputs: dict[str, KVPlanOutput] = {}
-        states: dict[str, KVPlanState] = {}
-        for plan_label, segments in group_by_plan_label(
-            step.segments, step.combined_labels
-        ).items():
-            views = self._sequence_views(segments, fork_len)
-            if views and all(v.to_compute == 1 for v in views):
-                # decode: page table and write slots from one host buffer
-                indptrs, state = decode_tables(views, ps, self._device)
-                out = KVPlanOutput(cpu_indptrs=indptrs, views=views)
-            else:
-                out = KVPlanOutput(cpu_indptrs=build_paged_indptrs(views, ps), views=views)
-                out.cuda_indptrs = out.cpu_indptrs.to_device(self._device)
-                state = packed_plan_state(out.cpu_indptrs, ps, out.get_total_len(), self._device)
-            outputs[plan_label] = out
-            states[plan_label] = self._graph_staging.leased(state, ctx.slot_lease, plan_label)
-        return KVPlanOutputs(outputs, step.pre_forks, step.post_forks), states
-
-    def _sequence_views(
-        self, segments: Sequence[Segment], fork_len: Mapping[Key, int]
-    ) -> list[SequenceView]:
-        ps = self.config.page_size
-        all_streams = self._streams
-        views: list[SequenceView] = []
-        append = views.append
-        for seg in segments:
-            rid, label, span = seg.request_id, seg.label, seg.span
-            stream = all_streams[rid][label]  # admit made every named stream (R16)
-            if fork_len:
-                length = fork_len.get((rid, label), stream.stored_len) + span
-            else:
-                length = stream.stored_len + span
-            if length == 0:
-                continue  # nothing to attend to and nothing to write
-            # sliced to the length: the stream may hold spare pages, and an
-            # unsliced view would report them as resident context
-            pages = stream.page_indices[: -(-length // ps)]
-            append(SequenceView(rid, label, pages, length, span, stream.generation))
-        return views
+            return self._stepping.plan(step, ctx)
 
     def build_cuda_graph_buffers(
         self, slots: list[CGSlotSpec], max_bs: int, max_seq_len: int
@@ -544,20 +260,7 @@ class KVManager(AttentionResource):
     def clear_preplan(self) -> None:
         """Abandon the staged step: undo what its admit did to live state (I9)."""
         with self._lock:
-            staged, self._preplan = self._preplan, None
-            if staged is None:
-                return
-            # labels the staged step invented are removed with their pages:
-            # a stream at length 0 that nothing asked for still holds them
-            for rid, label in reversed(staged.created):
-                stream = self._streams.get(rid, {}).pop(label, None)
-                if stream is not None:
-                    self._allocator.free(stream.page_indices)
-            # or the request stays unevictable for a step that never runs
-            for rid, label in staged.marked:
-                stream = self._streams.get(rid, {}).get(label)
-                if stream is not None:
-                    stream.step_in_flight = False
+            self._stepping.clear_preplan()
 
     def commit(self, step: KVStep, ctx: StepContext) -> None:
         """Clear the step's marks, add its spans, then apply its post-forks.
@@ -569,139 +272,20 @@ class KVManager(AttentionResource):
         once the commit is otherwise complete (R26).
         """
         with self._lock:
-            running = self._running
-            if running is None or (step is not running.step and step != running.step):
-                staged = self._preplan
-                if staged is not None and staged.step == step:
-                    raise StepNotAdmittedError("commit of a step that is only preplanned",
-                                               **_where(step))
-                raise StepNotAdmittedError(
-                    "commit of a step that was not admitted",
-                    **_where(step, running.step if running is not None else None))
-            fault: ForkCopyError | None = None
-            try:
-                self._run_pre_forks(running)
-            except ForkCopyError as err:
-                fault = err
-            self._running = None
-            self._current_plan_states = {}
-            keep = step.commit
-            all_streams = self._streams
-            # a staged preplan may own a mark this step also set (a stream
-            # both name): it stays until the preplan is promoted or cleared
-            staged_marks = (
-                {all_streams[r][lb] for r, lb in self._preplan.marked
-                 if lb in all_streams.get(r, {})}
-                if self._preplan is not None else None
-            )
-            for rid, label in admission.named_keys(step, running.padded):
-                stream = all_streams[rid][label]
-                # cleared whether or not the step keeps its tokens: a step
-                # with commit=False still read these pages, and a mark left
-                # set would make the request unevictable
-                if staged_marks is None or stream not in staged_marks:
-                    stream.step_in_flight = False
-            if keep:
-                for seg in step.segments:
-                    span = seg.span
-                    if not span:
-                        continue
-                    stream = all_streams[seg.request_id][seg.label]
-                    if stream.offloaded:
-                        # unreachable under R2-R5; kept as the last defence,
-                        # loudly, because it drops a committed span (I15)
-                        logger.error(
-                            "KV %s: dropping %d committed tokens for request %r label %r; "
-                            "the stream was offloaded mid-step",
-                            self.name, span, seg.request_id, seg.label,
-                        )
-                        continue
-                    stream.stored_len += span
-                    stream.generation += 1
-            # post-forks copy what this step just wrote, so after the spans land
-            try:
-                self._run_forks(running, step.post_forks)
-            except ForkCopyError as err:
-                fault = fault or err
-            if fault is not None:
-                raise fault
+            self._stepping.commit(step, ctx)
 
-    def _run_pre_forks(self, running: _Running) -> None:
-        if running.forked:
-            return
-        # done even if a copy fails: a retried plan, or the commit, must not
-        # run a chain of forks twice over its own results
-        running.forked = True
-        self._run_forks(running, running.step.pre_forks)
+    # what the conformance and unit tests inspect: the stepping mechanism's state
+    @property
+    def _running(self) -> RunningStep | None:
+        return self._stepping.running
 
-    def _run_forks(self, running: _Running, forks: Sequence[tuple[str, str]]) -> None:
-        """Each fork for each padded request, in order; a failed copy empties its
-        target and the rest still run, then the first failure is raised."""
-        failed: list[tuple[Key, BaseException]] = []
-        for from_label, to_label in forks:
-            for rid in running.padded:
-                try:
-                    self._apply_fork(rid, from_label, to_label, running.created)
-                except _ForkFailed as err:
-                    failed.append(((rid, to_label), err.__cause__ or err))
-        if failed:
-            (rid, label), cause = failed[0]
-            raise ForkCopyError(
-                f"fork copy failed ({type(cause).__name__}: {cause}); the target was left "
-                f"empty ({len(failed)} target(s) in this call)",
-                request_id=rid, label=label,
-            ) from cause
+    @property
+    def _preplan(self) -> StagedPreplan | None:
+        return self._stepping.preplan
 
-    def _pre_fork_lengths(self, step: KVStep, ctx: StepContext,
-                          created: Sequence[Key]) -> dict[Key, int]:
-        """Target lengths the pre-forks will give, without applying them (R11)."""
-        unfilled = set(created)
-        lengths: dict[Key, int] = {}
-        for from_label, to_label in step.pre_forks:
-            for rid in ctx.padded_request_ids:
-                src = self._streams[rid].get(from_label)
-                if src is None:
-                    continue
-                n = lengths.get((rid, from_label), src.stored_len)
-                if (rid, from_label) in unfilled and n == 0:
-                    continue  # R20
-                unfilled.discard((rid, to_label))
-                lengths[(rid, to_label)] = n
-        return lengths
-
-    def _apply_fork(self, rid: str, from_label: str, to_label: str,
-                    created: set[Key]) -> None:
-        """Copy a stream onto its fork target, over pages admit reserved."""
-        streams = self._streams[rid]
-        src = streams[from_label]  # admit made both ends (R16)
-        dst = streams[to_label]
-        if (rid, from_label) in created and src.stored_len == 0:
-            # R20: this step's admit made the source only so a mark covers
-            # it; a padded request without the label has nothing to give, and
-            # copying the empty stream wiped the target's tokens
-            return
-        created.discard((rid, to_label))  # a fork wrote it: a source from here on
-        # sized off the source's length, not either side's page count: both
-        # may hold spare pages, and copying those made the copy lopsided
-        n = _pages_for(src.stored_len, self.config.page_size)
-        if len(dst.page_indices) < n:
-            raise KVRefError(
-                f"fork target holds {len(dst.page_indices)} pages, source "
-                f"{from_label!r} needs {n}: the step was not admitted with this fork",
-                request_id=rid,
-                label=to_label,
-            )
-        if n:
-            try:
-                self.kv_cache.copy_pages(src.page_indices[:n], dst.page_indices[:n])
-            except Exception as err:
-                # the target may hold part of the source: nothing of it is
-                # trustworthy, so it is emptied rather than left torn (R26)
-                dst.stored_len = 0
-                dst.generation += 1
-                raise _ForkFailed() from err
-        dst.stored_len = src.stored_len
-        dst.generation += 1
+    @property
+    def _current_plan_states(self) -> dict[str, KVPlanState]:
+        return self._stepping.current_plan_states
 
     # -- what attention layers call ------------------------------------------
 
@@ -759,11 +343,12 @@ class KVManager(AttentionResource):
 
     def _plan_state_for(self, label: str | None) -> tuple[KVPlanState, str]:
         plan_label = self._default_label if label is None else label
-        state = self._current_plan_states.get(plan_label)
+        states = self._stepping.current_plan_states
+        state = states.get(plan_label)
         if state is None:
             raise StepNotAdmittedError(
                 f"no step is planned for plan label {plan_label!r} "
-                f"(planned: {sorted(self._current_plan_states)})",
+                f"(planned: {sorted(states)})",
                 label=plan_label,
             )
         return state, plan_label

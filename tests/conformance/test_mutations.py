@@ -15,8 +15,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-import kvref.manager as manager_module
 import kvref.plan as plan_module
+import kvref.stepping as stepping_module
+from kvref.forks import Forks
 from kvref.manager import KVManager
 from kvref.plan import KVPlanState, PagedIndptrs
 from tests.conformance.test_lockstep import Lockstep
@@ -31,17 +32,17 @@ def _decode_offset_off_by_one(mp: pytest.MonkeyPatch) -> None:
         state.token_to_cache.sub_(1).clamp_(min=0)  # writes one slot early
         return indptrs, state
 
-    mp.setattr(manager_module, "decode_tables", bad)
+    mp.setattr(stepping_module, "decode_tables", bad)
 
 
 def _fork_moves_length_not_pages(mp: pytest.MonkeyPatch) -> None:
-    def bad(self: KVManager, rid: str, src: str, dst: str) -> None:
-        streams = self._streams.get(rid, {})
+    def bad(self: Forks, rid: str, src: str, dst: str, created: set[tuple[str, str]]) -> None:
+        streams = self._table.streams.get(rid, {})
         if src in streams and dst in streams:
             streams[dst].stored_len = streams[src].stored_len
             streams[dst].generation += 1
 
-    mp.setattr(KVManager, "_apply_fork", bad)
+    mp.setattr(Forks, "apply", bad)
 
 
 def _commit_skips_generation(mp: pytest.MonkeyPatch) -> None:
