@@ -10,8 +10,7 @@ the reference manager, ``specs/rules.md`` says why (R1..R13 below).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +25,6 @@ from kvref.errors import (
     KVRefError,
     KVShapeError,
     PublishedInfoError,
-    ReloadCopyError,
     StepInFlightError,
     StepNotAdmittedError,
 )
@@ -34,6 +32,7 @@ from kvref.forks import Forks
 from kvref.graph_staging import GraphStaging
 from kvref.host_pool import CPUPagePool
 from kvref.offload import Offload
+from kvref.offload_phases import HostOffload
 from kvref.plan import (
     SINK_PAGE,
     KVPlanOutputs,
@@ -51,7 +50,7 @@ from kvref.step import (
 )
 from kvref.stepping import Stepping
 from kvref.stream_table import StreamTable
-from kvref.streams import CacheStream, ClaimedStream
+from kvref.streams import CacheStream
 from kvref.transfer import KVTransferManager, TransferEngineInfo, allocate_cache_tensor
 
 if TYPE_CHECKING:
@@ -110,8 +109,12 @@ class KVManager(AttentionResource):
             self._cpu_pool = CPUPagePool(
                 cfg, self.kv_cache, cfg.cpu_offload_pages, lock=self._runtime.lock()
             )
+        self._host_offload: HostOffload | None = None
+        if self._cpu_pool is not None:
+            self._host_offload = HostOffload(self._table, self._cpu_pool, self.kv_cache)
         # rid -> the offload between its claim and its commit/abandon (R6)
-        self._offloads: dict[str, Offload] = {}
+        self._offloads: dict[str, Offload] = (
+            self._host_offload.offloads if self._host_offload is not None else {})
         self._comm_group = joint_comm_group
         self._rank = joint_comm_group.rank if joint_comm_group is not None else 0
         self._world_size = joint_comm_group.world_size if joint_comm_group is not None else 1
@@ -383,29 +386,9 @@ class KVManager(AttentionResource):
         Refused for the whole request while any of its streams is in flight
         (R4): a step already holds addressing into these pages.
         """
-        if self._cpu_pool is None:
+        if self._host_offload is None:
             return None
-        with self._lock:
-            streams = self._streams.get(rid)
-            if streams is None or rid in self._offloads:
-                return None
-            if any(s.step_in_flight for s in streams.values()):
-                return None
-            claims: list[ClaimedStream] = []
-            reads: dict[str, Future[Any]] = {}
-            for label, s in streams.items():
-                if s.offloaded or not s.page_indices:
-                    continue
-                s.offloaded = True
-                claims.append(ClaimedStream(label, list(s.page_indices), s.generation,
-                                            s.stored_len, s.position, s.released))
-                if s.read_future is not None:
-                    reads[label] = s.read_future
-            if not claims:
-                return None
-            offload = self._offloads[rid] = Offload(self, rid, claims, reads)
-        self._runtime.checkpoint("offload.claimed")
-        return offload
+        return self._host_offload.claim(rid)
 
     def offload(self, rid: str) -> int:
         """Move every stream of ``rid`` to host memory; returns device pages freed.
@@ -424,101 +407,6 @@ class KVManager(AttentionResource):
         finally:
             offload.abandon()  # a no-op once committed
 
-    def _offload_stale(self, offload: Offload) -> bool:
-        """The offload was cancelled (request removed), or a claimed stream changed
-        since the claim (a reset): its commit can only undo it. Under the lock."""
-        if offload._cancelled:
-            return True
-        streams = self._streams.get(offload.request_id, {})
-        return any(
-            (s := streams.get(c.label)) is None or s.generation != c.generation
-            for c in offload._claims.values()
-        )
-
-    def _copy_claim_to_host(self, offload: Offload, claim: ClaimedStream) -> bool:
-        """One stream's host copy; False if the offload went stale or it does not fit.
-
-        Decided in one critical section (stale? room on the host?), copied
-        outside the lock, recorded in a second: a reset racing the copy fails
-        the commit's guard, a removal racing it drops the copy at the record,
-        and neither changes what this call answers.
-        """
-        pool = self._cpu_pool
-        assert pool is not None
-        rid = offload.request_id
-        with self._lock:
-            if self._offload_stale(offload):
-                # a reset (or removal) since the claim dooms the commit: a
-                # copy now would only be thrown away
-                return False
-            host_pages = pool.reserve(rid, claim.label, claim.stored_len, len(claim.pages))
-            if host_pages is None:
-                return False
-        try:
-            pool.copy_out(self.kv_cache.tensor, claim.pages, host_pages)
-        except BaseException:
-            pool.release(host_pages)
-            raise
-        with self._lock:
-            if offload._cancelled:
-                pool.release(host_pages)  # the removal already emptied the host
-            else:
-                pool.record(rid, claim.label, host_pages, claim.stored_len,
-                            claim.position, claim.released)
-        return True
-
-    def _commit_offload(
-        self, offload: Offload, claims: Mapping[str, ClaimedStream], copied: Sequence[str]
-    ) -> int:
-        assert self._cpu_pool is not None
-        rid = offload.request_id
-        # the device pages must not be released before the D2H copy read them
-        self._cpu_pool.sync()
-        with self._lock:
-            if offload._cancelled:
-                return 0  # the removal released everything, host copies included
-            self._offloads.pop(rid, None)
-            streams = self._streams.get(rid, {})
-            intact = all(
-                (s := streams.get(label)) is not None
-                and s.generation == claims[label].generation
-                for label in copied
-            )
-            moved = copied if intact else []
-            for label in claims:
-                if label in moved:
-                    continue
-                # did not fit on the host, or the request changed behind us
-                self._cpu_pool.discard(rid, label)
-                stream = streams.get(label)
-                if stream is not None:
-                    stream.offloaded = False
-            freed = 0
-            for label in moved:
-                stream = streams[label]
-                freed += len(stream.page_indices)
-                self._allocator.free(stream.page_indices)
-                # the tokens are on the host: the length stays, the pages go
-                stream.page_indices = []
-                stream.generation += 1
-            return freed
-
-    def _abandon_offload(self, offload: Offload, labels: Sequence[str]) -> None:
-        assert self._cpu_pool is not None
-        rid = offload.request_id
-        with self._lock:
-            if offload._cancelled:
-                return  # the removal released everything, host copies included
-            self._offloads.pop(rid, None)
-            streams = self._streams.get(rid, {})
-            for label in labels:
-                # a raise mid-copy leaves a copy behind, and a reload would
-                # then hand the stream fresh pages on top of its own
-                self._cpu_pool.discard(rid, label)
-                stream = streams.get(label)
-                if stream is not None:
-                    stream.offloaded = False
-
     def reload(self, rid: str) -> bool:
         """Bring every offloaded stream of ``rid`` back on device, or move nothing.
 
@@ -526,48 +414,9 @@ class KVManager(AttentionResource):
         an offload of the request is still in progress (R6), or when nothing
         of ``rid`` is on the host.
         """
-        pool = self._cpu_pool
-        if pool is None:
+        if self._host_offload is None:
             return False
-        with self._lock:
-            if rid in self._offloads or rid not in self._streams or not pool.is_offloaded(rid):
-                return False
-            labels = pool.labels(rid)
-            needed = sum(pool.num_pages(rid, label) for label in labels)
-            if needed > self._allocator.num_free:
-                return False
-            taken: list[tuple[str, list[int]]] = []
-            try:
-                for label in labels:
-                    pages = self._allocator.try_allocate(pool.num_pages(rid, label))
-                    assert pages is not None  # counted above, under the same lock
-                    taken.append((label, pages))
-                    pool.copy_in(rid, label, self.kv_cache.tensor, pages)
-            except Exception as err:
-                # all streams or none (R26): the pages go back, the host copies
-                # stay, and a later reload can try again
-                for _, pages in taken:
-                    self._allocator.free(pages)
-                raise ReloadCopyError(
-                    f"host-to-device copy failed ({type(err).__name__}: {err}); nothing "
-                    "was reloaded", request_id=rid, label=taken[-1][0] if taken else None,
-                ) from err
-            streams = self._streams[rid]
-            for label, pages in taken:
-                copy = pool.copy_of(rid, label)
-                assert copy is not None
-                pool.drop_reloaded(rid, label)
-                stream = streams[label]
-                stream.page_indices = pages
-                stream.stored_len = copy.stored_len
-                stream.position = copy.position
-                stream.released = copy.released
-                stream.offloaded = False
-                stream.generation += 1
-        # outside the lock: orders the H2D copies before attention reads the
-        # pages; the pages are already assigned, so no shared state is touched
-        pool.sync()
-        return True
+        return self._host_offload.reload(rid)
 
     def reclaimable(self, rid: str) -> int:
         """Device pages the request holds; 0 once offloaded."""
