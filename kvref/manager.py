@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvref import admission
 from kvref.allocator import PageAllocator
 from kvref.base import AttentionResource, CGSlotSpec, EngineResourceInfo
 from kvref.cache import KVCache
@@ -24,7 +23,6 @@ from kvref.errors import (
     AsymmetricStateError,
     KVRefError,
     KVShapeError,
-    PublishedInfoError,
     StepInFlightError,
     StepNotAdmittedError,
 )
@@ -38,13 +36,12 @@ from kvref.plan import (
     KVPlanOutputs,
     KVPlanState,
 )
-from kvref.published import KVSequenceInfo, PublishedKVInfo
+from kvref.published import PublishedKVInfo
+from kvref.retrieval import Retrieval
 from kvref.running_step import RunningStep, StagedPreplan
 from kvref.runtime import Runtime, default_runtime
 from kvref.step import (
     AdmitOutcome,
-    AdmitRuntimeError,
-    AllocationFailed,
     KVStep,
     StepContext,
 )
@@ -59,10 +56,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (request id, label)
-
-
-def _pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
 
 
 class KVManager(AttentionResource):
@@ -118,6 +111,8 @@ class KVManager(AttentionResource):
         self._comm_group = joint_comm_group
         self._rank = joint_comm_group.rank if joint_comm_group is not None else 0
         self._world_size = joint_comm_group.world_size if joint_comm_group is not None else 1
+        self._retrieval = Retrieval(self._table, self._transfer, self._rank,
+                                    self._world_size, name)
         self._graph_staging = GraphStaging(self._device)
         self._stepping = Stepping(self._table, Forks(self._table, self.kv_cache),
                                   self._graph_staging, self._device, name)
@@ -429,9 +424,6 @@ class KVManager(AttentionResource):
 
     # -- KV transfer between managers ----------------------------------------
 
-    def _own_transfer_info(self) -> Any:
-        return self._transfer.get_kv_transfer_info()
-
     def publish(self, request_id: str) -> PublishedKVInfo | None:
         """What another manager needs to retrieve this request's KV.
 
@@ -440,23 +432,7 @@ class KVManager(AttentionResource):
         receiving a retrieve or holds a failed one (R21): its pages do not hold
         the tokens its length counts, and the peer would copy them anyway.
         """
-        transfer_info = self._own_transfer_info()
-        with self._lock:
-            streams = self._streams.get(request_id)
-            if streams is None or any(s.offloaded for s in streams.values()):
-                return None
-            if any(admission.retrieve_state(s) != admission.IDLE for s in streams.values()):
-                return None
-            seq_info = {
-                label: KVSequenceInfo(
-                    seq_len=s.stored_len,
-                    latest_kv_transfer_info=transfer_info,
-                    page_indices=list(s.page_indices[: _pages_for(s.stored_len,
-                                                                  self.config.page_size)]),
-                )
-                for label, s in streams.items()
-            }
-        return PublishedKVInfo.build_for_rank(self._rank, self._world_size, seq_info)
+        return self._retrieval.publish(request_id)
 
     def admit_retrieve(
         self,
@@ -470,168 +446,7 @@ class KVManager(AttentionResource):
         ``ok=True, ready=False`` while a copy runs; a failed copy is latched
         and reported on every later call (I11) until reset or removal.
         """
-        if published is not None and published.world_size != self._world_size:
-            # terminal for this request, not for the worker serving it
-            return AdmitOutcome(
-                ok=False, ready=False,
-                reason=AdmitRuntimeError(
-                    "KV transfer across tensor-parallel world sizes is not supported "
-                    f"(published {published.world_size}, local {self._world_size})",
-                    request_id=rid,
-                ),
-            )
-        own = self._own_transfer_info()
-        ps = self.config.page_size
-        # one critical section: reading stored_len, comparing it with what was
-        # published and starting the copy must not interleave a commit or reset
-        with self._lock:
-            streams = self._request(rid)
-            needed = self._overrides[rid].get_labels(node_name, graph_walk)
-            todo: list[tuple[str, KVSequenceInfo, int]] = []
-            new_pages = 0
-            offered = published.get(self._rank).items() if published is not None else ()
-            for label, info in offered:
-                if label not in needed:
-                    continue
-                ready, failed = self._check_ready(rid, label)
-                if failed is not None:
-                    return AdmitOutcome(ok=False, ready=False, reason=failed)
-                if not ready:
-                    return AdmitOutcome(ok=True, ready=False)
-                stream = streams.get(label)
-                old_len = stream.stored_len if stream is not None else 0
-                if info.seq_len <= old_len:
-                    continue
-                if info.latest_kv_transfer_info == own:
-                    # the pages already are in this cache; opening our own
-                    # IPC handle would fail with an invalid device context
-                    logger.warning(
-                        "KV %s: skipping self-retrieve for %r label %r (published %d, held %d)",
-                        self.name, rid, label, info.seq_len, old_len,
-                    )
-                    continue
-                # every misuse before anything moves: a bad descriptor or an
-                # incompatible publisher found at the second label used to
-                # leave the first one's pages taken and its copy running
-                self._validate_published(rid, label, info, old_len)
-                if stream is not None and stream.step_in_flight:
-                    # the step planned its writes at the old length; growing
-                    # the stream under it would overwrite or lose its tokens
-                    raise StepInFlightError(
-                        "retrieve into a stream with a step in flight; commit it first",
-                        request_id=rid, label=label,
-                    )
-                if stream is not None and stream.offloaded:
-                    return AdmitOutcome(ok=False, reason=admission.request_offloading(
-                        rid, label))
-                held = len(stream.page_indices) if stream is not None else 0
-                new_pages += max(0, _pages_for(info.seq_len, ps) - held)
-                todo.append((label, info, old_len))
-            free = self._allocator.num_free
-            if new_pages > free:
-                label = todo[0][0]
-                return AdmitOutcome(ok=False, reason=AllocationFailed(
-                    pages_short=new_pages - free, request_id=rid, label=label,
-                    message=f"retrieve needs {new_pages} new pages, {free} free",
-                ))
-            for label, info, old_len in todo:
-                started = self._start_retrieve(rid, streams, label, info, old_len)
-                if started is not None:
-                    return AdmitOutcome(ok=False, ready=False, reason=started)
-            ready = True
-            for label in needed:
-                label_ready, failed = self._check_ready(rid, label)
-                if failed is not None:
-                    return AdmitOutcome(ok=False, ready=False, reason=failed)
-                ready = ready and label_ready
-            return AdmitOutcome(ok=True, ready=ready)
-
-    def _start_retrieve(self, rid: str, streams: dict[str, CacheStream], label: str,
-                        info: KVSequenceInfo, old_len: int) -> AdmitRuntimeError | None:
-        """Take the pages and start one label's copy; if the transfer engine
-        raises, give back what this label took and refuse (R26). Labels started
-        before it keep copying: their pages are theirs, and reset drains them."""
-        stream = streams.get(label)
-        created = stream is None
-        if stream is None:
-            stream = streams[label] = CacheStream()
-        short = _pages_for(info.seq_len, self.config.page_size) - len(stream.page_indices)
-        got: list[int] = []
-        if short > 0:
-            taken = self._allocator.try_allocate(short)
-            assert taken is not None  # counted by the caller, under the same lock
-            got = taken
-            stream.page_indices.extend(got)
-        try:
-            fut = self._transfer.start_async_retrieve(
-                start_len=old_len, end_len=info.seq_len,
-                local_page_indices=list(stream.page_indices),
-                remote_page_indices=info.page_indices,
-                kv_transfer_info=info.latest_kv_transfer_info,
-            )
-        except Exception as err:
-            if got:
-                del stream.page_indices[-len(got):]
-                self._allocator.free(got)
-            if created:
-                del streams[label]
-            return AdmitRuntimeError(
-                f"KV retrieve could not start: {type(err).__name__}: {err}",
-                request_id=rid, label=label,
-            )
-        stream.read_future = fut
-        stream.read_pending = fut is not None
-        stream.stored_len = info.seq_len
-        stream.generation += 1
-        return None
-
-    def _validate_published(self, rid: str, label: str, info: KVSequenceInfo,
-                            old_len: int) -> None:
-        remote = info.latest_kv_transfer_info
-        num_pages = getattr(remote, "num_pages", None)
-        page_size = getattr(remote, "page_size", self.config.page_size)
-        if page_size != self.config.page_size:
-            raise PublishedInfoError(
-                f"published page size {page_size}, local {self.config.page_size}",
-                request_id=rid, label=label,
-            )
-        if len(info.page_indices) < _pages_for(info.seq_len, page_size):
-            raise PublishedInfoError(
-                f"published {info.seq_len} tokens over only {len(info.page_indices)} pages",
-                request_id=rid, label=label,
-            )
-        bad = [p for p in info.page_indices if p <= SINK_PAGE
-               or (num_pages is not None and p >= num_pages)]
-        if bad:
-            raise PublishedInfoError(
-                f"published page indices {bad[:4]} are outside [1, {num_pages})",
-                request_id=rid, label=label,
-            )
-        try:
-            self._transfer.check_remote(old_len, info.seq_len, info.page_indices, remote)
-        except KVRefError as err:
-            # a misuse of this call, named as one: it changes nothing
-            raise PublishedInfoError(str(err), request_id=rid, label=label) from err
-
-    def _check_ready(self, rid: str, label: str) -> tuple[bool, AdmitRuntimeError | None]:
-        """(ready, terminal failure). A failed retrieve is latched on the stream."""
-        stream = self._streams[rid].get(label)
-        if stream is None:
-            return True, None
-        fut = stream.read_future
-        if fut is not None and fut.done():
-            stream.read_future = None
-            err = fut.exception()
-            if err is not None:
-                stream.read_error = err
-            else:
-                stream.read_pending = False
-        if stream.read_error is not None:
-            err = stream.read_error
-            return False, AdmitRuntimeError(
-                f"KV retrieve failed: {type(err).__name__}: {err}", request_id=rid, label=label
-            )
-        return not stream.read_pending, None
+        return self._retrieval.admit_retrieve(rid, node_name, graph_walk, published)
 
     # -- checks and teardown ---------------------------------------------------
 
