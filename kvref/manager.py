@@ -1,5 +1,19 @@
 """KVManager: the paged KV cache of one engine resource, and its stream lifecycle.
 
+The reference's public API, the one lock, and the request lifecycle (ingest,
+reset, remove). Each mechanism lives in its own module and works on the
+shared `StreamTable` (streams, page allocator, lock, runtime), never on the
+manager:
+
+- `kvref.admission`: a step and the streams to a grant or a refusal (pure);
+- `kvref.stepping`: admit, plan and commit, one step at a time plus one
+  preplanned; `kvref.forks` copies fork targets, `kvref.graph_staging`
+  stages slot-leased addressing for CUDA graphs;
+- `kvref.offload_phases`: an offload's claim, copy, commit and abandon
+  (the `kvref.offload.Offload` handle drives them), and reload;
+- `kvref.retrieval`: publish and retrieve between managers;
+- `kvref.layer_io`: what attention layers call between plan and commit.
+
 Every read-modify-write of stream bookkeeping happens under ``_lock`` (from
 `kvref.runtime`, so the concurrency tests can schedule it). Blocking work —
 host copies, draining retrieves — happens outside it. The lifecycle and its
@@ -9,42 +23,29 @@ the reference manager, ``specs/rules.md`` says why (R1..R13 below).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvref.allocator import PageAllocator
-from kvref.base import AttentionResource, CGSlotSpec, EngineResourceInfo
+from kvref.base import CGSlotSpec, EngineResourceInfo
 from kvref.cache import KVCache
 from kvref.config import KVConfig, KVReqConfig, KVSpec
-from kvref.errors import (
-    AsymmetricStateError,
-    KVRefError,
-    KVShapeError,
-    StepInFlightError,
-    StepNotAdmittedError,
-)
+from kvref.errors import KVRefError, StepInFlightError
 from kvref.forks import Forks
 from kvref.graph_staging import GraphStaging
 from kvref.host_pool import CPUPagePool
+from kvref.layer_io import LayerIO
 from kvref.offload import Offload
 from kvref.offload_phases import HostOffload
-from kvref.plan import (
-    SINK_PAGE,
-    KVPlanOutputs,
-    KVPlanState,
-)
+from kvref.plan import SINK_PAGE, KVPlanOutputs, KVPlanState
 from kvref.published import PublishedKVInfo
+from kvref.rank_check import check_free_pages_agree
 from kvref.retrieval import Retrieval
 from kvref.running_step import RunningStep, StagedPreplan
 from kvref.runtime import Runtime, default_runtime
-from kvref.step import (
-    AdmitOutcome,
-    KVStep,
-    StepContext,
-)
+from kvref.step import AdmitOutcome, KVStep, StepContext
 from kvref.stepping import Stepping
 from kvref.stream_table import StreamTable
 from kvref.streams import CacheStream
@@ -53,12 +54,7 @@ from kvref.transfer import KVTransferManager, TransferEngineInfo, allocate_cache
 if TYPE_CHECKING:
     from kvref.distributed import JointGroups
 
-logger = logging.getLogger(__name__)
-
-Key = tuple[str, str]  # (request id, label)
-
-
-class KVManager(AttentionResource):
+class KVManager(LayerIO):
     """Pages, streams and steps of one KV cache (see the module docstring)."""
 
     def __init__(
@@ -285,71 +281,7 @@ class KVManager(AttentionResource):
     def _current_plan_states(self) -> dict[str, KVPlanState]:
         return self._stepping.current_plan_states
 
-    # -- what attention layers call ------------------------------------------
-
-    # the reference's name for the layer cursor
-    set_layer_idx = AttentionResource.set_default_layer_idx
-
-    def reset_default_cursors(self) -> None:
-        super().reset_default_cursors()
-        # unlike attention's, every read here needs a usable index
-        self._default_layer_idx = 0
-
-    def layer_view(self, layer_idx: int | None = None) -> torch.Tensor:
-        """One layer's pages in the shape FlashInfer's paged attention takes."""
-        if layer_idx is None:
-            layer_idx = self._default_layer_idx
-        assert layer_idx is not None
-        return self.kv_cache.layer_view(layer_idx)
-
-    def read_kv(self, layer_idx: int | None = None, plan_label: str | None = None) -> torch.Tensor:
-        """The slots this step's plan writes: ``[num_tokens, 2, H, D]`` (K, then V)."""
-        state, _ = self._plan_state_for(plan_label)
-        n = state.write_len
-        layer = self._default_layer_idx if layer_idx is None else layer_idx
-        assert layer is not None
-        return self.kv_cache.read_tokens(layer, state.token_to_page[:n], state.token_to_cache[:n])
-
-    def write_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer_idx: int | None = None,
-        label: str | None = None,
-        return_tensor: bool = False,
-    ) -> torch.Tensor | None:
-        """Write K, V ``[num_tokens, num_kv_heads, head_dim]`` into this step's slots.
-
-        Under a slot lease ``num_tokens`` is the bucket's: the padding rows
-        land on the sink page.
-        """
-        state, plan_label = self._plan_state_for(label)
-        n = state.write_len
-        want = (n, *self.kv_cache.token_shape)
-        for name, t in (("k", k), ("v", v)):
-            if tuple(t.shape) != want or t.dtype != self.kv_cache.dtype:
-                raise KVShapeError(
-                    f"write_kv {name} is {tuple(t.shape)} {t.dtype}; this step's plan "
-                    f"wants {want} {self.kv_cache.dtype}",
-                    label=plan_label,
-                )
-        layer = self._default_layer_idx if layer_idx is None else layer_idx
-        assert layer is not None
-        return self.kv_cache.write_tokens(
-            layer, k, v, state.token_to_page[:n], state.token_to_cache[:n], return_tensor
-        )
-
-    def _plan_state_for(self, label: str | None) -> tuple[KVPlanState, str]:
-        plan_label = self._default_label if label is None else label
-        states = self._stepping.current_plan_states
-        state = states.get(plan_label)
-        if state is None:
-            raise StepNotAdmittedError(
-                f"no step is planned for plan label {plan_label!r} "
-                f"(planned: {sorted(states)})",
-                label=plan_label,
-            )
-        return state, plan_label
+    # -- what attention layers call (the rest is `LayerIO`) -------------------
 
     def read_stream(self, rid: str, label: str = "main") -> torch.Tensor:
         """``[layers, stored_len, 2, H, D]``: a resident stream's tokens, for checks."""
@@ -461,21 +393,8 @@ class KVManager(AttentionResource):
         cpu_offload_pages) and anything that took pages on one rank only
         before warmup returned. The all_gather synchronises, so no barrier.
         """
-        group = self._comm_group
-        if group is None or group.world_size == 1:
-            return
-        local = torch.tensor([self._allocator.num_free], dtype=torch.int64, device=self._device)
-        for name, sub in (("tp", group.tp_group), ("sp", group.sp_group)):
-            if sub is None:
-                continue
-            values = [int(v) for v in sub.all_gather(local, dim=0).cpu().tolist()]
-            if any(v != values[0] for v in values):
-                raise AsymmetricStateError(
-                    f"KV cache {self.name!r} has asymmetric free page counts across "
-                    f"{name} ranks: {values} (this rank {self._rank}: "
-                    f"{self._allocator.num_free}); check per-rank max_num_pages / "
-                    "cpu_offload_pages and any request added before warmup finished"
-                )
+        check_free_pages_agree(self._comm_group, self._allocator.num_free, self._device,
+                               self.name, self._rank)
 
     def cleanup(self) -> None:
         self._transfer.cleanup()
