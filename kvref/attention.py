@@ -19,18 +19,33 @@ from typing import Any, Literal
 
 import torch
 
+from kvref.attention_flashinfer import (
+    DEFAULT_WORKSPACE_BYTES,
+    FlashInferPagedAttention,
+    flashinfer_available,
+    graph_padded,
+    import_flashinfer,
+    is_decode_table,
+)
+from kvref.attention_flashinfer import layout_of as _layout_of
+from kvref.attention_sdpa import SdpaPlan, plan_sdpa, run_sdpa_plan
 from kvref.config import KVConfig, KVLayout
 from kvref.errors import KVShapeError
-from kvref.plan import SINK_PAGE, KVPlanOutput, PagedIndptrs
+from kvref.plan import KVPlanOutput, PagedIndptrs
 
-Backend = Literal["auto", "torch", "flashinfer"]
+Backend = Literal["auto", "torch", "sdpa", "flashinfer"]
 
-# FlashInfer's documented default; its split-kv scratch grows with batch and length
-DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
-
-
-def _layout_of(layout: KVLayout | str) -> KVLayout:
-    return layout if isinstance(layout, KVLayout) else KVLayout(layout)
+# the names this module had before FlashInfer moved to its own
+_graph_padded = graph_padded
+_is_decode = is_decode_table
+_import_flashinfer = import_flashinfer
+__all__ = [
+    "DEFAULT_WORKSPACE_BYTES",
+    "FlashInferPagedAttention",
+    "PagedAttention",
+    "flashinfer_available",
+    "paged_attention_reference",
+]
 
 
 def _page_size_of(kv_layer: torch.Tensor, layout: KVLayout) -> int:
@@ -167,204 +182,6 @@ def paged_attention_reference(
 
 
 # ---------------------------------------------------------------------------
-# FlashInfer
-
-
-_flashinfer: Any = None
-_flashinfer_checked = False
-
-
-def _import_flashinfer() -> Any:
-    """The flashinfer module, or None; imported once, on first use only.
-
-    Lazy so that CPU installs never need it; any failure (missing CUDA
-    libraries too, not only ImportError) means "not available".
-    """
-    global _flashinfer, _flashinfer_checked
-    if not _flashinfer_checked:
-        _flashinfer_checked = True
-        try:
-            import flashinfer
-
-            _flashinfer = flashinfer
-        except Exception:
-            _flashinfer = None
-    return _flashinfer
-
-
-def flashinfer_available() -> bool:
-    return torch.cuda.is_available() and _import_flashinfer() is not None
-
-
-def _graph_padded(indptrs: PagedIndptrs, batch_size: int, decode: bool) -> PagedIndptrs:
-    """Pad a table to a graph's fixed batch size with requests that read the sink.
-
-    A wrapper in CUDA-graph mode replays a fixed batch. Padded requests get
-    one sink token so the kernel reads a real page; in prefill they own no
-    query rows, in decode each owns one (padded) row, as decode has one per
-    request.
-    """
-    n = indptrs.batch_size
-    if n > batch_size:
-        raise KVShapeError(f"batch of {n} requests exceeds the graph's {batch_size}")
-    pad = batch_size - n
-    if pad == 0:
-        return indptrs
-    qo = indptrs.qo_indptr.cpu()
-    kv = indptrs.paged_kv_indptr.cpu()
-    step = 1 if decode else 0
-    i32 = torch.int32
-    return PagedIndptrs(
-        qo_indptr=torch.cat((qo, qo[-1] + step * torch.arange(1, pad + 1, dtype=i32))),
-        paged_kv_indptr=torch.cat((kv, kv[-1] + torch.arange(1, pad + 1, dtype=i32))),
-        paged_kv_indices=torch.cat(
-            (indptrs.paged_kv_indices.cpu(), torch.full((pad,), SINK_PAGE, dtype=i32))
-        ),
-        paged_kv_last_page_len=torch.cat(
-            (indptrs.paged_kv_last_page_len.cpu(), torch.ones(pad, dtype=i32))
-        ),
-    )
-
-
-def _is_decode(indptrs: PagedIndptrs) -> bool:
-    qo = indptrs.qo_indptr
-    return indptrs.batch_size > 0 and bool(((qo[1:] - qo[:-1]) == 1).all())
-
-
-class FlashInferPagedAttention:
-    """FlashInfer's batch prefill and decode wrappers over a kvref page table.
-
-    Decode (every request one query) takes the decode wrapper, anything else
-    the prefill wrapper with a causal mask. Both share one workspace; a step
-    plans one of them.
-
-    CUDA-graph mode (``cuda_graph_batch_size``): the wrappers keep the page
-    table in static buffers allocated here, so a captured ``run`` reads
-    whatever the latest ``plan`` copied in. The batch is fixed per wrapper
-    (one wrapper per graph bucket): smaller batches are padded with requests
-    that read the sink page, and ``q`` must carry the bucket's padded rows.
-    FlashInfer sizes a graph-mode prefill by its first plan's row count, so
-    plan the bucket's largest token count first (that is, at capture).
-    """
-
-    def __init__(
-        self,
-        device: torch.device | str,
-        layout: KVLayout | str,
-        *,
-        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
-        cuda_graph_batch_size: int | None = None,
-        max_num_pages: int | None = None,
-        use_tensor_cores: bool = False,
-    ) -> None:
-        fi = _import_flashinfer()
-        if fi is None:
-            raise RuntimeError("flashinfer is not importable; use the torch backend")
-        self.device = torch.device(device)
-        self.layout = _layout_of(layout)
-        self.cuda_graph_batch_size = cuda_graph_batch_size
-        # FlashInfer asks for a zeroed workspace on first use
-        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
-        prefill_bufs: dict[str, Any] = {}
-        decode_bufs: dict[str, Any] = {}
-        if cuda_graph_batch_size is not None:
-            if max_num_pages is None:
-                raise ValueError("CUDA-graph mode needs max_num_pages to size the indices buffer")
-            b = cuda_graph_batch_size
-
-            def i32(n: int) -> torch.Tensor:
-                return torch.zeros(n, dtype=torch.int32, device=self.device)
-
-            # separate buffers per wrapper: each copies its plan into its own
-            prefill_bufs = {
-                "qo_indptr_buf": i32(b + 1),
-                "paged_kv_indptr_buf": i32(b + 1),
-                "paged_kv_indices_buf": i32(max_num_pages),
-                "paged_kv_last_page_len_buf": i32(b),
-            }
-            decode_bufs = {
-                "paged_kv_indptr_buffer": i32(b + 1),
-                "paged_kv_indices_buffer": i32(max_num_pages),
-                "paged_kv_last_page_len_buffer": i32(b),
-            }
-        graph = cuda_graph_batch_size is not None
-        self._prefill = fi.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, self.layout.value, use_cuda_graph=graph, **prefill_bufs
-        )
-        self._decode = fi.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace,
-            self.layout.value,
-            use_cuda_graph=graph,
-            use_tensor_cores=use_tensor_cores,
-            **decode_bufs,
-        )
-        self._planned: Literal["prefill", "decode"] | None = None
-
-    def plan(
-        self,
-        indptrs: PagedIndptrs,
-        *,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        page_size: int,
-        q_dtype: torch.dtype,
-        kv_dtype: torch.dtype | None = None,
-        sm_scale: float | None = None,
-        causal: bool = True,
-        decode: bool | None = None,
-    ) -> None:
-        """Plan this step once; every layer's ``run`` reuses it.
-
-        Pass the host table: FlashInfer's planner reads the indptrs on the
-        host, and a device table would cost it a sync per plan.
-        """
-        is_decode = _is_decode(indptrs) if decode is None else decode
-        if self.cuda_graph_batch_size is not None:
-            indptrs = _graph_padded(indptrs, self.cuda_graph_batch_size, is_decode)
-        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-        common: dict[str, Any] = {
-            "q_data_type": q_dtype,
-            "kv_data_type": kv_dtype if kv_dtype is not None else q_dtype,
-            "sm_scale": scale,
-        }
-        if is_decode:
-            # one query per request attends to all of its context: causal by construction
-            self._decode.plan(
-                indptrs.paged_kv_indptr,
-                indptrs.paged_kv_indices,
-                indptrs.paged_kv_last_page_len,
-                num_qo_heads,
-                num_kv_heads,
-                head_dim,
-                page_size,
-                **common,
-            )
-            self._planned = "decode"
-        else:
-            self._prefill.plan(
-                indptrs.qo_indptr,
-                indptrs.paged_kv_indptr,
-                indptrs.paged_kv_indices,
-                indptrs.paged_kv_last_page_len,
-                num_qo_heads,
-                num_kv_heads,
-                head_dim,
-                page_size,
-                causal=causal,
-                **common,
-            )
-            self._planned = "prefill"
-
-    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-        if self._planned is None:
-            raise RuntimeError("FlashInferPagedAttention.run before plan")
-        wrapper = self._decode if self._planned == "decode" else self._prefill
-        out: torch.Tensor = wrapper.run(q, kv_layer)
-        return out
-
-
-# ---------------------------------------------------------------------------
 # The facade attention layers use
 
 
@@ -372,7 +189,8 @@ class PagedAttention:
     """What an attention layer calls: ``plan`` once per step, ``run`` per layer.
 
     ``backend="auto"`` runs FlashInfer when ``q`` is on CUDA and flashinfer
-    imports, the torch reference otherwise; ``"torch"`` / ``"flashinfer"``
+    imports, the batched SDPA path (`kvref.attention_sdpa`) otherwise;
+    ``"torch"`` (the reference, the oracle), ``"sdpa"`` and ``"flashinfer"``
     force one (``"flashinfer"`` raises where it cannot run). FlashInfer's
     plan needs the query dtype, so unless ``plan`` is told ``q_dtype`` (and
     must be, before a CUDA-graph capture) it is planned on the first
@@ -394,7 +212,7 @@ class PagedAttention:
     ) -> None:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"{num_qo_heads} qo heads are not a multiple of {num_kv_heads}")
-        if backend not in ("auto", "torch", "flashinfer"):
+        if backend not in ("auto", "torch", "sdpa", "flashinfer"):
             raise ValueError(f"unknown attention backend {backend!r}")
         self.num_qo_heads = num_qo_heads
         self.num_kv_heads = num_kv_heads
@@ -407,8 +225,9 @@ class PagedAttention:
         self._fi = flashinfer
         self._indptrs: PagedIndptrs | None = None
         self._torch_plan: _TorchPlan | None = None
+        self._sdpa_plan: SdpaPlan | None = None
         self._fi_planned_for: tuple[torch.dtype, torch.dtype] | None = None
-        self.last_backend: Literal["torch", "flashinfer"] | None = None
+        self.last_backend: Literal["torch", "sdpa", "flashinfer"] | None = None
 
     @classmethod
     def from_config(cls, cfg: KVConfig, **kwargs: Any) -> PagedAttention:
@@ -436,7 +255,9 @@ class PagedAttention:
         """
         indptrs = plan.cpu_indptrs if isinstance(plan, KVPlanOutput) else plan
         self._indptrs = indptrs
-        self._torch_plan = None  # unpacked on first torch run: FlashInfer steps never need it
+        # unpacked on the first torch or sdpa run: FlashInfer steps never need them
+        self._torch_plan = None
+        self._sdpa_plan = None
         self._fi_planned_for = None
         if (
             q_dtype is not None
@@ -459,6 +280,14 @@ class PagedAttention:
             assert self._fi is not None
             self.last_backend = "flashinfer"
             return self._fi.run(q, kv_layer)
+        if self.backend != "torch":
+            if self._sdpa_plan is None:
+                heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim)
+                self._sdpa_plan = plan_sdpa(self._indptrs, self.page_size, q.device, heads)
+            self.last_backend = "sdpa"
+            return run_sdpa_plan(
+                q, kv_layer, self._sdpa_plan, self.layout, self.sm_scale, self.causal
+            )
         if self._torch_plan is None:
             self._torch_plan = _unpack(self._indptrs, self.page_size)
         self.last_backend = "torch"
@@ -467,7 +296,7 @@ class PagedAttention:
         )
 
     def _use_flashinfer(self, device: torch.device) -> bool:
-        if self.backend == "torch":
+        if self.backend in ("torch", "sdpa"):
             return False
         usable = device.type == "cuda" and _import_flashinfer() is not None
         if self.backend == "flashinfer" and not usable:

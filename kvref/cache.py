@@ -103,6 +103,34 @@ class KVCache:
                 f"config {shape} {dtype}"
             )
         self.tensor = tensor
+        # CUDA streams that wrote or read these pages (see order_after_compute)
+        self._compute_streams: dict[tuple[int, int], Any] = {}
+
+    def add_compute_stream(self, stream: Any) -> None:
+        """Declare a stream the engine runs attention or writes on.
+
+        Side-stream copies (offload, reload, retrieve) wait for it as well as
+        for the calling thread's current stream: an engine that computes on
+        a stream of its own, and offloads from another thread, would
+        otherwise have its pages copied before its writes landed, or
+        overwritten while its kernels still read them. `write_tokens`
+        declares the stream it runs on by itself.
+        """
+        key = (int(stream.device_index or 0), int(stream.cuda_stream))
+        self._compute_streams.setdefault(key, stream)
+
+    def compute_streams(self) -> list[Any]:
+        return list(self._compute_streams.values())
+
+    def order_after_compute(self, side: Any) -> None:
+        """Make ``side`` wait for every compute stream known to touch this cache.
+
+        Called before a copy queued on ``side`` reads or overwrites pages.
+        """
+        if self.device.type == "cuda":
+            side.wait_stream(torch.cuda.current_stream(self.device))
+        for stream in self.compute_streams():
+            side.wait_stream(stream)
 
     @staticmethod
     def shape_for(cfg: KVConfig, num_pages: int) -> tuple[int, ...]:
@@ -139,6 +167,8 @@ class KVCache:
         return_tensor: bool = False,
     ) -> torch.Tensor | None:
         """Scatter ``k, v: [n, H, D]`` into the slots ``(page_idx[i], cache_idx[i])``."""
+        if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            self.add_compute_stream(torch.cuda.current_stream(self.device))
         layer = self._token_major(layer_idx)
         layer[page_idx, 0, cache_idx] = k.to(self.dtype)
         layer[page_idx, 1, cache_idx] = v.to(self.dtype)

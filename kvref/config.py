@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy as _copy
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from kvref.errors import InvalidConfigError
 
 
 class KVLayout(enum.Enum):
@@ -17,6 +20,37 @@ class KVLayout(enum.Enum):
 
     NHD = "NHD"
     HND = "HND"
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, and True pages or heads is a typo, not a count
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(name: str, value: object) -> None:
+    _int_at_least(name, value, 1, "")
+
+
+def _int_at_least(name: str, value: object, low: int, why: str) -> None:
+    if not _is_int(value):
+        raise InvalidConfigError(
+            f"KVConfig.{name} must be an int, got {type(value).__name__} {value!r}"
+        )
+    assert isinstance(value, int)
+    if value < low:
+        raise InvalidConfigError(
+            f"KVConfig.{name} must be >= {low}, got {value}" + (f" ({why})" if why else "")
+        )
+
+
+def _labels(name: str, labels: object) -> tuple[str, ...]:
+    if isinstance(labels, str) or not isinstance(labels, Sequence) or not all(
+        isinstance(label, str) for label in labels
+    ):
+        raise InvalidConfigError(
+            f"KVReqConfig.{name} must be a sequence of str labels, got {labels!r}"
+        )
+    return tuple(labels)
 
 
 @dataclass
@@ -35,34 +69,73 @@ class KVConfig:
     sharded_by: int = field(default=1, init=False)
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "num_qo_heads"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"KVConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.max_num_pages < 2:
-            # page 0 is the sink, so one page leaves nothing to allocate
-            raise ValueError(f"KVConfig.max_num_pages must be >= 2, got {self.max_num_pages}")
-        if self.cpu_offload_pages < 0:
-            raise ValueError("KVConfig.cpu_offload_pages must be >= 0")
+        # the enum's name as a string is what a YAML or JSON config holds
+        if isinstance(self.layout, str) and not isinstance(self.layout, KVLayout):
+            try:
+                self.layout = KVLayout(self.layout)
+            except ValueError:
+                raise InvalidConfigError(
+                    f"KVConfig.layout must be one of {[m.value for m in KVLayout]}, "
+                    f"got {self.layout!r}"
+                ) from None
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `InvalidConfigError` unless every field is usable.
+
+        Run at construction and again by `copy`: a dataclass field can be
+        reassigned between the two, and a manager must not be built from a
+        config that stopped being valid.
+        """
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "num_qo_heads",
+                     "max_seq_len"):
+            _positive_int(name, getattr(self, name))
+        _int_at_least("max_num_pages", self.max_num_pages, 2,
+                      "page 0 is the sink, so one page leaves nothing to allocate")
+        _int_at_least("cpu_offload_pages", self.cpu_offload_pages, 0, "")
+        _positive_int("sharded_by", self.sharded_by)
+        if not isinstance(self.layout, KVLayout):
+            raise InvalidConfigError(
+                f"KVConfig.layout must be a KVLayout, got {type(self.layout).__name__} "
+                f"{self.layout!r}"
+            )
         if self.num_qo_heads % self.num_kv_heads:
-            raise ValueError(
+            raise InvalidConfigError(
                 f"num_qo_heads {self.num_qo_heads} is not a multiple of "
                 f"num_kv_heads {self.num_kv_heads}"
             )
 
+    def copy(self) -> KVConfig:
+        """An independent, validated copy (sharding included) a resource can own."""
+        # copy.copy keeps `sharded_by`, which dataclasses.replace would reset
+        # (it is not an __init__ field); every field is an immutable value
+        dup = _copy.copy(self)
+        dup.validate()
+        return dup
+
+    def sharded(self, n: int) -> KVConfig:
+        """A copy with the head counts divided across ``n`` tensor-parallel ranks.
+
+        Leaves this config as it is: the caller's config stays the whole
+        model's, and the copy is the one resource's private view.
+        """
+        return self.copy().shard(n)
+
     def shard(self, n: int) -> KVConfig:
-        """Divide the head counts across ``n`` tensor-parallel ranks, once.
+        """Divide the head counts across ``n`` tensor-parallel ranks, once, in place.
 
         Idempotent: every resource built from one config calls this, and a
         second division would size the cache for heads this rank does not own.
         """
+        _positive_int("shard", n)
         if n == self.sharded_by:
             return self
         if self.sharded_by != 1:
-            raise ValueError(
+            raise InvalidConfigError(
                 f"KVConfig already sharded by {self.sharded_by}; cannot reshard by {n}"
             )
         if self.num_kv_heads % n or self.num_qo_heads % n:
-            raise ValueError(
+            raise InvalidConfigError(
                 f"cannot shard {self.num_kv_heads} kv heads / {self.num_qo_heads} "
                 f"qo heads across {n} ranks"
             )
@@ -86,6 +159,23 @@ class KVReqConfig:
 
     labels: Mapping[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
     default_labels: tuple[str, ...] = ("main",)
+
+    def __post_init__(self) -> None:
+        # a bare str is a sequence too, and would route the labels "m", "a", ...
+        object.__setattr__(self, "default_labels", _labels("default_labels", self.default_labels))
+        if not isinstance(self.labels, Mapping):
+            raise InvalidConfigError(
+                f"KVReqConfig.labels must be a mapping, got {type(self.labels).__name__}"
+            )
+        routed: dict[tuple[str, str], tuple[str, ...]] = {}
+        for key, labels in self.labels.items():
+            if not (isinstance(key, tuple) and len(key) == 2
+                    and all(isinstance(k, str) for k in key)):
+                raise InvalidConfigError(
+                    f"KVReqConfig.labels keys are (node, walk) pairs of str, got {key!r}"
+                )
+            routed[key] = _labels(f"labels[{key!r}]", labels)
+        object.__setattr__(self, "labels", routed)
 
     def get_labels(self, node: str, walk: str) -> tuple[str, ...]:
         found = self.labels.get((node, walk))

@@ -82,3 +82,16 @@ class OffloadStateError(KVRefError):
 
 class AsymmetricStateError(KVRefError, RuntimeError):
     """Tensor-parallel ranks disagree on allocator state after warmup."""
+
+
+class InvalidConfigError(KVRefError, ValueError):
+    """A `KVConfig` (or `KVReqConfig`) field of the wrong type or out of range."""
+
+
+class InvalidArgumentError(KVRefError, ValueError):
+    """A call argument of the wrong type or out of range: a request id that is
+    not a ``str``, a layer index outside ``[0, num_layers)``."""
+
+
+class KVDeviceError(KVShapeError):
+    """K/V handed to `write_kv` on another device than the cache."""

@@ -11,6 +11,7 @@ import torch
 
 from kvref.allocator import PageAllocator
 from kvref.cache import KVCache, copy_page_blocks, page_runs
+from kvref.runtime import Runtime, default_runtime, shared
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class CPUPagePool:
         kv_cache: KVCache,
         max_cpu_pages: int,
         lock: AbstractContextManager[Any] | None = None,
+        runtime: Runtime | None = None,
     ) -> None:
         del config  # the cache carries the shape; kept for the reference's signature
         if max_cpu_pages <= 0:
@@ -53,12 +55,15 @@ class CPUPagePool:
             # plain memcpy instead of a strided copy through a pageable temp
             shape = (shape[1], shape[0], *shape[2:])
         self.tensor = torch.zeros(shape, dtype=kv_cache.dtype, pin_memory=on_cuda)
-        self._allocator = PageAllocator(max_cpu_pages)
+        self._allocator = PageAllocator(max_cpu_pages, runtime, name="host pages")
         # offloads of different requests copy concurrently, outside the
         # manager's lock; this one guards only the pool's own bookkeeping
         self._lock: AbstractContextManager[Any] = lock if lock is not None else threading.RLock()
-        self._copies: dict[str, dict[str, HostCopy]] = {}
-        self._pending_free: list[int] = []
+        # the copies table is read and written only by callers holding the
+        # manager's lock (R31); the pending list only under this pool's lock
+        rt = runtime if runtime is not None else default_runtime()
+        self._copies: dict[str, dict[str, HostCopy]] = shared(rt, {}, "host.copies")
+        self._pending_free: list[int] = shared(rt, [], "host.pending_free")
         self._stream = torch.cuda.Stream(kv_cache.device) if on_cuda else None  # type: ignore[no-untyped-call]
 
     @property
@@ -196,8 +201,11 @@ class CPUPagePool:
         if self._stream is not None:
             self._stream.synchronize()
         with self._lock:
-            pages, self._pending_free = self._pending_free, []
+            # emptied in place, not rebound: the list is the instrumented
+            # container the race detector watches
+            pages = list(self._pending_free)
             if pages:
+                self._pending_free.clear()
                 self._allocator.free(pages)
 
     def _drop(self, rid: str, label: str) -> None:
@@ -211,8 +219,8 @@ class CPUPagePool:
             copy_page_blocks(self.tensor, host_pages, cache, pages)
             return
         device = self.kv_cache.device
-        # the side stream must see every write the compute stream queued
-        self._stream.wait_stream(torch.cuda.current_stream(device))
+        # the side stream must see every write the compute streams queued
+        self.kv_cache.order_after_compute(self._stream)
         with torch.cuda.stream(self._stream):
             index = torch.tensor(pages, dtype=torch.long).to(device, non_blocking=True)
             staged = cache.index_select(1, index).transpose(0, 1).contiguous()
@@ -224,7 +232,8 @@ class CPUPagePool:
             copy_page_blocks(cache, pages, self.tensor, host_pages)
             return
         device = self.kv_cache.device
-        self._stream.wait_stream(torch.cuda.current_stream(device))
+        # and no kernel may still read the pages this overwrites
+        self.kv_cache.order_after_compute(self._stream)
         with torch.cuda.stream(self._stream):
             staged = torch.empty(
                 (len(pages), *self.tensor.shape[1:]), dtype=self.tensor.dtype, device=device

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from kvref import validate
 from kvref.base import AttentionResource
 from kvref.cache import KVCache
+from kvref.config import KVConfig
 from kvref.errors import KVShapeError, StepNotAdmittedError
 from kvref.plan import KVPlanState
 from kvref.stepping import Stepping
@@ -20,11 +22,16 @@ class LayerIO(AttentionResource):
     """Per-layer access to the KV cache for the planned step; `KVManager` is one."""
 
     # set by the subclass's constructor
+    config: KVConfig
     kv_cache: KVCache
     _stepping: Stepping
 
+    def set_default_layer_idx(self, layer_idx: int | None) -> None:
+        validate.optional_layer_idx(layer_idx, self.config.num_layers, "set_layer_idx")
+        super().set_default_layer_idx(layer_idx)
+
     # the reference's name for the layer cursor
-    set_layer_idx = AttentionResource.set_default_layer_idx
+    set_layer_idx = set_default_layer_idx
 
     def reset_default_cursors(self) -> None:
         super().reset_default_cursors()
@@ -33,6 +40,8 @@ class LayerIO(AttentionResource):
 
     def layer_view(self, layer_idx: int | None = None) -> torch.Tensor:
         """One layer's pages in the shape FlashInfer's paged attention takes."""
+        validate.layer_idx(self._default_layer_idx if layer_idx is None else layer_idx,
+                           self.config.num_layers, "layer_view")
         if layer_idx is None:
             layer_idx = self._default_layer_idx
         assert layer_idx is not None
@@ -40,6 +49,9 @@ class LayerIO(AttentionResource):
 
     def read_kv(self, layer_idx: int | None = None, plan_label: str | None = None) -> torch.Tensor:
         """The slots this step's plan writes: ``[num_tokens, 2, H, D]`` (K, then V)."""
+        validate.optional_label(plan_label, "read_kv")
+        validate.layer_idx(self._default_layer_idx if layer_idx is None else layer_idx,
+                           self.config.num_layers, "read_kv")
         state, _ = self._plan_state_for(plan_label)
         n = state.write_len
         layer = self._default_layer_idx if layer_idx is None else layer_idx
@@ -59,6 +71,11 @@ class LayerIO(AttentionResource):
         Under a slot lease ``num_tokens`` is the bucket's: the padding rows
         land on the sink page.
         """
+        validate.optional_label(label, "write_kv")
+        validate.layer_idx(self._default_layer_idx if layer_idx is None else layer_idx,
+                           self.config.num_layers, "write_kv")
+        validate.kv_pair(k, v, self.kv_cache.tensor.device,
+                         self._default_label if label is None else label)
         state, plan_label = self._plan_state_for(label)
         n = state.write_len
         want = (n, *self.kv_cache.token_shape)

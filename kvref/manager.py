@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvref import validate
 from kvref.allocator import PageAllocator
 from kvref.base import CGSlotSpec, EngineResourceInfo
 from kvref.cache import KVCache
@@ -44,7 +45,7 @@ from kvref.published import PublishedKVInfo
 from kvref.rank_check import check_free_pages_agree
 from kvref.retrieval import Retrieval
 from kvref.running_step import RunningStep, StagedPreplan
-from kvref.runtime import Runtime, default_runtime
+from kvref.runtime import Runtime, default_runtime, shared
 from kvref.step import AdmitOutcome, KVStep, StepContext
 from kvref.stepping import Stepping
 from kvref.stream_table import StreamTable
@@ -69,9 +70,10 @@ class KVManager(LayerIO):
         runtime: Runtime | None = None,
     ) -> None:
         super().__init__()
-        if joint_comm_group is not None:
-            # before the cache is allocated: it is sized off the head counts
-            cfg.shard(joint_comm_group.world_size)
+        # a private, validated copy, sharded before the cache is sized off its
+        # head counts: the caller's config stays unsharded, and a field the
+        # caller changes later does not reach this manager
+        cfg = cfg.sharded(joint_comm_group.world_size) if joint_comm_group else cfg.copy()
         self.config = cfg
         self.name = name
         self._device = torch.device(device)
@@ -81,14 +83,16 @@ class KVManager(LayerIO):
             info, KVCache.shape_for(cfg, cfg.max_num_pages), dtype, self._device
         )
         self.kv_cache = KVCache(cfg, self._device, dtype, tensor=tensor)
-        self._allocator = PageAllocator(cfg.max_num_pages)
+        self._allocator = PageAllocator(cfg.max_num_pages, self._runtime, name="device pages")
         # take the sink out of circulation before anything else can get it;
         # the allocator is FIFO from page 0
         sink = self._allocator.try_allocate(1)
         assert sink == [SINK_PAGE], f"expected page {SINK_PAGE} first, got {sink}"
         self._transfer = KVTransferManager(info, self.kv_cache, runtime=self._runtime)
+        # the shared containers come through the runtime seam: plain ones in
+        # production, the race detector's in the tests
         self._table = StreamTable(self._allocator, self._runtime.lock(), self._runtime,
-                                  cfg.page_size)
+                                  cfg.page_size, shared(self._runtime, {}, "streams"))
         # the manager's one lock, and the table every mechanism shares
         self._lock = self._table.lock
         self._streams = self._table.streams
@@ -96,14 +100,15 @@ class KVManager(LayerIO):
         self._cpu_pool: CPUPagePool | None = None
         if cfg.cpu_offload_pages > 0:
             self._cpu_pool = CPUPagePool(
-                cfg, self.kv_cache, cfg.cpu_offload_pages, lock=self._runtime.lock()
+                cfg, self.kv_cache, cfg.cpu_offload_pages, lock=self._runtime.lock(),
+                runtime=self._runtime,
             )
+        # rid -> the offload between its claim and its commit/abandon (R6)
+        self._offloads: dict[str, Offload] = shared(self._runtime, {}, "offloads")
         self._host_offload: HostOffload | None = None
         if self._cpu_pool is not None:
-            self._host_offload = HostOffload(self._table, self._cpu_pool, self.kv_cache)
-        # rid -> the offload between its claim and its commit/abandon (R6)
-        self._offloads: dict[str, Offload] = (
-            self._host_offload.offloads if self._host_offload is not None else {})
+            self._host_offload = HostOffload(self._table, self._cpu_pool, self.kv_cache,
+                                             self._offloads)
         self._comm_group = joint_comm_group
         self._rank = joint_comm_group.rank if joint_comm_group is not None else 0
         self._world_size = joint_comm_group.world_size if joint_comm_group is not None else 1
@@ -111,7 +116,7 @@ class KVManager(LayerIO):
                                     self._world_size, name)
         self._graph_staging = GraphStaging(self._device)
         self._stepping = Stepping(self._table, Forks(self._table, self.kv_cache),
-                                  self._graph_staging, self._device, name)
+                                  self._graph_staging, self._device, name, cfg.max_seq_len)
         self.reset_default_cursors()
 
     @classmethod
@@ -128,6 +133,8 @@ class KVManager(LayerIO):
     # -- requests ---------------------------------------------------------
 
     def ingest_request(self, rid: str, overrides: KVReqConfig | None = None) -> None:
+        validate.request_id(rid, "ingest_request")
+        validate.req_config(overrides, rid)
         with self._lock:
             # idempotent: one request reaches a worker once per partition it
             # serves, and replacing the streams on the second ingest dropped
@@ -139,10 +146,13 @@ class KVManager(LayerIO):
         return rid in self._streams
 
     def labels(self, rid: str) -> list[str]:
+        validate.request_id(rid, "labels")
         with self._lock:
             return list(self._request(rid))
 
     def stored_len(self, rid: str, label: str = "main") -> int:
+        validate.request_id(rid, "stored_len")
+        validate.label(label, "stored_len", rid)
         with self._lock:
             return self._stream(rid, label).stored_len
 
@@ -153,6 +163,7 @@ class KVManager(LayerIO):
         (R5): the step would write into, and commit onto, a stream that no
         longer holds what it planned against.
         """
+        validate.request_id(rid, "reset_request")
         self._refuse_if_in_flight(rid, "reset")
         while True:
             # in-flight retrieves write into these pages: drain them before
@@ -186,6 +197,7 @@ class KVManager(LayerIO):
         An offload of the request still in progress is cancelled: its later
         copies copy nothing and its commit frees nothing.
         """
+        validate.request_id(rid, "remove_request")
         if rid not in self._streams:
             return
         self._refuse_if_in_flight(rid, "remove")
@@ -226,6 +238,7 @@ class KVManager(LayerIO):
         time, plus one preplanned (R23): admitting the admitted (or staged)
         step again is a no-op, admitting another raises.
         """
+        validate.step(step, ctx)
         with self._lock:
             return self._stepping.admit(step, ctx)
 
@@ -237,6 +250,8 @@ class KVManager(LayerIO):
         now (R11). A fork copy that fails empties its target, leaves the step
         admitted with its forks done, and raises `ForkCopyError`: plan again.
         """
+        validate.step(step, ctx)
+        validate.slot_lease(step, ctx, self._graph_staging.max_seq_len)
         self.reset_default_cursors()
         with self._lock:
             return self._stepping.plan(step, ctx)
@@ -244,6 +259,7 @@ class KVManager(LayerIO):
     def build_cuda_graph_buffers(
         self, slots: list[CGSlotSpec], max_bs: int, max_seq_len: int
     ) -> None:
+        validate.capture_len(max_seq_len)
         del slots, max_bs
         self._graph_staging.build_buffers(max_seq_len)
 
@@ -265,6 +281,7 @@ class KVManager(LayerIO):
         fork copy that fails empties its target and raises `ForkCopyError`
         once the commit is otherwise complete (R26).
         """
+        validate.step(step, ctx)
         with self._lock:
             self._stepping.commit(step, ctx)
 
@@ -273,6 +290,10 @@ class KVManager(LayerIO):
     def _running(self) -> RunningStep | None:
         return self._stepping.running
 
+    @_running.setter
+    def _running(self, running: RunningStep | None) -> None:
+        self._stepping.running = running
+
     @property
     def _preplan(self) -> StagedPreplan | None:
         return self._stepping.preplan
@@ -280,6 +301,18 @@ class KVManager(LayerIO):
     @property
     def _current_plan_states(self) -> dict[str, KVPlanState]:
         return self._stepping.current_plan_states
+
+    @_current_plan_states.setter
+    def _current_plan_states(self, states: dict[str, KVPlanState]) -> None:
+        self._stepping.current_plan_states = states
+
+    @property
+    def _static_plan_states(self) -> dict[tuple[int, str], KVPlanState]:
+        return self._graph_staging.static_plan_states
+
+    @property
+    def _cg_max_seq_len(self) -> int:
+        return self._graph_staging.max_seq_len
 
     # -- what attention layers call (the rest is `LayerIO`) -------------------
 
@@ -313,6 +346,7 @@ class KVManager(LayerIO):
         Refused for the whole request while any of its streams is in flight
         (R4): a step already holds addressing into these pages.
         """
+        validate.request_id(rid, "begin_offload")
         if self._host_offload is None:
             return None
         return self._host_offload.claim(rid)
@@ -324,6 +358,7 @@ class KVManager(LayerIO):
         offload still frees what did fit. 0 when refused (a step in flight,
         an offload already running, an unknown request) or nothing moved.
         """
+        validate.request_id(rid, "offload")
         offload = self.begin_offload(rid)
         if offload is None:
             return 0
@@ -341,6 +376,7 @@ class KVManager(LayerIO):
         an offload of the request is still in progress (R6), or when nothing
         of ``rid`` is on the host.
         """
+        validate.request_id(rid, "reload")
         if self._host_offload is None:
             return False
         return self._host_offload.reload(rid)
@@ -364,6 +400,7 @@ class KVManager(LayerIO):
         receiving a retrieve or holds a failed one (R21): its pages do not hold
         the tokens its length counts, and the peer would copy them anyway.
         """
+        validate.request_id(request_id, "publish")
         return self._retrieval.publish(request_id)
 
     def admit_retrieve(
@@ -378,6 +415,10 @@ class KVManager(LayerIO):
         ``ok=True, ready=False`` while a copy runs; a failed copy is latched
         and reported on every later call (I11) until reset or removal.
         """
+        validate.request_id(rid, "admit_retrieve")
+        validate.label(node_name, "admit_retrieve", rid, what="node_name")
+        validate.label(graph_walk, "admit_retrieve", rid, what="graph_walk")
+        validate.published(published, rid, self._rank)
         return self._retrieval.admit_retrieve(rid, node_name, graph_walk, published)
 
     # -- checks and teardown ---------------------------------------------------
@@ -408,16 +449,22 @@ class KVManager(LayerIO):
         return self._table.stream(rid, label)
 
     def _refuse_if_in_flight(self, rid: str, what: str) -> None:
-        for label, stream in self._streams.get(rid, {}).items():
-            if stream.step_in_flight:
-                raise StepInFlightError(
-                    f"{what} while a step is in flight; commit it first",
-                    request_id=rid, label=label,
-                )
+        # under the lock also when called before it is taken: an admit may add
+        # a label meanwhile, and iterating the labels then raises (R32)
+        with self._lock:
+            for label, stream in self._streams.get(rid, {}).items():
+                if stream.step_in_flight:
+                    raise StepInFlightError(
+                        f"{what} while a step is in flight; commit it first",
+                        request_id=rid, label=label,
+                    )
 
     def _drain_reads(self, rid: str) -> None:
-        futures = [s.read_future for s in self._streams.get(rid, {}).values()
-                   if s.read_future is not None]
+        # the streams are read under the lock (R32), the wait is outside it
+        # (R17): a transfer does not take the lock, a reset must not hold it
+        with self._lock:
+            futures = [s.read_future for s in self._streams.get(rid, {}).values()
+                       if s.read_future is not None]
         if futures:
             self._runtime.wait(futures)
 

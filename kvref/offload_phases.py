@@ -24,12 +24,14 @@ from kvref.streams import ClaimedStream
 class HostOffload:
     """The offload phases (see `kvref.offload.OffloadPhases`) and reload, over one pool."""
 
-    def __init__(self, table: StreamTable, pool: CPUPagePool, kv_cache: KVCache) -> None:
+    def __init__(self, table: StreamTable, pool: CPUPagePool, kv_cache: KVCache,
+                 offloads: dict[str, Offload]) -> None:
         self.table = table
         self.pool = pool
         self._kv_cache = kv_cache
-        # rid -> the offload between its claim and its commit/abandon (R6)
-        self.offloads: dict[str, Offload] = {}
+        # rid -> the offload between its claim and its commit/abandon (R6);
+        # the manager's container, which remove_request cancels from
+        self.offloads = offloads
 
     def claim(self, rid: str) -> Offload | None:
         """See `KVManager.begin_offload`."""

@@ -15,6 +15,19 @@ from kvref.step import Fork, Segment
 SINK_PAGE = 0
 
 
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``, without blocking the host when that is CUDA.
+
+    A non_blocking copy from pageable memory is staged by the driver and
+    waits for it; from pinned memory it is a plain async DMA. torch's
+    caching host allocator keeps a pinned block alive until the copy that
+    read it finished, so each plan may take a fresh one.
+    """
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class SequenceView:
     """One segment's stream as attention sees it this step.
 
@@ -69,7 +82,7 @@ class PagedIndptrs:
 
     def to_device(self, device: torch.device) -> PagedIndptrs:
         return PagedIndptrs(
-            *(t.to(device, non_blocking=True) for t in (
+            *(host_to_device(t, device) for t in (
                 self.qo_indptr,
                 self.paged_kv_indptr,
                 self.paged_kv_indices,
@@ -228,7 +241,7 @@ def decode_plan_state(
         # numpy slices wrap for less than torch slices cost
         pages, offsets = torch.from_numpy(host[:n]), torch.from_numpy(host[n:])
     else:
-        both = torch.from_numpy(host).to(device, non_blocking=True)  # the one H2D copy
+        both = host_to_device(torch.from_numpy(host), device)  # the one H2D copy
         pages, offsets = both[:n], both[n:]
     return KVPlanState(token_to_page=pages, token_to_cache=offsets, total_tokens=n)
 
@@ -270,7 +283,7 @@ def decode_tables(
         page_t = torch.from_numpy(host[table_len : table_len + n])
         offset_t = torch.from_numpy(host[table_len + n :])
     else:
-        both = torch.from_numpy(host[table_len:]).to(device, non_blocking=True)  # one H2D
+        both = host_to_device(torch.from_numpy(host[table_len:]), device)  # one H2D
         page_t, offset_t = both[:n], both[n:]
     return indptrs, KVPlanState(token_to_page=page_t, token_to_cache=offset_t, total_tokens=n)
 
@@ -296,5 +309,5 @@ def packed_plan_state(
     page = indptrs.paged_kv_indices.long()[kv[:-1][seg] + pos // page_size]
     both = torch.stack((page, pos % page_size))
     if both.device != device:
-        both = both.to(device, non_blocking=True)
+        both = host_to_device(both, device)
     return KVPlanState(token_to_page=both[0], token_to_cache=both[1], total_tokens=total_tokens)

@@ -36,6 +36,8 @@ class Runtime(Protocol):
         """A named point between critical sections where another thread may run."""
         ...
 
+    # optional: ``shared(value, name) -> value`` (see `shared` below)
+
 
 class ThreadingRuntime:
     """Real threads: an RLock per lock, one shared pool for background work."""
@@ -70,6 +72,19 @@ class ThreadingRuntime:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+def shared(runtime: Runtime, value: T, name: str) -> T:
+    """``value`` (a container of shared state), as ``runtime`` wants it held.
+
+    An optional extension of `Runtime`: a runtime with a ``shared(value,
+    name)`` method may hand back an instrumented container of the same type
+    (the race detector's, in the tests) that records every read and write.
+    The default runtime has none, so production gets ``value`` itself: the
+    cost is this call, once, when the container is made.
+    """
+    hook = getattr(runtime, "shared", None)
+    return value if hook is None else hook(value, name)
 
 
 _default: Runtime = ThreadingRuntime()

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvref import admission
+from kvref import admission, validate
 from kvref.errors import (
     ForkCopyError,
     InvalidStepError,
@@ -48,12 +48,13 @@ class Stepping:
     """The running step, the staged preplan, and the plan states attention reads."""
 
     def __init__(self, table: StreamTable, forks: Forks, staging: GraphStaging,
-                 device: torch.device, name: str) -> None:
+                 device: torch.device, name: str, max_seq_len: int) -> None:
         self._table = table
         self._forks = forks
         self._staging = staging
         self._device = device
         self._name = name  # the manager's, for the log
+        self._max_seq_len = max_seq_len
         self.running: RunningStep | None = None
         self.preplan: StagedPreplan | None = None
         # plan label -> this step's write addressing, from plan until commit (R27)
@@ -85,6 +86,7 @@ class Stepping:
             raise StepInFlightError(
                 "a step is already admitted; commit it before admitting another"
             )
+        validate.step_lengths(step, ctx, self._table.streams, self._max_seq_len)
         if not (ctx.is_preplan or step.pre_forks or step.post_forks
                 or step.combined_labels):
             return self._admit_segments(step, ctx)

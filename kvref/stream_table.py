@@ -34,7 +34,8 @@ class StreamTable:
     lock: AbstractContextManager[Any]
     runtime: Runtime
     page_size: int
-    # rid -> label -> stream; a request is present from ingest until removal
+    # rid -> label -> stream; a request is present from ingest until removal.
+    # Passed in: the runtime seam may hand a recording container
     streams: dict[str, dict[str, CacheStream]] = field(default_factory=dict)
     overrides: dict[str, KVReqConfig] = field(default_factory=dict)
 

@@ -38,6 +38,9 @@ class CacheStream:
         self.position = 0
         self.released = 0
         self.read_pending = False
+        # declared lock-free (R31): the future itself is polled through done()
+        # outside the manager's lock (it has its own); which future the stream
+        # holds is read and written only under the manager's lock
         self.read_future: Future[Any] | None = None
         # a failed retrieve, latched: the future is read once, but every
         # later readiness check has to keep reporting the stream unusable

@@ -105,6 +105,11 @@ class KVTransferInfo:
     # the arguments of torch.multiprocessing.reductions.rebuild_cuda_tensor
     # (IPC memory handle, ref-counter handle, event handle, sizes)
     cuda_ipc: tuple[Any, ...] | None = None
+    # an interprocess CUDA event the publisher records each time it hands
+    # this descriptor out (`KVTransferManager.mark_published`); a consumer's
+    # copy waits on it, so it never reads pages before the writes published
+    # with them landed. The handle is fixed, so the descriptor stays equal
+    cuda_ipc_event: bytes | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -353,10 +358,14 @@ class KVTransferManager:
         self._pending: list[Future[None]] = []
         self._shm_finalizer: weakref.finalize[Any, Any] | None = None
         self._copy_stream: Any = None
+        self._remote_events: dict[str, Any] = {}
+        self._publish_event: Any = None
+        self._publish_stream: Any = None
         self._closed = False
         tensor = kv_cache.tensor
         shm_name: str | None = None
         cuda_ipc: tuple[Any, ...] | None = None
+        cuda_ipc_event: bytes | None = None
         if info.kind == "shm":
             with _shm_lock:
                 segment = _shm_segments.pop(tensor.data_ptr(), None)
@@ -377,6 +386,12 @@ class KVTransferManager:
             # the descriptor must stay equal to itself across publishes
             _, args = reduce_tensor(tensor)  # type: ignore[no-untyped-call]
             cuda_ipc = tuple(args)
+            # the event inside the reduction was recorded once, here, before
+            # any KV was written: useless for ordering later writes
+            self._publish_event = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
+            self._publish_stream = torch.cuda.Stream(device=tensor.device)  # type: ignore[no-untyped-call]
+            self._publish_event.record(self._publish_stream)
+            cuda_ipc_event = bytes(self._publish_event.ipc_handle())
         self._info = KVTransferInfo(
             kind=info.kind,
             cache_id=self._cache_id,
@@ -387,11 +402,32 @@ class KVTransferManager:
             dtype=_dtype_name(tensor.dtype),
             shm_name=shm_name,
             cuda_ipc=cuda_ipc,
+            cuda_ipc_event=cuda_ipc_event,
         )
         _register(self._cache_id, kv_cache)
 
     def get_kv_transfer_info(self) -> KVTransferInfo:
+        """This cache's descriptor; for ``cuda_ipc`` also `mark_published`.
+
+        ``KVManager.publish`` hands the descriptor out through here, so every
+        publish orders the consumer's copy after the writes queued so far.
+        """
+        self.mark_published()
         return self._info
+
+    def mark_published(self) -> None:
+        """Record the IPC event after every write queued on the cache's compute streams.
+
+        A consumer in another process waits on the latest record before it
+        copies (CUDA IPC events order across processes on one device). A
+        no-op for the other kinds: within a process a retrieve waits on the
+        source cache's streams directly, and CPU writes are synchronous.
+        """
+        if self._publish_event is None:
+            return
+        with self._lock:
+            self.kv_cache.order_after_compute(self._publish_stream)
+            self._publish_event.record(self._publish_stream)
 
     def start_async_retrieve(
         self,
@@ -468,6 +504,7 @@ class KVTransferManager:
         with self._lock:
             self._closed = True
             self._remote.clear()
+            self._remote_events.clear()
         _unregister(self._cache_id)
         if self._shm_finalizer is not None:
             self._shm_finalizer()
@@ -543,10 +580,37 @@ class KVTransferManager:
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(device))
+        # the destination pages' previous owner may still be read or written
+        # by any stream the engine computes on, not only this thread's
+        self.kv_cache.order_after_compute(stream)
+        if device.type == "cuda":
+            stream.wait_stream(torch.cuda.current_stream(device))
+        source = _lookup(remote.cache_id)
+        if source is not None:
+            # a cache of this process: wait on its compute streams directly
+            source.order_after_compute(stream)
+        elif remote.kind == "cuda_ipc" and remote.cuda_ipc_event is not None:
+            stream.wait_event(self._remote_event(remote, device))
         with torch.cuda.stream(stream):
             self._copy(src, remote, local_pages, remote_pages, start, end)
         stream.synchronize()
+
+    def _remote_event(self, remote: KVTransferInfo, device: torch.device) -> Any:
+        """The publisher's IPC event, opened once per remote cache."""
+        with self._lock:
+            event = self._remote_events.get(remote.cache_id)
+        if event is None:
+            try:
+                event = torch.cuda.Event.from_ipc_handle(  # type: ignore[no-untyped-call]
+                    device, remote.cuda_ipc_event
+                )
+            except Exception as e:
+                raise TransferError(
+                    f"cannot open the IPC event of cache {remote.cache_id}: {e}"
+                ) from e
+            with self._lock:
+                event = self._remote_events.setdefault(remote.cache_id, event)
+        return event
 
     def _resolve(self, remote: KVTransferInfo) -> torch.Tensor:
         """The remote cache's tensor, mapped into this process (cached per cache)."""

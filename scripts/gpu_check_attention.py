@@ -10,10 +10,11 @@ batch, then the `PagedAttention` facade picking FlashInfer on its own.
     python scripts/gpu_check_attention.py            # the check; exit 1 on any FAIL
     python scripts/gpu_check_attention.py --dry-run  # CPU: tables + torch reference only
 
-`scripts/gpu_check.py` calls `check_attention()`. Without CUDA or flashinfer
-it prints SKIP and passes. The first FlashInfer call JIT-compiles its kernels
-(minutes on a cold cache): every case here shares one head_dim and dtype so
-that happens once per wrapper kind.
+`scripts/gpu_check.py` calls `check_attention()`, which raises `Skip` without
+CUDA or flashinfer (run alone, this script then prints SKIP, never PASS).
+The first FlashInfer call JIT-compiles its kernels (minutes on a cold
+cache): the cases share one head_dim and dtype so that happens once per
+wrapper kind (the 7:1 head grouping adds one tensor-core decode kernel).
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+# a checkout without an install: the repository root on the path
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import torch
+from gpu_check_graphs import Skip
 
 from kvref.attention import (
     FlashInferPagedAttention,
@@ -36,6 +42,7 @@ from kvref.attention import (
 )
 from kvref.cache import KVCache
 from kvref.config import KVConfig, KVLayout
+from kvref.errors import KVShapeError
 from kvref.plan import PagedIndptrs, SequenceView, build_paged_indptrs, packed_plan_state
 
 NUM_QO_HEADS = 8
@@ -153,9 +160,11 @@ CASES: dict[str, list[tuple[int, int, int]]] = {
 class Report:
     def __init__(self) -> None:
         self.failed = 0
+        self.total = 0
 
     def result(self, name: str, ok: bool, detail: str = "") -> None:
         self.failed += not ok
+        self.total += 1
         print(f"{'PASS' if ok else 'FAIL'} attention {name}{': ' + detail if detail else ''}")
         sys.stdout.flush()
 
@@ -178,10 +187,13 @@ def _dry_run(report: Report) -> None:
                 report.compare(
                     f"dry-run reference {kind} {layout.value} ps={page_size}", ref, dense(case)
                 )
-    padded = _graph_padded(
-        build_case(CASES["decode"], KVLayout.NHD, 16, cpu, torch.float32).table(), 8, True
-    )
-    report.result("dry-run graph padding", padded.batch_size == 8)
+    table = build_case(CASES["decode"], KVLayout.NHD, 16, cpu, torch.float32).table()
+    padded = _graph_padded(table, 8, decode=True)
+    report.result("dry-run graph padding, decode", padded.batch_size == 8)
+    table = build_case(CASES["chunked"], KVLayout.NHD, 16, cpu, torch.float32).table()
+    padded = _graph_padded(table, 8, decode=False, num_rows=128, page_size=16)
+    ok = padded.batch_size == 9 and int(padded.qo_indptr[-1]) == 128
+    report.result("dry-run graph padding, prefill (rows absorbed)", ok)
 
 
 def _flashinfer_cases(report: Report, device: torch.device) -> None:
@@ -228,6 +240,7 @@ def _graph_decode(report: Report, device: torch.device) -> None:
                 layout,
                 cuda_graph_batch_size=bucket,
                 max_num_pages=case.cache.config.max_num_pages,
+                page_size=16,
             )
             plan_kw = dict(
                 num_qo_heads=NUM_QO_HEADS,
@@ -262,6 +275,96 @@ def _graph_decode(report: Report, device: torch.device) -> None:
             report.result(name, False, f"{type(e).__name__}: {e}")
 
 
+def _graph_edges(report: Report, device: torch.device) -> None:
+    """D1 at a full cache, D3's 7:1 grouping, an empty batch, decode graph vs prefill."""
+    dtype = torch.bfloat16
+    # D1: every usable page in the batch, plus a sink entry per padded request
+    case = build_case([(16 * 6 - 1, 1, 0)], KVLayout.NHD, 16, device, dtype, seed=3)
+    pages = case.cache.config.max_num_pages
+    fi = FlashInferPagedAttention(device, KVLayout.NHD, cuda_graph_batch_size=pages,
+                                  max_num_pages=pages, page_size=16)
+    kw = dict(num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+              page_size=16, q_dtype=dtype)
+    try:
+        fi.plan(case.table(), **kw)  # type: ignore[arg-type]
+        q = torch.zeros(pages, NUM_QO_HEADS, HEAD_DIM, dtype=dtype, device=device)
+        q[:1] = case.q
+        got = fi.run(q, case.cache.layer_view(0))[:1]
+        want = paged_attention_reference(case.q, case.cache.layer_view(0), case.table(),
+                                         KVLayout.NHD)
+        report.compare(f"graph decode, full cache, batch padded to {pages} (D1)", got, want)
+    except Exception as e:
+        report.result("graph decode, full cache (D1)", False, f"{type(e).__name__}: {e}")
+    try:
+        raised = False
+        fi.plan(build_case(CASES["prefill"], KVLayout.NHD, 16, device, dtype).table(),
+                **kw)  # type: ignore[arg-type]
+    except KVShapeError:
+        raised = True
+    report.result("decode graph refuses a prefill plan", raised)
+    # D3: 7 q heads per kv head has no CUDA-core decode kernel
+    try:
+        g = torch.Generator().manual_seed(9)
+        layer = (torch.randn(12, 2, 16, 1, HEAD_DIM, generator=g)).to(device, dtype)
+        views = [SequenceView("a", "main", [3, 5], 20, 1, 0),
+                 SequenceView("b", "main", [7], 9, 1, 0)]
+        table = build_paged_indptrs(views, 16)
+        q = torch.randn(2, 7, HEAD_DIM, generator=g).to(device, dtype)
+        plain = FlashInferPagedAttention(device, KVLayout.NHD)
+        plain.plan(table, num_qo_heads=7, num_kv_heads=1, head_dim=HEAD_DIM, page_size=16,
+                   q_dtype=dtype)
+        got = plain.run(q, layer)
+        want = paged_attention_reference(q, layer, table, KVLayout.NHD)
+        report.compare("decode with 7 q heads per kv head (D3, tensor cores)", got, want)
+        empty = build_paged_indptrs([], 16)
+        plain.plan(empty, num_qo_heads=7, num_kv_heads=1, head_dim=HEAD_DIM, page_size=16,
+                   q_dtype=dtype)
+        out = plain.run(q, layer)
+        report.result("empty batch runs to zeros", bool((out == 0).all()))
+    except Exception as e:
+        report.result("7:1 decode / empty batch", False, f"{type(e).__name__}: {e}")
+
+
+def _graph_prefill(report: Report, device: torch.device) -> None:
+    """D2: a prefill bucket captured once, replayed over tables with fewer rows and requests."""
+    dtype = torch.bfloat16
+    bucket, rows = 4, 128
+    reqs = [(0, 37, 1), (10, 20, 0), (0, 5, 0), (64, 40, 1)]
+    name = "flashinfer cuda-graph prefill"
+    try:
+        case = build_case(reqs, KVLayout.NHD, 16, device, dtype, seed=13)
+        layer = case.cache.layer_view(0)
+        fi = FlashInferPagedAttention(device, KVLayout.NHD, cuda_graph_batch_size=bucket,
+                                      cuda_graph_num_rows=rows,
+                                      max_num_pages=case.cache.config.max_num_pages,
+                                      page_size=16)
+        kw = dict(num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                  page_size=16, q_dtype=dtype)
+        static_q = torch.zeros(rows, NUM_QO_HEADS, HEAD_DIM, dtype=dtype, device=device)
+        first, later = [0, 1], [[3, 2, 0, 1], [2]]
+        fi.plan(case.table(first), **kw)  # type: ignore[arg-type]
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fi.run(static_q, layer)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = fi.run(static_q, layer)
+        for which in [first, *later]:
+            fi.plan(case.table(which), **kw)  # type: ignore[arg-type]
+            rows_q = case.q_rows(which)
+            static_q.zero_()
+            static_q[: len(rows_q)].copy_(rows_q)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = paged_attention_reference(rows_q, layer, case.table(which), KVLayout.NHD)
+            report.compare(f"{name} requests={which} rows={len(rows_q)}",
+                           static_out[: len(rows_q)], want)
+    except Exception as e:
+        report.result(name, False, f"{type(e).__name__}: {e}")
+
+
 def _facade(report: Report, device: torch.device) -> None:
     case = build_case(CASES["chunked"], KVLayout.NHD, 16, device, torch.bfloat16, seed=5)
     attn = PagedAttention.from_config(case.cache.config)  # backend="auto"
@@ -273,24 +376,24 @@ def _facade(report: Report, device: torch.device) -> None:
     report.compare("facade auto output", got, want)
 
 
-def check_attention(*, dry_run: bool = False) -> bool:
-    """Run the attention GPU checks; True when everything passed or was skipped."""
+def check_attention(*, dry_run: bool = False) -> str:
+    """Run the attention checks; a summary line, AssertionError on any failure, or Skip."""
     report = Report()
     if dry_run:
         _dry_run(report)
-        return report.failed == 0
-    if not torch.cuda.is_available():
-        print("SKIP attention: no CUDA device")
-        return True
-    if not flashinfer_available():
-        print("SKIP attention: flashinfer is not importable (pip install 'kvref[gpu]')")
-        return True
-    device = torch.device("cuda", torch.cuda.current_device())
-    _flashinfer_cases(report, device)
-    _graph_decode(report, device)
-    _facade(report, device)
-    print(f"attention: {report.failed} failed")
-    return report.failed == 0
+    else:
+        if not torch.cuda.is_available():
+            raise Skip("no CUDA device")
+        if not flashinfer_available():
+            raise Skip("flashinfer is not importable (pip install 'kvref[gpu]')")
+        device = torch.device("cuda", torch.cuda.current_device())
+        _flashinfer_cases(report, device)
+        _graph_decode(report, device)
+        _graph_prefill(report, device)
+        _graph_edges(report, device)
+        _facade(report, device)
+    assert report.failed == 0, f"{report.failed} of {report.total} attention cases failed"
+    return f"{report.total} cases"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,7 +404,14 @@ def main(argv: list[str] | None = None) -> int:
         help="CPU only: build the page tables, run the torch reference against dense",
     )
     args = parser.parse_args(argv)
-    return 0 if check_attention(dry_run=args.dry_run) else 1
+    try:
+        print(f"PASS attention: {check_attention(dry_run=args.dry_run)}")
+    except Skip as e:
+        print(f"SKIP attention: {e}")
+    except AssertionError as e:
+        print(f"FAIL attention: {e}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -21,7 +21,11 @@ import multiprocessing as mp
 import sys
 import traceback
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
+
+# a checkout without an install: the repository root on the path
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import torch
 
@@ -101,6 +105,25 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
     return f"{len(diff)} elements differ, first at {tuple(diff[0].tolist())}"
 
 
+def _write_late(cache: KVCache, pattern: torch.Tensor) -> None:
+    """Write ``pattern`` on an engine stream of its own, behind a ~0.1 s sleep.
+
+    Without CUDA, a plain copy. On CUDA nothing else waits for this stream:
+    only the ordering kvref promises (the cache's declared compute streams,
+    the IPC event recorded at publish) keeps a reader from seeing old bytes.
+    """
+    if not cache.tensor.is_cuda:
+        cache.tensor.copy_(pattern)
+        return
+    engine = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    cache.add_compute_stream(engine)
+    staged = pattern.to(cache.tensor.device)
+    engine.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(engine):
+        torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
+        cache.tensor.copy_(staged)
+
+
 def _retrieve(
     mgr: KVTransferManager, start: int, end: int, local: list[int], remote: list[int], info: Any
 ) -> None:
@@ -126,14 +149,11 @@ def _peer(conn: Connection, kind: str) -> None:
     """The other process: publish a patterned cache, then retrieve from the parent's."""
     try:
         cache, mgr = _build(kind)
-        cache.tensor.copy_(_pattern(tuple(cache.tensor.shape), 1).to(cache.tensor.device))
-        if cache.tensor.is_cuda:
-            # the IPC event was recorded when the descriptor was made, before
-            # these writes: they must be done before anyone reads the pages
-            torch.cuda.synchronize()
+        _write_late(cache, _pattern(tuple(cache.tensor.shape), 1))
+        # no synchronize: publishing records the IPC event the parent's copy waits on
         conn.send((mgr.get_kv_transfer_info(), PEER_PAGES))
         parent_info = _recv(conn)
-        before = cache.tensor.cpu()
+        before = _pattern(tuple(cache.tensor.shape), 1)  # not .cpu(): the write may be queued
         _retrieve(mgr, 3, 18, PEER_DST, PARENT_PAGES, parent_info)
         parent_pattern = _pattern(tuple(cache.tensor.shape), 2)
         want = _oracle(
@@ -162,10 +182,8 @@ def _check_two_processes(kind: str) -> list[Result]:
             return [(f"{kind} peer setup", False, first[1])]
         remote, remote_pages = first
         cache, mgr = _build(kind)
-        cache.tensor.copy_(_pattern(tuple(cache.tensor.shape), 2).to(cache.tensor.device))
-        if cache.tensor.is_cuda:
-            torch.cuda.synchronize()  # see _peer: writes done before publishing
-        before = cache.tensor.cpu()
+        _write_late(cache, _pattern(tuple(cache.tensor.shape), 2))
+        before = _pattern(tuple(cache.tensor.shape), 2)
         _retrieve(mgr, 2, 23, PARENT_DST, remote_pages, remote)
         peer_pattern = _pattern(tuple(cache.tensor.shape), 1)
         want = _oracle(
@@ -198,13 +216,14 @@ def _check_one_process(kind: str) -> list[Result]:
     """Two caches of one process: the registry shortcut, and NHD -> HND."""
     src, src_mgr = _build(kind, KVLayout.NHD)
     dst, dst_mgr = _build(kind, KVLayout.HND)
-    src.tensor.copy_(_pattern(tuple(src.tensor.shape), 3).to(src.tensor.device))
+    _write_late(src, _pattern(tuple(src.tensor.shape), 3))
     dst_pattern = _pattern(tuple(dst.tensor.shape), 4)
     dst.tensor.copy_(dst_pattern.to(dst.tensor.device))
     src_pages, dst_pages = [4, 9, 2, 31], [22, 6, 13, 1]
     _retrieve(dst_mgr, 1, 15, dst_pages, src_pages, src_mgr.get_kv_transfer_info())
     want = _oracle(
-        dst_pattern, KVLayout.HND, dst_pages, src.tensor.cpu(), KVLayout.NHD, src_pages, 1, 15
+        dst_pattern, KVLayout.HND, dst_pages, _pattern(tuple(src.tensor.shape), 3),
+        KVLayout.NHD, src_pages, 1, 15,
     )
     bad = _mismatch(dst.tensor, want)
     dst_mgr.cleanup()

@@ -5,9 +5,14 @@ steps and retrieves, a worker offloads and reloads, a lifecycle thread resets
 and re-ingests, all with a tiny ``sys.setswitchinterval`` so the interpreter
 switches threads often. A checker takes the manager's lock at intervals and
 checks device page ownership (I1, I2); at the end, every page and host page
-is checked, and removing everything must give every page back (I12).
+is checked, and removing everything must give every page back (I12). Each
+run prints what it did (steps, offloads, reloads, retrieves, checks).
 
-    KVREF_STRESS_SECONDS=60 python -m pytest -m nightly tests/concurrency/test_stress.py
+The second test runs the same threads with the lockset race detector on
+(`tests.support.lockset.TracedRuntime`): every access to the manager's shared
+state is recorded, and a clean tree must report no data race.
+
+    KVREF_STRESS_SECONDS=60 python -m pytest -s -m nightly tests/concurrency/test_stress.py
 """
 
 from __future__ import annotations
@@ -28,23 +33,23 @@ from kvref.plan import SINK_PAGE
 from kvref.runtime import ThreadingRuntime
 from model import core as m
 from tests.conformance.driver import Driver, DriverConfig, label_name, rid_name
+from tests.support.lockset import Detector, TracedRuntime
 from tests.support.sched_harness import SCOPE
 
 
 def device_pages_ok(kv: KVManager) -> None:
     owned: list[int] = [p for ls in kv._streams.values() for s in ls.values()
                         for p in s.page_indices]
-    free = list(kv._allocator._free)
+    free = kv._allocator.free_pages()
     assert SINK_PAGE not in owned and SINK_PAGE not in free, "I2"
     assert len(set(owned)) == len(owned), "I1: a page in two streams"
     assert not set(owned) & set(free), "I1: a page both free and owned"
     assert len(owned) + len(free) + 1 == kv.config.max_num_pages, "I1: a page lost"
 
 
-@pytest.mark.nightly
-def test_free_running_threads() -> None:
+def stress(runtime: ThreadingRuntime, detector: Detector | None = None) -> dict[str, int]:
+    """Run the threads for KVREF_STRESS_SECONDS; returns what they did."""
     seconds = float(os.environ.get("KVREF_STRESS_SECONDS", "20"))
-    runtime = ThreadingRuntime()
 
     def factory(**kwargs: Any) -> KVManager:
         kwargs["runtime"] = runtime
@@ -52,15 +57,21 @@ def test_free_running_threads() -> None:
 
     d = Driver(SCOPE, DriverConfig(factory=factory))
     kv = d.kv
+    if detector is not None:
+        detector.watch_manager(kv)
     infos = {}
     for rid in range(SCOPE.requests):
         d.apply(m.Ingest(rid))
         for label in range(SCOPE.labels):
             src = d.publisher(rid, label, 4)
             infos[(rid, label)] = src.publish(rid_name(rid))
+    if detector is not None:
+        detector.forget()  # the set-up happens-before the threads start
     stop = time.monotonic() + seconds
     errors: list[BaseException] = []
-    counts = {"steps": 0, "offloads": 0, "checks": 0}
+    # each count is written by one thread only
+    counts = dict.fromkeys(("steps", "offloads", "reloads", "retrieves", "resets",
+                            "checks"), 0)
 
     def loop(fn: Callable[[random.Random], None], seed: int) -> Callable[[], None]:
         def go() -> None:
@@ -79,9 +90,13 @@ def test_free_running_threads() -> None:
         if rng.random() < 0.2:
             label = rng.randrange(SCOPE.labels)
             kv.admit_retrieve(rid_name(rid), "node", label_name(label), infos[(rid, label)])
+            counts["retrieves"] += 1
             return
-        streams = kv._streams.get(rid_name(rid), {})
-        if any(s.read_pending or s.read_error is not None for s in list(streams.values())):
+        with kv._lock:  # an engine's own readiness check; the lock: streams change
+            streams = kv._streams.get(rid_name(rid), {})
+            waiting = any(s.read_pending or s.read_error is not None
+                          for s in streams.values())
+        if waiting:
             return  # not ready: the engine waits for its retrieve
         step = m.Step((m.Seg(rid, rng.randrange(SCOPE.labels), rng.randrange(3)),),
                       padded=(rid,))
@@ -97,12 +112,13 @@ def test_free_running_threads() -> None:
         if rng.random() < 0.5:
             counts["offloads"] += kv.offload(rid) > 0
         else:
-            kv.reload(rid)
+            counts["reloads"] += kv.reload(rid)
 
     def life(rng: random.Random) -> None:
         rid = rng.randrange(SCOPE.requests)
         if rng.random() < 0.3:
             kv.reset_request(rid_name(rid), free=rng.random() < 0.5)
+            counts["resets"] += 1
         kv.ingest_request(rid_name(rid))
 
     def checker(rng: random.Random) -> None:
@@ -124,6 +140,8 @@ def test_free_running_threads() -> None:
     finally:
         sys.setswitchinterval(old)
     assert not errors, errors
+    if detector is not None:
+        detector.forget()  # joined: the threads' accesses happen-before the checks below
     runtime.shutdown()
     d.check_pages()
     for rid in range(SCOPE.requests):
@@ -132,3 +150,28 @@ def test_free_running_threads() -> None:
     pool = kv._cpu_pool
     assert pool is not None and pool.num_free == pool.capacity, "I12: host pages leaked"
     assert counts["steps"] and counts["checks"], counts
+    counts["final checks"] = 3  # pages and host lengths (I1, I2, I6), I12 device, I12 host
+    return counts
+
+
+def report(what: str, counts: dict[str, int], seconds: float) -> None:
+    done = ", ".join(f"{v} {k}" for k, v in counts.items())
+    print(f"\n{what}: {seconds:.0f} s: {done}")
+
+
+@pytest.mark.nightly
+def test_free_running_threads() -> None:
+    t0 = time.monotonic()
+    counts = stress(ThreadingRuntime())
+    report("stress", counts, time.monotonic() - t0)
+
+
+@pytest.mark.nightly
+def test_free_running_threads_race_detector() -> None:
+    detector = Detector()
+    t0 = time.monotonic()
+    counts = stress(TracedRuntime(detector), detector)
+    counts["accesses recorded"] = detector.accesses
+    counts["races"] = len(detector.reports)
+    report("stress, race detector on", counts, time.monotonic() - t0)
+    assert not detector.reports, detector.report_text()

@@ -15,9 +15,11 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+import kvref.admission as admission_module
 import kvref.plan as plan_module
 import kvref.stepping as stepping_module
-from kvref.forks import Forks
+from kvref import Offload, ReloadCopyError
+from kvref.forks import ForkFailed, Forks
 from kvref.manager import KVManager
 from kvref.plan import KVPlanState, PagedIndptrs
 from tests.conformance.test_lockstep import Lockstep
@@ -36,7 +38,7 @@ def _decode_offset_off_by_one(mp: pytest.MonkeyPatch) -> None:
 
 
 def _fork_moves_length_not_pages(mp: pytest.MonkeyPatch) -> None:
-    def bad(self: Forks, rid: str, src: str, dst: str, created: set[tuple[str, str]]) -> None:
+    def bad(self: Forks, rid: str, src: str, dst: str, created: set[Any]) -> None:
         streams = self._table.streams.get(rid, {})
         if src in streams and dst in streams:
             streams[dst].stored_len = streams[src].stored_len
@@ -76,10 +78,111 @@ def _clear_preplan_keeps_new_labels(mp: pytest.MonkeyPatch) -> None:
 
     def bad(self: KVManager) -> None:
         if self._preplan is not None:
-            self._preplan.new_labels = []
+            self._preplan.created = []
         orig(self)
 
     mp.setattr(KVManager, "clear_preplan", bad)
+
+
+# -- one per blind spot of issue 8 (a: total protocol, b: wider scope,
+# c: faults at every copy, d: retrieves still writing, e: plan views)
+
+
+def _write_after_commit_uses_last_plan(mp: pytest.MonkeyPatch) -> None:  # a
+    orig = KVManager.commit
+
+    def bad(self: KVManager, step: Any, ctx: Any) -> None:
+        states = self._current_plan_states
+        try:
+            orig(self, step, ctx)
+        finally:
+            self._current_plan_states = states  # addressing outlives the step
+
+    mp.setattr(KVManager, "commit", bad)
+
+
+def _second_step_admitted(mp: pytest.MonkeyPatch) -> None:  # a
+    orig = KVManager.admit
+
+    def bad(self: KVManager, step: Any, ctx: Any) -> Any:
+        if not ctx.is_preplan and self._preplan is None:
+            self._running = None  # forgets the step already admitted
+        return orig(self, step, ctx)
+
+    mp.setattr(KVManager, "admit", bad)
+
+
+def _fork_from_absent_source_wipes_target(mp: pytest.MonkeyPatch) -> None:  # b
+    orig = Forks.apply
+
+    def bad(self: Forks, rid: str, src: str, dst: str, created: set[Any]) -> None:
+        orig(self, rid, src, dst, set())  # every source treated as pre-existing
+
+    mp.setattr(Forks, "apply", bad)
+
+
+def _failed_reload_keeps_a_page(mp: pytest.MonkeyPatch) -> None:  # c
+    orig = KVManager.reload
+
+    def bad(self: KVManager, rid: str) -> bool:
+        try:
+            return orig(self, rid)
+        except ReloadCopyError:
+            self._allocator.try_allocate(1)  # one page taken, never given back
+            raise
+
+    mp.setattr(KVManager, "reload", bad)
+
+
+def _failed_fork_leaves_target_torn(mp: pytest.MonkeyPatch) -> None:  # c
+    orig = Forks.apply
+
+    def bad(self: Forks, rid: str, src: str, dst: str, created: set[Any]) -> None:
+        target = self._table.streams[rid][dst]
+        old = target.stored_len
+        try:
+            orig(self, rid, src, dst, created)
+        except ForkFailed:
+            target.stored_len = old  # reports its old tokens over half-copied pages
+            raise
+
+    mp.setattr(Forks, "apply", bad)
+
+
+def _admit_ignores_running_retrieve(mp: pytest.MonkeyPatch) -> None:  # d
+    orig = admission_module.retrieve_state
+
+    def bad(stream: Any) -> str:
+        state = orig(stream)
+        return admission_module.IDLE if state == admission_module.PENDING else state
+
+    mp.setattr(admission_module, "retrieve_state", bad)
+
+
+def _offload_copy_does_not_wait_for_read(mp: pytest.MonkeyPatch) -> None:  # d
+    orig = Offload.copy
+
+    def bad(self: Offload, label: str) -> bool:
+        self._read_futures.clear()
+        return orig(self, label)
+
+    mp.setattr(Offload, "copy", bad)
+
+
+def _promoted_preplan_keeps_stale_generations(mp: pytest.MonkeyPatch) -> None:  # e
+    orig = KVManager.plan
+
+    def bad(self: KVManager, step: Any, ctx: Any) -> Any:
+        staged = self._preplan
+        before = None
+        if staged is not None and staged.outputs is not None and not ctx.is_preplan:
+            before = [(v, v.generation) for o in staged.outputs.values() for v in o.views]
+        out = orig(self, step, ctx)
+        for view, gen in before or ():
+            view.generation = gen
+        return out
+
+    mp.setattr(KVManager, "plan", bad)
 
 
 def _claim_ignores_in_flight(stack: ExitStack) -> None:
@@ -98,6 +201,17 @@ MUTANTS: dict[str, Callable[[ExitStack], None]] = {
     "commit does not bump generations": _patched(_commit_skips_generation),
     "reload loses a token": _patched(_reload_forgets_length),
     "clear_preplan keeps invented labels": _patched(_clear_preplan_keeps_new_labels),
+    "a: write_kv after commit uses the last plan": _patched(_write_after_commit_uses_last_plan),
+    "a: a second step is admitted": _patched(_second_step_admitted),
+    "b: a fork from an absent source wipes the target": _patched(
+        _fork_from_absent_source_wipes_target),
+    "c: a failed reload keeps a page": _patched(_failed_reload_keeps_a_page),
+    "c: a failed fork copy leaves its target torn": _patched(_failed_fork_leaves_target_torn),
+    "d: admit ignores a running retrieve": _patched(_admit_ignores_running_retrieve),
+    "d: an offload copy does not wait for the read": _patched(
+        _offload_copy_does_not_wait_for_read),
+    "e: a promoted preplan keeps stale view generations": _patched(
+        _promoted_preplan_keeps_stale_generations),
 }
 
 

@@ -73,11 +73,11 @@ def test_claim_ignoring_marks_is_caught_in_3() -> None:
     assert (i, n) == ("I4", 3), trace
 
 
-def test_abandon_keeping_host_copy_is_caught_in_6() -> None:
-    # a claimable stream needs pages and no mark: ingest, retrieve, its
-    # completion (a copy waits for the read); then claim, copy, abandon
+def test_abandon_keeping_host_copy_is_caught_in_5() -> None:
+    # a claimable stream needs pages and no mark: ingest, retrieve; then
+    # claim, copy (which waits for the retrieve to land), abandon
     i, n, trace = first_violation(AbandonKeepsHostCopy(SCOPE))
-    assert (i, n) == ("I6", 6), trace
+    assert (i, n) == ("I6", 5), trace
 
 
 def test_clear_forgetting_fork_undo_is_caught_in_6() -> None:

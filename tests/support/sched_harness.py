@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from tests.conformance.driver import (
     retrieve_state,
     rid_name,
 )
+from tests.support.lockset import Detector
 from tests.support.scheduler import (
     CoopLock,
     CoopRuntime,
@@ -139,6 +140,8 @@ class Linearizer:
         self.pos = 0  # entries replayed on the model
         self.checks = 0
         self.stray: list[str] = []
+        # the checks read kvref's state without its locks: not kvref's accesses
+        self.quiet: Callable[[], AbstractContextManager[None]] = nullcontext
 
     # -- the runtime's hooks -----------------------------------------------------------
 
@@ -154,7 +157,12 @@ class Linearizer:
         sub = self._sub()
         if sub is not None and sub.last and sub.entry is not None and role == "manager":
             # a retry: this later section is the one that counts
-            self.log.remove(sub.entry)
+            i = self.log.index(sub.entry)
+            del self.log[i]
+            for later in self.log[i:]:
+                # log lengths counted with the moved entry in front of them
+                if later.section_end is not None and later.section_end > i:
+                    later.section_end -= 1
             sub.entry.section_end = None
             self._append(sub.entry)
             return
@@ -192,8 +200,9 @@ class Linearizer:
         return e
 
     def at_point(self, sched: Scheduler) -> None:
-        if self.quiescent():
-            self.check()
+        with self.quiet():
+            if self.quiescent():
+                self.check()
 
     # -- actions ------------------------------------------------------------------------
 
@@ -344,14 +353,23 @@ class Setup:
 
 
 class Harness:
-    """One manager, one schedule: `run` raises `ScheduleFailure` on any disagreement."""
+    """One manager, one schedule: `run` raises `ScheduleFailure` on any disagreement.
+
+    ``lockset``: record every access and fail the run on a data race the
+    detector reports (off: the instrumented containers only add switch points).
+    ``access_points``: the scheduler also switches at accesses made holding
+    no lock (the detector's instrumented containers are used either way).
+    """
 
     def __init__(self, strategy: Strategy, scope: m.Scope = SCOPE,
                  config: DriverConfig | None = None, max_steps: int = 4000,
-                 model: m.Model | None = None) -> None:
+                 model: m.Model | None = None, lockset: bool = True,
+                 access_points: bool = True) -> None:
         self.scope = scope
         self.sched = Scheduler(strategy, max_steps=max_steps)
-        self.runtime = CoopRuntime(self.sched)
+        self.detector = Detector(record=lockset)
+        self.lockset = lockset
+        self.runtime = CoopRuntime(self.sched, self.detector, access_points)
         base = config or DriverConfig()
         runtime = self.runtime
 
@@ -363,14 +381,21 @@ class Harness:
         self.kv = self.driver.kv
         self.model = model or ConcurrentModel(scope)
         self.lin = Linearizer(self.model, self.driver, self.sched)
+        self.lin.quiet = self.detector.ignoring
         self.sched.observer = self.lin
         kv = self.kv
+        self.detector.watch_manager(kv)
         assert kv._cpu_pool is not None
         for lk, role in ((kv._lock, "manager"), (kv._cpu_pool._lock, "pool"),
                          (kv._transfer._lock, "transfer")):
             assert isinstance(lk, CoopLock)
             lk.name = role
             self.lin.lock_role[id(lk)] = role
+        for lk, name in ((kv._allocator._lock, "device allocator"),
+                         (kv._cpu_pool._allocator._lock, "host allocator")):
+            assert isinstance(lk, CoopLock)
+            lk.name = name
+            lk.switch = False
         self._instrument()
         self.published: dict[tuple[int, int, int], PublishedKVInfo] = {}
 
@@ -454,7 +479,10 @@ class Harness:
                         info = src.publish(rid_name(op.rid))
                         assert info is not None
                         self.published[key] = info
-        lin.check()
+        with self.detector.ignoring():
+            lin.check()
+        # the set-up ran before the threads started: it happens-before them
+        self.detector.forget()
 
     # -- what the threads do ----------------------------------------------------------------
 
@@ -463,8 +491,10 @@ class Harness:
         protocol). Only the engine thread starts retrieves, so none can start
         between this read and the admit."""
         rids = {rid_name(g.rid) for g in step.segments} | {rid_name(r) for r in step.padded}
-        return all(retrieve_state(s) == m.IDLE
-                   for r in rids for s in self.kv._streams.get(r, {}).values())
+        # the engine's own bookkeeping in a real engine, so not kvref's access
+        with self.detector.ignoring():
+            return all(retrieve_state(s) == m.IDLE
+                       for r in rids for s in self.kv._streams.get(r, {}).values())
 
     def run_step(self, op: StepOp) -> None:
         lin, d = self.lin, self.driver
@@ -532,13 +562,26 @@ class Harness:
 
         try:
             self.sched.run([(p.name, body(p)) for p in programs])
-            self.lin.check(final=True)
+            with self.detector.ignoring():
+                self.lin.check(final=True)
         except ScheduleFailure as err:
-            raise ScheduleFailure(f"{err}\n{describe(programs)}", err.schedule) from None
+            raise ScheduleFailure(f"{err}\n{self.races()}{describe(programs)}",
+                                  err.schedule) from None
         except AssertionError as err:
             raise ScheduleFailure(
                 f"{err}\n{describe(programs)}\nschedule={self.sched.schedule}",
                 list(self.sched.schedule)) from None
+        if self.lockset and self.detector.reports:
+            raise ScheduleFailure(
+                f"{self.races()}{describe(programs)}\nschedule={self.sched.schedule}",
+                list(self.sched.schedule))
+
+    def races(self) -> str:
+        if not self.lockset:
+            return ""
+        reports = self.detector.reports
+        return "".join(f"{r}\n" for r in reports[:3]) + (
+            f"(and {len(reports) - 3} more)\n" if len(reports) > 3 else "")
 
 
 def describe(programs: Sequence[Program]) -> str:

@@ -10,6 +10,8 @@ figures the README quotes come from `python -m tests.concurrency.measure`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -17,16 +19,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvref import KVManager
+from kvref.allocator import PageAllocator
 from kvref.offload import Offload
 from kvref.offload_phases import HostOffload
 from kvref.streams import ClaimedStream
 from model import core as m
+from tests.support.lockset import Detector
 from tests.support.sched_harness import Op, Program, StepOp, run_once
 from tests.support.scheduler import (
     PCT,
+    CoopLock,
+    CoopRuntime,
     Prefix,
     RandomWalk,
     ScheduleFailure,
+    Scheduler,
     Strategy,
     next_dfs_prefix,
 )
@@ -91,16 +98,119 @@ def reset_skips_drain() -> Iterator[None]:
         KVManager._reads_pending = pending  # type: ignore[method-assign]
 
 
+_skip = threading.local()
+
+
+@contextmanager
+def lock_removed(cls: type, methods: tuple[str, ...],
+                 lock_of: Callable[[Any], Any]) -> Iterator[None]:
+    """``cls.<method>`` runs as if its ``with <lock>:`` were deleted: inside it,
+    the calling thread's acquires and releases of ``lock_of(self)`` do nothing
+    (other threads still take that lock as written)."""
+    origs = {name: cls.__dict__[name] for name in methods}
+    acquire, release = CoopLock.acquire, CoopLock.release
+
+    def skipped(lock: CoopLock) -> bool:
+        return id(lock) in getattr(_skip, "ids", ())
+
+    def acquire_(lock: CoopLock) -> None:
+        if not skipped(lock):
+            acquire(lock)
+
+    def release_(lock: CoopLock) -> None:
+        if not skipped(lock):
+            release(lock)
+
+    def unlocked(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def racy(self: Any, *args: Any, **kwargs: Any) -> Any:
+            before: frozenset[int] = getattr(_skip, "ids", frozenset())
+            _skip.ids = before | {id(lock_of(self))}
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                _skip.ids = before
+        return racy
+
+    CoopLock.acquire = acquire_  # type: ignore[method-assign,assignment]
+    CoopLock.release = release_  # type: ignore[method-assign,assignment]
+    for name, fn in origs.items():
+        setattr(cls, name, unlocked(fn))
+    try:
+        yield
+    finally:
+        CoopLock.acquire = acquire  # type: ignore[method-assign]
+        CoopLock.release = release  # type: ignore[method-assign]
+        for name, fn in origs.items():
+            setattr(cls, name, fn)
+
+
+def commit_without_lock() -> AbstractContextManager[None]:
+    """`commit` with its ``with self._lock`` deleted."""
+    return lock_removed(KVManager, ("commit",), lambda kv: kv._lock)
+
+
+def allocate_without_lock() -> AbstractContextManager[None]:
+    """`PageAllocator.try_allocate` with its lock dropped around the
+    check-then-pop: today's main (issue 9)."""
+    return lock_removed(PageAllocator, ("try_allocate",), lambda a: a._lock)
+
+
+def streams_read_outside_lock() -> AbstractContextManager[None]:
+    """reset/remove read the request's streams (in-flight check, futures to
+    drain) without the lock: today's main (issue 9, R32)."""
+    return lock_removed(KVManager, ("_refuse_if_in_flight", "_drain_reads"),
+                        lambda kv: kv._lock)
+
+
 @contextmanager
 def nothing() -> Iterator[None]:
     yield
+
+
+Runner = Callable[[Strategy, bool, bool], Scheduler]
 
 
 @dataclass(frozen=True)
 class Race:
     name: str
     patch: Callable[[], AbstractContextManager[None]]
-    programs: tuple[Program, ...]
+    programs: tuple[Program, ...] = ()
+    # a run on something other than a whole manager (the allocator alone)
+    runner: Runner | None = None
+
+
+def run_race(race: Race, strategy: Strategy, lockset: bool = True,
+             access_points: bool = True) -> Scheduler:
+    """One schedule of ``race`` (patch already applied); raises `ScheduleFailure`."""
+    if race.runner is not None:
+        return race.runner(strategy, lockset, access_points)
+    return run_once(race.programs, strategy, lockset=lockset,
+                    access_points=access_points).sched
+
+
+def allocator_users(strategy: Strategy, lockset: bool = True,
+                    access_points: bool = True) -> Scheduler:
+    """Two threads each allocate two of three pages and free them; at the end
+    every page must be free exactly once, and (``lockset``) no race reported."""
+    sched = Scheduler(strategy)
+    det = Detector()
+    alloc = PageAllocator(3, CoopRuntime(sched, det, access_points), name="pages")
+
+    def user() -> None:
+        pages = alloc.try_allocate(2)
+        if pages is not None:
+            alloc.free(pages)
+
+    sched.run([("a", user), ("b", user)])
+    free = alloc.free_pages()
+    if sorted(free) != [0, 1, 2]:
+        raise ScheduleFailure(f"pages lost or doubled: free list {free}\n"
+                              f"schedule={sched.schedule}", list(sched.schedule))
+    if lockset and det.reports:
+        raise ScheduleFailure(f"{det.report_text()}\nschedule={sched.schedule}",
+                              list(sched.schedule))
+    return sched
 
 
 STEP0 = StepOp(m.Step((m.Seg(0, 0, 1),), padded=(0,)))
@@ -113,6 +223,18 @@ RACES = (
     Race("reset reuses pages under a retrieve", reset_skips_drain,
          (Program("engine", [Op("retrieve", 2, 0, 5)]),
           Program("life", [Op("reset", 2, n=1)]))),
+)
+
+STEP_NEW_LABEL = StepOp(m.Step((m.Seg(0, 1, 1),), padded=(0,)))  # creates r0/cfg
+
+# the data races of issue 9: each a lock deleted around unlocked-visible state
+DATA_RACES = (
+    Race("commit without its lock", commit_without_lock,
+         (Program("engine", [STEP0]), Program("worker", [Op("offload", 0)]))),
+    Race("allocator check-then-pop without its lock", allocate_without_lock,
+         runner=allocator_users),
+    Race("reset reads streams outside the lock", streams_read_outside_lock,
+         (Program("engine", [STEP_NEW_LABEL]), Program("life", [Op("reset", 0)]))),
 )
 
 # the same program, unpatched: kvref's reset drains, then takes its lock, and a
@@ -129,15 +251,17 @@ class Detection:
     message: str = ""
 
 
-def detect(race: Race, strategies: Iterator[Strategy], budget: int) -> Detection:
-    """Run fresh strategies until one schedule fails; count the schedules."""
+def detect(race: Race, strategies: Iterator[Strategy], budget: int,
+           lockset: bool = True, access_points: bool = True) -> Detection:
+    """Run fresh strategies until one schedule fails; count the schedules.
+    ``lockset=False``: only a wrong result or state counts (no race report)."""
     t0 = time.perf_counter()
     with race.patch():
         for n, strategy in enumerate(strategies, 1):
             if n > budget:
                 break
             try:
-                run_once(race.programs, strategy)
+                run_race(race, strategy, lockset, access_points)
             except ScheduleFailure as err:
                 return Detection(n, time.perf_counter() - t0, err.schedule, str(err))
     return Detection(None, time.perf_counter() - t0)
@@ -157,7 +281,7 @@ def random_walk(seed: int) -> Iterator[Strategy]:
         i += 1
 
 
-def dfs(race: Race, bound: int, budget: int) -> Detection:
+def dfs(race: Race, bound: int, budget: int, lockset: bool = True) -> Detection:
     """Depth-first over every schedule with at most ``bound`` preemptions."""
     t0 = time.perf_counter()
     prefix: list[int] | None = []
@@ -167,10 +291,10 @@ def dfs(race: Race, bound: int, budget: int) -> Detection:
             n += 1
             strategy = Prefix(prefix)
             try:
-                h = run_once(race.programs, strategy)
+                sched = run_race(race, strategy, lockset)
             except ScheduleFailure as err:
                 return Detection(n, time.perf_counter() - t0, err.schedule, str(err))
-            prefix = next_dfs_prefix(h.sched.trace, bound)
+            prefix = next_dfs_prefix(sched.trace, bound)
     return Detection(None, time.perf_counter() - t0, message=f"{n} schedules, none failed")
 
 

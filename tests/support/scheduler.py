@@ -188,11 +188,15 @@ class Scheduler:
         self.by_thread: dict[int, Actor] = {}
         self.schedule: list[int] = []
         self.trace: list[tuple[int, int, bool]] = []
+        self.preemptions: list[str] = []
         self.failure: BaseException | None = None
         self.failure_text = ""
         self.aborted = False
         self.running = False
         self.locks: list[CoopLock] = []
+        # the race detector, told of every outermost acquire and release
+        self.detector: Any = None
+        self._checking = False
         self._finished = threading.Event()
         self._meta = threading.Lock()  # actor creation vs. thread start-up only
 
@@ -253,14 +257,17 @@ class Scheduler:
                 a.thread.join(5.0)
         self.running = False
         if self.failure is not None or self.failure_text:
+            where = "".join(f"\n  {p}" for p in self.preemptions)
             raise ScheduleFailure(
-                f"{self.failure_text}\nschedule={compact(self.schedule)}", list(self.schedule)
+                f"{self.failure_text}\npreemptions:{where or ' none'}"
+                f"\nschedule={compact(self.schedule)}", list(self.schedule)
             ) from self.failure
 
     def point(self, where: str, ready: Callable[[], bool] | None = None) -> None:
         """A switch point of the calling actor (a no-op outside a run)."""
         me = self.me()
-        if me is None or not self.running:
+        if me is None or not self.running or self._checking:
+            # (a check's own lock acquires, e.g. the allocator's, are no switch points)
             return
         if self.aborted:
             raise Abort
@@ -268,11 +275,14 @@ class Scheduler:
         if len(self.schedule) >= self.max_steps:
             self._fail(f"livelock: step budget of {self.max_steps} exhausted", None)
             raise Abort
+        self._checking = True
         try:
             self.observer.at_point(self)
         except BaseException as err:
             self._fail(f"check failed before {me.name} {where}: {err}", err)
             raise Abort from None
+        finally:
+            self._checking = False
         nxt = self._pick(me)
         if nxt is None:
             raise Abort
@@ -297,6 +307,11 @@ class Scheduler:
         idx = self.strategy.choose(len(self.schedule), runnable, runs)
         self.schedule.append(idx)
         self.trace.append((len(runnable), idx, runs))
+        if idx and runs and me is not None:
+            # a preemption: the failure message names where (an access, a lock...)
+            self.preemptions.append(
+                f"step {len(self.schedule) - 1}: {me.name} preempted before {me.where}, "
+                f"{runnable[idx].name} runs")
         return runnable[idx]
 
     def _pass_on(self, me: Actor | None) -> None:
@@ -352,6 +367,10 @@ class CoopLock(AbstractContextManager["CoopLock"]):
         self.name = name
         self.owner: Actor | int | None = None
         self.depth = 0
+        # False for a leaf lock (an allocator's): taken inside another lock's
+        # section it is no switch point, since no other thread that needs the
+        # outer lock can run there; taken on its own it still is
+        self.switch = True
 
     def __enter__(self) -> CoopLock:
         self.acquire()
@@ -370,12 +389,15 @@ class CoopLock(AbstractContextManager["CoopLock"]):
         if isinstance(key, Actor):
             if sched.aborted:
                 raise Abort
-            sched.point(f"acquire {self.name}", lambda: self.owner is None)
+            if self.switch or not key.held or self.owner is not None:
+                sched.point(f"acquire {self.name}", lambda: self.owner is None)
             key.held.append(self)
         else:
             # outside a run (test set-up, teardown): one thread, no scheduling
             assert self.owner is None, f"{self.name} held by {self.owner} outside a run"
         self.owner, self.depth = key, 1
+        if sched.detector is not None:
+            sched.detector.acquired(self)
         sched.observer.on_acquire(self)
 
     def release(self) -> None:
@@ -383,22 +405,41 @@ class CoopLock(AbstractContextManager["CoopLock"]):
         if self.depth:
             return
         owner, self.owner = self.owner, None
+        if self.sched.detector is not None:
+            self.sched.detector.released(self)
         self.sched.observer.on_release(self)
         if isinstance(owner, Actor):
             if self in owner.held:
                 owner.held.remove(self)
-            if not self.sched.aborted:
+            if not self.sched.aborted and (self.switch or not owner.held):
                 self.sched.point(f"released {self.name}")
 
 
 class CoopRuntime:
     """`kvref.runtime.Runtime` over a `Scheduler`: a submitted task is an actor
-    of its own, so a retrieve can complete at any switch point."""
+    of its own, so a retrieve can complete at any switch point.
 
-    def __init__(self, sched: Scheduler) -> None:
+    With a ``detector`` (`tests.support.lockset.Detector`) the containers kvref
+    asks for are instrumented, and with ``access_points`` every access made
+    holding no lock is a switch point too: interleavings inside unlocked
+    code are explored, and a failing schedule's steps name the accesses.
+    """
+
+    def __init__(self, sched: Scheduler, detector: Any = None,
+                 access_points: bool = True) -> None:
         self.sched = sched
         self.names: list[str] = []  # lock names, in creation order
         self.tasks = 0
+        self.detector = detector
+        if detector is not None:
+            sched.detector = detector
+            if access_points:
+                detector.preempt = lambda where: sched.point(f"access {where}")
+
+    def shared(self, value: T, name: str) -> T:
+        if self.detector is None:
+            return value
+        return self.detector.wrap(value, name)  # type: ignore[no-any-return]
 
     def lock(self) -> CoopLock:
         lk = CoopLock(self.sched, f"lock{len(self.sched.locks)}")

@@ -291,13 +291,15 @@ def test_padded_rows_past_the_table_are_zero() -> None:
 # --- facade -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_facade_on_cpu_runs_the_reference(backend: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "ran"), [("auto", "sdpa"), ("sdpa", "sdpa"), ("torch", "torch")]
+)
+def test_facade_on_cpu(backend: str, ran: str) -> None:
     case = make_case([Req(6, 4), Req(0, 5), Req(9, 1)], layout=KVLayout.HND, page_size=4)
-    attn = PagedAttention.from_config(case.cache.config, backend=backend)
+    attn = PagedAttention.from_config(case.cache.config, backend=backend)  # type: ignore[arg-type]
     attn.plan(case.plan)
     out = attn.run(case.q, case.cache.layer_view(0))
-    assert attn.last_backend == "torch"
+    assert attn.last_backend == ran
     torch.testing.assert_close(out, dense_attention(case), atol=2e-5, rtol=1e-4)
     # plan once, run per layer: a second run reuses the unpacked table
     assert torch.equal(attn.run(case.q, case.cache.layer_view(0)), out)
@@ -347,11 +349,17 @@ def test_graph_padding_aims_at_the_sink() -> None:
     assert dec.paged_kv_indptr.tolist() == [0, 2, 3, 4, 5]
     assert dec.paged_kv_indices.tolist() == [5, 2, 7, SINK_PAGE, SINK_PAGE]
     assert dec.paged_kv_last_page_len.tolist() == [2, 3, 1, 1]
-    pre = _graph_padded(ind, 3, decode=False)
-    assert pre.qo_indptr.tolist() == [0, 1, 2, 2]  # padded requests own no query rows
+    # prefill: padded requests own no rows; one more absorbs the spare rows (5 - 2)
+    pre = _graph_padded(ind, 3, decode=False, num_rows=5, page_size=2)
+    assert pre.qo_indptr.tolist() == [0, 1, 2, 2, 5]
+    assert pre.paged_kv_indptr.tolist() == [0, 2, 3, 4, 6]
+    assert pre.paged_kv_indices.tolist() == [5, 2, 7, SINK_PAGE, SINK_PAGE, SINK_PAGE]
+    assert pre.paged_kv_last_page_len.tolist() == [2, 3, 1, 1]
     assert _graph_padded(ind, 2, decode=True) is ind
     with pytest.raises(KVShapeError):
         _graph_padded(ind, 1, decode=True)
+    with pytest.raises(KVShapeError, match="rows"):
+        _graph_padded(ind, 3, decode=False, num_rows=1, page_size=2)
 
 
 # --- FlashInfer (CUDA only) ---------------------------------------------------

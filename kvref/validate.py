@@ -1,0 +1,335 @@
+"""Is this input well-formed? Checks on what an engine hands the manager.
+
+Each function raises a `KVRefError` subclass naming the request and label it
+can, and changes nothing: the manager calls them before it touches any state,
+so a misuse found here leaves the manager exactly as it was. They check types
+and ranges only; whether a call is allowed in the current lifecycle state is
+the manager's business. ``step_lengths`` is the one that reads stream state
+(read-only), and must run under the manager's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from kvref.config import KVReqConfig
+from kvref.errors import (
+    InvalidArgumentError,
+    InvalidStepError,
+    KVDeviceError,
+    KVShapeError,
+    PublishedInfoError,
+)
+from kvref.plan import group_by_plan_label
+from kvref.published import KVSequenceInfo, PublishedKVInfo
+from kvref.step import BucketKey, KVStep, Segment, SlotLease, StepContext
+
+
+class _HasLength(Protocol):
+    @property
+    def stored_len(self) -> int: ...
+
+
+def _what(value: object) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass; True as a span or layer is a bug, not a 1
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# these checks run three times a step (admit, plan, commit): the common case
+# is decided by exact types, and only anything else takes the general route
+_LIST_TYPES = frozenset({list, tuple})
+_STR = frozenset({str})
+
+
+def _is_sequence(value: object) -> bool:
+    # a bare str is a Sequence too, and would be iterated per character
+    return type(value) in _LIST_TYPES or (
+        isinstance(value, Sequence) and not isinstance(value, str))
+
+
+def _all_str(items: Sequence[object]) -> bool:
+    return set(map(type, items)) <= _STR or all(isinstance(item, str) for item in items)
+
+
+def _is_str_sequence(value: object) -> bool:
+    return _is_sequence(value) and _all_str(value)  # type: ignore[arg-type]
+
+
+# -- call arguments -------------------------------------------------------------
+
+
+def request_id(rid: object, call: str) -> None:
+    """``rid`` names a request: a ``str``."""
+    if not isinstance(rid, str):
+        raise InvalidArgumentError(f"{call}: request id must be a str, got {_what(rid)}")
+
+
+def label(value: object, call: str, rid: str | None = None, what: str = "label") -> None:
+    """``value`` names a label (or a node, a graph walk): a ``str``."""
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"{call}: {what} must be a str, got {_what(value)}",
+                                   request_id=rid)
+
+
+def req_config(overrides: object, rid: str) -> None:
+    if overrides is not None and not isinstance(overrides, KVReqConfig):
+        raise InvalidArgumentError(
+            f"ingest_request: overrides must be a KVReqConfig or None, got "
+            f"{type(overrides).__name__}", request_id=rid,
+        )
+
+
+def optional_label(value: object, call: str) -> None:
+    """A plan label argument that defaults to the cursor when None."""
+    if value is not None:
+        label(value, call)
+
+
+def layer_idx(idx: object, num_layers: int, call: str) -> None:
+    """``idx`` (after the cursor default) addresses a layer: an int in ``[0, num_layers)``.
+
+    A negative index would silently address a layer from the end.
+    """
+    if idx is None:
+        raise InvalidArgumentError(f"{call}: no layer_idx given and the layer cursor is unset")
+    if not _is_int(idx):
+        raise InvalidArgumentError(f"{call}: layer_idx must be an int, got {_what(idx)}")
+    assert isinstance(idx, int)
+    if not 0 <= idx < num_layers:
+        raise InvalidArgumentError(f"{call}: layer_idx {idx} outside [0, {num_layers})")
+
+
+def optional_layer_idx(idx: object, num_layers: int, call: str) -> None:
+    """A cursor setting: None clears it, anything else must address a layer."""
+    if idx is not None:
+        layer_idx(idx, num_layers, call)
+
+
+def kv_pair(k: object, v: object, device: torch.device, plan_label: str) -> None:
+    """K and V are tensors on the cache's device (shape and dtype: the plan's business)."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise KVShapeError(f"write_kv {name} must be a torch.Tensor, got {type(t).__name__}",
+                               label=plan_label)
+        if t.device != device:
+            raise KVDeviceError(
+                f"write_kv {name} is on {t.device}; the cache is on {device}", label=plan_label
+            )
+
+
+def published(pub: object, rid: str, rank: int) -> None:
+    """What `admit_retrieve` is handed: None, or `PublishedKVInfo` whose entries
+    for this rank are well-formed (lengths and page lists; whether they fit
+    this cache is checked against the cache)."""
+    if pub is None:
+        return
+    if not isinstance(pub, PublishedKVInfo):
+        raise PublishedInfoError(
+            f"published must be a PublishedKVInfo or None, got {type(pub).__name__}",
+            request_id=rid,
+        )
+    if not _is_int(pub.world_size) or pub.world_size < 1:
+        raise PublishedInfoError(f"published world_size {pub.world_size!r}", request_id=rid)
+    if not isinstance(pub.info, Mapping):
+        raise PublishedInfoError(f"published info is a {type(pub.info).__name__}",
+                                 request_id=rid)
+    entries = pub.info.get(rank, {})
+    if not isinstance(entries, Mapping):
+        raise PublishedInfoError(f"published info for rank {rank} is a "
+                                 f"{type(entries).__name__}", request_id=rid)
+    for name, info in entries.items():
+        if not isinstance(name, str):
+            raise PublishedInfoError(f"published label {_what(name)} is not a str",
+                                     request_id=rid)
+        if not isinstance(info, KVSequenceInfo):
+            raise PublishedInfoError(f"published entry is a {type(info).__name__}",
+                                     request_id=rid, label=name)
+        if not _is_int(info.seq_len) or info.seq_len < 0:
+            raise PublishedInfoError(f"published seq_len {info.seq_len!r}",
+                                     request_id=rid, label=name)
+        pages = info.page_indices
+        if isinstance(pages, str) or not isinstance(pages, Sequence) or not all(
+            _is_int(p) for p in pages
+        ):
+            raise PublishedInfoError(f"published page_indices {pages!r}",
+                                     request_id=rid, label=name)
+
+
+# -- steps ------------------------------------------------------------------------
+
+
+def step(step: object, ctx: object) -> None:
+    """A `KVStep` and `StepContext` whose every field has the type it promises."""
+    if not isinstance(step, KVStep):
+        raise InvalidStepError(f"step must be a KVStep, got {type(step).__name__}")
+    if not isinstance(ctx, StepContext):
+        raise InvalidStepError(f"ctx must be a StepContext, got {type(ctx).__name__}")
+    segments(step.segments)
+    if step.commit is not True and step.commit is not False:
+        raise InvalidStepError(f"KVStep.commit must be a bool, got {_what(step.commit)}")
+    if step.pre_forks:
+        forks("pre_forks", step.pre_forks)
+    if step.post_forks:
+        forks("post_forks", step.post_forks)
+    combined = step.combined_labels
+    if not _is_sequence(combined) or not all(_is_str_sequence(group) for group in combined):
+        raise InvalidStepError(
+            f"KVStep.combined_labels must be a sequence of sequences of str labels, "
+            f"got {combined!r}"
+        )
+    padded = ctx.padded_request_ids
+    if not _is_str_sequence(padded):
+        raise InvalidStepError(
+            f"StepContext.padded_request_ids must be a sequence of str request ids, "
+            f"got {padded!r}"
+        )
+    if ctx.is_preplan is not True and ctx.is_preplan is not False:
+        raise InvalidStepError(f"StepContext.is_preplan must be a bool, got "
+                               f"{_what(ctx.is_preplan)}")
+    if ctx.slot_lease is not None and not isinstance(ctx.slot_lease, SlotLease):
+        raise InvalidStepError(f"StepContext.slot_lease must be a SlotLease or None, got "
+                               f"{type(ctx.slot_lease).__name__}")
+
+
+def segments(segs: object) -> None:
+    if not _is_sequence(segs):
+        raise InvalidStepError(
+            f"KVStep.segments must be a sequence of Segment, got {type(segs).__name__}"
+        )
+    assert isinstance(segs, Sequence)
+    for seg in segs:
+        # one expression per segment (a plain loop measured faster here than
+        # C-level map/set passes); only a bad segment takes the slow path
+        if not (isinstance(seg, Segment) and type(seg.span) is int and seg.span >= 0
+                and isinstance(seg.request_id, str) and isinstance(seg.label, str)):
+            _bad_segment(seg)
+
+
+def _bad_segment(seg: object) -> None:
+    """Which part of ``seg`` is wrong, as an error naming the stream."""
+    if not isinstance(seg, Segment):
+        raise InvalidStepError(f"KVStep.segments holds a {type(seg).__name__}, not a Segment")
+    rid, name, span = seg.request_id, seg.label, seg.span
+    if not isinstance(rid, str):
+        raise InvalidStepError(f"segment request id must be a str, got {_what(rid)}")
+    if not isinstance(name, str):
+        raise InvalidStepError(f"segment label must be a str, got {_what(name)}",
+                               request_id=rid)
+    if not _is_int(span):
+        raise InvalidStepError(f"span must be an int, got {_what(span)}",
+                               request_id=rid, label=name)
+    if span < 0:
+        raise InvalidStepError(f"negative span {span}", request_id=rid, label=name)
+
+
+def forks(field: str, pairs: object) -> None:
+    if isinstance(pairs, str) or not isinstance(pairs, Sequence):
+        raise InvalidStepError(f"KVStep.{field} must be a sequence of (from, to) label pairs, "
+                               f"got {pairs!r}")
+    for pair in pairs:
+        if not (_is_str_sequence(pair) and len(pair) == 2):
+            raise InvalidStepError(f"KVStep.{field} holds {pair!r}, not a (from, to) pair "
+                                   "of str labels")
+        if pair[0] == pair[1]:
+            raise InvalidStepError(f"fork of label {pair[0]!r} onto itself", label=pair[0])
+
+
+def step_lengths(
+    step: KVStep,
+    ctx: StepContext,
+    streams: Mapping[str, Mapping[str, _HasLength]],
+    max_seq_len: int,
+) -> None:
+    """No stream the step grows ends past ``max_seq_len``. Under the manager's lock.
+
+    A pre-fork target starts the step at its source's length (applied in
+    order, so a chain a->b, b->c carries a's length to c); a post-fork target
+    ends at its source's, which its own segment already bounds. Unknown
+    requests pass here: the admit itself names them.
+    """
+    pre = _pre_fork_lengths(step, ctx, streams) if step.pre_forks else None
+    for seg in step.segments:
+        if pre and (seg.request_id, seg.label) in pre:
+            base = pre[(seg.request_id, seg.label)]
+        else:
+            labels = streams.get(seg.request_id)
+            stream = labels.get(seg.label) if labels is not None else None
+            base = stream.stored_len if stream is not None else 0
+        if base + seg.span > max_seq_len:
+            _too_long(seg, base, max_seq_len)
+
+
+def _pre_fork_lengths(
+    step: KVStep, ctx: StepContext, streams: Mapping[str, Mapping[str, _HasLength]]
+) -> dict[tuple[str, str], int]:
+    """Each pre-fork target's length at plan: its source's, chains followed in order."""
+    pre: dict[tuple[str, str], int] = {}
+    for src, dst in step.pre_forks:
+        for rid in ctx.padded_request_ids:
+            labels = streams.get(rid)
+            if labels is None:
+                continue
+            if (rid, src) in pre:
+                pre[(rid, dst)] = pre[(rid, src)]
+            elif src in labels:
+                pre[(rid, dst)] = labels[src].stored_len
+    return pre
+
+
+def _too_long(seg: Segment, base: int, max_seq_len: int) -> None:
+    raise InvalidStepError(
+        f"stream would reach {base + seg.span} tokens ({base} stored + span "
+        f"{seg.span}), past KVConfig.max_seq_len {max_seq_len}",
+        request_id=seg.request_id, label=seg.label,
+    )
+
+
+def slot_lease(step: KVStep, ctx: StepContext, buffer_len: int) -> None:
+    """A step planned under a slot lease fits the graph's static buffers.
+
+    Checked before plan changes anything (a pre-fork copies at plan): found
+    inside, it left the fork applied or one label's buffer restaged.
+    """
+    lease = ctx.slot_lease
+    if lease is None:
+        return
+    bucket = lease.bucket
+    if not (_is_int(lease.slot) and isinstance(bucket, BucketKey)
+            and _is_int(bucket.num_tokens) and bucket.num_tokens >= 0):
+        raise InvalidStepError(f"slot lease {lease!r}: slot must be an int and bucket a "
+                               "BucketKey of a non-negative token count")
+    if buffer_len == 0:
+        raise InvalidStepError(
+            "a step planned under a slot lease before build_cuda_graph_buffers"
+        )
+    if bucket.num_tokens > buffer_len:
+        raise InvalidStepError(
+            f"bucket of {bucket.num_tokens} tokens is larger than the graph buffers "
+            f"({buffer_len}); build_cuda_graph_buffers with a larger max_seq_len"
+        )
+    try:
+        groups = group_by_plan_label(step.segments, step.combined_labels)
+    except ValueError as err:
+        raise InvalidStepError(str(err)) from None
+    for plan_label, segs in groups.items():
+        n = sum(seg.span for seg in segs)
+        if n > bucket.num_tokens:
+            raise InvalidStepError(
+                f"{n} tokens do not fit a bucket of {bucket.num_tokens}", label=plan_label
+            )
+
+
+def capture_len(max_seq_len: object) -> None:
+    """`build_cuda_graph_buffers`'s token count: a positive int."""
+    if not _is_int(max_seq_len) or max_seq_len < 1:  # type: ignore[operator]
+        raise InvalidArgumentError(
+            f"build_cuda_graph_buffers: max_seq_len must be a positive int, got "
+            f"{_what(max_seq_len)}"
+        )

@@ -1,0 +1,424 @@
+"""An Eraser-style lockset race detector for kvref's shared state (test only).
+
+kvref asks its runtime for every container of shared state
+(`kvref.runtime.shared`). The test runtimes (`CoopRuntime`, `TracedRuntime`)
+answer with the instrumented containers below; every read and write made
+through them records the thread, the locks it holds (the runtime's locks
+report acquire and release here) and where it was made. Two threads touching
+one datum with no lock in common, at least one of them writing, is a
+`RaceReport` naming the datum with both stacks. The scheduler also uses the
+access hook as a switch point (`Detector.preempt`): accesses made holding no
+lock are where interleavings inside unlocked code happen.
+
+The data watched, and how:
+- the streams table (`streams`, a dict), each request's labels table
+  (`streams[rid]`), each stream's fields (the object's class is swapped for a
+  subclass with the same slots whose fields record) and its page list;
+- an allocator's free list (`device pages.free`, `host pages.free`);
+- the host pool's copies table and pending-free list;
+- the offload table (`offloads`);
+- the manager's staged preplan and the plan states `write_kv`/`read_kv` read
+  (`watch_manager`: the two attributes become recording properties).
+
+What it does not see: state outside those containers (an `Offload`'s own
+fields, the transfer manager's, `_overrides`, tensors), order that comes
+from anything but a common lock (a thread start, a future's result: such
+hand-offs are reported unless declared), and races in code the test did not
+run. Accesses in `LOCK_FREE` are deliberate and not recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import count
+from typing import Any
+
+from kvref.runtime import ThreadingRuntime
+from kvref.streams import CacheStream
+
+# (datum kind, operation) -> why it may run without the lock. Kinds are the
+# names containers were made with, `[]` for a table's rows and `.field` for
+# a stream's fields.
+LOCK_FREE: dict[tuple[str, str], str] = {
+    # `has_request` and `remove_request`'s early return: one dict lookup,
+    # atomic under the GIL. A stale answer orders the call before the ingest
+    # or removal it missed, and remove re-reads the table under the lock.
+    ("streams", "__contains__"): "one atomic lookup; remove re-checks under the lock",
+}
+# Also lock-free, and not containers, so not watched: a stream's read
+# `Future` is polled through `done()` outside the manager's lock (reset's and
+# remove's drain, an offload's copy). A Future carries its own condition lock;
+# the manager reads *which* future a stream holds only under its lock (R32).
+
+_SKIP = {__file__, threading.__file__}
+
+
+@dataclass(frozen=True)
+class Access:
+    thread: str
+    tid: int
+    op: str
+    write: bool
+    locks: tuple[Any, ...]
+    stack: tuple[tuple[Any, int], ...]
+
+    def render(self) -> str:
+        held = ", ".join(getattr(lk, "name", repr(lk)) for lk in self.locks) or "no lock"
+        what = "write" if self.write else "read"
+        if self.op not in ("read", "write"):
+            what += f" ({self.op})"
+        lines = [f"  {self.thread}: {what} holding {held}"]
+        lines += [f"    {os.path.relpath(code.co_filename)}:{n} in {code.co_name}"
+                  for code, n in self.stack if code.co_filename not in _SKIP]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RaceReport:
+    datum: str
+    first: Access
+    second: Access
+
+    def __str__(self) -> str:
+        return (f"data race on {self.datum}: no common lock\n"
+                f"{self.first.render()}\n{self.second.render()}")
+
+
+def _stack(depth: int = 8) -> tuple[tuple[Any, int], ...]:
+    """The caller's frames as (code, line): cheap now, rendered only in a report."""
+    out: list[tuple[Any, int]] = []
+    f: Any = sys._getframe(2)
+    while f is not None and len(out) < depth:
+        out.append((f.f_code, f.f_lineno))
+        f = f.f_back
+    return tuple(out)
+
+
+class Detector:
+    """The lockset check; one per manager under test (or per scheduled run)."""
+
+    def __init__(self, record: bool = True) -> None:
+        # False: the containers only provide switch points (no lockset check)
+        self.record = record
+        self._tl = threading.local()
+        self._meta = threading.Lock()  # the detector's own tables, across real threads
+        # (serial, field) -> (thread id, write, lock ids) -> first such access
+        self._hist: dict[tuple[int, str], dict[tuple[int, bool, frozenset[int]], Access]] = {}
+        self._serial = count(1)
+        # id(stream) -> serial, name (streams have no weak references: kept alive)
+        self._serials: dict[int, int] = {}
+        self._names: dict[int, str] = {}
+        self._keep: list[object] = []
+        self._seen: set[tuple[str, Any, Any]] = set()
+        self.reports: list[RaceReport] = []
+        self.accesses = 0
+        # called before an access made holding no lock: the scheduler's switch point
+        self.preempt: Callable[[str], None] | None = None
+        self._stream_cls = _traced_stream_class(self)
+
+    # -- locks (the runtime's locks call these on their outermost acquire/release)
+
+    def _held(self) -> list[Any]:
+        held: list[Any] | None = getattr(self._tl, "held", None)
+        if held is None:
+            held = self._tl.held = []
+        return held
+
+    def acquired(self, lock: Any) -> None:
+        self._held().append(lock)
+
+    def released(self, lock: Any) -> None:
+        held = self._held()
+        if lock in held:
+            held.remove(lock)
+
+    # -- scope -------------------------------------------------------------------
+
+    @contextmanager
+    def ignoring(self) -> Iterator[None]:
+        """Accesses of the test's own checks: neither recorded nor switch points."""
+        self._tl.ignore = getattr(self._tl, "ignore", 0) + 1
+        try:
+            yield
+        finally:
+            self._tl.ignore -= 1
+
+    def forget(self) -> None:
+        """Drop the history: what ran before the threads started happens-before
+        them (a thread start is an order the lockset algorithm cannot see)."""
+        with self._meta:
+            self._hist.clear()
+
+    # -- the check -----------------------------------------------------------------
+
+    def access(self, serial: int, base: str, field: str, kind: str, op: str,
+               write: bool) -> None:
+        """One read or write of datum ``base + field`` (named only if reported)."""
+        tl = self._tl
+        if getattr(tl, "ignore", 0):
+            return
+        held = getattr(tl, "held", None)
+        if not held and self.preempt is not None:
+            self.preempt(f"{op} {base}{field}")
+        if not self.record or (kind, op) in LOCK_FREE:
+            return
+        locks = tuple(held) if held else ()
+        ids = frozenset(id(lk) for lk in locks)
+        me = threading.get_ident()
+        k = (me, write, ids)
+        with self._meta:
+            self.accesses += 1
+            entries = self._hist.setdefault((serial, kind), {})
+            racing = [other for (tid, was_write, other_ids), other in entries.items()
+                      if tid != me and (write or was_write) and not (ids & other_ids)]
+            if not racing and k in entries:
+                return  # seen from here before: the stack is only worth its cost once
+        # outside the detector's lock: frames are this thread's own
+        this = Access(threading.current_thread().name, me, op, write, locks, _stack())
+        with self._meta:
+            entries.setdefault(k, this)
+            for other in racing:
+                key = (kind, other.stack[:3], this.stack[:3])
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.reports.append(RaceReport(base + field, other, this))
+
+    def _drop(self, serial: int) -> None:
+        with self._meta:
+            for key in [k for k in self._hist if k[0] == serial]:
+                del self._hist[key]
+
+    def new_serial(self, obj: object) -> int:
+        serial = next(self._serial)
+        try:
+            weakref.finalize(obj, self._drop, serial)
+        except TypeError:  # no weak references (a slotted stream): kept alive
+            self._keep.append(obj)
+        return serial
+
+    # -- instrumented containers ----------------------------------------------------
+
+    def wrap(self, value: Any, name: str, kind: str | None = None) -> Any:
+        """The instrumented twin of ``value`` (a dict, list, deque or CacheStream)."""
+        kind = kind if kind is not None else name
+        if isinstance(value, (TracedDict, TracedList, TracedDeque)):
+            return value
+        if isinstance(value, dict):
+            d = TracedDict()
+            d._init(self, name, kind)
+            for k, v in value.items():
+                dict.__setitem__(d, k, d._adopt(k, v))
+            return d
+        if isinstance(value, list):
+            lst = TracedList(value)
+            lst._init(self, name, kind)
+            return lst
+        if isinstance(value, deque):
+            dq = TracedDeque(value)
+            dq._init(self, name, kind)
+            return dq
+        if isinstance(value, CacheStream):
+            self.adopt_stream(value, name)
+            return value
+        return value
+
+    def adopt_stream(self, stream: CacheStream, name: str) -> None:
+        if type(stream) is self._stream_cls:
+            return
+        pages = stream.page_indices
+        self._serials[id(stream)] = self.new_serial(stream)
+        self._names[id(stream)] = name
+        # same slots, so the object can change class: its fields now record
+        stream.__class__ = self._stream_cls
+        stream.page_indices = pages  # through the recording setter: a traced list
+
+    def watch_manager(self, kv: Any) -> None:
+        """Record reads and writes of the staged preplan and the current plan
+        states (`write_kv`/`read_kv` read them without the lock)."""
+        cls = type(kv)
+        sub = type(f"Watched{cls.__name__}", (cls,), {
+            name: _attr_property(self, name, kind)
+            for name, kind in (("_preplan", "manager.preplan"),
+                               ("_current_plan_states", "manager.plan_states"))})
+        kv.__class__ = sub
+        self._manager_serial = self.new_serial(kv)
+
+    def report_text(self) -> str:
+        return "\n".join(str(r) for r in self.reports)
+
+
+def _attr_property(det: Detector, name: str, kind: str) -> property:
+    def get(self: Any) -> Any:
+        det.access(det._manager_serial, kind, "", kind, "read", False)
+        return self.__dict__[name]
+
+    def put(self: Any, value: Any) -> None:
+        det.access(det._manager_serial, kind, "", kind, "write", True)
+        self.__dict__[name] = value
+
+    return property(get, put)
+
+
+def _traced_stream_class(det: Detector) -> type[CacheStream]:
+    def field(f: str) -> property:
+        slot = CacheStream.__dict__[f]
+        kind = f"stream.{f}"
+
+        dot = f".{f}"
+
+        def get(self: CacheStream) -> Any:
+            i = id(self)
+            det.access(det._serials[i], det._names[i], dot, kind, "read", False)
+            return slot.__get__(self, CacheStream)
+
+        def put(self: CacheStream, value: Any) -> None:
+            i = id(self)
+            det.access(det._serials[i], det._names[i], dot, kind, "write", True)
+            if f == "page_indices" and isinstance(value, list):
+                # the list is shared state too (admit extends it in place)
+                value = det.wrap(value, f"{det._names[id(self)]}.pages", "stream.pages")
+            slot.__set__(self, value)
+
+        return property(get, put)
+
+    ns: dict[str, Any] = {"__slots__": ()}
+    for f in CacheStream.__slots__:
+        ns[f] = field(f)
+    return type("TracedCacheStream", (CacheStream,), ns)
+
+
+# -- containers ---------------------------------------------------------------------
+
+
+class _Traced:
+    _det: Detector
+    _name: str
+    _kind: str
+    _serial: int
+
+    def _init(self, det: Detector, name: str, kind: str) -> None:
+        self._det, self._name, self._kind = det, name, kind
+        self._serial = det.new_serial(self)
+
+    def _rec(self, op: str, write: bool) -> None:
+        self._det.access(self._serial, self._name, "", self._kind, op, write)
+
+
+def _methods(base: type, reads: tuple[str, ...], writes: tuple[str, ...]) -> dict[str, Any]:
+    ns: dict[str, Any] = {}
+    for names, write in ((reads, False), (writes, True)):
+        for op in names:
+            impl = getattr(base, op)
+
+            def method(self: _Traced, *args: Any, _impl: Any = impl, _op: str = op,
+                       _w: bool = write, **kwargs: Any) -> Any:
+                self._rec(_op, _w)
+                return _impl(self, *args, **kwargs)
+
+            method.__name__ = op
+            ns[op] = method
+    return ns
+
+
+class TracedDict(_Traced, dict):  # type: ignore[type-arg]
+    """A dict whose reads and writes record; a table's rows (plain dicts,
+    streams) are adopted as instrumented rows when stored."""
+
+    def _adopt(self, key: Any, value: Any) -> Any:
+        if isinstance(value, (dict, CacheStream)):
+            return self._det.wrap(value, f"{self._name}[{key!r}]", f"{self._kind}[]"
+                                  if isinstance(value, dict) else None)
+        return value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._rec("__setitem__", True)
+        dict.__setitem__(self, key, self._adopt(key, value))
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self._rec("setdefault", True)
+        if dict.__contains__(self, key):
+            return dict.__getitem__(self, key)
+        value = self._adopt(key, default)
+        dict.__setitem__(self, key, value)
+        return value
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+    locals().update(_methods(
+        dict,
+        ("__getitem__", "get", "__contains__", "__iter__", "__len__", "keys", "values",
+         "items", "copy", "__repr__"),
+        ("__delitem__", "pop", "popitem", "clear"),
+    ))
+
+
+class TracedList(_Traced, list):  # type: ignore[type-arg]
+    locals().update(_methods(
+        list,
+        ("__getitem__", "__len__", "__iter__", "__contains__", "index", "count", "copy",
+         "__eq__", "__repr__"),
+        ("append", "extend", "__iadd__", "__setitem__", "__delitem__", "pop", "clear",
+         "insert", "remove", "sort", "reverse"),
+    ))
+    __hash__ = None
+
+
+class TracedDeque(_Traced, deque):  # type: ignore[type-arg]
+    locals().update(_methods(
+        deque,
+        ("__len__", "__iter__", "__getitem__", "__contains__", "copy", "__repr__"),
+        ("popleft", "pop", "append", "appendleft", "extend", "extendleft", "clear",
+         "remove", "rotate", "__iadd__"),
+    ))
+
+
+# -- a real-thread runtime that feeds the detector -----------------------------------
+
+
+class TracedLock:
+    """A reentrant lock that tells the detector when its thread holds it."""
+
+    def __init__(self, det: Detector, name: str) -> None:
+        self._lk = threading.RLock()
+        self._det = det
+        self.name = name
+        self._depth = 0  # only its holder reads or writes it
+
+    def __enter__(self) -> TracedLock:
+        self._lk.acquire()
+        self._depth += 1
+        if self._depth == 1:
+            self._det.acquired(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._det.released(self)
+        self._lk.release()
+
+
+class TracedRuntime(ThreadingRuntime):
+    """`ThreadingRuntime` with instrumented locks and containers (the nightly
+    stress run with the detector on)."""
+
+    def __init__(self, detector: Detector, max_workers: int = 4) -> None:
+        super().__init__(max_workers)
+        self.detector = detector
+        self._locks = 0
+
+    def lock(self) -> TracedLock:
+        self._locks += 1
+        return TracedLock(self.detector, f"lock{self._locks}")
+
+    def shared(self, value: Any, name: str) -> Any:
+        return self.detector.wrap(value, name)
