@@ -64,6 +64,9 @@ class Stepping:
 
     def admit(self, step: KVStep, ctx: StepContext) -> AdmitOutcome:
         """See `KVManager.admit`."""
+        # malformed input first, whatever the lifecycle state: it is the
+        # caller's bug in any state
+        validate.step_lengths(step, ctx, self._table.streams, self._max_seq_len)
         staged = self.preplan
         if staged is not None:
             if ctx.is_preplan:
@@ -86,7 +89,6 @@ class Stepping:
             raise StepInFlightError(
                 "a step is already admitted; commit it before admitting another"
             )
-        validate.step_lengths(step, ctx, self._table.streams, self._max_seq_len)
         if not (ctx.is_preplan or step.pre_forks or step.post_forks
                 or step.combined_labels):
             return self._admit_segments(step, ctx)

@@ -286,6 +286,7 @@ def test_bad_input(world: World, planned: bool, call: Call, exc: type[KVRefError
 def test_max_seq_len_boundary_is_admitted(world: World, label: str) -> None:
     """Exactly max_seq_len fits: the check refuses past it, not at it (``cfg`` is
     a pre-fork target, which starts the step at main's 5 tokens)."""
+    world.mgr.commit(world.step, world.ctx)  # one step runs at a time (R23)
     step = _step(_seg("a", label, MAX_SEQ_LEN - 5), **(FORK if label == "cfg" else {}))
     assert world.mgr.admit(step, _ctx("a")).ok
     world.mgr.plan(step, _ctx("a"))

@@ -1,0 +1,189 @@
+"""Symmetry reduction: the canonical byte encoding of a state.
+
+Request ids are interchangeable, and so are the labels other than "main"
+(ingest creates main and forks start from it; nothing tells the others
+apart).  `Canonicaliser.key` encodes a state under every such renaming and
+keeps the least encoding: equal exactly for the states of one orbit, so the
+visited set stores one fingerprint per symmetry class.
+
+This module is the only part of the checker that knows `State`'s fields.
+If the model gains a field it does not know, renaming that field would be
+guesswork (it may hold a request id), so the canonicaliser falls back to
+no reduction and says so: sound, only larger.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from dataclasses import fields, is_dataclass, replace
+from typing import Any
+
+from model.core import UNWRITTEN, Offload, Pending, Scope, Seg, State, Step, Stream
+
+Perm = tuple[int, ...]
+Symmetry = tuple[Perm, Perm]  # (request permutation, label permutation)
+
+# the fields the renaming below handles, per class
+KNOWN_FIELDS: dict[type, tuple[str, ...]] = {
+    State: ("free", "streams", "host", "current", "staged", "offloads"),
+    Stream: ("pages", "stored_len", "contents", "in_flight", "offload", "retrieve"),
+    Pending: ("step", "phase", "marks", "undo", "fresh", "forked"),
+    Step: ("segments", "pre_forks", "post_forks", "padded", "commit"),
+    Seg: ("rid", "label", "span"),
+    Offload: ("claimed", "copied", "touched"),
+}
+
+
+def unknown_fields() -> list[str]:
+    """Fields of the model's state classes that the renaming does not know."""
+    out = []
+    for cls, known in KNOWN_FIELDS.items():
+        have = tuple(f.name for f in fields(cls))
+        out += [f"{cls.__name__}.{n}" for n in have if n not in known]
+    return out
+
+
+def symmetries(scope: Scope) -> list[Symmetry]:
+    """Every renaming; the identity first."""
+    rps = list(itertools.permutations(range(scope.requests)))
+    # "main" (label 0) is special; the rest are not
+    lps = [(0, *p) for p in itertools.permutations(range(1, scope.labels))]
+    return [(rp, lp) for rp in rps for lp in lps]
+
+
+def token_map(lp: Perm, n_labels: int) -> Perm:
+    # a token identity names the label that wrote it: t < L is label t's own
+    # write, L + t a published (retrieved) copy of label t's tokens; the last
+    # entry is what index UNWRITTEN (-1) reads: a position nobody wrote
+    # belongs to no label and stays itself
+    assert UNWRITTEN == -1
+    return (*(lp[t] if t < n_labels else n_labels + lp[t - n_labels]
+              for t in range(2 * n_labels)), UNWRITTEN)
+
+
+def _pending(p: Pending | None, rp: Perm, lp: Perm, tm: Perm) -> tuple[Any, ...]:
+    if p is None:
+        return ()
+    st = p.step
+    step = (tuple(sorted([(rp[g.rid], lp[g.label], g.span) for g in st.segments])),
+            tuple([(lp[f], lp[t]) for f, t in st.pre_forks]),
+            tuple([(lp[f], lp[t]) for f, t in st.post_forks]),
+            tuple(sorted([rp[r] for r in st.padded])), st.commit)
+    undo = tuple(sorted([((rp[k[0]], lp[k[1]]),
+                          (0,) if c is None else (1, tuple([tm[t] for t in c])))
+                         for k, c in p.undo]))
+    return (1, step, p.phase, tuple(sorted([(rp[r], lp[lb]) for r, lb in p.marks])), undo,
+            tuple(sorted([(rp[r], lp[lb]) for r, lb in p.fresh])), p.forked)
+
+
+def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
+            staged: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`s` renamed, as nested tuples of ints, bools and strs (comparable and
+    with a deterministic repr).  Steps' segments and padded ids are sets to
+    the manager, so they are sorted, as are all keyed collections.  The
+    pending steps come encoded already (`_pending`, cached)."""
+    streams = tuple(sorted([
+        ((rp[r], lp[lb]), v.pages, v.stored_len, tuple([tm[t] for t in v.contents]),
+         v.in_flight, v.offload, v.retrieve) for (r, lb), v in s.streams]))
+    host = tuple(sorted([((rp[r], lp[lb]), tuple([tm[t] for t in c]))
+                         for (r, lb), c in s.host]))
+    offloads = tuple(sorted([
+        (rp[r], tuple(sorted([(lp[lb], n) for lb, n in o.claimed])),
+         tuple(sorted([lp[lb] for lb in o.copied])), o.touched) for r, o in s.offloads]))
+    return (s.free, streams, host, cur, staged, offloads)
+
+
+def plain(obj: object) -> object:
+    """Any model value as nested tuples, with no renaming: the fallback
+    encoding (sets sorted by repr so that equal values encode equally)."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return (type(obj).__name__, *(plain(getattr(obj, f.name)) for f in fields(obj)))
+    if isinstance(obj, (tuple, list)):
+        return tuple(plain(x) for x in obj)
+    if isinstance(obj, (frozenset, set)):
+        return ("set", *sorted((plain(x) for x in obj), key=repr))
+    return obj
+
+
+class Canonicaliser:
+    """`key(state)`: bytes equal for exactly the states of one symmetry class."""
+
+    def __init__(self, scope: Scope, reduce: bool = True) -> None:
+        self.unknown = unknown_fields()
+        if reduce and self.unknown:
+            print(f"model.symmetry: no symmetry reduction: the renaming does not know "
+                  f"{', '.join(self.unknown)}", file=sys.stderr)
+        self.reduce = reduce and not self.unknown
+        self.n_labels = scope.labels
+        syms = symmetries(scope) if self.reduce else []
+        self._renamings = [(rp, lp, token_map(lp, scope.labels)) for rp, lp in syms]
+        # a pending step is shared by a state and most of its successors:
+        # its encodings are cached by identity (the entry keeps it alive, so
+        # the id is not reused) and the cache is dropped when it grows
+        self._pending: dict[int, tuple[Pending | None, list[tuple[Any, ...]]]] = {}
+
+    def _pendings(self, p: Pending | None) -> list[tuple[Any, ...]]:
+        got = self._pending.get(id(p))
+        if got is None:
+            if len(self._pending) > 4096:
+                self._pending.clear()
+            got = self._pending[id(p)] = (p, [_pending(p, rp, lp, tm)
+                                              for rp, lp, tm in self._renamings])
+        return got[1]
+
+    def encodings(self, s: State) -> list[tuple[Any, ...]]:
+        """`s` under every renaming, in `symmetries` order."""
+        cur, staged = self._pendings(s.current), self._pendings(s.staged)
+        return [_encode(s, rp, lp, tm, c, st)
+                for (rp, lp, tm), c, st in zip(self._renamings, cur, staged, strict=True)]
+
+    def key(self, s: State) -> bytes:
+        if not self._renamings:
+            return repr(plain(s)).encode()
+        return repr(min(self.encodings(s))).encode()
+
+    def canonical(self, s: State) -> State:
+        """The orbit member whose encoding is `key(s)` (for tests and display)."""
+        if not self._renamings:
+            return s
+        _, j = min((e, j) for j, e in enumerate(self.encodings(s)))
+        rp, lp, _ = self._renamings[j]
+        return rename(s, rp, lp, self.n_labels)
+
+
+def rename(s: State, rp: Perm, lp: Perm, n_labels: int) -> State:
+    """`s` with request r called rp[r] and label l called lp[l]."""
+    tm = token_map(lp, n_labels)
+
+    def key(k: tuple[int, int]) -> tuple[int, int]:
+        return (rp[k[0]], lp[k[1]])
+
+    def toks(c: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(tm[t] for t in c)
+
+    def step(p: Pending | None) -> Pending | None:
+        if p is None:
+            return None
+        st = p.step
+        new = Step(tuple(sorted((Seg(rp[g.rid], lp[g.label], g.span) for g in st.segments),
+                                key=lambda g: (g.rid, g.label, g.span))),
+                   tuple((lp[f], lp[t]) for f, t in st.pre_forks),
+                   tuple((lp[f], lp[t]) for f, t in st.post_forks),
+                   tuple(sorted(rp[r] for r in st.padded)), st.commit)
+        undo = tuple(sorted(((key(k), None if c is None else toks(c)) for k, c in p.undo),
+                            key=lambda u: (u[0], u[1] is not None, u[1] or ())))
+        return Pending(new, p.phase, frozenset(map(key, p.marks)), undo,
+                       frozenset(map(key, p.fresh)), p.forked)
+
+    return State(
+        free=s.free,
+        streams=tuple(sorted((key(k), replace(v, contents=toks(v.contents)))
+                             for k, v in s.streams)),
+        host=tuple(sorted((key(k), toks(c)) for k, c in s.host)),
+        current=step(s.current), staged=step(s.staged),
+        offloads=tuple(sorted(
+            (rp[r], Offload(tuple(sorted((lp[lb], n) for lb, n in o.claimed)),
+                            frozenset(lp[lb] for lb in o.copied), o.touched))
+            for r, o in s.offloads)),
+    )
