@@ -4,19 +4,33 @@
 host copies (or a test that interleaves them with other calls) drives the
 handle `KVManager.begin_offload` returns. Only claim and commit take the
 manager's lock; the copies run outside it so steps of other requests go on.
+
+The handle checks its own state (open, which labels it claimed, which it
+copied) and hands the work on the stream table to the `OffloadPhases` it
+was given (`kvref.offload_phases`), never to the manager.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvref.errors import OffloadCopyError, OffloadStateError
 from kvref.streams import ClaimedStream
 
-if TYPE_CHECKING:
-    from kvref.manager import KVManager
+
+class OffloadPhases(Protocol):
+    """The work an `Offload` hands on: each phase over the stream table."""
+
+    def wait(self, futures: Sequence[Future[Any]]) -> None: ...
+
+    def copy_to_host(self, offload: Offload, claim: ClaimedStream) -> bool: ...
+
+    def commit(self, offload: Offload, claims: Mapping[str, ClaimedStream],
+               copied: Sequence[str]) -> int: ...
+
+    def abandon(self, offload: Offload, labels: Sequence[str]) -> None: ...
 
 
 class Offload:
@@ -30,12 +44,12 @@ class Offload:
 
     def __init__(
         self,
-        manager: KVManager,
+        phases: OffloadPhases,
         request_id: str,
         claims: Sequence[ClaimedStream],
         read_futures: Mapping[str, Future[Any]],
     ) -> None:
-        self._manager = manager
+        self._phases = phases
         self.request_id = request_id
         self._claims = {c.label: c for c in claims}
         # label -> a retrieve still writing that stream's pages
@@ -49,6 +63,14 @@ class Offload:
     @property
     def labels(self) -> list[str]:
         return list(self._claims)
+
+    @property
+    def claims(self) -> Mapping[str, ClaimedStream]:
+        return self._claims
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
 
     @property
     def copied(self) -> list[str]:
@@ -79,9 +101,9 @@ class Offload:
         read = self._read_futures.pop(label, None)
         if read is not None:
             # a retrieve still writing these pages would be torn into the copy
-            self._manager._runtime.wait([read])
+            self._phases.wait([read])
         try:
-            ok = self._manager._copy_claim_to_host(self, claim)
+            ok = self._phases.copy_to_host(self, claim)
         except Exception as err:
             self.abandon()
             raise OffloadCopyError(
@@ -109,14 +131,14 @@ class Offload:
         """
         self._check_open("commit")
         self._open = False
-        return self._manager._commit_offload(self, self._claims, self._copied)
+        return self._phases.commit(self, self._claims, self._copied)
 
     def abandon(self) -> None:
         """Drop every host copy made so far and release every claim."""
         if not self._open:
             return
         self._open = False
-        self._manager._abandon_offload(self, list(self._claims))
+        self._phases.abandon(self, list(self._claims))
 
     def _check_open(self, what: str) -> None:
         if not self._open:

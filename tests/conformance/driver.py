@@ -262,7 +262,9 @@ class Driver:
         engine's stale handle), else a handle that was never open."""
         off = self.offloads.get(rid) or self.closed.get(rid)
         if off is None:
-            off = self.closed[rid] = Offload(self.kv, rid_name(rid), [], {})
+            phases = self.kv._host_offload
+            assert phases is not None, "offload actions need a host pool"
+            off = self.closed[rid] = Offload(phases, rid_name(rid), [], {})
             off.abandon()
         return off
 

@@ -16,9 +16,10 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import kvref.admission as admission_module
-import kvref.manager as manager_module
 import kvref.plan as plan_module
+import kvref.stepping as stepping_module
 from kvref import Offload, ReloadCopyError
+from kvref.forks import ForkFailed, Forks
 from kvref.manager import KVManager
 from kvref.plan import KVPlanState, PagedIndptrs
 from tests.conformance.test_lockstep import Lockstep
@@ -33,17 +34,17 @@ def _decode_offset_off_by_one(mp: pytest.MonkeyPatch) -> None:
         state.token_to_cache.sub_(1).clamp_(min=0)  # writes one slot early
         return indptrs, state
 
-    mp.setattr(manager_module, "decode_tables", bad)
+    mp.setattr(stepping_module, "decode_tables", bad)
 
 
 def _fork_moves_length_not_pages(mp: pytest.MonkeyPatch) -> None:
-    def bad(self: KVManager, rid: str, src: str, dst: str, created: set[Any]) -> None:
-        streams = self._streams.get(rid, {})
+    def bad(self: Forks, rid: str, src: str, dst: str, created: set[Any]) -> None:
+        streams = self._table.streams.get(rid, {})
         if src in streams and dst in streams:
             streams[dst].stored_len = streams[src].stored_len
             streams[dst].generation += 1
 
-    mp.setattr(KVManager, "_apply_fork", bad)
+    mp.setattr(Forks, "apply", bad)
 
 
 def _commit_skips_generation(mp: pytest.MonkeyPatch) -> None:
@@ -112,12 +113,12 @@ def _second_step_admitted(mp: pytest.MonkeyPatch) -> None:  # a
 
 
 def _fork_from_absent_source_wipes_target(mp: pytest.MonkeyPatch) -> None:  # b
-    orig = KVManager._apply_fork
+    orig = Forks.apply
 
-    def bad(self: KVManager, rid: str, src: str, dst: str, created: set[Any]) -> None:
+    def bad(self: Forks, rid: str, src: str, dst: str, created: set[Any]) -> None:
         orig(self, rid, src, dst, set())  # every source treated as pre-existing
 
-    mp.setattr(KVManager, "_apply_fork", bad)
+    mp.setattr(Forks, "apply", bad)
 
 
 def _failed_reload_keeps_a_page(mp: pytest.MonkeyPatch) -> None:  # c
@@ -134,18 +135,18 @@ def _failed_reload_keeps_a_page(mp: pytest.MonkeyPatch) -> None:  # c
 
 
 def _failed_fork_leaves_target_torn(mp: pytest.MonkeyPatch) -> None:  # c
-    orig = KVManager._apply_fork
+    orig = Forks.apply
 
-    def bad(self: KVManager, rid: str, src: str, dst: str, created: set[Any]) -> None:
-        target = self._streams[rid][dst]
+    def bad(self: Forks, rid: str, src: str, dst: str, created: set[Any]) -> None:
+        target = self._table.streams[rid][dst]
         old = target.stored_len
         try:
             orig(self, rid, src, dst, created)
-        except manager_module._ForkFailed:
+        except ForkFailed:
             target.stored_len = old  # reports its old tokens over half-copied pages
             raise
 
-    mp.setattr(KVManager, "_apply_fork", bad)
+    mp.setattr(Forks, "apply", bad)
 
 
 def _admit_ignores_running_retrieve(mp: pytest.MonkeyPatch) -> None:  # d

@@ -21,6 +21,7 @@ from typing import Any
 from kvref import KVManager
 from kvref.allocator import PageAllocator
 from kvref.offload import Offload
+from kvref.offload_phases import HostOffload
 from kvref.streams import ClaimedStream
 from model import core as m
 from tests.support.lockset import Detector
@@ -65,21 +66,21 @@ def claim_ignores_marks() -> Iterator[None]:
 def commit_ignores_guard() -> Iterator[None]:
     """The offload commit trusts its claims: no generation guard, so a stream
     reset (or reloaded) between copy and commit loses its pages."""
-    orig = KVManager._commit_offload
+    orig = HostOffload.commit
 
-    def racy(self: KVManager, offload: Offload, claims: Mapping[str, ClaimedStream],
+    def racy(self: HostOffload, offload: Offload, claims: Mapping[str, ClaimedStream],
              copied: Sequence[str]) -> int:
-        with self._lock:
-            streams = self._streams.get(offload.request_id, {})
+        with self.table.lock:
+            streams = self.table.streams.get(offload.request_id, {})
             claims = {label: dataclasses.replace(c, generation=streams[label].generation)
                       if label in streams else c for label, c in claims.items()}
             return orig(self, offload, claims, copied)
 
-    KVManager._commit_offload = racy  # type: ignore[method-assign]
+    HostOffload.commit = racy  # type: ignore[method-assign]
     try:
         yield
     finally:
-        KVManager._commit_offload = orig  # type: ignore[method-assign]
+        HostOffload.commit = orig  # type: ignore[method-assign]
 
 
 @contextmanager

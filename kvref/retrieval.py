@@ -1,0 +1,230 @@
+"""KV transfer between managers: publish what this cache holds, retrieve what
+another published.
+
+A retrieve takes pages and starts an asynchronous copy under the stream
+table's lock; the stream reads as pending until the copy lands, and a failed
+copy is latched on it (I11) until reset or removal.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvref import admission
+from kvref.errors import KVRefError, PublishedInfoError, StepInFlightError
+from kvref.plan import SINK_PAGE
+from kvref.published import KVSequenceInfo, PublishedKVInfo
+from kvref.step import AdmitOutcome, AdmitRuntimeError, AllocationFailed
+from kvref.stream_table import StreamTable, pages_for
+from kvref.streams import CacheStream
+from kvref.transfer import KVTransferManager
+
+logger = logging.getLogger(__name__)
+
+
+class Retrieval:
+    """Publish and retrieve over one stream table and one transfer engine."""
+
+    def __init__(self, table: StreamTable, transfer: KVTransferManager, rank: int,
+                 world_size: int, name: str) -> None:
+        self._table = table
+        self._transfer = transfer
+        self._rank = rank
+        self._world_size = world_size
+        self._name = name  # the manager's, for the log
+
+    def own_transfer_info(self) -> Any:
+        return self._transfer.get_kv_transfer_info()
+
+    def publish(self, request_id: str) -> PublishedKVInfo | None:
+        """See `KVManager.publish`."""
+        transfer_info = self.own_transfer_info()
+        ps = self._table.page_size
+        with self._table.lock:
+            streams = self._table.streams.get(request_id)
+            if streams is None or any(s.offloaded for s in streams.values()):
+                return None
+            if any(admission.retrieve_state(s) != admission.IDLE for s in streams.values()):
+                return None
+            seq_info = {
+                label: KVSequenceInfo(
+                    seq_len=s.stored_len,
+                    latest_kv_transfer_info=transfer_info,
+                    page_indices=list(s.page_indices[: pages_for(s.stored_len, ps)]),
+                )
+                for label, s in streams.items()
+            }
+        return PublishedKVInfo.build_for_rank(self._rank, self._world_size, seq_info)
+
+    def admit_retrieve(
+        self,
+        rid: str,
+        node_name: str,
+        graph_walk: str,
+        published: PublishedKVInfo | None,
+    ) -> AdmitOutcome:
+        """See `KVManager.admit_retrieve`."""
+        if published is not None and published.world_size != self._world_size:
+            # terminal for this request, not for the worker serving it
+            return AdmitOutcome(
+                ok=False, ready=False,
+                reason=AdmitRuntimeError(
+                    "KV transfer across tensor-parallel world sizes is not supported "
+                    f"(published {published.world_size}, local {self._world_size})",
+                    request_id=rid,
+                ),
+            )
+        own = self.own_transfer_info()
+        ps = self._table.page_size
+        # one critical section: reading stored_len, comparing it with what was
+        # published and starting the copy must not interleave a commit or reset
+        with self._table.lock:
+            streams = self._table.request(rid)
+            needed = self._table.overrides[rid].get_labels(node_name, graph_walk)
+            todo: list[tuple[str, KVSequenceInfo, int]] = []
+            new_pages = 0
+            offered = published.get(self._rank).items() if published is not None else ()
+            for label, info in offered:
+                if label not in needed:
+                    continue
+                ready, failed = self._check_ready(rid, label)
+                if failed is not None:
+                    return AdmitOutcome(ok=False, ready=False, reason=failed)
+                if not ready:
+                    return AdmitOutcome(ok=True, ready=False)
+                stream = streams.get(label)
+                old_len = stream.stored_len if stream is not None else 0
+                if info.seq_len <= old_len:
+                    continue
+                if info.latest_kv_transfer_info == own:
+                    # the pages already are in this cache; opening our own
+                    # IPC handle would fail with an invalid device context
+                    logger.warning(
+                        "KV %s: skipping self-retrieve for %r label %r (published %d, held %d)",
+                        self._name, rid, label, info.seq_len, old_len,
+                    )
+                    continue
+                # every misuse before anything moves: a bad descriptor or an
+                # incompatible publisher found at the second label used to
+                # leave the first one's pages taken and its copy running
+                self._validate_published(rid, label, info, old_len)
+                if stream is not None and stream.step_in_flight:
+                    # the step planned its writes at the old length; growing
+                    # the stream under it would overwrite or lose its tokens
+                    raise StepInFlightError(
+                        "retrieve into a stream with a step in flight; commit it first",
+                        request_id=rid, label=label,
+                    )
+                if stream is not None and stream.offloaded:
+                    return AdmitOutcome(ok=False, reason=admission.request_offloading(
+                        rid, label))
+                held = len(stream.page_indices) if stream is not None else 0
+                new_pages += max(0, pages_for(info.seq_len, ps) - held)
+                todo.append((label, info, old_len))
+            free = self._table.allocator.num_free
+            if new_pages > free:
+                label = todo[0][0]
+                return AdmitOutcome(ok=False, reason=AllocationFailed(
+                    pages_short=new_pages - free, request_id=rid, label=label,
+                    message=f"retrieve needs {new_pages} new pages, {free} free",
+                ))
+            for label, info, old_len in todo:
+                started = self._start_retrieve(rid, streams, label, info, old_len)
+                if started is not None:
+                    return AdmitOutcome(ok=False, ready=False, reason=started)
+            ready = True
+            for label in needed:
+                label_ready, failed = self._check_ready(rid, label)
+                if failed is not None:
+                    return AdmitOutcome(ok=False, ready=False, reason=failed)
+                ready = ready and label_ready
+            return AdmitOutcome(ok=True, ready=ready)
+
+    def _start_retrieve(self, rid: str, streams: dict[str, CacheStream], label: str,
+                        info: KVSequenceInfo, old_len: int) -> AdmitRuntimeError | None:
+        """Take the pages and start one label's copy; if the transfer engine
+        raises, give back what this label took and refuse (R26). Labels started
+        before it keep copying: their pages are theirs, and reset drains them."""
+        stream = streams.get(label)
+        created = stream is None
+        if stream is None:
+            stream = streams[label] = CacheStream()
+        short = pages_for(info.seq_len, self._table.page_size) - len(stream.page_indices)
+        got: list[int] = []
+        if short > 0:
+            taken = self._table.allocator.try_allocate(short)
+            assert taken is not None  # counted by the caller, under the same lock
+            got = taken
+            stream.page_indices.extend(got)
+        try:
+            fut = self._transfer.start_async_retrieve(
+                start_len=old_len, end_len=info.seq_len,
+                local_page_indices=list(stream.page_indices),
+                remote_page_indices=info.page_indices,
+                kv_transfer_info=info.latest_kv_transfer_info,
+            )
+        except Exception as err:
+            if got:
+                del stream.page_indices[-len(got):]
+                self._table.allocator.free(got)
+            if created:
+                del streams[label]
+            return AdmitRuntimeError(
+                f"KV retrieve could not start: {type(err).__name__}: {err}",
+                request_id=rid, label=label,
+            )
+        stream.read_future = fut
+        stream.read_pending = fut is not None
+        stream.stored_len = info.seq_len
+        stream.generation += 1
+        return None
+
+    def _validate_published(self, rid: str, label: str, info: KVSequenceInfo,
+                            old_len: int) -> None:
+        local_page_size = self._table.page_size
+        remote = info.latest_kv_transfer_info
+        num_pages = getattr(remote, "num_pages", None)
+        page_size = getattr(remote, "page_size", local_page_size)
+        if page_size != local_page_size:
+            raise PublishedInfoError(
+                f"published page size {page_size}, local {local_page_size}",
+                request_id=rid, label=label,
+            )
+        if len(info.page_indices) < pages_for(info.seq_len, page_size):
+            raise PublishedInfoError(
+                f"published {info.seq_len} tokens over only {len(info.page_indices)} pages",
+                request_id=rid, label=label,
+            )
+        bad = [p for p in info.page_indices if p <= SINK_PAGE
+               or (num_pages is not None and p >= num_pages)]
+        if bad:
+            raise PublishedInfoError(
+                f"published page indices {bad[:4]} are outside [1, {num_pages})",
+                request_id=rid, label=label,
+            )
+        try:
+            self._transfer.check_remote(old_len, info.seq_len, info.page_indices, remote)
+        except KVRefError as err:
+            # a misuse of this call, named as one: it changes nothing
+            raise PublishedInfoError(str(err), request_id=rid, label=label) from err
+
+    def _check_ready(self, rid: str, label: str) -> tuple[bool, AdmitRuntimeError | None]:
+        """(ready, terminal failure). A failed retrieve is latched on the stream."""
+        stream = self._table.streams[rid].get(label)
+        if stream is None:
+            return True, None
+        fut = stream.read_future
+        if fut is not None and fut.done():
+            stream.read_future = None
+            err = fut.exception()
+            if err is not None:
+                stream.read_error = err
+            else:
+                stream.read_pending = False
+        if stream.read_error is not None:
+            err = stream.read_error
+            return False, AdmitRuntimeError(
+                f"KV retrieve failed: {type(err).__name__}: {err}", request_id=rid, label=label
+            )
+        return not stream.read_pending, None

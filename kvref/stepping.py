@@ -1,0 +1,383 @@
+"""Stepping: admit, plan and commit of one step at a time, plus one preplanned (R23).
+
+`admission` decides (a pure computation to a grant or a refusal); this
+module applies the decision to the stream table, builds the step's page
+tables and write addressing, and commits its spans. Forks are `kvref.forks`,
+slot-leased addressing is `kvref.graph_staging`. Every method runs under the
+stream table's lock, which `KVManager` holds around each call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvref import admission, validate
+from kvref.errors import (
+    ForkCopyError,
+    InvalidStepError,
+    PreplanPendingError,
+    StepInFlightError,
+    StepNotAdmittedError,
+    StepOrderError,
+    UnknownRequestError,
+)
+from kvref.forks import Forks
+from kvref.graph_staging import GraphStaging
+from kvref.plan import (
+    KVPlanOutput,
+    KVPlanOutputs,
+    KVPlanState,
+    SequenceView,
+    build_paged_indptrs,
+    decode_tables,
+    group_by_plan_label,
+    packed_plan_state,
+)
+from kvref.running_step import RunningStep, StagedPreplan, same_step, where
+from kvref.step import ADMIT_OK, AdmitFailedReason, AdmitOutcome, KVStep, Segment, StepContext
+from kvref.stream_table import Key, StreamTable
+from kvref.streams import CacheStream
+
+logger = logging.getLogger(__name__)
+
+
+class Stepping:
+    """The running step, the staged preplan, and the plan states attention reads."""
+
+    def __init__(self, table: StreamTable, forks: Forks, staging: GraphStaging,
+                 device: torch.device, name: str, max_seq_len: int) -> None:
+        self._table = table
+        self._forks = forks
+        self._staging = staging
+        self._device = device
+        self._name = name  # the manager's, for the log
+        self._max_seq_len = max_seq_len
+        self.running: RunningStep | None = None
+        self.preplan: StagedPreplan | None = None
+        # plan label -> this step's write addressing, from plan until commit (R27)
+        self.current_plan_states: dict[str, KVPlanState] = {}
+
+    # -- admit ---------------------------------------------------------------
+
+    def admit(self, step: KVStep, ctx: StepContext) -> AdmitOutcome:
+        """See `KVManager.admit`."""
+        # malformed input first, whatever the lifecycle state: it is the
+        # caller's bug in any state
+        validate.step_lengths(step, ctx, self._table.streams, self._max_seq_len)
+        staged = self.preplan
+        if staged is not None:
+            if ctx.is_preplan:
+                raise PreplanPendingError(
+                    "a preplan is already staged; clear_preplan before preplanning again"
+                )
+            if not same_step(step, ctx, staged.step, tuple(staged.ctx.padded_request_ids)):
+                raise PreplanPendingError(
+                    "admit of a different step than the staged preplan; "
+                    "clear_preplan first"
+                )
+            return ADMIT_OK  # the preplan pass already reserved and marked
+        running = self.running
+        if running is not None and not ctx.is_preplan:
+            if same_step(step, ctx, running.step, running.padded):
+                return ADMIT_OK  # admitted again: everything is reserved already
+            # R23: a second step would be planned against lengths the
+            # first has not committed, and its commit would clear the
+            # first one's marks
+            raise StepInFlightError(
+                "a step is already admitted; commit it before admitting another"
+            )
+        if not (ctx.is_preplan or step.pre_forks or step.post_forks
+                or step.combined_labels):
+            return self._admit_segments(step, ctx)
+        all_streams = self._table.streams
+        padded = tuple(ctx.padded_request_ids)
+        admission.validate_step(all_streams, step, padded)
+        keys = admission.named_keys(step, padded)
+        if ctx.is_preplan:
+            # R10: the staged plan would be built from lengths a running
+            # step has not committed, and its commit would clear these marks
+            for rid, label in keys:
+                stream = all_streams[rid].get(label)
+                if stream is not None and stream.step_in_flight:
+                    raise StepInFlightError(
+                        "preplan names a stream of a step still in flight; "
+                        "commit that step first",
+                        request_id=rid,
+                        label=label,
+                    )
+        refused = admission.refusal(all_streams, keys)
+        if refused is not None:
+            return AdmitOutcome(ok=False, reason=refused)
+        grant = admission.reserve(all_streams, step, padded, keys,
+                                  self._table.page_size, self._table.allocator.num_free)
+        if isinstance(grant, AdmitFailedReason):
+            return AdmitOutcome(ok=False, reason=grant)
+        created = self._apply_grant(grant)
+        for rid, label in keys:
+            all_streams[rid][label].step_in_flight = True
+        if ctx.is_preplan:
+            self.preplan = StagedPreplan(step, ctx, created, list(keys))
+        else:
+            self.running = RunningStep(step, padded, set(created))
+        return ADMIT_OK
+
+    def _admit_segments(self, step: KVStep, ctx: StepContext) -> AdmitOutcome:
+        """`admit` of a plain step (no forks, no preplan): what every decode step is.
+
+        The decisions of `admission.validate_step`, `refusal` and `reserve`,
+        in one pass to decide and one to apply, holding the stream objects in
+        between: at batch 256 the dictionary lookups of the general path were
+        most of the step's cost.
+        """
+        ps = self._table.page_size
+        all_streams = self._table.streams
+        allocator = self._table.allocator
+        todo: list[tuple[dict[str, CacheStream], str, CacheStream | None, int]] = []
+        seen: set[Key] = set()
+        new_pages = 0
+        first_short: Key | None = None
+        refused: AdmitFailedReason | None = None
+        for seg in step.segments:
+            rid, label, span = seg.request_id, seg.label, seg.span
+            if span < 0:
+                raise InvalidStepError(f"negative span {span}", request_id=rid, label=label)
+            streams = all_streams.get(rid)
+            if streams is None:
+                raise UnknownRequestError("unknown request (never ingested, or removed)",
+                                          request_id=rid, label=label)
+            stream = streams.get(label)
+            if stream is None:
+                # made even for a zero span, so the mark covers it (R16)
+                short = -(-span // ps)
+            else:
+                if stream.offloaded or stream.read_future is not None or (
+                        stream.read_error is not None):
+                    # rare: decided by the general rule, which ranks the kinds
+                    refused = refused or admission.refusal(all_streams, {(rid, label): None})
+                short = -(-(stream.stored_len + span) // ps) - len(stream.page_indices)
+            if short > 0:
+                new_pages += short
+                if first_short is None:
+                    first_short = (rid, label)
+            todo.append((streams, label, stream, short))
+            seen.add((rid, label))
+        if len(seen) != len(todo):
+            dup = next(k for k in seen
+                       if sum((s.request_id, s.label) == k for s in step.segments) > 1)
+            # both would be planned from one length and write the same slots
+            raise InvalidStepError("stream appears twice in one step",
+                                   request_id=dup[0], label=dup[1])
+        if refused is not None:
+            # rank across every segment: a latched failure before a running
+            # retrieve before an offload, whichever segment came first
+            refused = admission.refusal(all_streams, dict.fromkeys(seen))
+            if refused is not None:
+                return AdmitOutcome(ok=False, reason=refused)
+        if new_pages > allocator.num_free:
+            return AdmitOutcome(ok=False, reason=admission.allocation_failed(
+                new_pages, allocator.num_free, first_short))
+        allocate = allocator.try_allocate
+        for streams, label, stream, short in todo:
+            if stream is None:
+                stream = streams[label] = CacheStream()
+            if short > 0:
+                got = allocate(short)
+                assert got is not None  # counted above, under the same lock
+                stream.page_indices += got
+                stream.generation += 1
+            stream.step_in_flight = True
+        self.running = RunningStep(step, tuple(ctx.padded_request_ids), set())
+        return ADMIT_OK
+
+    def _apply_grant(self, grant: admission.Grant) -> list[Key]:
+        created: list[Key] = []
+        for (rid, label), pages in grant.pages.items():
+            streams = self._table.streams[rid]
+            stream = streams.get(label)
+            if stream is None:
+                stream = streams[label] = CacheStream()
+                created.append((rid, label))
+            short = pages - len(stream.page_indices)
+            if short > 0:
+                got = self._table.allocator.try_allocate(short)
+                # `reserve` counted these under the same lock
+                assert got is not None, "allocator lost pages between reserve and apply"
+                stream.page_indices.extend(got)
+                stream.generation += 1
+        return created
+
+    def clear_preplan(self) -> None:
+        """See `KVManager.clear_preplan`."""
+        staged, self.preplan = self.preplan, None
+        if staged is None:
+            return
+        all_streams = self._table.streams
+        # labels the staged step invented are removed with their pages:
+        # a stream at length 0 that nothing asked for still holds them
+        for rid, label in reversed(staged.created):
+            stream = all_streams.get(rid, {}).pop(label, None)
+            if stream is not None:
+                self._table.allocator.free(stream.page_indices)
+        # or the request stays unevictable for a step that never runs
+        for rid, label in staged.marked:
+            stream = all_streams.get(rid, {}).get(label)
+            if stream is not None:
+                stream.step_in_flight = False
+
+    # -- plan ----------------------------------------------------------------
+
+    def plan(self, step: KVStep, ctx: StepContext) -> KVPlanOutputs:
+        """See `KVManager.plan`."""
+        staged = self.preplan
+        if ctx.is_preplan:
+            if staged is None or staged.step != step:
+                raise StepNotAdmittedError("preplan of a step that was not preplan-admitted",
+                                           **where(step))
+            if staged.outputs is not None:
+                raise PreplanPendingError("the staged preplan was already planned")
+            outputs, states = self._build_plan(step, ctx, self._forks.lengths_after_pre_forks(
+                step, staged.ctx.padded_request_ids, staged.created))
+            staged.outputs, staged.states = outputs, states
+            return outputs
+        running = self.running
+        if running is None:
+            if staged is None or (step is not staged.step and step != staged.step):
+                raise StepNotAdmittedError("plan of a step that was not admitted",
+                                           **where(step))
+            # promotion, not abandonment: its reservations and marks stay
+            self.preplan = None
+            running = self.running = RunningStep(
+                staged.step, tuple(staged.ctx.padded_request_ids), set(staged.created))
+            if staged.outputs is not None:
+                self._forks.run_pre(running)
+                # the views were built before the forks ran: what they
+                # report now is what the step runs against
+                for out in staged.outputs.values():
+                    for view in out.views:
+                        stream = self._table.streams[view.request_id][view.label]
+                        view.generation = stream.generation
+                running.planned = True
+                self.current_plan_states = staged.states
+                return staged.outputs
+        elif step is not running.step and step != running.step:
+            raise StepNotAdmittedError("plan of a step other than the admitted one",
+                                       **where(step, running.step))
+        elif running.planned:
+            raise StepOrderError("the admitted step was already planned; commit it",
+                                 **where(step))
+        self._forks.run_pre(running)
+        outputs, states = self._build_plan(step, ctx, {})
+        running.planned = True
+        self.current_plan_states = states
+        return outputs
+
+    def _build_plan(
+        self, step: KVStep, ctx: StepContext, fork_len: Mapping[Key, int]
+    ) -> tuple[KVPlanOutputs, dict[str, KVPlanState]]:
+        ps = self._table.page_size
+        outputs: dict[str, KVPlanOutput] = {}
+        states: dict[str, KVPlanState] = {}
+        for plan_label, segments in group_by_plan_label(
+            step.segments, step.combined_labels
+        ).items():
+            views = self._sequence_views(segments, fork_len)
+            if views and all(v.to_compute == 1 for v in views):
+                # decode: page table and write slots from one host buffer
+                indptrs, state = decode_tables(views, ps, self._device)
+                out = KVPlanOutput(cpu_indptrs=indptrs, views=views)
+            else:
+                out = KVPlanOutput(cpu_indptrs=build_paged_indptrs(views, ps), views=views)
+                out.cuda_indptrs = out.cpu_indptrs.to_device(self._device)
+                state = packed_plan_state(out.cpu_indptrs, ps, out.get_total_len(), self._device)
+            outputs[plan_label] = out
+            states[plan_label] = self._staging.leased(state, ctx.slot_lease, plan_label)
+        return KVPlanOutputs(outputs, step.pre_forks, step.post_forks), states
+
+    def _sequence_views(
+        self, segments: Sequence[Segment], fork_len: Mapping[Key, int]
+    ) -> list[SequenceView]:
+        ps = self._table.page_size
+        all_streams = self._table.streams
+        views: list[SequenceView] = []
+        append = views.append
+        for seg in segments:
+            rid, label, span = seg.request_id, seg.label, seg.span
+            stream = all_streams[rid][label]  # admit made every named stream (R16)
+            if fork_len:
+                length = fork_len.get((rid, label), stream.stored_len) + span
+            else:
+                length = stream.stored_len + span
+            if length == 0:
+                continue  # nothing to attend to and nothing to write
+            # sliced to the length: the stream may hold spare pages, and an
+            # unsliced view would report them as resident context
+            pages = stream.page_indices[: -(-length // ps)]
+            append(SequenceView(rid, label, pages, length, span, stream.generation))
+        return views
+
+    # -- commit --------------------------------------------------------------
+
+    def commit(self, step: KVStep, ctx: StepContext) -> None:
+        """See `KVManager.commit`."""
+        running = self.running
+        if running is None or (step is not running.step and step != running.step):
+            staged = self.preplan
+            if staged is not None and staged.step == step:
+                raise StepNotAdmittedError("commit of a step that is only preplanned",
+                                           **where(step))
+            raise StepNotAdmittedError(
+                "commit of a step that was not admitted",
+                **where(step, running.step if running is not None else None))
+        fault: ForkCopyError | None = None
+        try:
+            self._forks.run_pre(running)
+        except ForkCopyError as err:
+            fault = err
+        self.running = None
+        self.current_plan_states = {}
+        all_streams = self._table.streams
+        # a staged preplan may own a mark this step also set (a stream
+        # both name): it stays until the preplan is promoted or cleared
+        staged_marks = (
+            {all_streams[r][lb] for r, lb in self.preplan.marked
+             if lb in all_streams.get(r, {})}
+            if self.preplan is not None else None
+        )
+        for rid, label in admission.named_keys(step, running.padded):
+            stream = all_streams[rid][label]
+            # cleared whether or not the step keeps its tokens: a step
+            # with commit=False still read these pages, and a mark left
+            # set would make the request unevictable
+            if staged_marks is None or stream not in staged_marks:
+                stream.step_in_flight = False
+        if step.commit:
+            self._add_spans(step)
+        # post-forks copy what this step just wrote, so after the spans land
+        try:
+            self._forks.run(running, step.post_forks)
+        except ForkCopyError as err:
+            fault = fault or err
+        if fault is not None:
+            raise fault
+
+    def _add_spans(self, step: KVStep) -> None:
+        all_streams = self._table.streams
+        for seg in step.segments:
+            span = seg.span
+            if not span:
+                continue
+            stream = all_streams[seg.request_id][seg.label]
+            if stream.offloaded:
+                # unreachable under R2-R5; kept as the last defence,
+                # loudly, because it drops a committed span (I15)
+                logger.error(
+                    "KV %s: dropping %d committed tokens for request %r label %r; "
+                    "the stream was offloaded mid-step",
+                    self._name, span, seg.request_id, seg.label,
+                )
+                continue
+            stream.stored_len += span
+            stream.generation += 1
