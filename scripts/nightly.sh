@@ -27,7 +27,7 @@ ARTIFACTS="${KVREF_ARTIFACTS:-${TMPDIR:-/tmp}/kvref-nightly-$(date -u +%Y%m%dT%H
 DEVICE=""
 PY="${PYTHON:-python}"
 # the README's nightly scope for the exhaustive conformance replay
-EXHAUSTIVE_SCOPE="${KVREF_EXHAUSTIVE_SCOPE:---requests 2 --labels 2 --device-pages 3 --host-pages 2 --max-span 2 --depth 7}"
+EXHAUSTIVE_SCOPE="${KVREF_EXHAUSTIVE_SCOPE:---requests 2 --labels 2 --device-pages 3 --host-pages 2 --max-span 2 --depth 5}"
 
 while [ $# -gt 0 ]; do
   case "$1" in
