@@ -311,3 +311,94 @@ def packed_plan_state(
     if both.device != device:
         both = host_to_device(both, device)
     return KVPlanState(token_to_page=both[0], token_to_cache=both[1], total_tokens=total_tokens)
+
+
+def _write_slots(views: Sequence[SequenceView], page_size: int) -> tuple[list[int], list[int]]:
+    """Page and offset of every token the step writes, request-major.
+
+    One slice and one ``range`` per page a chunk touches, not per token:
+    the Python work is per page, the list fill per token runs in C.
+    """
+    pages_out: list[int] = []
+    offsets_out: list[int] = []
+    for v in views:
+        pos, end = v.length - v.to_compute, v.length
+        pages = v.page_idxs
+        while pos < end:
+            page_i, off = divmod(pos, page_size)
+            run = min(page_size - off, end - pos)
+            pages_out += [pages[page_i]] * run
+            offsets_out += range(off, off + run)
+            pos += run
+    return pages_out, offsets_out
+
+
+def mixed_tables(
+    views: Sequence[SequenceView], page_size: int, device: torch.device
+) -> tuple[PagedIndptrs, KVPlanState, PagedIndptrs]:
+    """`build_paged_indptrs` + `packed_plan_state` of any step, in one host pass.
+
+    A mixed step (a decode batch plus a prefill chunk) would otherwise pay
+    for a dozen small torch ops unpacking the page table per token; here the
+    slots come from the same pass as the table, in Python work linear in
+    the pages the chunk touches. One host buffer holds the table and the
+    slots, so a device gets them in one copy. Returns the host table, the
+    slots, and the table on ``device`` (what `KVPlanOutput.cuda_indptrs`
+    carries for a non-decode step). Tests compare it with the two builders.
+    """
+    n = len(views)
+    qo = [0] * (n + 1)
+    kv = [0] * (n + 1)
+    last = [0] * n
+    indices: list[int] = []
+    q = 0
+    for i, v in enumerate(views):
+        q += v.to_compute
+        qo[i + 1] = q
+        indices += v.page_idxs
+        kv[i + 1] = len(indices)
+        last[i] = (v.length - 1) % page_size + 1 if v.length else 0
+    slot_pages, slot_offsets = _write_slots(views, page_size)
+    table_len = 3 * n + 2 + len(indices)
+    host = np.array(qo + kv + last + indices + slot_pages + slot_offsets, dtype=np.int64)
+    b = (0, n + 1, 2 * n + 2, 3 * n + 2, table_len)
+
+    def split(table: torch.Tensor) -> PagedIndptrs:
+        return PagedIndptrs(
+            qo_indptr=table[b[0] : b[1]],
+            paged_kv_indptr=table[b[1] : b[2]],
+            paged_kv_last_page_len=table[b[2] : b[3]],
+            paged_kv_indices=table[b[3] : b[4]],
+        )
+
+    cpu_indptrs = split(torch.from_numpy(host[:table_len].astype(np.int32)))
+    if device.type == "cpu":
+        whole = torch.from_numpy(host)
+        # its own record over the same tensors, as `to_device` gave on the host
+        device_indptrs = PagedIndptrs(
+            qo_indptr=cpu_indptrs.qo_indptr,
+            paged_kv_indptr=cpu_indptrs.paged_kv_indptr,
+            paged_kv_indices=cpu_indptrs.paged_kv_indices,
+            paged_kv_last_page_len=cpu_indptrs.paged_kv_last_page_len,
+        )
+    else:
+        whole = host_to_device(torch.from_numpy(host), device)  # the one H2D copy
+        device_indptrs = split(whole[:table_len].to(torch.int32))
+    q_end = table_len + q
+    state = KVPlanState(token_to_page=whole[table_len:q_end],
+                        token_to_cache=whole[q_end:], total_tokens=q)
+    return cpu_indptrs, state, device_indptrs
+
+
+def plan_tables(
+    views: Sequence[SequenceView], page_size: int, device: torch.device
+) -> tuple[PagedIndptrs, KVPlanState, PagedIndptrs | None]:
+    """Host page table, write slots, and device page table of one plan label.
+
+    A decode step's device table stays ``None``: attention reads its host
+    table (as the reference does); any other step carries it on ``device``.
+    """
+    if views and all(v.to_compute == 1 for v in views):
+        indptrs, state = decode_tables(views, page_size, device)
+        return indptrs, state, None
+    return mixed_tables(views, page_size, device)

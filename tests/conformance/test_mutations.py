@@ -33,7 +33,7 @@ def _decode_offset_off_by_one(mp: pytest.MonkeyPatch) -> None:
         state.token_to_cache.sub_(1).clamp_(min=0)  # writes one slot early
         return indptrs, state
 
-    mp.setattr(manager_module, "decode_tables", bad)
+    mp.setattr(plan_module, "decode_tables", bad)
 
 
 def _fork_moves_length_not_pages(mp: pytest.MonkeyPatch) -> None:
