@@ -362,18 +362,18 @@ def mixed_tables(
     table_len = 3 * n + 2 + len(indices)
     host = np.array(qo + kv + last + indices + slot_pages + slot_offsets, dtype=np.int64)
     b = (0, n + 1, 2 * n + 2, 3 * n + 2, table_len)
-
-    def split(table: torch.Tensor) -> PagedIndptrs:
-        return PagedIndptrs(
-            qo_indptr=table[b[0] : b[1]],
-            paged_kv_indptr=table[b[1] : b[2]],
-            paged_kv_last_page_len=table[b[2] : b[3]],
-            paged_kv_indices=table[b[3] : b[4]],
-        )
-
-    cpu_indptrs = split(torch.from_numpy(host[:table_len].astype(np.int32)))
+    table = host[:table_len].astype(np.int32)
+    # numpy slices wrapped by from_numpy: cheaper than slicing a torch tensor
+    cpu_indptrs = PagedIndptrs(
+        qo_indptr=torch.from_numpy(table[b[0] : b[1]]),
+        paged_kv_indptr=torch.from_numpy(table[b[1] : b[2]]),
+        paged_kv_last_page_len=torch.from_numpy(table[b[2] : b[3]]),
+        paged_kv_indices=torch.from_numpy(table[b[3] : b[4]]),
+    )
+    q_end = table_len + q
     if device.type == "cpu":
-        whole = torch.from_numpy(host)
+        page_t = torch.from_numpy(host[table_len:q_end])
+        offset_t = torch.from_numpy(host[q_end:])
         # its own record over the same tensors, as `to_device` gave on the host
         device_indptrs = PagedIndptrs(
             qo_indptr=cpu_indptrs.qo_indptr,
@@ -383,10 +383,15 @@ def mixed_tables(
         )
     else:
         whole = host_to_device(torch.from_numpy(host), device)  # the one H2D copy
-        device_indptrs = split(whole[:table_len].to(torch.int32))
-    q_end = table_len + q
-    state = KVPlanState(token_to_page=whole[table_len:q_end],
-                        token_to_cache=whole[q_end:], total_tokens=q)
+        dev_table = whole[:table_len].to(torch.int32)
+        device_indptrs = PagedIndptrs(
+            qo_indptr=dev_table[b[0] : b[1]],
+            paged_kv_indptr=dev_table[b[1] : b[2]],
+            paged_kv_last_page_len=dev_table[b[2] : b[3]],
+            paged_kv_indices=dev_table[b[3] : b[4]],
+        )
+        page_t, offset_t = whole[table_len:q_end], whole[q_end:]
+    state = KVPlanState(token_to_page=page_t, token_to_cache=offset_t, total_tokens=q)
     return cpu_indptrs, state, device_indptrs
 
 
