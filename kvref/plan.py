@@ -313,24 +313,21 @@ def packed_plan_state(
     return KVPlanState(token_to_page=both[0], token_to_cache=both[1], total_tokens=total_tokens)
 
 
-def _write_slots(views: Sequence[SequenceView], page_size: int) -> tuple[list[int], list[int]]:
-    """Page and offset of every token the step writes, request-major.
+def _chunk_slots(
+    pages: list[int], pos: int, end: int, page_size: int,
+    pages_out: list[int], offsets_out: list[int],
+) -> None:
+    """Append the page and offset of stream positions ``[pos, end)``.
 
-    One slice and one ``range`` per page a chunk touches, not per token:
+    One slice and one ``range`` per page the chunk touches, not per token:
     the Python work is per page, the list fill per token runs in C.
     """
-    pages_out: list[int] = []
-    offsets_out: list[int] = []
-    for v in views:
-        pos, end = v.length - v.to_compute, v.length
-        pages = v.page_idxs
-        while pos < end:
-            page_i, off = divmod(pos, page_size)
-            run = min(page_size - off, end - pos)
-            pages_out += [pages[page_i]] * run
-            offsets_out += range(off, off + run)
-            pos += run
-    return pages_out, offsets_out
+    while pos < end:
+        page_i, off = divmod(pos, page_size)
+        run = min(page_size - off, end - pos)
+        pages_out += [pages[page_i]] * run
+        offsets_out += range(off, off + run)
+        pos += run
 
 
 def mixed_tables(
@@ -351,14 +348,42 @@ def mixed_tables(
     kv = [0] * (n + 1)
     last = [0] * n
     indices: list[int] = []
+    # the slot of each one-token row, by index as on the decode path (no
+    # appends); the other rows (chunks, span 0) are spliced in after
+    row_page = [0] * n
+    row_offset = [0] * n
+    others: list[int] = []
     q = 0
     for i, v in enumerate(views):
-        q += v.to_compute
+        span = v.to_compute
+        q += span
         qo[i + 1] = q
-        indices += v.page_idxs
+        pages = v.page_idxs
+        indices += pages
         kv[i + 1] = len(indices)
-        last[i] = (v.length - 1) % page_size + 1 if v.length else 0
-    slot_pages, slot_offsets = _write_slots(views, page_size)
+        end = v.length - 1
+        if span == 1:
+            last[i] = end % page_size + 1
+            row_page[i] = pages[end // page_size]
+            row_offset[i] = end % page_size
+        else:
+            last[i] = end % page_size + 1 if end >= 0 else 0
+            others.append(i)
+    if others:
+        slot_pages: list[int] = []  # request-major, as the query rows
+        slot_offsets: list[int] = []
+        prev = 0
+        for i in others:
+            slot_pages += row_page[prev:i]
+            slot_offsets += row_offset[prev:i]
+            v = views[i]
+            _chunk_slots(v.page_idxs, v.length - v.to_compute, v.length, page_size,
+                         slot_pages, slot_offsets)
+            prev = i + 1
+        slot_pages += row_page[prev:]
+        slot_offsets += row_offset[prev:]
+    else:
+        slot_pages, slot_offsets = row_page, row_offset
     table_len = 3 * n + 2 + len(indices)
     host = np.array(qo + kv + last + indices + slot_pages + slot_offsets, dtype=np.int64)
     b = (0, n + 1, 2 * n + 2, 3 * n + 2, table_len)

@@ -41,6 +41,8 @@ def test_mixed_rows() -> None:
     assert row.batch == 2 and row.steps == 9
     for s in (row.decode_us, row.mixed_us, row.ref_decode_us, row.ref_mixed_us):
         _ok(s)
+    for d in (row.extra_us, row.ref_extra_us):  # a difference: any sign, ordered
+        assert d.n == 9 and d.p10 <= d.median <= d.p90
     assert row.ratio > 0
 
 
