@@ -2,16 +2,14 @@
 
 A decode step is ``admit`` + ``plan`` + ``commit`` over ``batch`` requests, one
 new token each, every request holding a prefilled stream of 100–500 tokens
-(page_size 16, pages to spare). Timed per step with ``perf_counter``, the
-cyclic GC held off, after a warmup; reported as the median with p10/p90.
+(page_size 16, pages to spare). A mixed step is the same decode batch plus one
+64-token chunk of a 512-token prompt being prefilled (continuous batching with
+chunked prefill). Timed per step with ``perf_counter``, the cyclic GC held
+off, after a warmup; reported as the median with p10/p90.
 
-The same-run baseline ("naive") is a straightforward manager written the
-obvious way, doing the bookkeeping the reference does per request: a dict
-lookup and page top-up per request under a lock (admit), a view dataclass and a
-``torch.tensor`` of its pages per request, concatenated into the CSR page
-table, plus the per-token write slots as tensors (plan), then a loop that
-clears the marks and adds the span (commit). It does less than kvref (no
-refusal checks, forks, preplan, generations), so the ratio is conservative.
+The same-run baseline ("reference") is `benchmarks.reference_manager`: the
+reference manager's step written straightforwardly, with the same API, on the
+same streams, timed interleaved with kvref so drift on a shared box hits both.
 """
 
 from __future__ import annotations
@@ -19,20 +17,27 @@ from __future__ import annotations
 import cProfile
 import pstats
 import random
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from benchmarks import Spread, no_gc, spread
+from benchmarks.reference_manager import ReferenceManager
 from kvref import KVConfig, KVManager, KVStep, Segment, StepContext
 from kvref.transfer import TransferEngineInfo
+
+# both managers step through the same API
+Stepper = KVManager | ReferenceManager
 
 PAGE_SIZE = 16
 MIN_LEN, MAX_LEN = 100, 500
 BATCHES = (1, 16, 64, 256, 1024)
+MIXED_BATCHES = (1, 16, 256)
+CHUNK = 64  # tokens of the prefill chunk a mixed step carries
+CHUNKS_PER_PROMPT = 8  # a prompt of 512 tokens, prefilled 64 at a time
+# the prompt in flight, and the one freed before the next is ingested
+CHUNK_PAGES = 2 * -(-CHUNK * CHUNKS_PER_PROMPT // PAGE_SIZE)
 
 
 def make_manager(pages: int, cpu_offload_pages: int = 0, *, layers: int = 1,
@@ -51,7 +56,7 @@ def make_manager(pages: int, cpu_offload_pages: int = 0, *, layers: int = 1,
     return KVManager(cfg, "kv", None, TransferEngineInfo(), "cpu", dtype=torch.float32)
 
 
-def prefill(mgr: KVManager, lengths: dict[str, int], chunk: int = 64) -> None:
+def prefill(mgr: Stepper, lengths: dict[str, int], chunk: int = 64) -> None:
     """Ingest each request and fill its main stream with ``lengths[rid]`` tokens."""
     rids = list(lengths)
     for rid in rids:
@@ -74,13 +79,13 @@ def decode_setup(batch: int, steps: int, seed: int = 0) -> tuple[KVManager, KVSt
     rng = random.Random(seed)
     lengths = {f"r{i}": rng.randint(MIN_LEN, MAX_LEN) for i in range(batch)}
     pages = sum(_pages(n + steps) for n in lengths.values())
-    mgr = make_manager(pages)
+    mgr = make_manager(pages + CHUNK_PAGES)
     prefill(mgr, lengths)
     step = KVStep([Segment(rid, "main", 1) for rid in lengths])
     return mgr, step, list(lengths.values())
 
 
-def decode_step(mgr: KVManager, step: KVStep, ctx: StepContext) -> None:
+def decode_step(mgr: Stepper, step: KVStep, ctx: StepContext) -> None:
     outcome = mgr.admit(step, ctx)
     if not outcome.ok:
         raise RuntimeError(f"decode refused: {outcome.reason}")
@@ -88,64 +93,15 @@ def decode_step(mgr: KVManager, step: KVStep, ctx: StepContext) -> None:
     mgr.commit(step, ctx)
 
 
-# -- the straightforward baseline -----------------------------------------------
+# -- the baseline -------------------------------------------------------------------
 
 
-@dataclass
-class _NaiveStream:
-    pages: list[int]
-    stored_len: int
-    in_flight: bool = False
-
-
-@dataclass
-class _NaiveView:
-    rid: str
-    pages: list[int]
-    length: int
-    to_compute: int
-
-
-class NaiveManager:
-    """The obvious implementation: per-request Python objects and tensors."""
-
-    def __init__(self, lengths: list[int], spare_tokens: int) -> None:
-        total = sum(_pages(n + spare_tokens) for n in lengths)
-        self.free: deque[int] = deque(range(1, total + 1))
-        self.lock = threading.RLock()
-        self.streams: dict[str, _NaiveStream] = {}
-        for i, n in enumerate(lengths):
-            self.streams[f"r{i}"] = _NaiveStream([self.free.popleft() for _ in range(_pages(n))], n)
-
-    def step(self, rids: list[str]) -> tuple[torch.Tensor, ...]:
-        ps = PAGE_SIZE
-        with self.lock:  # admit
-            for rid in rids:
-                s = self.streams[rid]
-                short = _pages(s.stored_len + 1) - len(s.pages)
-                for _ in range(short):
-                    s.pages.append(self.free.popleft())
-                s.in_flight = True
-        with self.lock:  # plan
-            views = []
-            for rid in rids:
-                s = self.streams[rid]
-                length = s.stored_len + 1
-                views.append(_NaiveView(rid, s.pages[: _pages(length)], length, 1))
-            page_tables = [torch.tensor(v.pages, dtype=torch.int32) for v in views]
-            indices = torch.cat(page_tables)
-            indptr = torch.tensor([0] + [len(v.pages) for v in views], dtype=torch.int32).cumsum(0)
-            last = torch.tensor([(v.length - 1) % ps + 1 for v in views], dtype=torch.int32)
-            qo = torch.arange(len(views) + 1, dtype=torch.int32)
-            slots = [torch.tensor([v.pages[(v.length - 1) // ps], (v.length - 1) % ps])
-                     for v in views]
-            write = torch.stack(slots)
-        with self.lock:  # commit
-            for rid in rids:
-                s = self.streams[rid]
-                s.in_flight = False
-                s.stored_len += 1
-        return qo, indptr, indices, last, write
+def reference_setup(lengths: list[int], spare_tokens: int) -> ReferenceManager:
+    """The baseline holding the same prefilled streams as `decode_setup`'s manager."""
+    ref = ReferenceManager(sum(_pages(n + spare_tokens) for n in lengths) + CHUNK_PAGES,
+                           PAGE_SIZE)
+    prefill(ref, {f"r{i}": n for i, n in enumerate(lengths)})
+    return ref
 
 
 # -- measurements -----------------------------------------------------------------
@@ -156,20 +112,20 @@ class DecodeRow:
     batch: int
     steps: int
     step_us: Spread  # kvref, µs per step
-    naive_step_us: Spread  # the baseline, µs per step
+    ref_step_us: Spread  # the baseline, µs per step
 
     @property
     def req_us(self) -> Spread:
         return self.step_us.scaled(1.0 / self.batch)
 
     @property
-    def naive_req_us(self) -> Spread:
-        return self.naive_step_us.scaled(1.0 / self.batch)
+    def ref_req_us(self) -> Spread:
+        return self.ref_step_us.scaled(1.0 / self.batch)
 
     @property
     def ratio(self) -> float:
-        """kvref / naive, medians (lower is better)."""
-        return self.step_us.median / self.naive_step_us.median
+        """kvref / reference, medians (lower is better; the target is <= 1/3)."""
+        return self.step_us.median / self.ref_step_us.median
 
 
 def steps_for(batch: int, quick: bool) -> int:
@@ -179,27 +135,98 @@ def steps_for(batch: int, quick: bool) -> int:
 
 
 def bench_decode(batch: int, steps: int, warmup: int = 5, seed: int = 0) -> DecodeRow:
-    mgr, step, lengths = decode_setup(batch, 2 * (steps + warmup), seed)
-    naive = NaiveManager(lengths, 2 * (steps + warmup))
-    rids = [s.request_id for s in step.segments]
+    spare = 2 * (steps + warmup)
+    mgr, step, lengths = decode_setup(batch, spare, seed)
+    ref = reference_setup(lengths, spare)
     ctx = StepContext()
     ours: list[float] = []
     theirs: list[float] = []
     clock = time.perf_counter
     for _ in range(warmup):
         decode_step(mgr, step, ctx)
-        naive.step(rids)
+        decode_step(ref, step, ctx)
     with no_gc():
         # interleaved, so drift on a shared box hits both alike
         for _ in range(steps):
             t0 = clock()
             decode_step(mgr, step, ctx)
             t1 = clock()
-            naive.step(rids)
+            decode_step(ref, step, ctx)
             t2 = clock()
             ours.append((t1 - t0) * 1e6)
             theirs.append((t2 - t1) * 1e6)
     return DecodeRow(batch, steps, spread(ours), spread(theirs))
+
+
+@dataclass(frozen=True)
+class MixedRow:
+    """Decode-only and mixed steps of one batch, kvref and the reference, one run."""
+
+    batch: int
+    steps: int
+    decode_us: Spread
+    mixed_us: Spread
+    ref_decode_us: Spread
+    ref_mixed_us: Spread
+    # mixed - decode of the same iteration: the pair ran back to back, so the
+    # difference cancels the drift of a shared box that the medians carry
+    extra_us: Spread
+    ref_extra_us: Spread
+
+    @property
+    def ratio(self) -> float:
+        """kvref mixed / reference mixed, medians."""
+        return self.mixed_us.median / self.ref_mixed_us.median
+
+
+class _Prompt:
+    """One prompt prefilled a chunk per mixed step; a fresh one once it is full.
+
+    The swap (remove + ingest) runs outside the timed region.
+    """
+
+    def __init__(self, mgr: Stepper, tag: str) -> None:
+        self.mgr, self.tag, self.n, self.done = mgr, tag, 0, CHUNKS_PER_PROMPT
+
+    def next_segment(self) -> Segment:
+        if self.done == CHUNKS_PER_PROMPT:
+            if self.n:
+                self.mgr.remove_request(f"{self.tag}{self.n}")
+            self.n += 1
+            self.mgr.ingest_request(f"{self.tag}{self.n}")
+            self.done = 0
+        self.done += 1
+        return Segment(f"{self.tag}{self.n}", "main", CHUNK)
+
+
+def bench_mixed(batch: int, steps: int, warmup: int = 5, seed: int = 0) -> MixedRow:
+    """Per iteration: a decode step and a mixed step on kvref, then on the reference."""
+    spare = 2 * (steps + warmup)
+    mgr, step, lengths = decode_setup(batch, spare, seed)
+    ref = reference_setup(lengths, spare)
+    prompts = {id(mgr): _Prompt(mgr, "p"), id(ref): _Prompt(ref, "p")}
+    ctx = StepContext()
+    samples: dict[tuple[int, bool], list[float]] = {
+        (id(m), mixed): [] for m in (mgr, ref) for mixed in (False, True)}
+    clock = time.perf_counter
+    with no_gc():
+        for i in range(warmup + steps):
+            # alternate which of the two steps goes first: the first one
+            # follows the other manager's step and finds the caches colder
+            order = (False, True) if i % 2 else (True, False)
+            for m in (mgr, ref):
+                chunk = prompts[id(m)].next_segment()
+                for mixed in order:
+                    run = KVStep([*step.segments, chunk]) if mixed else step
+                    t0 = clock()
+                    decode_step(m, run, ctx)
+                    t1 = clock()
+                    if i >= warmup:
+                        samples[(id(m), mixed)].append((t1 - t0) * 1e6)
+    extras = [spread([b - a for a, b in zip(samples[(id(m), False)], samples[(id(m), True)],
+                                            strict=True)]) for m in (mgr, ref)]
+    return MixedRow(batch, steps, *(spread(samples[(id(m), mixed)])
+                                    for m in (mgr, ref) for mixed in (False, True)), *extras)
 
 
 @dataclass(frozen=True)
@@ -270,11 +297,13 @@ def profile_decode(batch: int, steps: int, top: int = 12) -> list[ProfileEntry]:
     return entries[:top]
 
 
-def run(quick: bool = False, batches: tuple[int, ...] = BATCHES) -> tuple[
-    list[DecodeRow], PrefillRow, dict[int, list[ProfileEntry]]
+def run(quick: bool = False, batches: tuple[int, ...] = BATCHES,
+        mixed_batches: tuple[int, ...] = MIXED_BATCHES) -> tuple[
+    list[DecodeRow], list[MixedRow], PrefillRow, dict[int, list[ProfileEntry]]
 ]:
     rows = [bench_decode(b, steps_for(b, quick)) for b in batches]
+    mixed = [bench_mixed(b, steps_for(b, quick)) for b in mixed_batches]
     pre = bench_prefill(steps=5 if quick else 30, warmup=1 if quick else 3)
     prof_batches: list[int] = [b for b in (1, 256) if b in batches] or [batches[0]]
     profiles = {b: profile_decode(b, steps_for(b, quick)) for b in prof_batches}
-    return rows, pre, profiles
+    return rows, mixed, pre, profiles

@@ -1,6 +1,6 @@
 """One decode step timed alone: ``python -m benchmarks.decode_alone``.
 
-The control-plane table interleaves kvref with the naive manager so that
+The control-plane table interleaves kvref with the reference baseline so that
 drift on a shared machine hits both alike; this times kvref's admit + plan +
 commit back to back with nothing between steps, the figure the library
 issue's targets (2 µs per request at batch 256, 15 µs at batch 1) speak of.

@@ -311,3 +311,124 @@ def packed_plan_state(
     if both.device != device:
         both = host_to_device(both, device)
     return KVPlanState(token_to_page=both[0], token_to_cache=both[1], total_tokens=total_tokens)
+
+
+def _chunk_slots(
+    pages: list[int], pos: int, end: int, page_size: int,
+    pages_out: list[int], offsets_out: list[int],
+) -> None:
+    """Append the page and offset of stream positions ``[pos, end)``.
+
+    One slice and one ``range`` per page the chunk touches, not per token:
+    the Python work is per page, the list fill per token runs in C.
+    """
+    while pos < end:
+        page_i, off = divmod(pos, page_size)
+        run = min(page_size - off, end - pos)
+        pages_out += [pages[page_i]] * run
+        offsets_out += range(off, off + run)
+        pos += run
+
+
+def mixed_tables(
+    views: Sequence[SequenceView], page_size: int, device: torch.device
+) -> tuple[PagedIndptrs, KVPlanState, PagedIndptrs]:
+    """`build_paged_indptrs` + `packed_plan_state` of any step, in one host pass.
+
+    A mixed step (a decode batch plus a prefill chunk) would otherwise pay
+    for a dozen small torch ops unpacking the page table per token; here the
+    slots come from the same pass as the table, in Python work linear in
+    the pages the chunk touches. One host buffer holds the table and the
+    slots, so a device gets them in one copy. Returns the host table, the
+    slots, and the table on ``device`` (what `KVPlanOutput.cuda_indptrs`
+    carries for a non-decode step). Tests compare it with the two builders.
+    """
+    n = len(views)
+    qo = [0] * (n + 1)
+    kv = [0] * (n + 1)
+    last = [0] * n
+    indices: list[int] = []
+    # the slot of each one-token row, by index as on the decode path (no
+    # appends); the other rows (chunks, span 0) are spliced in after
+    row_page = [0] * n
+    row_offset = [0] * n
+    others: list[int] = []
+    q = 0
+    for i, v in enumerate(views):
+        span = v.to_compute
+        q += span
+        qo[i + 1] = q
+        pages = v.page_idxs
+        indices += pages
+        kv[i + 1] = len(indices)
+        end = v.length - 1
+        if span == 1:
+            last[i] = end % page_size + 1
+            row_page[i] = pages[end // page_size]
+            row_offset[i] = end % page_size
+        else:
+            last[i] = end % page_size + 1 if end >= 0 else 0
+            others.append(i)
+    if others:
+        slot_pages: list[int] = []  # request-major, as the query rows
+        slot_offsets: list[int] = []
+        prev = 0
+        for i in others:
+            slot_pages += row_page[prev:i]
+            slot_offsets += row_offset[prev:i]
+            v = views[i]
+            _chunk_slots(v.page_idxs, v.length - v.to_compute, v.length, page_size,
+                         slot_pages, slot_offsets)
+            prev = i + 1
+        slot_pages += row_page[prev:]
+        slot_offsets += row_offset[prev:]
+    else:
+        slot_pages, slot_offsets = row_page, row_offset
+    table_len = 3 * n + 2 + len(indices)
+    host = np.array(qo + kv + last + indices + slot_pages + slot_offsets, dtype=np.int64)
+    b = (0, n + 1, 2 * n + 2, 3 * n + 2, table_len)
+    table = host[:table_len].astype(np.int32)
+    # numpy slices wrapped by from_numpy: cheaper than slicing a torch tensor
+    cpu_indptrs = PagedIndptrs(
+        qo_indptr=torch.from_numpy(table[b[0] : b[1]]),
+        paged_kv_indptr=torch.from_numpy(table[b[1] : b[2]]),
+        paged_kv_last_page_len=torch.from_numpy(table[b[2] : b[3]]),
+        paged_kv_indices=torch.from_numpy(table[b[3] : b[4]]),
+    )
+    q_end = table_len + q
+    if device.type == "cpu":
+        page_t = torch.from_numpy(host[table_len:q_end])
+        offset_t = torch.from_numpy(host[q_end:])
+        # its own record over the same tensors, as `to_device` gave on the host
+        device_indptrs = PagedIndptrs(
+            qo_indptr=cpu_indptrs.qo_indptr,
+            paged_kv_indptr=cpu_indptrs.paged_kv_indptr,
+            paged_kv_indices=cpu_indptrs.paged_kv_indices,
+            paged_kv_last_page_len=cpu_indptrs.paged_kv_last_page_len,
+        )
+    else:
+        whole = host_to_device(torch.from_numpy(host), device)  # the one H2D copy
+        dev_table = whole[:table_len].to(torch.int32)
+        device_indptrs = PagedIndptrs(
+            qo_indptr=dev_table[b[0] : b[1]],
+            paged_kv_indptr=dev_table[b[1] : b[2]],
+            paged_kv_last_page_len=dev_table[b[2] : b[3]],
+            paged_kv_indices=dev_table[b[3] : b[4]],
+        )
+        page_t, offset_t = whole[table_len:q_end], whole[q_end:]
+    state = KVPlanState(token_to_page=page_t, token_to_cache=offset_t, total_tokens=q)
+    return cpu_indptrs, state, device_indptrs
+
+
+def plan_tables(
+    views: Sequence[SequenceView], page_size: int, device: torch.device
+) -> tuple[PagedIndptrs, KVPlanState, PagedIndptrs | None]:
+    """Host page table, write slots, and device page table of one plan label.
+
+    A decode step's device table stays ``None``: attention reads its host
+    table (as the reference does); any other step carries it on ``device``.
+    """
+    if views and all(v.to_compute == 1 for v in views):
+        indptrs, state = decode_tables(views, page_size, device)
+        return indptrs, state, None
+    return mixed_tables(views, page_size, device)

@@ -31,10 +31,8 @@ from kvref.plan import (
     KVPlanOutputs,
     KVPlanState,
     SequenceView,
-    build_paged_indptrs,
-    decode_tables,
     group_by_plan_label,
-    packed_plan_state,
+    plan_tables,
 )
 from kvref.running_step import RunningStep, StagedPreplan, same_step, where
 from kvref.step import ADMIT_OK, AdmitFailedReason, AdmitOutcome, KVStep, Segment, StepContext
@@ -284,14 +282,9 @@ class Stepping:
             step.segments, step.combined_labels
         ).items():
             views = self._sequence_views(segments, fork_len)
-            if views and all(v.to_compute == 1 for v in views):
-                # decode: page table and write slots from one host buffer
-                indptrs, state = decode_tables(views, ps, self._device)
-                out = KVPlanOutput(cpu_indptrs=indptrs, views=views)
-            else:
-                out = KVPlanOutput(cpu_indptrs=build_paged_indptrs(views, ps), views=views)
-                out.cuda_indptrs = out.cpu_indptrs.to_device(self._device)
-                state = packed_plan_state(out.cpu_indptrs, ps, out.get_total_len(), self._device)
+            # decode and mixed steps each from one host buffer (plan.plan_tables)
+            indptrs, state, cuda_indptrs = plan_tables(views, ps, self._device)
+            out = KVPlanOutput(cpu_indptrs=indptrs, views=views, cuda_indptrs=cuda_indptrs)
             outputs[plan_label] = out
             states[plan_label] = self._staging.leased(state, ctx.slot_lease, plan_label)
         return KVPlanOutputs(outputs, step.pre_forks, step.post_forks), states

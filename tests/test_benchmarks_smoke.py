@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from benchmarks import Spread, md_table, spread
 from benchmarks import control_plane as cp
 from benchmarks import data_plane as dp
 from benchmarks.__main__ import control_report, data_report
+from kvref import KVStep, Segment, StepContext
 
 
 def _ok(s: Spread) -> None:
@@ -27,9 +30,48 @@ def test_decode_rows() -> None:
     for batch in (1, 4):
         row = cp.bench_decode(batch, steps=3, warmup=1)
         assert row.batch == batch and row.steps == 3
-        for s in (row.step_us, row.naive_step_us, row.req_us, row.naive_req_us):
+        for s in (row.step_us, row.ref_step_us, row.req_us, row.ref_req_us):
             _ok(s)
         assert row.ratio > 0
+
+
+def test_mixed_rows() -> None:
+    # 9 steps: the prompt (8 chunks) is swapped for a fresh one mid-run
+    row = cp.bench_mixed(2, steps=9, warmup=1)
+    assert row.batch == 2 and row.steps == 9
+    for s in (row.decode_us, row.mixed_us, row.ref_decode_us, row.ref_mixed_us):
+        _ok(s)
+    for d in (row.extra_us, row.ref_extra_us):  # a difference: any sign, ordered
+        assert d.n == 9 and d.p10 <= d.median <= d.p90
+    assert row.ratio > 0
+
+
+def test_reference_baseline_plans_what_kvref_plans() -> None:
+    """The baseline is only a baseline if it does the same work: on the same
+    streams, its decode and mixed steps give kvref's page tables and slots."""
+    mgr, step, lengths = cp.decode_setup(3, 40)
+    ref = cp.reference_setup(lengths, 40)
+    ctx = StepContext()
+    for m in (mgr, ref):
+        m.ingest_request("p")
+    for mixed in (False, True, True, False):
+        run = KVStep([*step.segments, Segment("p", "main", 64)]) if mixed else step
+        outs, states = [], []
+        for m in (mgr, ref):
+            assert m.admit(run, ctx).ok
+            outs.append(m.plan(run, ctx))
+            states.append(m._current_plan_states["main"])  # commit clears it
+            m.commit(run, ctx)
+        ours, theirs = outs
+        assert ours.keys() == theirs.keys() == {"main"}
+        a, b = ours["main"].cpu_indptrs, theirs["main"].cpu_indptrs
+        for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices",
+                     "paged_kv_last_page_len"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        sa, sb = states
+        assert torch.equal(sa.token_to_page, sb.token_to_page)
+        assert torch.equal(sa.token_to_cache, sb.token_to_cache)
+        assert (ours["main"].cuda_indptrs is None) == (theirs["main"].cuda_indptrs is None)
 
 
 def test_prefill_and_profile() -> None:
@@ -55,7 +97,8 @@ def test_data_rows() -> None:
 
 
 def test_reports_are_markdown() -> None:
-    text = control_report(quick=True, batches=(1,))
+    text = control_report(quick=True, batches=(1,), mixed_batches=(1,))
     assert "| batch |" in text and "Profile, decode at batch 1" in text
+    assert "| batch | steps | decode µs | mixed µs |" in text
     text = data_report(quick=True, page_counts=(4,))
     assert "| path |" in text and text.count("\n| ") >= 9

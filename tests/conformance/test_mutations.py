@@ -17,7 +17,6 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import kvref.admission as admission_module
 import kvref.plan as plan_module
-import kvref.stepping as stepping_module
 from kvref import Offload, ReloadCopyError
 from kvref.forks import ForkFailed, Forks
 from kvref.manager import KVManager
@@ -34,7 +33,7 @@ def _decode_offset_off_by_one(mp: pytest.MonkeyPatch) -> None:
         state.token_to_cache.sub_(1).clamp_(min=0)  # writes one slot early
         return indptrs, state
 
-    mp.setattr(stepping_module, "decode_tables", bad)
+    mp.setattr(plan_module, "decode_tables", bad)  # where plan_tables looks it up
 
 
 def _fork_moves_length_not_pages(mp: pytest.MonkeyPatch) -> None:

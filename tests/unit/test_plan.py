@@ -198,3 +198,46 @@ def test_decode_tables_equal_the_separate_builders(lengths: list[int], page_size
     assert torch.equal(state.token_to_page, slots.token_to_page)
     assert torch.equal(state.token_to_cache, slots.token_to_cache)
     assert state.token_to_page.dtype == torch.long
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 2, 3, 4, 16]),
+    # (stored, span): decode rows (span 1), prefill chunks, and span 0 (reads only)
+    shapes=st.lists(
+        st.tuples(st.integers(0, 60), st.sampled_from([0, 1, 1, 1, 5, 17, 64])),
+        min_size=1, max_size=10,
+    ),
+    data=st.data(),
+)
+def test_mixed_tables_equal_the_oracle_builders(
+    page_size: int, shapes: list[tuple[int, int]], data: st.DataObject
+) -> None:
+    """The fused path of any step (a decode batch plus chunks) builds exactly
+    the page table of `build_paged_indptrs` and the slots of `packed_plan_state`."""
+    from kvref.plan import mixed_tables, plan_tables
+
+    views, next_page = [], 1
+    for i, (stored, span) in enumerate(shapes):
+        n = stored + span
+        if n == 0:
+            continue  # the manager makes no view of an empty stream
+        need = -(-n // page_size)
+        pages = data.draw(st.permutations(range(next_page, next_page + need)))
+        next_page += need + 1  # a gap: pages are not contiguous across views
+        views.append(SequenceView(f"r{i}", "main", list(pages), n, span, 0))
+    total = sum(v.to_compute for v in views)
+    indptrs, state, dev = mixed_tables(views, page_size, CPU)
+    want = build_paged_indptrs(views, page_size)
+    want_state = packed_plan_state(want, page_size, total, CPU)
+    for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"):
+        for table in (indptrs, dev):
+            got, exp = getattr(table, name), getattr(want, name)
+            assert got.dtype == torch.int32 and torch.equal(got, exp), name
+    assert state.total_tokens == total and state.write_len == total
+    assert state.token_to_page.dtype == state.token_to_cache.dtype == torch.long
+    assert torch.equal(state.token_to_page, want_state.token_to_page)
+    assert torch.equal(state.token_to_cache, want_state.token_to_cache)
+    # the dispatch: decode keeps its own path (no device table), the rest is fused
+    _, _, dispatched = plan_tables(views, page_size, CPU)
+    assert (dispatched is None) == bool(views and all(v.to_compute == 1 for v in views))
