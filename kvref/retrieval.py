@@ -214,17 +214,10 @@ class Retrieval:
         stream = self._table.streams[rid].get(label)
         if stream is None:
             return True, None
-        fut = stream.read_future
-        if fut is not None and fut.done():
-            stream.read_future = None
-            err = fut.exception()
-            if err is not None:
-                stream.read_error = err
-            else:
-                stream.read_pending = False
-        if stream.read_error is not None:
+        state = admission.retrieve_state(stream)
+        if state == admission.FAILED:
             err = stream.read_error
             return False, AdmitRuntimeError(
                 f"KV retrieve failed: {type(err).__name__}: {err}", request_id=rid, label=label
             )
-        return not stream.read_pending, None
+        return state == admission.IDLE, None
