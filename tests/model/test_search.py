@@ -11,10 +11,10 @@ from model.fingerprint import FingerprintSet, collision_odds, fingerprint
 from model.reference import ReferenceModel
 from model.search import CheckpointMismatch, Search
 
-SCOPE = Scope(requests=2, labels=2, device_pages=2, host_pages=1, page_size=1, max_span=2,
+SCOPE = Scope(requests=2, labels=2, device_pages=2, host_pages=1, page_size=1, max_span=1,
               depth=4)
 # the reference variant's state space grows much faster
-REF = Scope(requests=2, labels=2, device_pages=2, host_pages=1, page_size=1, max_span=1, depth=4)
+REF = Scope(requests=2, labels=2, device_pages=2, host_pages=1, page_size=1, max_span=1, depth=3)
 
 
 def summary(rep: Report) -> tuple[object, ...]:
