@@ -42,6 +42,7 @@ from model.core import (
     Seg,
     State,
     Step,
+    Stream,
     Write,
 )
 
@@ -73,6 +74,15 @@ def step_shapes(m: Model, reqs: list[int]) -> Iterator[Step]:
                     padded = tuple(reqs) if (pre or post) else (r,)
                     for commit in (True, False) if span else (True,):
                         yield Step((Seg(r, label, span),), pre, post, padded, commit)
+
+
+def completions(st: dict[tuple[int, int], Stream], rid: int, label: int
+                ) -> Iterator[Action]:
+    """The environment's event: a running retrieve lands, or fails."""
+    v = st.get((rid, label))
+    if v is not None and v.retrieve == PENDING:
+        yield RetrieveComplete(rid, label, ok=True)
+        yield RetrieveComplete(rid, label, ok=False)
 
 
 def calls(m: Model, s: State) -> Iterator[Action]:
@@ -128,10 +138,7 @@ def calls(m: Model, s: State) -> Iterator[Action]:
             yield Reload(r, copy_error=True)
         yield Publish(r)
         for label in range(sc.labels):
-            v = st.get((r, label))
-            if v is not None and v.retrieve == PENDING:
-                yield RetrieveComplete(r, label, ok=True)
-                yield RetrieveComplete(r, label, ok=False)
+            yield from completions(st, r, label)
             for n in range(sc.max_span + 1):
                 yield RetrieveStart(r, label, n)
             yield RetrieveStart(r, label, sc.max_span, start_error=True)
@@ -185,10 +192,7 @@ def enabled(m: Model, s: State) -> Iterator[Action]:
             yield Reload(r)
         yield Publish(r)
         for label in range(sc.labels):
-            v = st.get((r, label))
-            if v is not None and v.retrieve == PENDING:
-                yield RetrieveComplete(r, label, ok=True)
-                yield RetrieveComplete(r, label, ok=False)
+            yield from completions(st, r, label)
             # also into a stream a step names: kvref raises and nothing moves
             for n in range(1, sc.max_span + 1):
                 yield RetrieveStart(r, label, n)
