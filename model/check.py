@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--resume: no such file {o.resume}")
     if o.conformance:
         # imported by name: the model itself never depends on kvref
-        exhaustive = importlib.import_module("tests.conformance.exhaustive")
+        exhaustive = importlib.import_module("kvref.testing.exhaustive")
         result = exhaustive.check_scope(scope, progress=not o.quiet)
         print(exhaustive.summary(result))
         for failure in result.failures:

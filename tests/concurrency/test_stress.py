@@ -31,8 +31,8 @@ import pytest
 from kvref import KVManager, KVRefError
 from kvref.plan import SINK_PAGE
 from kvref.runtime import ThreadingRuntime
+from kvref.testing.driver import Driver, DriverConfig, label_name, rid_name
 from model import core as m
-from tests.conformance.driver import Driver, DriverConfig, label_name, rid_name
 from tests.support.lockset import Detector, TracedRuntime
 from tests.support.sched_harness import SCOPE
 

@@ -5,7 +5,7 @@ import importlib
 import pytest
 import torch
 
-from tests.conformance.driver import DriverConfig, default_factory
+from kvref.testing.driver import DriverConfig, default_factory
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvref.testing.driver import DriverConfig
+from kvref.testing.exhaustive import CI_SCOPE, check_scope, summary
 from model import core as m
-from tests.conformance.driver import DriverConfig
-from tests.conformance.exhaustive import CI_SCOPE, check_scope, summary
 
 NIGHTLY_SCOPE = m.Scope(requests=2, labels=2, device_pages=3, host_pages=2, page_size=1,
                         max_span=2, depth=5)

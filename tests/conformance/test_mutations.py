@@ -21,7 +21,7 @@ from kvref import Offload, ReloadCopyError
 from kvref.forks import ForkFailed, Forks
 from kvref.manager import KVManager
 from kvref.plan import KVPlanState, PagedIndptrs
-from tests.conformance.test_lockstep import Lockstep
+from kvref.testing.lockstep import Lockstep
 from tests.support.sched_planted import claim_ignores_marks
 
 

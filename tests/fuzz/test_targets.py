@@ -17,9 +17,9 @@ import pytest
 import torch
 from hypothesis import given
 
+from kvref.testing.driver import DriverConfig, default_factory
+from kvref.testing.lockstep import NIGHTLY_SCOPE, Lockstep
 from tests.concurrency.programs import choices, programs
-from tests.conformance.driver import DriverConfig, default_factory
-from tests.conformance.test_lockstep import NIGHTLY_SCOPE, Lockstep
 from tests.support.sched_harness import Program, run_once
 from tests.support.scheduler import Replay
 

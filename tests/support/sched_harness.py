@@ -26,9 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvref import KVManager, KVRefError, Offload, PublishedKVInfo
-from model import core as m
-from model.invariants import violations
-from tests.conformance.driver import (
+from kvref.testing.driver import (
     Driver,
     DriverConfig,
     label_name,
@@ -36,6 +34,8 @@ from tests.conformance.driver import (
     retrieve_state,
     rid_name,
 )
+from model import core as m
+from model.invariants import violations
 from tests.support.lockset import Detector
 from tests.support.scheduler import (
     CoopLock,

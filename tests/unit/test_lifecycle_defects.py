@@ -27,7 +27,7 @@ from kvref import (
 )
 from kvref.manager import KVManager
 from kvref.step import AdmitRuntimeError
-from tests.support.manual_runtime import ManualRuntime
+from kvref.testing.manual_runtime import ManualRuntime
 from tests.unit._manager_fixtures import (
     Driver,
     assert_same,

@@ -36,8 +36,8 @@ from kvref import (
     TransferEngineInfo,
 )
 from kvref.plan import SINK_PAGE
+from kvref.testing.manual_runtime import ManualRuntime
 from model import core as m
-from tests.support.manual_runtime import ManualRuntime
 
 ManagerFactory = Callable[..., KVManager]
 
@@ -187,13 +187,13 @@ class Driver:
         if self.outputs is None:
             # no slots to write: a late write, shaped as the last plan's, must
             # be refused rather than land in its stale slots (R27)
-            for plan_label, rows in (self.last_rows or {"main": 1}).items():
-                junk = torch.ones(rows, self.cfg.num_kv_heads, self.cfg.head_dim)
+            for plan_label, n_rows in (self.last_rows or {"main": 1}).items():
+                junk = torch.ones(n_rows, self.cfg.num_kv_heads, self.cfg.head_dim)
                 junk = junk.to(self.config.device, self.config.dtype)
                 self.kv.write_kv(junk, junk, layer_idx=0, label=plan_label)
             return m.Ok()
         for plan_label, out in self.outputs.items():
-            rows = []
+            rows: list[float] = []
             for view in out.views:
                 rid = int(view.request_id[1:])
                 token = m.LABEL_NAMES.index(view.label)

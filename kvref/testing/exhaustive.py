@@ -18,10 +18,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from kvref.testing.driver import Driver, DriverConfig
 from model import core as m
 from model.check import reachable
 from model.protocol import calls
-from tests.conformance.driver import Driver, DriverConfig
 
 # small enough for CI (every call of the total protocol in every state is a
 # fresh replay); `python -m model.check --conformance` takes any scope

@@ -1,0 +1,460 @@
+"""kvref and the model, driven together by Hypothesis.
+
+Each rule is one critical section of the manager, issued the way an engine
+issues it: the model's protocol (`model.protocol.enabled`) says which calls
+are legal now, the rule draws one, runs it on both, and the checks after it
+compare the results, the states (kvref's read back abstractly), every model
+invariant, page ownership by id (I1, I2, I6) and the bytes of every stream
+(I7). Writes are checked for isolation (I8) against the pages the step planned.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvref.testing.driver import Driver, DriverConfig
+from model import core as m
+from model.invariants import violations
+from model.protocol import enabled
+
+SCOPE = m.Scope(requests=3, labels=3, device_pages=6, host_pages=4, page_size=2, max_span=3)
+NIGHTLY_SCOPE = m.Scope(requests=4, labels=4, device_pages=12, host_pages=8, page_size=3,
+                        max_span=5)
+
+# rule -> times it ran; outcome kind -> count (the end-of-run coverage report)
+RULES: collections.Counter[str] = collections.Counter()
+OUTCOMES: collections.Counter[str] = collections.Counter()
+LARGEST: dict[str, int] = collections.defaultdict(int)
+
+
+def steps(model: m.Model, s: m.State, ready: list[int]) -> st.SearchStrategy[m.Step]:
+    """A step over some of the ready requests: one to three segments in any
+    order (combined labels then see an unsorted batch), up to two forks
+    between any labels, pre, post or one of each (chains and cycles too)."""
+    sc = model.scope
+    seg = st.builds(
+        m.Seg, st.sampled_from(ready), st.integers(0, sc.labels - 1), st.integers(0, sc.max_span)
+    )
+    pair = st.tuples(st.integers(0, sc.labels - 1), st.integers(0, sc.labels - 1)).filter(
+        lambda p: p[0] != p[1])
+
+    @st.composite
+    def build(draw: Any) -> m.Step:
+        segs = draw(st.lists(seg, min_size=1, max_size=3,
+                             unique_by=lambda g: (g.rid, g.label)))
+        kind = draw(st.sampled_from(["none", "none", "pre", "post", "chain", "both"]))
+        pre: tuple[tuple[int, int], ...] = ()
+        post: tuple[tuple[int, int], ...] = ()
+        if kind in ("pre", "chain", "both"):
+            pre = (draw(pair),)
+        if kind == "chain":  # a->b, b->c (c may be a: a cycle)
+            nxt = draw(st.integers(0, sc.labels - 1).filter(lambda t: t != pre[0][1]))
+            pre = (*pre, (pre[0][1], nxt))
+        if kind in ("post", "both"):
+            post = (draw(pair),)
+        rids = sorted({g.rid for g in segs})
+        padded = tuple(draw(st.sampled_from([rids, ready]))) if pre or post else tuple(rids)
+        return m.Step(tuple(segs), pre, post, padded, draw(st.booleans()))
+
+    return build()
+
+
+def careless(model: m.Model, s: m.State) -> st.SearchStrategy[m.Action]:
+    """Any call at all, with any arguments: what a careless engine issues. The
+    model answers each (a misuse changes nothing); faults at every copy too."""
+    sc = model.scope
+    rid = st.integers(0, sc.requests - 1)
+    label = st.integers(0, sc.labels - 1)
+    # over the ingested requests (some of them may be busy), so the careless
+    # admits exercise more than the unknown-request check
+    step = steps(model, s, sorted(s.requests()) or list(range(sc.requests)))
+    return st.one_of(
+        st.builds(m.Admit, step, st.booleans()),
+        st.builds(m.Admit, st.just(s.current.step if s.current else m.Step(())),
+                  st.just(False)),
+        st.builds(m.Plan, st.booleans(), st.booleans()).filter(
+            lambda a: not (a.preplan and a.fork_error)),
+        st.just(m.Write()), st.just(m.Read()),
+        st.builds(m.Commit, st.booleans()),
+        st.just(m.ClearPreplan()),
+        st.builds(m.OffloadClaim, rid),
+        st.builds(m.OffloadCopy, rid, label, st.booleans()),
+        st.builds(m.OffloadCommit, rid), st.builds(m.OffloadAbandon, rid),
+        st.builds(m.Reload, rid, st.booleans()),
+        st.builds(m.Publish, rid),
+        st.builds(m.RetrieveStart, rid, label, st.integers(0, sc.max_span), st.booleans()),
+        st.builds(m.Reset, rid, st.booleans()), st.builds(m.Remove, rid),
+    )
+
+
+def fault_name(action: m.Action) -> str | None:
+    """The coverage name of an injected fault, if the action carries one."""
+    for field in ("copy_error", "fork_error", "start_error"):
+        if getattr(action, field, False):
+            return f"{type(action).__name__} (fault)"
+    if isinstance(action, m.RetrieveComplete) and not action.ok:
+        return "RetrieveComplete (failed)"
+    return None
+
+
+class Lockstep(RuleBasedStateMachine):
+    scope = SCOPE
+    config = DriverConfig()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = m.Model(self.scope)
+        self.state = self.model.init()
+        self.driver = Driver(self.scope, self.config)
+        self._enabled: tuple[m.State | None, list[m.Action]] = (None, [])
+
+    # -- the one way an action runs ------------------------------------------
+
+    def run(self, action: m.Action) -> m.Result:
+        RULES[type(action).__name__] += 1
+        fault = fault_name(action)
+        if fault is not None:
+            RULES[fault] += 1
+        want, nxt = self.model.step(self.state, action)
+        before = self.driver.kv.kv_cache.tensor.clone()
+        owners = self.driver.page_owners()
+        generations = self.driver.generations()
+        got = self.driver.apply(action)
+        self.driver.check_generations(generations, self.driver.generations())
+        OUTCOMES[f"{type(action).__name__} -> {type(got).__name__}"
+                 + (f"({got.kind})" if isinstance(got, (m.Refused, m.Misuse, m.Fault))
+                    else "")] += 1
+        assert got == want, f"{action}: kvref answered {got}, the model {want}"
+        broken = violations(self.model, nxt, action, want, self.state)
+        assert not broken, f"model invariant after {action}: {broken}"
+        prev, self.state = self.state, nxt
+        if isinstance(got, (m.Misuse, m.Refused)):
+            # I10 on kvref itself: not a byte, not a page owner moved
+            assert self.driver.page_owners() == owners, f"I10: {action} moved pages"
+            assert torch.equal(self.driver.kv.kv_cache.tensor, before), (
+                f"I10: {action} was refused ({got}) but changed cache bytes")
+        if isinstance(action, m.Write):
+            self.check_isolation(before)
+        if isinstance(action, m.Plan) and not action.preplan and got == m.Ok():
+            self.driver.check_views()
+        del prev
+        return got
+
+    def check_isolation(self, before: torch.Tensor) -> None:
+        """I8: a write changed only pages of the streams its plan named, or the sink."""
+        after = self.driver.kv.kv_cache.tensor
+        changed = (after != before).flatten(2).any(dim=2).any(dim=0).nonzero().flatten()
+        allowed = self.driver.pages_of_step()
+        stray = set(changed.tolist()) - allowed
+        assert not stray, f"I8: write touched pages {sorted(stray)} outside {sorted(allowed)}"
+
+    def enabled_of(self, kind: type) -> list[m.Action]:
+        # every rule's precondition asks; enumerate the protocol once per state
+        if self._enabled[0] is not self.state:
+            self._enabled = (self.state, list(enabled(self.model, self.state)))
+        return [a for a in self._enabled[1] if isinstance(a, kind)]
+
+    def draw_enabled(self, data: st.DataObject, kind: type) -> m.Action:
+        return data.draw(st.sampled_from(self.enabled_of(kind)), label=kind.__name__)
+
+    def has(self, kind: type) -> bool:
+        return bool(self.enabled_of(kind))
+
+    def ready(self) -> list[int]:
+        busy = {k[0] for k, v in self.state.streams if v.retrieve != m.IDLE}
+        return sorted(self.state.requests() - busy)
+
+    # -- rules: one per critical section ---------------------------------------
+
+    @rule(data=st.data())
+    def ingest(self, data: st.DataObject) -> None:
+        self.run(m.Ingest(data.draw(st.integers(0, self.scope.requests - 1))))
+
+    @precondition(lambda self: self.state.staged is None and self.state.current is None
+                  and bool(self.ready()))
+    @rule(data=st.data())
+    def admit(self, data: st.DataObject) -> None:
+        self.driver.combine = data.draw(st.booleans(), label="combined labels")
+        self.run(m.Admit(data.draw(steps(self.model, self.state, self.ready()))))
+
+    @precondition(lambda self: self.state.staged is None and self.state.current is None
+                  and bool(self.ready()))
+    @rule(data=st.data())
+    def whole_step(self, data: st.DataObject) -> None:
+        """admit, plan, write, commit back to back, as an engine runs most steps.
+
+        The fine-grained rules interleave other calls between these; this one
+        keeps full steps (and so committed, checkable bytes) frequent.
+        """
+        self.driver.combine = data.draw(st.booleans(), label="combined labels")
+        self.run(m.Admit(data.draw(steps(self.model, self.state, self.ready()))))
+        for action in (m.Plan(), m.Write(), m.Commit()):
+            if self.state.current is None or not any(
+                type(a) is type(action) for a in enabled(self.model, self.state)
+            ):
+                continue
+            self.run(action)
+            self.agrees_with_model()
+
+    @precondition(lambda self: self.state.staged is None and bool(self.ready()))
+    @rule(data=st.data())
+    def admit_preplan(self, data: st.DataObject) -> None:
+        # mostly over requests the running step leaves alone: a preplan over
+        # its streams is always the same R10 misuse, and would crowd out the rest
+        ready = self.ready()
+        cur = self.state.current
+        if cur is not None and data.draw(st.integers(0, 3), label="free requests") > 0:
+            busy = {k[0] for k in m.named(cur.step)}
+            ready = [r for r in ready if r not in busy] or ready
+        self.driver.combine = data.draw(st.booleans(), label="combined labels")
+        self.run(m.Admit(data.draw(steps(self.model, self.state, ready)), preplan=True))
+
+    @precondition(lambda self: self.state.current is None and self.state.staged is not None
+                  and self.state.staged.phase == m.PLANNED)
+    @rule()
+    def admit_staged(self) -> None:
+        assert self.state.staged is not None
+        self.run(m.Admit(self.state.staged.step))
+
+    @precondition(lambda self: self.has(m.Plan))
+    @rule(data=st.data())
+    def plan(self, data: st.DataObject) -> None:
+        self.run(self.draw_enabled(data, m.Plan))
+
+    @precondition(lambda self: self.has(m.Write))
+    @rule()
+    def write_kv(self) -> None:
+        self.run(m.Write())
+
+    @precondition(lambda self: self.has(m.Commit))
+    @rule()
+    def commit(self) -> None:
+        self.run(m.Commit())
+
+    @precondition(lambda self: self.state.staged is not None)
+    @rule()
+    def clear_preplan(self) -> None:
+        self.run(m.ClearPreplan())
+
+    @precondition(lambda self: self.has(m.OffloadClaim))
+    @rule(data=st.data())
+    def offload_claim(self, data: st.DataObject) -> None:
+        self.run(self.draw_enabled(data, m.OffloadClaim))
+
+    @precondition(lambda self: self.has(m.OffloadClaim))
+    @rule(data=st.data())
+    def whole_offload(self, data: st.DataObject) -> None:
+        """`KVManager.offload`: claim, copy each claimed stream, commit, back to back."""
+        claim = self.draw_enabled(data, m.OffloadClaim)
+        assert isinstance(claim, m.OffloadClaim)
+        self.run(claim)
+        off = self.state.offload_of(claim.rid)
+        if off is None:
+            return
+        for label, _ in off.claimed:
+            if any(isinstance(a, m.OffloadCopy) and (a.rid, a.label) == (claim.rid, label)
+                   and not a.copy_error
+                   for a in self.enabled_of(m.OffloadCopy)):
+                self.run(m.OffloadCopy(claim.rid, label))
+        self.run(m.OffloadCommit(claim.rid))
+        self.agrees_with_model()
+
+    @precondition(lambda self: self.has(m.OffloadCopy))
+    @rule(data=st.data())
+    def offload_copy(self, data: st.DataObject) -> None:
+        self.run(self.draw_enabled(data, m.OffloadCopy))
+
+    @precondition(lambda self: self.has(m.OffloadCopy))
+    @rule(data=st.data())
+    def offload_copy_raises(self, data: st.DataObject) -> None:
+        a = self.draw_enabled(data, m.OffloadCopy)
+        assert isinstance(a, m.OffloadCopy)
+        self.run(m.OffloadCopy(a.rid, a.label, copy_error=True))
+
+    @precondition(lambda self: self.state.current is not None and bool(
+        self.state.current.step.pre_forks or self.state.current.step.post_forks))
+    @rule(data=st.data())
+    def fork_copy_raises(self, data: st.DataObject) -> None:
+        """A fork's page copy fails, at plan or at commit (R26)."""
+        cur = self.state.current
+        assert cur is not None
+        plan = cur.phase == m.ADMITTED and data.draw(st.booleans(), label="at plan")
+        self.run(m.Plan(fork_error=True) if plan else m.Commit(fork_error=True))
+
+    @precondition(lambda self: self.has(m.Reload))
+    @rule(data=st.data())
+    def reload_copy_raises(self, data: st.DataObject) -> None:
+        a = self.draw_enabled(data, m.Reload)
+        assert isinstance(a, m.Reload)
+        self.run(m.Reload(a.rid, copy_error=True))
+
+    @precondition(lambda self: self.has(m.RetrieveStart))
+    @rule(data=st.data())
+    def retrieve_start_raises(self, data: st.DataObject) -> None:
+        a = self.draw_enabled(data, m.RetrieveStart)
+        assert isinstance(a, m.RetrieveStart)
+        self.run(m.RetrieveStart(a.rid, a.label, a.length, start_error=True))
+
+    @precondition(lambda self: self.has(m.OffloadCommit))
+    @rule(data=st.data())
+    def offload_commit(self, data: st.DataObject) -> None:
+        self.run(self.draw_enabled(data, m.OffloadCommit))
+
+    @precondition(lambda self: self.has(m.OffloadAbandon))
+    @rule(data=st.data())
+    def offload_abandon(self, data: st.DataObject) -> None:
+        self.run(self.draw_enabled(data, m.OffloadAbandon))
+
+    @precondition(lambda self: self.has(m.Reload))
+    @rule(data=st.data())
+    def reload(self, data: st.DataObject) -> None:
+        self.run(self.draw_enabled(data, m.Reload))
+
+    @precondition(lambda self: self.has(m.Publish))
+    @rule(data=st.data())
+    def publish(self, data: st.DataObject) -> None:
+        self.run(self.draw_enabled(data, m.Publish))
+
+    @precondition(lambda self: self.has(m.RetrieveStart))
+    @rule(data=st.data())
+    def admit_retrieve(self, data: st.DataObject) -> None:
+        self.run(self.draw_enabled(data, m.RetrieveStart))
+
+    def completions(self, ok: bool) -> list[m.Action]:
+        return [a for a in self.enabled_of(m.RetrieveComplete)
+                if isinstance(a, m.RetrieveComplete) and a.ok == ok]
+
+    @precondition(lambda self: bool(self.completions(ok=True)))
+    @rule(data=st.data())
+    def retrieve_completes(self, data: st.DataObject) -> None:
+        self.run(data.draw(st.sampled_from(self.completions(ok=True))))
+
+    @precondition(lambda self: bool(self.completions(ok=False)))
+    @rule(data=st.data())
+    def retrieve_fails(self, data: st.DataObject) -> None:
+        self.run(data.draw(st.sampled_from(self.completions(ok=False))))
+
+    @precondition(lambda self: self.has(m.Reset))
+    @rule(data=st.data())
+    def reset_request(self, data: st.DataObject) -> None:
+        self.run(self.draw_enabled(data, m.Reset))
+
+    @precondition(lambda self: self.has(m.Remove))
+    @rule(data=st.data())
+    def remove_request(self, data: st.DataObject) -> None:
+        self.run(self.draw_enabled(data, m.Remove))
+
+    @precondition(lambda self: bool(self.driver.last_rows) and (
+        self.state.current is None or self.state.current.phase == m.ADMITTED))
+    @rule(data=st.data())
+    def late_write_or_read(self, data: st.DataObject) -> None:
+        """The careless engine's commonest slip: attention writes or reads again
+        after the step committed (or before the next is planned), shaped as
+        the last plan; kvref must refuse instead of using stale slots (R27)."""
+        late: list[m.Action] = [m.Write(), m.Read()]
+        self.run(data.draw(st.sampled_from(late), label="late call"))
+
+    @precondition(lambda self: self.state.staged is None and self.state.current is None
+                  and len(self.ready()) > 1)
+    @rule(data=st.data())
+    def fork_over_the_batch(self, data: st.DataObject) -> None:
+        """A forked step padded to every ready request, run whole: some padded
+        requests lack the source label, some already hold the target (R20)."""
+        step = data.draw(steps(self.model, self.state, self.ready()))
+        pair = data.draw(st.tuples(st.integers(0, self.scope.labels - 1),
+                                   st.integers(0, self.scope.labels - 1)).filter(
+            lambda p: p[0] != p[1]), label="fork")
+        post = data.draw(st.booleans(), label="post-fork")
+        step = m.Step(step.segments, () if post else (pair,), (pair,) if post else (),
+                      tuple(self.ready()), step.commit)
+        self.run(m.Admit(step))
+        for action in (m.Plan(), m.Write(), m.Commit()):
+            if self.state.current is not None:
+                self.run(action)
+        self.agrees_with_model()
+
+    @rule(data=st.data())
+    def careless_call(self, data: st.DataObject) -> None:
+        """Any call, in any state, misuse included: one rule among ~25, so about
+        one call in twenty-five is drawn here (the controlled rate)."""
+        self.run(data.draw(careless(self.model, self.state), label="careless call"))
+
+    # -- after every rule --------------------------------------------------------
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        got = self.driver.abstract(self.state)
+        assert got == self.state, f"kvref state\n  {got}\nmodel state\n  {self.state}"
+        self.driver.check_pages()
+        self.driver.check_host_lengths(self.state)
+        self.driver.check_bytes(self.state)
+        LARGEST["streams"] = max(LARGEST["streams"], len(self.state.streams))
+        LARGEST["pages held"] = max(LARGEST["pages held"],
+                                    self.scope.device_pages - self.state.free)
+        LARGEST["host copies"] = max(LARGEST["host copies"], len(self.state.host))
+
+    def teardown(self) -> None:
+        """Drain the run the way an engine shuts down, checked as any other
+        action, then I12: with every request gone, every page but the sink
+        is free and the host pool is empty."""
+        for rid in sorted(rid for rid, _ in self.state.offloads):
+            self.run(m.OffloadAbandon(rid))
+        if self.state.current is not None:
+            self.run(m.Commit())
+        if self.state.staged is not None:
+            self.run(m.ClearPreplan())
+        for k, v in self.state.streams:
+            if v.retrieve == m.PENDING:
+                self.run(m.RetrieveComplete(k[0], k[1], ok=True))
+        for rid in sorted(self.state.requests()):
+            self.run(m.Remove(rid))
+        self.agrees_with_model()
+        kv = self.driver.kv
+        assert kv.num_free_pages == self.scope.device_pages, "I12: device pages leaked"
+        pool = kv._cpu_pool
+        assert pool is not None and pool.num_free == pool.capacity, "I12: host pages leaked"
+
+
+def report() -> str:
+    lines = ["lockstep coverage: rule runs"]
+    lines += [f"  {name:<18} {n}" for name, n in sorted(RULES.items())]
+    lines.append("outcomes")
+    lines += [f"  {name:<40} {n}" for name, n in sorted(OUTCOMES.items())]
+    lines.append("largest: " + ", ".join(f"{k} {v}" for k, v in LARGEST.items()))
+    return "\n".join(lines)
+
+
+def run_lockstep(config: DriverConfig, scope: m.Scope = SCOPE,
+                 run_settings: settings | None = None) -> str:
+    """Drive the manager ``config.factory`` builds and the model together; raise
+    on the first disagreement (Hypothesis shrinks it). Returns the coverage
+    report. Under a profile without an example database (the ci profile) a
+    fault or action that never ran, or fewer than ten kinds of misuse, fail
+    the run: a rule that never fires checks nothing."""
+    Lockstep.config = config
+    Lockstep.scope = scope
+    RULES.clear()
+    OUTCOMES.clear()
+    run_state_machine_as_test(Lockstep, settings=run_settings)
+    if (run_settings or settings()).database is None:
+        faults = {"OffloadCopy (fault)", "RetrieveComplete (failed)", "Plan (fault)",
+                  "Commit (fault)", "Reload (fault)", "RetrieveStart (fault)"}
+        never = ({t.__name__ for t in m.ACTIONS} | faults) - set(RULES)
+        if never:
+            raise AssertionError(f"actions never exercised: {sorted(never)}")
+        misused = {k for k in OUTCOMES if "Misuse" in k}
+        if len(misused) < 10:
+            raise AssertionError(f"too few kinds of misuse exercised: {sorted(misused)}")
+    return report()
