@@ -34,6 +34,13 @@ from kvref.errors import (
 from kvref.host_pool import CPUPagePool
 from kvref.manager import KVManager
 from kvref.offload import Offload
+from kvref.outcomes import (
+    HostPoolView,
+    OffloadOutcome,
+    OffloadReason,
+    ReloadOutcome,
+    ReloadReason,
+)
 from kvref.plan import (
     SINK_PAGE,
     KVPlanOutput,
@@ -41,6 +48,7 @@ from kvref.plan import (
     KVPlanState,
     PagedIndptrs,
     SequenceView,
+    ViewRows,
     build_paged_indptrs,
     group_by_plan_label,
 )
@@ -76,6 +84,7 @@ __all__ = [
     "CPUPagePool",
     "EngineResourceInfo",
     "ForkCopyError",
+    "HostPoolView",
     "InvalidStepError",
     "JointGroups",
     "KVCache",
@@ -94,6 +103,8 @@ __all__ = [
     "KVTransferManager",
     "Offload",
     "OffloadCopyError",
+    "OffloadOutcome",
+    "OffloadReason",
     "OffloadStateError",
     "PageAllocator",
     "PagedIndptrs",
@@ -102,6 +113,8 @@ __all__ = [
     "PublishedInfoError",
     "PublishedKVInfo",
     "ReloadCopyError",
+    "ReloadOutcome",
+    "ReloadReason",
     "RequestOffloading",
     "Resource",
     "RetrieveInProgress",
@@ -116,6 +129,7 @@ __all__ = [
     "ThreadingRuntime",
     "TransferEngineInfo",
     "UnknownRequestError",
+    "ViewRows",
     "build_paged_indptrs",
     "default_runtime",
     "group_by_plan_label",

@@ -11,6 +11,7 @@ import torch
 
 from kvref.allocator import PageAllocator
 from kvref.cache import KVCache, copy_page_blocks, page_runs
+from kvref.outcomes import HostPoolView
 from kvref.runtime import Runtime, default_runtime, shared
 
 
@@ -73,6 +74,11 @@ class CPUPagePool:
     @property
     def capacity(self) -> int:
         return self._allocator.num_pages
+
+    def view(self) -> HostPoolView:
+        """What `KVManager.host_pool` reports: one read of the free count."""
+        free = self.num_free
+        return HostPoolView(self.capacity, free, self.capacity - free)
 
     def is_offloaded(self, rid: str) -> bool:
         return bool(self._copies.get(rid))

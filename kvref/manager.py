@@ -40,6 +40,8 @@ from kvref.host_pool import CPUPagePool
 from kvref.layer_io import LayerIO
 from kvref.offload import Offload
 from kvref.offload_phases import HostOffload
+from kvref.outcomes import HostPoolView, OffloadOutcome, OffloadReason, ReloadOutcome, ReloadReason
+from kvref.page_needs import step_pages
 from kvref.plan import SINK_PAGE, KVPlanOutputs, KVPlanState
 from kvref.published import PublishedKVInfo
 from kvref.rank_check import check_free_pages_agree
@@ -347,39 +349,47 @@ class KVManager(LayerIO):
         (R4): a step already holds addressing into these pages.
         """
         validate.request_id(rid, "begin_offload")
+        claimed = self._host_offload.claim(rid) if self._host_offload is not None else None
+        return claimed if isinstance(claimed, Offload) else None
+
+    def offload_outcome(self, rid: str) -> OffloadOutcome:
+        """`offload`, with the labels moved and kept and why not all (R44)."""
+        validate.request_id(rid, "offload")
         if self._host_offload is None:
-            return None
-        return self._host_offload.claim(rid)
+            return OffloadOutcome(reason=OffloadReason.NO_HOST_POOL)
+        return self._host_offload.offload(rid, self.begin_offload)
 
     def offload(self, rid: str) -> int:
-        """Move every stream of ``rid`` to host memory; returns device pages freed.
+        """Move ``rid``'s streams to the host; device pages freed (why not all:
+        `offload_outcome`). A stream the host cannot fit keeps its pages."""
+        return self.offload_outcome(rid).pages_freed
 
-        A stream that does not fit on the host keeps its pages, so a partial
-        offload still frees what did fit. 0 when refused (a step in flight,
-        an offload already running, an unknown request) or nothing moved.
-        """
-        validate.request_id(rid, "offload")
-        offload = self.begin_offload(rid)
-        if offload is None:
-            return 0
-        try:
-            offload.copy_all()
-            self._runtime.checkpoint("offload.copied")
-            return offload.commit()
-        finally:
-            offload.abandon()  # a no-op once committed
-
-    def reload(self, rid: str) -> bool:
-        """Bring every offloaded stream of ``rid`` back on device, or move nothing.
-
-        False when the device cannot fit them now (evict more, retry), while
-        an offload of the request is still in progress (R6), or when nothing
-        of ``rid`` is on the host.
-        """
+    def reload_outcome(self, rid: str) -> ReloadOutcome:
+        """`reload`, with the pages taken, or why nothing moved (R44)."""
         validate.request_id(rid, "reload")
         if self._host_offload is None:
-            return False
+            return ReloadOutcome(reason=ReloadReason.NO_HOST_POOL)
         return self._host_offload.reload(rid)
+
+    def reload(self, rid: str) -> bool:
+        """Bring every offloaded stream of ``rid`` back on device, or move nothing
+        (too few pages, an offload running (R6), nothing on the host: `reload_outcome`)."""
+        return self.reload_outcome(rid).reloaded
+
+    def reload_pages_needed(self, rid: str) -> int:
+        """Device pages `reload` would take now; 0 if it would refuse but for room (R46)."""
+        validate.request_id(rid, "reload_pages_needed")
+        return self._host_offload.reload_pages_needed(rid) if self._host_offload else 0
+
+    def pages_needed(self, step: KVStep, ctx: StepContext) -> int:
+        """New device pages `admit` would take now, forks included; changes nothing (R46)."""
+        validate.step(step, ctx)
+        with self._lock:
+            return step_pages(self._table, step, ctx, self.config.max_seq_len)
+
+    def host_pool(self) -> HostPoolView:
+        """Host pages: capacity, free, used; all 0 without a pool (R46)."""
+        return self._cpu_pool.view() if self._cpu_pool is not None else HostPoolView()
 
     def reclaimable(self, rid: str) -> int:
         """Device pages the request holds; 0 once offloaded."""
@@ -387,8 +397,10 @@ class KVManager(LayerIO):
             return sum(len(s.page_indices) for s in self._streams.get(rid, {}).values())
 
     def get_offload_priority(self, rid: str) -> float:
-        """The most reclaimable request first."""
-        return float(self.reclaimable(rid))
+        """Higher: offload first. The device pages a claim would take now; 0 for
+        what cannot be offloaded now (R45)."""
+        validate.request_id(rid, "get_offload_priority")
+        return float(self._host_offload.priority(rid)) if self._host_offload else 0.0
 
     # -- KV transfer between managers ----------------------------------------
 

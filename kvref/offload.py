@@ -4,6 +4,9 @@
 host copies (or a test that interleaves them with other calls) drives the
 handle `KVManager.begin_offload` returns. Only claim and commit take the
 manager's lock; the copies run outside it so steps of other requests go on.
+The handle records why each stream it could not copy stayed behind, and its
+commit's `OffloadOutcome` (`outcome`), which `KVManager.offload_outcome`
+reports.
 
 The handle checks its own state (open, which labels it claimed, which it
 copied) and hands the work on the stream table to the `OffloadPhases` it
@@ -17,6 +20,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from kvref.errors import OffloadCopyError, OffloadStateError
+from kvref.outcomes import OffloadOutcome, OffloadReason
 from kvref.streams import ClaimedStream
 
 
@@ -25,10 +29,11 @@ class OffloadPhases(Protocol):
 
     def wait(self, futures: Sequence[Future[Any]]) -> None: ...
 
-    def copy_to_host(self, offload: Offload, claim: ClaimedStream) -> bool: ...
+    def copy_to_host(self, offload: Offload,
+                     claim: ClaimedStream) -> OffloadReason | None: ...
 
     def commit(self, offload: Offload, claims: Mapping[str, ClaimedStream],
-               copied: Sequence[str]) -> int: ...
+               copied: Sequence[str]) -> OffloadOutcome: ...
 
     def abandon(self, offload: Offload, labels: Sequence[str]) -> None: ...
 
@@ -55,6 +60,9 @@ class Offload:
         # label -> a retrieve still writing that stream's pages
         self._read_futures = dict(read_futures)
         self._copied: list[str] = []
+        # label -> why its copy did not run (the pool was full, the claim changed)
+        self._refusals: dict[str, OffloadReason] = {}
+        self._outcome: OffloadOutcome | None = None
         self._open = True
         # set by `remove_request` under the manager's lock: the request is
         # gone, so every later phase does nothing
@@ -80,6 +88,15 @@ class Offload:
     def is_open(self) -> bool:
         return self._open
 
+    @property
+    def refusals(self) -> Mapping[str, OffloadReason]:
+        return dict(self._refusals)
+
+    @property
+    def outcome(self) -> OffloadOutcome | None:
+        """What the commit did; None until committed (an abandon moves nothing)."""
+        return self._outcome
+
     def copy(self, label: str) -> bool:
         """Copy one claimed stream to the host. False if the host pool is full, or
         if a claimed stream changed since the claim (the commit will undo it).
@@ -103,7 +120,7 @@ class Offload:
             # a retrieve still writing these pages would be torn into the copy
             self._phases.wait([read])
         try:
-            ok = self._phases.copy_to_host(self, claim)
+            refused = self._phases.copy_to_host(self, claim)
         except Exception as err:
             self.abandon()
             raise OffloadCopyError(
@@ -111,9 +128,11 @@ class Offload:
                 request_id=self.request_id,
                 label=label,
             ) from err
-        if ok:
+        if refused is None:
             self._copied.append(label)
-        return ok
+        else:
+            self._refusals[label] = refused
+        return refused is None
 
     def copy_all(self) -> list[str]:
         """Copy every claimed stream; returns the labels that fit on the host."""
@@ -131,7 +150,8 @@ class Offload:
         """
         self._check_open("commit")
         self._open = False
-        return self._phases.commit(self, self._claims, self._copied)
+        self._outcome = self._phases.commit(self, self._claims, self._copied)
+        return self._outcome.pages_freed
 
     def abandon(self) -> None:
         """Drop every host copy made so far and release every claim."""

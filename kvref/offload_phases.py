@@ -5,11 +5,16 @@ The phases work on the shared stream table and the host page pool; the
 the manager. Claim, commit and abandon are one critical section each under
 the table's lock; a host copy is decided under it, runs outside it (steps
 of other requests go on) and is recorded under it again.
+
+Each refusal is a typed reason (`kvref.outcomes`); the queries an engine
+schedules with (the offload priority, the pages a reload needs) are read
+off the same functions the claim and the reload decide with, so a query
+never says "yes" where the call says "no".
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -17,8 +22,39 @@ from kvref.cache import KVCache
 from kvref.errors import ReloadCopyError
 from kvref.host_pool import CPUPagePool
 from kvref.offload import Offload
+from kvref.outcomes import (
+    OffloadOutcome,
+    OffloadReason,
+    ReloadOutcome,
+    ReloadReason,
+    kept_reason,
+)
 from kvref.stream_table import StreamTable
-from kvref.streams import ClaimedStream
+from kvref.streams import CacheStream, ClaimedStream
+
+
+def claimable(streams: Mapping[str, CacheStream]) -> list[tuple[str, CacheStream]]:
+    """The streams a claim takes: resident ones that hold device pages."""
+    return [(label, s) for label, s in streams.items() if not s.offloaded and s.page_indices]
+
+
+def claim_refusal(streams: Mapping[str, CacheStream] | None,
+                  offload_running: bool) -> OffloadReason | None:
+    """Why a claim of a request with these streams is refused now, or None."""
+    if streams is None:
+        return OffloadReason.UNKNOWN_REQUEST
+    if offload_running:
+        return OffloadReason.OFFLOAD_RUNNING
+    if any(s.step_in_flight for s in streams.values()):  # R4: the whole request
+        return OffloadReason.STEP_IN_FLIGHT
+    if not claimable(streams):
+        return OffloadReason.NOTHING_ON_DEVICE
+    return None
+
+# a claim refused, then its reason read in a second critical section: when
+# the request changed in between (the reason says it is claimable now), the
+# claim is tried again, a few times at most
+_CLAIM_TRIES = 3
 
 
 class HostOffload:
@@ -33,29 +69,66 @@ class HostOffload:
         # the manager's container, which remove_request cancels from
         self.offloads = offloads
 
-    def claim(self, rid: str) -> Offload | None:
-        """See `KVManager.begin_offload`."""
+    def claim(self, rid: str) -> Offload | OffloadReason:
+        """See `KVManager.begin_offload`; a refusal is its reason."""
         with self.table.lock:
             streams = self.table.streams.get(rid)
-            if streams is None or rid in self.offloads:
-                return None
-            if any(s.step_in_flight for s in streams.values()):
-                return None
+            refused = claim_refusal(streams, rid in self.offloads)
+            if refused is not None:
+                return refused
+            assert streams is not None
             claims: list[ClaimedStream] = []
             reads: dict[str, Future[Any]] = {}
-            for label, s in streams.items():
-                if s.offloaded or not s.page_indices:
-                    continue
+            for label, s in claimable(streams):
                 s.offloaded = True
                 claims.append(ClaimedStream(label, list(s.page_indices), s.generation,
                                             s.stored_len, s.position, s.released))
                 if s.read_future is not None:
                     reads[label] = s.read_future
-            if not claims:
-                return None
             offload = self.offloads[rid] = Offload(self, rid, claims, reads)
         self.table.runtime.checkpoint("offload.claimed")
         return offload
+
+    def refusal(self, rid: str) -> OffloadReason | None:
+        """Why a claim of ``rid`` would be refused now, or None."""
+        with self.table.lock:
+            return claim_refusal(self.table.streams.get(rid), rid in self.offloads)
+
+    def priority(self, rid: str) -> int:
+        """The device pages a claim of ``rid`` would take now; 0 if refused."""
+        with self.table.lock:
+            streams = self.table.streams.get(rid)
+            if claim_refusal(streams, rid in self.offloads) is not None:
+                return 0
+            assert streams is not None
+            return sum(len(s.page_indices) for _, s in claimable(streams))
+
+    def offload(self, rid: str, begin: Callable[[str], Offload | None]) -> OffloadOutcome:
+        """See `KVManager.offload_outcome`: claim with ``begin``, copy all, commit.
+
+        ``begin`` is the manager's `begin_offload`, the seam engines and the
+        concurrency tests wrap. A refused claim answers with the reason read
+        right after it: the outcome is then that of an offload at that point.
+        """
+        offload = None
+        for _ in range(_CLAIM_TRIES):
+            offload = begin(rid)
+            if offload is not None:
+                break
+            reason = self.refusal(rid)
+            if reason is not None:
+                return OffloadOutcome(reason=reason)
+        if offload is None:
+            # claimable each time it was asked, refused each time it was claimed
+            return OffloadOutcome(reason=OffloadReason.REQUEST_CHANGED)
+        try:
+            offload.copy_all()
+            self.table.runtime.checkpoint("offload.copied")
+            offload.commit()
+            assert offload.outcome is not None
+            return offload.outcome
+        finally:
+            offload.abandon()  # a no-op once committed
 
     def wait(self, futures: Sequence[Future[Any]]) -> None:
         self.table.runtime.wait(futures)
@@ -71,8 +144,8 @@ class HostOffload:
             for c in offload.claims.values()
         )
 
-    def copy_to_host(self, offload: Offload, claim: ClaimedStream) -> bool:
-        """One stream's host copy; False if the offload went stale or it does not fit.
+    def copy_to_host(self, offload: Offload, claim: ClaimedStream) -> OffloadReason | None:
+        """One stream's host copy; why not if the offload went stale or it does not fit.
 
         Decided in one critical section (stale? room on the host?), copied
         outside the lock, recorded in a second: a reset racing the copy fails
@@ -85,10 +158,11 @@ class HostOffload:
             if self._stale(offload):
                 # a reset (or removal) since the claim dooms the commit: a
                 # copy now would only be thrown away
-                return False
+                return (OffloadReason.REQUEST_REMOVED if offload.cancelled
+                        else OffloadReason.REQUEST_CHANGED)
             host_pages = pool.reserve(rid, claim.label, claim.stored_len, len(claim.pages))
             if host_pages is None:
-                return False
+                return OffloadReason.HOST_POOL_FULL
         try:
             pool.copy_out(self._kv_cache.tensor, claim.pages, host_pages)
         except BaseException:
@@ -100,17 +174,19 @@ class HostOffload:
             else:
                 pool.record(rid, claim.label, host_pages, claim.stored_len,
                             claim.position, claim.released)
-        return True
+        return None
 
     def commit(
         self, offload: Offload, claims: Mapping[str, ClaimedStream], copied: Sequence[str]
-    ) -> int:
+    ) -> OffloadOutcome:
         rid = offload.request_id
         # the device pages must not be released before the D2H copy read them
         self.pool.sync()
         with self.table.lock:
             if offload.cancelled:
-                return 0  # the removal released everything, host copies included
+                # the removal released everything, host copies included
+                return OffloadOutcome(kept=tuple(claims),
+                                      reason=OffloadReason.REQUEST_REMOVED)
             self.offloads.pop(rid, None)
             streams = self.table.streams.get(rid, {})
             intact = all(
@@ -135,7 +211,10 @@ class HostOffload:
                 # the tokens are on the host: the length stays, the pages go
                 stream.page_indices = []
                 stream.generation += 1
-            return freed
+            kept = tuple(label for label in claims if label not in moved)
+            reason = (kept_reason(kept, offload.refusals) if intact
+                      else OffloadReason.REQUEST_CHANGED)
+            return OffloadOutcome(freed, tuple(moved), kept, reason)
 
     def abandon(self, offload: Offload, labels: Sequence[str]) -> None:
         rid = offload.request_id
@@ -152,18 +231,37 @@ class HostOffload:
                 if stream is not None:
                     stream.offloaded = False
 
-    def reload(self, rid: str) -> bool:
-        """See `KVManager.reload`."""
+    def _reload_refusal(self, rid: str) -> tuple[ReloadReason | None, int]:
+        """Why a reload of ``rid`` moves nothing now (or None), and the device
+        pages its host copies need. Under the lock."""
+        if rid not in self.table.streams:
+            return ReloadReason.UNKNOWN_REQUEST, 0
+        if rid in self.offloads:
+            return ReloadReason.OFFLOAD_RUNNING, 0  # R6
+        pool = self.pool
+        if not pool.is_offloaded(rid):
+            return ReloadReason.NOTHING_ON_HOST, 0
+        needed = sum(pool.num_pages(rid, label) for label in pool.labels(rid))
+        if needed > self.table.allocator.num_free:
+            return ReloadReason.DEVICE_FULL, needed
+        return None, needed
+
+    def reload_pages_needed(self, rid: str) -> int:
+        """See `KVManager.reload_pages_needed`."""
+        with self.table.lock:
+            reason, needed = self._reload_refusal(rid)
+            return needed if reason in (None, ReloadReason.DEVICE_FULL) else 0
+
+    def reload(self, rid: str) -> ReloadOutcome:
+        """See `KVManager.reload_outcome`."""
         pool = self.pool
         allocator = self.table.allocator
         with self.table.lock:
-            if rid in self.offloads or rid not in self.table.streams or (
-                    not pool.is_offloaded(rid)):
-                return False
+            reason, needed = self._reload_refusal(rid)
+            if reason is not None:
+                short = needed - allocator.num_free if reason is ReloadReason.DEVICE_FULL else 0
+                return ReloadOutcome(reason=reason, pages_short=short)
             labels = pool.labels(rid)
-            needed = sum(pool.num_pages(rid, label) for label in labels)
-            if needed > allocator.num_free:
-                return False
             taken: list[tuple[str, list[int]]] = []
             try:
                 for label in labels:
@@ -195,4 +293,4 @@ class HostOffload:
         # outside the lock: orders the H2D copies before attention reads the
         # pages; the pages are already assigned, so no shared state is touched
         pool.sync()
-        return True
+        return ReloadOutcome(needed, tuple(labels))

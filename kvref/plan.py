@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -146,8 +147,26 @@ class KVPlanOutput:
         return sum(v.to_compute for v in self.views)
 
 
+class ViewRows(NamedTuple):
+    """Where one segment sits in a plan: ``outputs[plan_label].views[view_index]``,
+    and the query rows ``[row_start, row_stop)`` of that plan label's batch
+    (``qo_indptr[view_index]:qo_indptr[view_index + 1]``: the rows `write_kv`
+    and attention take for it; empty for a zero-span segment)."""
+
+    plan_label: str
+    view_index: int
+    row_start: int
+    row_stop: int
+
+
 class KVPlanOutputs(dict[str, KVPlanOutput]):
-    """Plan label -> its output, plus the forks the step applies around it."""
+    """Plan label -> its output, plus the forks the step applies around it.
+
+    The views are not in the step's segment order: each plan label's are
+    label-major within a combined group (every ``main`` segment, then every
+    ``cfg`` one) and a segment whose stream is empty after the step (length
+    0) has no view. `locate` maps a segment to its view and rows (R47).
+    """
 
     def __init__(
         self,
@@ -158,6 +177,22 @@ class KVPlanOutputs(dict[str, KVPlanOutput]):
         super().__init__(outputs)
         self.pre_forks = tuple(pre_forks)
         self.post_forks = tuple(post_forks)
+        # built on the first `locate`: most steps never ask
+        self._rows: dict[tuple[str, str], ViewRows] | None = None
+
+    def locate(self, request_id: str, label: str) -> ViewRows | None:
+        """The view and query rows of segment ``(request_id, label)``; None when
+        the step has no view of it (a zero-length segment, or not in the step)."""
+        rows = self._rows
+        if rows is None:
+            rows = self._rows = {}
+            for plan_label, out in self.items():
+                row = 0
+                for i, v in enumerate(out.views):
+                    rows[(v.request_id, v.label)] = ViewRows(plan_label, i, row,
+                                                             row + v.to_compute)
+                    row += v.to_compute
+        return rows.get((request_id, label))
 
 
 def group_by_plan_label(
