@@ -31,6 +31,8 @@ from kvref import (
     KVReqConfig,
     KVStep,
     Offload,
+    OffloadReason,
+    ReloadReason,
     Segment,
     StepContext,
     TransferEngineInfo,
@@ -106,11 +108,15 @@ class Driver:
         self.closed: dict[int, Offload] = {}  # the last handle of each request, closed
         self.sources: list[KVManager] = []  # publishers of retrieves, kept alive
         self.combine = False  # the next admitted step plans its labels combined
+        # the typed reason kvref gave for the last action's refusal (a claim or a
+        # reload), checked against the model's state by `check_queries`
+        self.said: tuple[int, OffloadReason | ReloadReason | None, int] | None = None
 
     # -- model action -> kvref call -> model result ------------------------------
 
     def apply(self, action: m.Action) -> m.Result:
         handler = getattr(self, "_" + type(action).__name__)
+        self.said = None
         try:
             result: m.Result = handler(action)
         except KVRefError as err:
@@ -276,6 +282,10 @@ class Driver:
     def _OffloadClaim(self, a: m.OffloadClaim) -> m.Result:
         off = self.kv.begin_offload(rid_name(a.rid))
         if off is None:
+            # a refused claim changes nothing, so the typed call refuses too, and why
+            out = self.kv.offload_outcome(rid_name(a.rid))
+            assert out.pages_freed == 0 and not out.moved, f"refused claim, then {out}"
+            self.said = (a.rid, out.reason, 0)
             return m.Claimed(())
         self.offloads[a.rid] = off
         return m.Claimed(tuple(sorted(m.LABEL_NAMES.index(n) for n in off.labels)))
@@ -322,10 +332,16 @@ class Driver:
 
             pool._copy_in = broken  # type: ignore[method-assign,assignment]
         try:
-            return m.Flag(self.kv.reload(rid_name(a.rid)))
+            reloaded = self.kv.reload(rid_name(a.rid))
         finally:
             if a.copy_error:
                 del pool._copy_in
+        if not reloaded:
+            # a refused reload changes nothing, so the typed call refuses too, and why
+            out = self.kv.reload_outcome(rid_name(a.rid))
+            assert not out.reloaded and out.pages_taken == 0, f"refused reload, then {out}"
+            self.said = (a.rid, out.reason, out.pages_short)
+        return m.Flag(reloaded)
 
     def _Publish(self, a: m.Publish) -> m.Result:
         info = self.kv.publish(rid_name(a.rid))
@@ -443,6 +459,36 @@ class Driver:
             offloads=tuple(sorted(offloads)),
         )
 
+    def check_queries(self, model_state: m.State) -> None:
+        """The engine's queries (offload priority, reload pages, host pool) and
+        the last refusal's typed reason, against the model's state (R44-R46)."""
+        kv, ps = self.kv, self.scope.page_size
+
+        def need(tokens: int) -> int:
+            return -(-tokens // ps)
+
+        for rid in range(self.scope.requests):
+            mine = [v for k, v in model_state.streams if k[0] == rid]
+            open_offload = model_state.offload_of(rid) is not None
+            copies = [c for k, c in model_state.host if k[0] == rid]
+            claimable = 0 if open_offload or any(v.in_flight for v in mine) else sum(
+                v.pages for v in mine if v.offload == m.RESIDENT)
+            got = kv.get_offload_priority(rid_name(rid))
+            assert got == claimable, f"R45: priority of r{rid} {got}, model says {claimable}"
+            want = 0 if open_offload else sum(need(len(c)) for c in copies)
+            got_pages = kv.reload_pages_needed(rid_name(rid))
+            assert got_pages == want, f"R46: r{rid} reload needs {got_pages}, model {want}"
+        used = sum(need(len(c)) for _, c in model_state.host)
+        view = kv.host_pool()
+        assert (view.capacity, view.used, view.free) == (
+            self.scope.host_pages, used, self.scope.host_pages - used), f"R46: {view}"
+        if self.said is not None:
+            rid, reason, short = self.said
+            expected, want_short = refusal_in_model(model_state, rid, reason, ps)
+            assert (reason, short) == (expected, want_short), (
+                f"R44: r{rid} refused with {reason} (short {short}); "
+                f"the model's state says {expected} (short {want_short})")
+
     def check_host_lengths(self, model_state: m.State) -> None:
         """Each host copy holds exactly the tokens the model put on the host."""
         pool = self.kv._cpu_pool
@@ -549,6 +595,31 @@ class Driver:
                 for view in out.views:
                     pages.update(view.page_idxs)
         return pages
+
+
+def refusal_in_model(s: m.State, rid: int, said: OffloadReason | ReloadReason | None,
+                     page_size: int) -> tuple[OffloadReason | ReloadReason, int]:
+    """The reason (and pages short) the model's state gives for refusing what
+    kvref refused: a claim when ``said`` is an `OffloadReason`, else a reload."""
+    mine = [v for k, v in s.streams if k[0] == rid]
+    running = s.offload_of(rid) is not None
+    if isinstance(said, OffloadReason):
+        if not mine:
+            return OffloadReason.UNKNOWN_REQUEST, 0
+        if running:
+            return OffloadReason.OFFLOAD_RUNNING, 0
+        if any(v.in_flight for v in mine):
+            return OffloadReason.STEP_IN_FLIGHT, 0
+        return OffloadReason.NOTHING_ON_DEVICE, 0
+    copies = [c for k, c in s.host if k[0] == rid]
+    if not mine:
+        return ReloadReason.UNKNOWN_REQUEST, 0
+    if running:
+        return ReloadReason.OFFLOAD_RUNNING, 0
+    if not copies:
+        return ReloadReason.NOTHING_ON_HOST, 0
+    needed = sum(-(-len(c) // page_size) for c in copies)
+    return ReloadReason.DEVICE_FULL, needed - s.free
 
 
 def retrieve_state(s: Any) -> str:

@@ -57,6 +57,7 @@ def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig) -> 
         d.check_pages()
         d.check_host_lengths(s)
         d.check_bytes(s)
+        d.check_queries(s)
 
 
 def check_scope(scope: m.Scope, config: DriverConfig | None = None,

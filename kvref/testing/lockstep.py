@@ -400,6 +400,7 @@ class Lockstep(RuleBasedStateMachine):
         self.driver.check_pages()
         self.driver.check_host_lengths(self.state)
         self.driver.check_bytes(self.state)
+        self.driver.check_queries(self.state)
         LARGEST["streams"] = max(LARGEST["streams"], len(self.state.streams))
         LARGEST["pages held"] = max(LARGEST["pages held"],
                                     self.scope.device_pages - self.state.free)
