@@ -360,8 +360,7 @@ class KVManager(LayerIO):
         return self._host_offload.offload(rid, self.begin_offload)
 
     def offload(self, rid: str) -> int:
-        """Move ``rid``'s streams to the host; device pages freed (why not all:
-        `offload_outcome`). A stream the host cannot fit keeps its pages."""
+        """Move ``rid``'s streams to the host; device pages freed (`offload_outcome`: why)."""
         return self.offload_outcome(rid).pages_freed
 
     def reload_outcome(self, rid: str) -> ReloadOutcome:
@@ -372,8 +371,7 @@ class KVManager(LayerIO):
         return self._host_offload.reload(rid)
 
     def reload(self, rid: str) -> bool:
-        """Bring every offloaded stream of ``rid`` back on device, or move nothing
-        (too few pages, an offload running (R6), nothing on the host: `reload_outcome`)."""
+        """Bring ``rid``'s offloaded streams back, all or none (`reload_outcome`: why not)."""
         return self.reload_outcome(rid).reloaded
 
     def reload_pages_needed(self, rid: str) -> int:
@@ -397,8 +395,7 @@ class KVManager(LayerIO):
             return sum(len(s.page_indices) for s in self._streams.get(rid, {}).values())
 
     def get_offload_priority(self, rid: str) -> float:
-        """Higher: offload first. The device pages a claim would take now; 0 for
-        what cannot be offloaded now (R45)."""
+        """Higher: offload first; the pages a claim takes now, 0 if it is refused (R45)."""
         validate.request_id(rid, "get_offload_priority")
         return float(self._host_offload.priority(rid)) if self._host_offload else 0.0
 
