@@ -51,6 +51,7 @@ def claim_refusal(streams: Mapping[str, CacheStream] | None,
         return OffloadReason.NOTHING_ON_DEVICE
     return None
 
+
 # a claim refused, then its reason read in a second critical section: when
 # the request changed in between (the reason says it is claimable now), the
 # claim is tried again, a few times at most
