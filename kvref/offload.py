@@ -99,7 +99,8 @@ class Offload:
 
     def copy(self, label: str) -> bool:
         """Copy one claimed stream to the host. False if the host pool is full, or
-        if a claimed stream changed since the claim (the commit will undo it).
+        if a claimed stream changed since the claim (the commit will undo it);
+        `refusals` says which.
 
         A copy that raises undoes the whole offload (every host copy
         discarded, every claim released) and re-raises as `OffloadCopyError`:
