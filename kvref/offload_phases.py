@@ -14,6 +14,7 @@ never says "yes" where the call says "no".
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -52,9 +53,9 @@ def claim_refusal(streams: Mapping[str, CacheStream] | None,
     return None
 
 
-# a claim refused, then its reason read in a second critical section: when
-# the request changed in between (the reason says it is claimable now), the
-# claim is tried again, a few times at most
+# a `begin` that refused without reaching the claim (an override) is asked
+# why in a second critical section; if the request became claimable in
+# between, the claim is tried again, a few times at most
 _CLAIM_TRIES = 3
 
 
@@ -69,6 +70,11 @@ class HostOffload:
         # rid -> the offload between its claim and its commit/abandon (R6);
         # the manager's container, which remove_request cancels from
         self.offloads = offloads
+        # why this thread's last claim was refused, set in the claim's own
+        # critical section: `offload` reports it through the `begin_offload`
+        # seam, which can only answer None (per thread: concurrent claims
+        # each read their own)
+        self._refused = threading.local()
 
     def claim(self, rid: str) -> Offload | OffloadReason:
         """See `KVManager.begin_offload`; a refusal is its reason."""
@@ -76,6 +82,7 @@ class HostOffload:
             streams = self.table.streams.get(rid)
             refused = claim_refusal(streams, rid in self.offloads)
             if refused is not None:
+                self._refused.reason = refused
                 return refused
             assert streams is not None
             claims: list[ClaimedStream] = []
@@ -108,15 +115,15 @@ class HostOffload:
         """See `KVManager.offload_outcome`: claim with ``begin``, copy all, commit.
 
         ``begin`` is the manager's `begin_offload`, the seam engines and the
-        concurrency tests wrap. A refused claim answers with the reason read
-        right after it: the outcome is then that of an offload at that point.
+        concurrency tests wrap; a refused claim's reason comes from the claim.
         """
         offload = None
         for _ in range(_CLAIM_TRIES):
+            self._refused.reason = None
             offload = begin(rid)
             if offload is not None:
                 break
-            reason = self.refusal(rid)
+            reason = self._refused.reason or self.refusal(rid)
             if reason is not None:
                 return OffloadOutcome(reason=reason)
         if offload is None:
