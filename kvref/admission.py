@@ -1,8 +1,12 @@
 """Admission: from the stream table and a step to a grant or a refusal.
 
 Pure computation under the manager's lock: nothing here changes a stream,
-so a refusal leaves nothing to unwind (R1). `KVManager.admit` applies a
-grant; the decode fast path makes the same decisions per segment.
+so a refusal leaves nothing to unwind (R1). `Stepping.admit` applies a
+grant. A step with forks (or a preplan) goes through `reserve`; a plain step
+(every decode step) through `plain_grant`, the same rules specialised to a
+step with no forks, in one pass that holds the stream objects. Both hand
+back the same `Grant`, and any rare decision (a misuse, a refusal's kind)
+the plain pass only detects and leaves to the general rule that states it.
 
 Order of answers, as `model.core.Model.do_Admit` states it: misuse first
 (`validate_step`), then a latched retrieve failure (terminal), a retrieve
@@ -11,8 +15,8 @@ still copying, an offloaded stream, and last the page count.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 
 from kvref.errors import InvalidStepError, UnknownRequestError
 from kvref.plan import group_by_plan_label
@@ -27,7 +31,7 @@ from kvref.step import (
 from kvref.streams import CacheStream
 
 Key = tuple[str, str]  # (request id, label)
-Table = Mapping[str, Mapping[str, CacheStream]]
+Table = Mapping[str, MutableMapping[str, CacheStream]]
 
 IDLE, PENDING, FAILED = "idle", "pending", "failed"
 
@@ -50,6 +54,12 @@ def retrieve_state(stream: CacheStream) -> str:
     if stream.read_error is not None:
         return FAILED
     return PENDING if stream.read_future is not None else IDLE
+
+
+def engaged(stream: CacheStream) -> bool:
+    """Whether the stream may refuse an admit: offloaded, or touched by a
+    retrieve (running, or a latched failure). `refusal` says which refusal."""
+    return stream.offloaded or stream.read_future is not None or stream.read_error is not None
 
 
 def named_keys(step: KVStep, padded: tuple[str, ...]) -> dict[Key, None]:
@@ -104,7 +114,7 @@ def refusal(table: Table, keys: Mapping[Key, None]) -> AdmitFailedReason | None:
     failed = pending = offloading = None
     for rid, label in keys:
         stream = table[rid].get(label)
-        if stream is None:
+        if stream is None or not engaged(stream):
             continue
         state = retrieve_state(stream) if (stream.read_future is not None
                                            or stream.read_error is not None) else IDLE
@@ -120,18 +130,76 @@ def refusal(table: Table, keys: Mapping[Key, None]) -> AdmitFailedReason | None:
     return failed or pending or offloading
 
 
+# One named stream and what its admit takes: the request id, the request's
+# streams, the label, the stream (None: the admit creates it, R16) and the
+# pages it is short (none when <= 0)
+Claim = tuple[str, MutableMapping[str, CacheStream], str, CacheStream | None, int]
+
+
 @dataclass
 class Grant:
-    """What an admit will do, computed before it does any of it (R1)."""
+    """What an admit will do, computed before it does any of it (R1): every
+    stream the step names, in reservation order, so applying the grant
+    creates and marks them all (R16)."""
 
-    # (rid, label) -> pages the stream must hold, in reservation order; every
-    # named stream is here, so applying the grant creates them all (R16)
-    pages: dict[Key, int] = field(default_factory=dict)
-    # named streams this admit creates: a fork from one that no fork wrote
-    # and that is still empty copies nothing (R20)
-    fresh: frozenset[Key] = frozenset()
-    new_pages: int = 0
+    claims: list[Claim]
+    new_pages: int
+
+
+def settle(claims: list[Claim], new_pages: int, first_short: Key | None,
+           free: int) -> Grant | AllocationFailed:
+    """The page count decides last: a grant, or the pages it is short."""
+    if new_pages > free:
+        return allocation_failed(new_pages, free, first_short)
+    return Grant(claims, new_pages)
+
+
+def plain_grant(table: Table, step: KVStep, page_size: int,
+                free: int) -> Grant | AdmitFailedReason:
+    """`validate_step`, `refusal` and `reserve` of a step with no forks and no
+    combined labels: each segment's stream grows by its span.
+
+    One pass over the segments holding each request's streams: at batch 256
+    the general path's tuple-keyed lookups were most of an admit. A misuse
+    or a stream that may refuse is only detected here; `validate_step` and
+    `refusal` decide it, so each rule is stated once.
+    """
+    claims: list[Claim] = []
+    new_pages = 0
     first_short: Key | None = None
+    refusing = False
+    seen: set[Key] = set()
+    for seg in step.segments:
+        rid, label, span = seg.request_id, seg.label, seg.span
+        streams = table.get(rid)
+        if streams is None or span < 0:
+            validate_step(table, step, ())  # raises the step's first misuse
+            raise AssertionError("validate_step passed a misused step")
+        stream = streams.get(label)
+        # `pages_for` and `engaged` inlined: a call each per segment cost
+        # ~45 µs at batch 256 (tests/unit/test_admission_paths.py holds this
+        # pass to the general one)
+        if stream is None:
+            short = -(-span // page_size)
+        else:
+            if stream.offloaded or stream.read_future is not None or (
+                    stream.read_error is not None):
+                refusing = True
+            short = -(-(stream.stored_len + span) // page_size) - len(stream.page_indices)
+        if short > 0:
+            new_pages += short
+            if first_short is None:
+                first_short = (rid, label)
+        claims.append((rid, streams, label, stream, short))
+        seen.add((rid, label))
+    if len(seen) != len(claims):
+        validate_step(table, step, ())  # raises: a stream named twice
+        raise AssertionError("validate_step passed a stream named twice")
+    if refusing:
+        refused = refusal(table, named_keys(step, ()))
+        if refused is not None:
+            return refused
+    return settle(claims, new_pages, first_short, free)
 
 
 def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[Key, None],
@@ -139,8 +207,8 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
     """Pages per stream: the most its length reaches while the step runs, the
     forks applied in list order (a chain a->b, b->c copies a's tokens onward;
     a segment on a pre-fork target grows from the source's length, R9)."""
-    fresh = frozenset(k for k in keys if k[1] not in table[k[0]])
-    unfilled = set(fresh)  # made by this admit, and not yet written by a fork
+    # made by this admit, and not yet written by a fork
+    unfilled = {k for k in keys if k[1] not in table[k[0]]}
     length: dict[Key, int] = {}
 
     def length_of(key: Key) -> int:
@@ -178,17 +246,19 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
     fork(tuple(step.post_forks))
     for key in keys:
         want.setdefault(key, 0)
-    grant = Grant(pages=want, fresh=fresh)
-    for key, n in want.items():
-        stream = table[key[0]].get(key[1])
+    claims: list[Claim] = []
+    new_pages = 0
+    first_short: Key | None = None
+    for (rid, label), n in want.items():
+        streams = table[rid]
+        stream = streams.get(label)
         short = n - (len(stream.page_indices) if stream is not None else 0)
         if short > 0:
-            grant.new_pages += short
-            if grant.first_short is None:
-                grant.first_short = key
-    if grant.new_pages > free:
-        return allocation_failed(grant.new_pages, free, grant.first_short)
-    return grant
+            new_pages += short
+            if first_short is None:
+                first_short = (rid, label)
+        claims.append((rid, streams, label, stream, short))
+    return settle(claims, new_pages, first_short, free)
 
 
 def allocation_failed(new_pages: int, free: int, first_short: Key | None) -> AllocationFailed:
