@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import NoReturn
 
+from kvref import validate
 from kvref.errors import InvalidStepError, UnknownRequestError
 from kvref.plan import group_by_plan_label
 from kvref.step import (
@@ -27,6 +29,7 @@ from kvref.step import (
     KVStep,
     RequestOffloading,
     RetrieveInProgress,
+    StepContext,
 )
 from kvref.streams import CacheStream
 
@@ -154,52 +157,65 @@ def settle(claims: list[Claim], new_pages: int, first_short: Key | None,
     return Grant(claims, new_pages)
 
 
-def plain_grant(table: Table, step: KVStep, page_size: int,
-                free: int) -> Grant | AdmitFailedReason:
-    """`validate_step`, `refusal` and `reserve` of a step with no forks and no
-    combined labels: each segment's stream grows by its span.
+def plain_grant(table: Table, step: KVStep, page_size: int, free: int,
+                max_seq_len: int) -> Grant | AdmitFailedReason:
+    """`validate.step_lengths`, `validate_step`, `refusal` and `reserve` of a
+    step with no forks and no combined labels: each segment's stream grows by
+    its span.
 
     One pass over the segments holding each request's streams: at batch 256
     the general path's tuple-keyed lookups were most of an admit. A misuse
-    or a stream that may refuse is only detected here; `validate_step` and
-    `refusal` decide it, so each rule is stated once.
+    or a stream that may refuse is only detected here; the general rules
+    decide it (`misuse`, `refusal`), so each rule is stated once.
     """
     claims: list[Claim] = []
     new_pages = 0
     first_short: Key | None = None
-    refusing = False
+    refusing = at_limit = False
     seen: set[Key] = set()
     for seg in step.segments:
         rid, label, span = seg.request_id, seg.label, seg.span
         streams = table.get(rid)
         if streams is None or span < 0:
-            validate_step(table, step, ())  # raises the step's first misuse
-            raise AssertionError("validate_step passed a misused step")
+            misuse(table, step, max_seq_len)
         stream = streams.get(label)
         # `pages_for` and `engaged` inlined: a call each per segment cost
         # ~45 µs at batch 256 (tests/unit/test_admission_paths.py holds this
         # pass to the general one)
         if stream is None:
+            end = span
             short = -(-span // page_size)
         else:
             if stream.offloaded or stream.read_future is not None or (
                     stream.read_error is not None):
                 refusing = True
-            short = -(-(stream.stored_len + span) // page_size) - len(stream.page_indices)
+            end = stream.stored_len + span
+            short = -(-end // page_size) - len(stream.page_indices)
+        if end >= max_seq_len:
+            at_limit = True  # at or past it: `validate.step_lengths` decides
         if short > 0:
             new_pages += short
             if first_short is None:
                 first_short = (rid, label)
         claims.append((rid, streams, label, stream, short))
         seen.add((rid, label))
+    if at_limit:
+        validate.step_lengths(step, StepContext(), table, max_seq_len)
     if len(seen) != len(claims):
-        validate_step(table, step, ())  # raises: a stream named twice
-        raise AssertionError("validate_step passed a stream named twice")
+        misuse(table, step, max_seq_len)  # a stream named twice
     if refusing:
         refused = refusal(table, named_keys(step, ()))
         if refused is not None:
             return refused
     return settle(claims, new_pages, first_short, free)
+
+
+def misuse(table: Table, step: KVStep, max_seq_len: int) -> NoReturn:
+    """Raise the misuse of a plain step `plain_grant` found, as the general
+    path ranks them: a stream past ``max_seq_len`` first, then the rest."""
+    validate.step_lengths(step, StepContext(), table, max_seq_len)
+    validate_step(table, step, ())
+    raise AssertionError(f"plain_grant found a misuse the general rules pass: {step!r}")
 
 
 def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[Key, None],

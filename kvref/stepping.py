@@ -60,10 +60,17 @@ class Stepping:
 
     def admit(self, step: KVStep, ctx: StepContext) -> AdmitOutcome:
         """See `KVManager.admit`."""
-        # malformed input first, whatever the lifecycle state: it is the
-        # caller's bug in any state
-        validate.step_lengths(step, ctx, self._table.streams, self._max_seq_len)
         staged = self.preplan
+        running = self.running
+        # a plain step (no forks, no preplan: every decode step) with nothing
+        # admitted or staged goes to admission.plain_grant, which checks the
+        # lengths in its one pass
+        plain = staged is None and running is None and not (
+            ctx.is_preplan or step.pre_forks or step.post_forks or step.combined_labels)
+        if not plain:
+            # malformed input first, whatever the lifecycle state: it is the
+            # caller's bug in any state
+            validate.step_lengths(step, ctx, self._table.streams, self._max_seq_len)
         if staged is not None:
             if ctx.is_preplan:
                 raise PreplanPendingError(
@@ -75,7 +82,6 @@ class Stepping:
                     "clear_preplan first"
                 )
             return ADMIT_OK  # the preplan pass already reserved and marked
-        running = self.running
         if running is not None and not ctx.is_preplan:
             if same_step(step, ctx, running.step, running.padded):
                 return ADMIT_OK  # admitted again: everything is reserved already
@@ -88,10 +94,9 @@ class Stepping:
         all_streams = self._table.streams
         padded = tuple(ctx.padded_request_ids)
         free = self._table.allocator.num_free
-        if not (ctx.is_preplan or step.pre_forks or step.post_forks
-                or step.combined_labels):
-            # every decode step: the same rules, one pass (admission.plain_grant)
-            grant = admission.plain_grant(all_streams, step, self._table.page_size, free)
+        if plain:
+            grant = admission.plain_grant(all_streams, step, self._table.page_size, free,
+                                          self._max_seq_len)
             if isinstance(grant, AdmitFailedReason):
                 return AdmitOutcome(ok=False, reason=grant)
             self.running = RunningStep(step, padded, set(self._apply(grant)))

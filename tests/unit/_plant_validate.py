@@ -103,6 +103,11 @@ PLANTS: list[tuple[str, str, str, str, list[str]]] = [
      "short = -(-(stream.stored_len + span) // page_size)",
      "short = -(-(stream.stored_len + span - 1) // page_size)",
      [f"{PATHS}::test_plain_pass_answers_as_the_general_rules"]),
+    ("plain admission skips max_seq_len", "kvref/admission.py",
+     "        if end >= max_seq_len:\n", "        if False:\n",
+     [f"{PATHS}::test_plain_pass_answers_as_the_general_rules",
+      f"{PATHS}::test_a_plain_step_past_max_seq_len_is_refused_on_the_plain_path[main]",
+      f"{PATHS}::test_a_plain_step_past_max_seq_len_is_refused_on_the_plain_path[draft]"]),
 ]
 
 

@@ -1,13 +1,14 @@
 """One admission logic: the plain-step pass against the general rules.
 
-`admission.plain_grant` is the decode fast path: `validate_step`, `refusal`
-and `reserve` specialised to a step without forks, in one pass. It must
-answer every plain step on every table exactly as the general rules do: the
-same misuse (class and message), the same refusal (kind, pages short, the
-stream it names), or the same grant (every stream in the same order, the
-same pages short). Hypothesis draws the tables, including offloaded streams,
-running, failed and finished retrieves, spare pages, unknown requests and a
-stream named twice.
+`admission.plain_grant` is the decode fast path: `validate.step_lengths`,
+`validate_step`, `refusal` and `reserve` specialised to a step without
+forks, in one pass. It must answer every plain step on every table exactly
+as the general rules do: the same misuse (class and message), the same
+refusal (kind, pages short, the stream it names), or the same grant (every
+stream in the same order, the same pages short). Hypothesis draws the
+tables, including offloaded streams, running, failed and finished
+retrieves, spare pages, unknown requests, a stream named twice and one
+grown past max_seq_len.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from kvref import admission
-from kvref.errors import KVRefError
-from kvref.step import AdmitFailedReason, KVStep, Segment
+from kvref import admission, validate
+from kvref.errors import InvalidStepError, KVRefError
+from kvref.step import AdmitFailedReason, KVStep, Segment, StepContext
 from kvref.streams import CacheStream
+from tests.unit._manager_fixtures import assert_same, make_manager, snapshot
 
 RIDS = ("r0", "r1", "r2")
 LABELS = ("main", "cfg")
@@ -57,7 +59,7 @@ def stream_state(draw: st.DrawFn) -> dict[str, Any]:
 
 @st.composite
 def world(draw: st.DrawFn) -> tuple[dict[str, dict[str, dict[str, Any]]], list[Segment],
-                                    int, int]:
+                                    int, int, int]:
     page_size = draw(st.sampled_from([1, 2, 4]))
     table = {}
     # now and then a request the step names is missing (a misuse)
@@ -67,7 +69,8 @@ def world(draw: st.DrawFn) -> tuple[dict[str, dict[str, dict[str, Any]]], list[S
     segs = draw(st.lists(
         st.builds(Segment, st.sampled_from(RIDS), st.sampled_from(LABELS), st.integers(0, 9)),
         max_size=5))
-    return table, segs, page_size, draw(st.integers(0, 12))
+    max_seq_len = draw(st.sampled_from([8, 16, 1 << 20]))  # now and then too long a stream
+    return table, segs, page_size, draw(st.integers(0, 12)), max_seq_len
 
 
 def _build(spec: dict[str, dict[str, dict[str, Any]]],
@@ -107,7 +110,8 @@ def _answer(decide: Any) -> Any:
 
 
 def _general(table: dict[str, dict[str, CacheStream]], step: KVStep, page_size: int,
-             free: int) -> Any:
+             free: int, max_seq_len: int = 1 << 20) -> Any:
+    validate.step_lengths(step, StepContext(), table, max_seq_len)
     admission.validate_step(table, step, ())
     keys = admission.named_keys(step, ())
     refused = admission.refusal(table, keys)
@@ -118,12 +122,13 @@ def _general(table: dict[str, dict[str, CacheStream]], step: KVStep, page_size: 
 
 @given(world())
 def test_plain_pass_answers_as_the_general_rules(w: Any) -> None:
-    spec, segs, page_size, free = w
+    spec, segs, page_size, free, max_len = w
     step = KVStep(segs)
     # a table each: a retrieve's outcome is latched on the stream when read
-    general = _answer(lambda: _general(_build(spec, page_size), step, page_size, free))
+    general = _answer(lambda: _general(_build(spec, page_size), step, page_size, free,
+                                       max_len))
     plain = _answer(lambda: admission.plain_grant(_build(spec, page_size), step, page_size,
-                                                  free))
+                                                  free, max_len))
     event(general[0])  # raised / refused / granted: each must arise (--hypothesis-show-statistics)
     assert plain == general
 
@@ -149,7 +154,7 @@ def test_each_stream_that_may_refuse_is_ruled_as_in_general(kind: str, second: b
     step = KVStep([*segs, Segment("r1", "main", 1)])
     general = _answer(lambda: _general(_build(spec, 4), step, 4, 10))
     assert general[0] == ("granted" if kind == "retrieve-done" else "refused")
-    assert _answer(lambda: admission.plain_grant(_build(spec, 4), step, 4, 10)) == general
+    assert _answer(lambda: admission.plain_grant(_build(spec, 4), step, 4, 10, 1 << 20)) == general
 
 
 def test_plain_pass_grants_claims_holding_the_table_streams() -> None:
@@ -157,10 +162,30 @@ def test_plain_pass_grants_claims_holding_the_table_streams() -> None:
     table = _build({"r0": {"main": {"stored": 5, "spare": 0, "offloaded": False,
                                     "future": "none", "latched": False}}}, 4)
     grant = admission.plain_grant(table, KVStep([Segment("r0", "main", 4),
-                                                 Segment("r0", "cfg", 3)]), 4, 10)
+                                                 Segment("r0", "cfg", 3)]), 4, 10, 64)
     assert isinstance(grant, admission.Grant)
     (rid0, streams0, label0, s0, short0), (rid1, streams1, label1, s1, short1) = grant.claims
     assert (rid0, label0, short0) == ("r0", "main", 1)  # 9 tokens on 4-token pages
     assert streams0 is table["r0"] and s0 is table["r0"]["main"]
     assert (rid1, label1, s1, short1) == ("r0", "cfg", None, 1)  # created by the admit
     assert streams1 is table["r0"] and grant.new_pages == 2
+
+
+@pytest.mark.parametrize("label", ["main", "draft"])
+def test_a_plain_step_past_max_seq_len_is_refused_on_the_plain_path(label: str) -> None:
+    """Nothing admitted or staged, no forks: the admit takes the plain pass,
+    which checks the lengths itself (`draft`: a stream the admit would make)."""
+    kv = make_manager(max_seq_len=32)
+    kv.ingest_request("a")
+    step = KVStep([Segment("a", "main", 5)])
+    for call in (kv.admit, kv.plan, kv.commit):
+        call(step, StepContext())
+    base = 5 if label == "main" else 0
+    before = snapshot(kv)
+    with pytest.raises(InvalidStepError, match=f"'a'.*'{label}'.*past KVConfig.max_seq_len 32"):
+        kv.admit(KVStep([Segment("a", "main", 1), Segment("a", label, 32 - base + 1)]
+                        if label != "main" else [Segment("a", label, 32 - base + 1)]),
+                 StepContext())
+    assert_same(before, snapshot(kv))
+    # exactly max_seq_len fits
+    assert kv.admit(KVStep([Segment("a", label, 32 - base)]), StepContext()).ok
