@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -119,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     print("## kvref benchmarks" + (" (--quick)" if args.quick else ""))
     print()
     print(f"Machine: {machine()}")
+    print()
+    # a shared box: the load says how far the absolute figures are from idle
+    print(f"Load average at the start: {os.getloadavg()[0]:.1f}")
     if args.only in (None, "control"):
         print()
         batches = QUICK_BATCHES if args.quick else control_plane.BATCHES
@@ -129,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         print(data_report(args.quick, pages), flush=True)
     print()
     print(f"_Measured in {time.perf_counter() - t0:.0f} s with "
-          f"`python -m benchmarks{' --quick' if args.quick else ''}`._")
+          f"`python -m benchmarks{' --quick' if args.quick else ''}`; load average "
+          f"{os.getloadavg()[0]:.1f} at the end._")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
 """Admission: from the stream table and a step to a grant or a refusal.
 
 Pure computation under the manager's lock: nothing here changes a stream,
-so a refusal leaves nothing to unwind (R1). `KVManager.admit` applies a
-grant; the decode fast path makes the same decisions per segment.
+so a refusal leaves nothing to unwind (R1). `Stepping.admit` applies a
+grant. A step with forks (or a preplan) goes through `reserve`; a plain step
+(every decode step) through `plain_grant`, the same rules specialised to a
+step with no forks, in one pass that holds the stream objects. Both hand
+back the same `Grant`, and any rare decision (a misuse, a refusal's kind)
+the plain pass only detects and leaves to the general rule that states it.
 
 Order of answers, as `model.core.Model.do_Admit` states it: misuse first
 (`validate_step`), then a latched retrieve failure (terminal), a retrieve
@@ -11,9 +15,11 @@ still copying, an offloaded stream, and last the page count.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import NoReturn
 
+from kvref import validate
 from kvref.errors import InvalidStepError, UnknownRequestError
 from kvref.plan import group_by_plan_label
 from kvref.step import (
@@ -23,11 +29,12 @@ from kvref.step import (
     KVStep,
     RequestOffloading,
     RetrieveInProgress,
+    StepContext,
 )
 from kvref.streams import CacheStream
 
 Key = tuple[str, str]  # (request id, label)
-Table = Mapping[str, Mapping[str, CacheStream]]
+Table = Mapping[str, MutableMapping[str, CacheStream]]
 
 IDLE, PENDING, FAILED = "idle", "pending", "failed"
 
@@ -50,6 +57,12 @@ def retrieve_state(stream: CacheStream) -> str:
     if stream.read_error is not None:
         return FAILED
     return PENDING if stream.read_future is not None else IDLE
+
+
+def engaged(stream: CacheStream) -> bool:
+    """Whether the stream may refuse an admit: offloaded, or touched by a
+    retrieve (running, or a latched failure). `refusal` says which refusal."""
+    return stream.offloaded or stream.read_future is not None or stream.read_error is not None
 
 
 def named_keys(step: KVStep, padded: tuple[str, ...]) -> dict[Key, None]:
@@ -104,7 +117,7 @@ def refusal(table: Table, keys: Mapping[Key, None]) -> AdmitFailedReason | None:
     failed = pending = offloading = None
     for rid, label in keys:
         stream = table[rid].get(label)
-        if stream is None:
+        if stream is None or not engaged(stream):
             continue
         state = retrieve_state(stream) if (stream.read_future is not None
                                            or stream.read_error is not None) else IDLE
@@ -120,18 +133,89 @@ def refusal(table: Table, keys: Mapping[Key, None]) -> AdmitFailedReason | None:
     return failed or pending or offloading
 
 
+# One named stream and what its admit takes: the request id, the request's
+# streams, the label, the stream (None: the admit creates it, R16) and the
+# pages it is short (none when <= 0)
+Claim = tuple[str, MutableMapping[str, CacheStream], str, CacheStream | None, int]
+
+
 @dataclass
 class Grant:
-    """What an admit will do, computed before it does any of it (R1)."""
+    """What an admit will do, computed before it does any of it (R1): every
+    stream the step names, in reservation order, so applying the grant
+    creates and marks them all (R16)."""
 
-    # (rid, label) -> pages the stream must hold, in reservation order; every
-    # named stream is here, so applying the grant creates them all (R16)
-    pages: dict[Key, int] = field(default_factory=dict)
-    # named streams this admit creates: a fork from one that no fork wrote
-    # and that is still empty copies nothing (R20)
-    fresh: frozenset[Key] = frozenset()
-    new_pages: int = 0
+    claims: list[Claim]
+    new_pages: int
+
+
+def settle(claims: list[Claim], new_pages: int, first_short: Key | None,
+           free: int) -> Grant | AllocationFailed:
+    """The page count decides last: a grant, or the pages it is short."""
+    if new_pages > free:
+        return allocation_failed(new_pages, free, first_short)
+    return Grant(claims, new_pages)
+
+
+def plain_grant(table: Table, step: KVStep, page_size: int, free: int,
+                max_seq_len: int) -> Grant | AdmitFailedReason:
+    """`validate.step_lengths`, `validate_step`, `refusal` and `reserve` of a
+    step with no forks and no combined labels: each segment's stream grows by
+    its span.
+
+    One pass over the segments holding each request's streams: at batch 256
+    the general path's tuple-keyed lookups were most of an admit. A misuse
+    or a stream that may refuse is only detected here; the general rules
+    decide it (`misuse`, `refusal`), so each rule is stated once.
+    """
+    claims: list[Claim] = []
+    new_pages = 0
     first_short: Key | None = None
+    refusing = at_limit = False
+    seen: set[Key] = set()
+    for seg in step.segments:
+        rid, label, span = seg.request_id, seg.label, seg.span
+        streams = table.get(rid)
+        if streams is None or span < 0:
+            misuse(table, step, max_seq_len)
+        stream = streams.get(label)
+        # `pages_for` and `engaged` inlined: a call each per segment cost
+        # ~45 µs at batch 256 (tests/unit/test_admission_paths.py holds this
+        # pass to the general one)
+        if stream is None:
+            end = span
+            short = -(-span // page_size)
+        else:
+            if stream.offloaded or stream.read_future is not None or (
+                    stream.read_error is not None):
+                refusing = True
+            end = stream.stored_len + span
+            short = -(-end // page_size) - len(stream.page_indices)
+        if end >= max_seq_len:
+            at_limit = True  # at or past it: `validate.step_lengths` decides
+        if short > 0:
+            new_pages += short
+            if first_short is None:
+                first_short = (rid, label)
+        claims.append((rid, streams, label, stream, short))
+        seen.add((rid, label))
+    if at_limit:
+        validate.step_lengths(step, StepContext(), table, max_seq_len)
+    if len(seen) != len(claims):
+        misuse(table, step, max_seq_len)  # a stream named twice
+    if refusing:
+        refused = refusal(table, named_keys(step, ()))
+        if refused is not None:
+            return refused
+    return settle(claims, new_pages, first_short, free)
+
+
+def misuse(table: Table, step: KVStep, max_seq_len: int) -> NoReturn:
+    """Raise the misuse of a plain step `plain_grant` found, as the general
+    path ranks them: a stream past ``max_seq_len`` first, then the rest."""
+    validate.step_lengths(step, StepContext(), table, max_seq_len)
+    validate_step(table, step, ())
+    raise AssertionError(f"plain_grant found a misuse the general rules pass: {step!r}")
 
 
 def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[Key, None],
@@ -139,8 +223,8 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
     """Pages per stream: the most its length reaches while the step runs, the
     forks applied in list order (a chain a->b, b->c copies a's tokens onward;
     a segment on a pre-fork target grows from the source's length, R9)."""
-    fresh = frozenset(k for k in keys if k[1] not in table[k[0]])
-    unfilled = set(fresh)  # made by this admit, and not yet written by a fork
+    # made by this admit, and not yet written by a fork
+    unfilled = {k for k in keys if k[1] not in table[k[0]]}
     length: dict[Key, int] = {}
 
     def length_of(key: Key) -> int:
@@ -178,17 +262,19 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
     fork(tuple(step.post_forks))
     for key in keys:
         want.setdefault(key, 0)
-    grant = Grant(pages=want, fresh=fresh)
-    for key, n in want.items():
-        stream = table[key[0]].get(key[1])
+    claims: list[Claim] = []
+    new_pages = 0
+    first_short: Key | None = None
+    for (rid, label), n in want.items():
+        streams = table[rid]
+        stream = streams.get(label)
         short = n - (len(stream.page_indices) if stream is not None else 0)
         if short > 0:
-            grant.new_pages += short
-            if grant.first_short is None:
-                grant.first_short = key
-    if grant.new_pages > free:
-        return allocation_failed(grant.new_pages, free, grant.first_short)
-    return grant
+            new_pages += short
+            if first_short is None:
+                first_short = (rid, label)
+        claims.append((rid, streams, label, stream, short))
+    return settle(claims, new_pages, first_short, free)
 
 
 def allocation_failed(new_pages: int, free: int, first_short: Key | None) -> AllocationFailed:

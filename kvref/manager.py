@@ -117,6 +117,8 @@ class KVManager(LayerIO):
         self._retrieval = Retrieval(self._table, self._transfer, self._rank,
                                     self._world_size, name)
         self._graph_staging = GraphStaging(self._device)
+        # admit, plan and commit each check their step; one walk per step object
+        self._validate_step = validate.StepValidator()
         self._stepping = Stepping(self._table, Forks(self._table, self.kv_cache),
                                   self._graph_staging, self._device, name, cfg.max_seq_len)
         self.reset_default_cursors()
@@ -240,7 +242,7 @@ class KVManager(LayerIO):
         time, plus one preplanned (R23): admitting the admitted (or staged)
         step again is a no-op, admitting another raises.
         """
-        validate.step(step, ctx)
+        self._validate_step(step, ctx)
         with self._lock:
             return self._stepping.admit(step, ctx)
 
@@ -252,7 +254,7 @@ class KVManager(LayerIO):
         now (R11). A fork copy that fails empties its target, leaves the step
         admitted with its forks done, and raises `ForkCopyError`: plan again.
         """
-        validate.step(step, ctx)
+        self._validate_step(step, ctx)
         validate.slot_lease(step, ctx, self._graph_staging.max_seq_len)
         self.reset_default_cursors()
         with self._lock:
@@ -283,7 +285,7 @@ class KVManager(LayerIO):
         fork copy that fails empties its target and raises `ForkCopyError`
         once the commit is otherwise complete (R26).
         """
-        validate.step(step, ctx)
+        self._validate_step(step, ctx)
         with self._lock:
             self._stepping.commit(step, ctx)
 

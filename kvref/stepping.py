@@ -17,12 +17,10 @@ import torch
 from kvref import admission, validate
 from kvref.errors import (
     ForkCopyError,
-    InvalidStepError,
     PreplanPendingError,
     StepInFlightError,
     StepNotAdmittedError,
     StepOrderError,
-    UnknownRequestError,
 )
 from kvref.forks import Forks
 from kvref.graph_staging import GraphStaging
@@ -62,10 +60,17 @@ class Stepping:
 
     def admit(self, step: KVStep, ctx: StepContext) -> AdmitOutcome:
         """See `KVManager.admit`."""
-        # malformed input first, whatever the lifecycle state: it is the
-        # caller's bug in any state
-        validate.step_lengths(step, ctx, self._table.streams, self._max_seq_len)
         staged = self.preplan
+        running = self.running
+        # a plain step (no forks, no preplan: every decode step) with nothing
+        # admitted or staged goes to admission.plain_grant, which checks the
+        # lengths in its one pass
+        plain = staged is None and running is None and not (
+            ctx.is_preplan or step.pre_forks or step.post_forks or step.combined_labels)
+        if not plain:
+            # malformed input first, whatever the lifecycle state: it is the
+            # caller's bug in any state
+            validate.step_lengths(step, ctx, self._table.streams, self._max_seq_len)
         if staged is not None:
             if ctx.is_preplan:
                 raise PreplanPendingError(
@@ -77,7 +82,6 @@ class Stepping:
                     "clear_preplan first"
                 )
             return ADMIT_OK  # the preplan pass already reserved and marked
-        running = self.running
         if running is not None and not ctx.is_preplan:
             if same_step(step, ctx, running.step, running.padded):
                 return ADMIT_OK  # admitted again: everything is reserved already
@@ -87,11 +91,16 @@ class Stepping:
             raise StepInFlightError(
                 "a step is already admitted; commit it before admitting another"
             )
-        if not (ctx.is_preplan or step.pre_forks or step.post_forks
-                or step.combined_labels):
-            return self._admit_segments(step, ctx)
         all_streams = self._table.streams
         padded = tuple(ctx.padded_request_ids)
+        free = self._table.allocator.num_free
+        if plain:
+            grant = admission.plain_grant(all_streams, step, self._table.page_size, free,
+                                          self._max_seq_len)
+            if isinstance(grant, AdmitFailedReason):
+                return AdmitOutcome(ok=False, reason=grant)
+            self.running = RunningStep(step, padded, set(self._apply(grant)))
+            return ADMIT_OK
         admission.validate_step(all_streams, step, padded)
         keys = admission.named_keys(step, padded)
         if ctx.is_preplan:
@@ -109,102 +118,33 @@ class Stepping:
         refused = admission.refusal(all_streams, keys)
         if refused is not None:
             return AdmitOutcome(ok=False, reason=refused)
-        grant = admission.reserve(all_streams, step, padded, keys,
-                                  self._table.page_size, self._table.allocator.num_free)
-        if isinstance(grant, AdmitFailedReason):
-            return AdmitOutcome(ok=False, reason=grant)
-        created = self._apply_grant(grant)
-        for rid, label in keys:
-            all_streams[rid][label].step_in_flight = True
+        general = admission.reserve(all_streams, step, padded, keys,
+                                    self._table.page_size, free)
+        if isinstance(general, AdmitFailedReason):
+            return AdmitOutcome(ok=False, reason=general)
+        created = self._apply(general)
         if ctx.is_preplan:
             self.preplan = StagedPreplan(step, ctx, created, list(keys))
         else:
             self.running = RunningStep(step, padded, set(created))
         return ADMIT_OK
 
-    def _admit_segments(self, step: KVStep, ctx: StepContext) -> AdmitOutcome:
-        """`admit` of a plain step (no forks, no preplan): what every decode step is.
-
-        The decisions of `admission.validate_step`, `refusal` and `reserve`,
-        in one pass to decide and one to apply, holding the stream objects in
-        between: at batch 256 the dictionary lookups of the general path were
-        most of the step's cost.
-        """
-        ps = self._table.page_size
-        all_streams = self._table.streams
-        allocator = self._table.allocator
-        todo: list[tuple[dict[str, CacheStream], str, CacheStream | None, int]] = []
-        seen: set[Key] = set()
-        new_pages = 0
-        first_short: Key | None = None
-        refused: AdmitFailedReason | None = None
-        for seg in step.segments:
-            rid, label, span = seg.request_id, seg.label, seg.span
-            if span < 0:
-                raise InvalidStepError(f"negative span {span}", request_id=rid, label=label)
-            streams = all_streams.get(rid)
-            if streams is None:
-                raise UnknownRequestError("unknown request (never ingested, or removed)",
-                                          request_id=rid, label=label)
-            stream = streams.get(label)
-            if stream is None:
-                # made even for a zero span, so the mark covers it (R16)
-                short = -(-span // ps)
-            else:
-                if stream.offloaded or stream.read_future is not None or (
-                        stream.read_error is not None):
-                    # rare: decided by the general rule, which ranks the kinds
-                    refused = refused or admission.refusal(all_streams, {(rid, label): None})
-                short = -(-(stream.stored_len + span) // ps) - len(stream.page_indices)
-            if short > 0:
-                new_pages += short
-                if first_short is None:
-                    first_short = (rid, label)
-            todo.append((streams, label, stream, short))
-            seen.add((rid, label))
-        if len(seen) != len(todo):
-            dup = next(k for k in seen
-                       if sum((s.request_id, s.label) == k for s in step.segments) > 1)
-            # both would be planned from one length and write the same slots
-            raise InvalidStepError("stream appears twice in one step",
-                                   request_id=dup[0], label=dup[1])
-        if refused is not None:
-            # rank across every segment: a latched failure before a running
-            # retrieve before an offload, whichever segment came first
-            refused = admission.refusal(all_streams, dict.fromkeys(seen))
-            if refused is not None:
-                return AdmitOutcome(ok=False, reason=refused)
-        if new_pages > allocator.num_free:
-            return AdmitOutcome(ok=False, reason=admission.allocation_failed(
-                new_pages, allocator.num_free, first_short))
-        allocate = allocator.try_allocate
-        for streams, label, stream, short in todo:
-            if stream is None:
-                stream = streams[label] = CacheStream()
-            if short > 0:
-                got = allocate(short)
-                assert got is not None  # counted above, under the same lock
-                stream.page_indices += got
-                stream.generation += 1
-            stream.step_in_flight = True
-        self.running = RunningStep(step, tuple(ctx.padded_request_ids), set())
-        return ADMIT_OK
-
-    def _apply_grant(self, grant: admission.Grant) -> list[Key]:
+    def _apply(self, grant: admission.Grant) -> list[Key]:
+        """Make a grant real: create each named stream that is missing, give it
+        the pages it is short, and mark it in flight. Returns the created keys."""
         created: list[Key] = []
-        for (rid, label), pages in grant.pages.items():
-            streams = self._table.streams[rid]
-            stream = streams.get(label)
+        allocate = self._table.allocator.try_allocate
+        for rid, streams, label, stream, short in grant.claims:
             if stream is None:
                 stream = streams[label] = CacheStream()
                 created.append((rid, label))
-            short = pages - len(stream.page_indices)
             if short > 0:
-                got = self._table.allocator.try_allocate(short)
-                # `reserve` counted these under the same lock
-                assert got is not None, "allocator lost pages between reserve and apply"
-                stream.page_indices.extend(got)
+                got = allocate(short)
+                # admission counted these under the same lock
+                assert got is not None, "allocator lost pages between admission and apply"
+                stream.page_indices += got
                 stream.generation += 1
+            stream.step_in_flight = True
         return created
 
     def clear_preplan(self) -> None:

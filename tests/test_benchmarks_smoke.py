@@ -102,3 +102,10 @@ def test_reports_are_markdown() -> None:
     assert "| batch | steps | decode µs | mixed µs |" in text
     text = data_report(quick=True, page_counts=(4,))
     assert "| path |" in text and text.count("\n| ") >= 9
+
+
+def test_decode_alone_times_kvref_and_the_reference() -> None:
+    from benchmarks.decode_alone import decode_alone
+
+    ours, theirs = decode_alone(3, steps=4)
+    assert all(math.isfinite(x) and x > 0 for x in (ours, theirs))

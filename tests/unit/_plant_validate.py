@@ -18,6 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BAD = "tests/unit/test_bad_input.py"
 BOUND = "tests/unit/test_boundaries.py"
+MEMO = "tests/unit/test_step_validator.py"
+PATHS = "tests/unit/test_admission_paths.py"
 
 # (defect class, file, text, replacement, tests that must fail)
 PLANTS: list[tuple[str, str, str, str, list[str]]] = [
@@ -83,6 +85,29 @@ PLANTS: list[tuple[str, str, str, str, list[str]]] = [
      "        validate.slot_lease(step, ctx, self._graph_staging.max_seq_len)\n", "",
      [f"{BOUND}::test_lease_that_does_not_fit_is_refused_before_plan_changes_anything",
       f"{BOUND}::test_second_plan_label_too_big_leaves_the_first_buffer_alone"]),
+    ("step memo trusts the objects alone", "kvref/validate.py",
+     "            if (st.segments is seen.segments and st.commit is seen.commit",
+     "            if True or (st.segments is seen.segments and st.commit is seen.commit",
+     [f"{MEMO}::test_a_step_changed_after_admit_is_caught[commit-swapped-commit]",
+      f"{MEMO}::test_a_step_changed_after_admit_is_caught[padded-appended-int-plan]"]),
+    ("step memo ignores a segment list changed in place", "kvref/validate.py",
+     "                    and st.segments == seen.segments_copy\n", "",
+     [f"{MEMO}::test_a_step_changed_after_admit_is_caught[segment-replaced-negative-commit]",
+      f"{MEMO}::test_a_step_changed_after_admit_is_caught[segment-replaced-bool-span-plan]"]),
+    ("plain admission misses a latched retrieve failure", "kvref/admission.py",
+     "stream.offloaded or stream.read_future is not None or (\n"
+     "                    stream.read_error is not None)",
+     "stream.offloaded or stream.read_future is not None",
+     [f"{PATHS}::test_each_stream_that_may_refuse_is_ruled_as_in_general"]),
+    ("plain admission counts a page short", "kvref/admission.py",
+     "short = -(-(stream.stored_len + span) // page_size)",
+     "short = -(-(stream.stored_len + span - 1) // page_size)",
+     [f"{PATHS}::test_plain_pass_answers_as_the_general_rules"]),
+    ("plain admission skips max_seq_len", "kvref/admission.py",
+     "        if end >= max_seq_len:\n", "        if False:\n",
+     [f"{PATHS}::test_plain_pass_answers_as_the_general_rules",
+      f"{PATHS}::test_a_plain_step_past_max_seq_len_is_refused_on_the_plain_path[main]",
+      f"{PATHS}::test_a_plain_step_past_max_seq_len_is_refused_on_the_plain_path[draft]"]),
 ]
 
 

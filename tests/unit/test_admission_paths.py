@@ -1,0 +1,191 @@
+"""One admission logic: the plain-step pass against the general rules.
+
+`admission.plain_grant` is the decode fast path: `validate.step_lengths`,
+`validate_step`, `refusal` and `reserve` specialised to a step without
+forks, in one pass. It must answer every plain step on every table exactly
+as the general rules do: the same misuse (class and message), the same
+refusal (kind, pages short, the stream it names), or the same grant (every
+stream in the same order, the same pages short). Hypothesis draws the
+tables, including offloaded streams, running, failed and finished
+retrieves, spare pages, unknown requests, a stream named twice and one
+grown past max_seq_len.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+from hypothesis import event, given
+from hypothesis import strategies as st
+
+from kvref import admission, validate
+from kvref.errors import InvalidStepError, KVRefError
+from kvref.step import AdmitFailedReason, KVStep, Segment, StepContext
+from kvref.streams import CacheStream
+from tests.unit._manager_fixtures import assert_same, make_manager, snapshot
+
+RIDS = ("r0", "r1", "r2")
+LABELS = ("main", "cfg")
+
+
+def _future(kind: str) -> Future[Any] | None:
+    if kind == "none":
+        return None
+    fut: Future[Any] = Future()
+    if kind == "done":
+        fut.set_result(None)
+    elif kind == "failed":
+        fut.set_exception(RuntimeError("copy failed"))
+    return fut  # "running": never completes
+
+
+def _rarely(value: Any, common: Any, odds: int = 6) -> st.SearchStrategy[Any]:
+    # most streams are plain, so most steps reach the page count
+    return st.sampled_from([common] * (odds - 1) + [value])
+
+
+@st.composite
+def stream_state(draw: st.DrawFn) -> dict[str, Any]:
+    return {
+        "stored": draw(st.integers(0, 20)),
+        "spare": draw(st.integers(0, 2)),
+        "offloaded": draw(_rarely(True, False)),
+        "future": draw(st.sampled_from(["none"] * 9 + ["running", "done", "failed"])),
+        "latched": draw(_rarely(True, False)),
+    }
+
+
+@st.composite
+def world(draw: st.DrawFn) -> tuple[dict[str, dict[str, dict[str, Any]]], list[Segment],
+                                    int, int, int]:
+    page_size = draw(st.sampled_from([1, 2, 4]))
+    table = {}
+    # now and then a request the step names is missing (a misuse)
+    for rid in draw(st.lists(st.sampled_from(RIDS), unique=True, min_size=2, max_size=3)):
+        labels = draw(st.lists(st.sampled_from(LABELS), unique=True, min_size=1, max_size=2))
+        table[rid] = {lb: draw(stream_state()) for lb in labels}
+    segs = draw(st.lists(
+        st.builds(Segment, st.sampled_from(RIDS), st.sampled_from(LABELS), st.integers(0, 9)),
+        max_size=5))
+    max_seq_len = draw(st.sampled_from([8, 16, 1 << 20]))  # now and then too long a stream
+    return table, segs, page_size, draw(st.integers(0, 12)), max_seq_len
+
+
+def _build(spec: dict[str, dict[str, dict[str, Any]]],
+           page_size: int) -> dict[str, dict[str, CacheStream]]:
+    """A fresh stream table from a drawn spec (page numbers only need be distinct)."""
+    table: dict[str, dict[str, CacheStream]] = {}
+    page = 1
+    for rid, labels in spec.items():
+        table[rid] = {}
+        for label, s in labels.items():
+            stream = CacheStream()
+            stream.stored_len = s["stored"]
+            n = -(-s["stored"] // page_size) + s["spare"]
+            stream.page_indices = list(range(page, page + n))
+            page += n
+            stream.offloaded = s["offloaded"]
+            stream.read_future = _future(s["future"])
+            stream.read_pending = stream.read_future is not None
+            if s["latched"] and s["future"] == "none":
+                stream.read_error = RuntimeError("latched earlier")
+            table[rid][label] = stream
+    return table
+
+
+def _answer(decide: Any) -> Any:
+    """A comparable answer: the misuse raised, the refusal, or the grant's claims."""
+    try:
+        out = decide()
+    except KVRefError as err:
+        return ("raised", type(err), str(err))
+    if isinstance(out, AdmitFailedReason):
+        return ("refused", type(out), out)
+    # streams by (request, label) and identity of the created/held object
+    claims = [(rid, label, None if s is None else (s.stored_len, tuple(s.page_indices)), short)
+              for rid, _streams, label, s, short in out.claims]
+    return ("granted", claims, out.new_pages)
+
+
+def _general(table: dict[str, dict[str, CacheStream]], step: KVStep, page_size: int,
+             free: int, max_seq_len: int = 1 << 20) -> Any:
+    validate.step_lengths(step, StepContext(), table, max_seq_len)
+    admission.validate_step(table, step, ())
+    keys = admission.named_keys(step, ())
+    refused = admission.refusal(table, keys)
+    if refused is not None:
+        return refused
+    return admission.reserve(table, step, (), keys, page_size, free)
+
+
+@given(world())
+def test_plain_pass_answers_as_the_general_rules(w: Any) -> None:
+    spec, segs, page_size, free, max_len = w
+    step = KVStep(segs)
+    # a table each: a retrieve's outcome is latched on the stream when read
+    general = _answer(lambda: _general(_build(spec, page_size), step, page_size, free,
+                                       max_len))
+    plain = _answer(lambda: admission.plain_grant(_build(spec, page_size), step, page_size,
+                                                  free, max_len))
+    event(general[0])  # raised / refused / granted: each must arise (--hypothesis-show-statistics)
+    assert plain == general
+
+
+PLAIN = {"stored": 5, "spare": 0, "offloaded": False, "future": "none", "latched": False}
+ENGAGED = {
+    "offloaded": {"offloaded": True},
+    "retrieve-running": {"future": "running"},
+    "retrieve-failed": {"future": "failed"},
+    "retrieve-done": {"future": "done"},
+    "failure-latched": {"latched": True},
+    "latched-and-offloaded": {"latched": True, "offloaded": True},
+}
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["alone", "second"])
+@pytest.mark.parametrize("kind", list(ENGAGED), ids=list(ENGAGED))
+def test_each_stream_that_may_refuse_is_ruled_as_in_general(kind: str, second: bool) -> None:
+    """Every way a stream may refuse an admit, on the step's first or second
+    stream: the plain pass must notice it, whatever the drawn tables hold."""
+    spec = {"r0": {"main": dict(PLAIN)}, "r1": {"main": {**PLAIN, **ENGAGED[kind]}}}
+    segs = [Segment("r0", "main", 1)] if second else []
+    step = KVStep([*segs, Segment("r1", "main", 1)])
+    general = _answer(lambda: _general(_build(spec, 4), step, 4, 10))
+    assert general[0] == ("granted" if kind == "retrieve-done" else "refused")
+    assert _answer(lambda: admission.plain_grant(_build(spec, 4), step, 4, 10, 1 << 20)) == general
+
+
+def test_plain_pass_grants_claims_holding_the_table_streams() -> None:
+    """The claims name the table's own objects: applying them changes the table."""
+    table = _build({"r0": {"main": {"stored": 5, "spare": 0, "offloaded": False,
+                                    "future": "none", "latched": False}}}, 4)
+    grant = admission.plain_grant(table, KVStep([Segment("r0", "main", 4),
+                                                 Segment("r0", "cfg", 3)]), 4, 10, 64)
+    assert isinstance(grant, admission.Grant)
+    (rid0, streams0, label0, s0, short0), (rid1, streams1, label1, s1, short1) = grant.claims
+    assert (rid0, label0, short0) == ("r0", "main", 1)  # 9 tokens on 4-token pages
+    assert streams0 is table["r0"] and s0 is table["r0"]["main"]
+    assert (rid1, label1, s1, short1) == ("r0", "cfg", None, 1)  # created by the admit
+    assert streams1 is table["r0"] and grant.new_pages == 2
+
+
+@pytest.mark.parametrize("label", ["main", "draft"])
+def test_a_plain_step_past_max_seq_len_is_refused_on_the_plain_path(label: str) -> None:
+    """Nothing admitted or staged, no forks: the admit takes the plain pass,
+    which checks the lengths itself (`draft`: a stream the admit would make)."""
+    kv = make_manager(max_seq_len=32)
+    kv.ingest_request("a")
+    step = KVStep([Segment("a", "main", 5)])
+    for call in (kv.admit, kv.plan, kv.commit):
+        call(step, StepContext())
+    base = 5 if label == "main" else 0
+    before = snapshot(kv)
+    with pytest.raises(InvalidStepError, match=f"'a'.*'{label}'.*past KVConfig.max_seq_len 32"):
+        kv.admit(KVStep([Segment("a", "main", 1), Segment("a", label, 32 - base + 1)]
+                        if label != "main" else [Segment("a", label, 32 - base + 1)]),
+                 StepContext())
+    assert_same(before, snapshot(kv))
+    # exactly max_seq_len fits
+    assert kv.admit(KVStep([Segment("a", label, 32 - base)]), StepContext()).ok

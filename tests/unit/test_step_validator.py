@@ -1,0 +1,98 @@
+"""`validate.StepValidator`: a step is walked once per object, and again once changed.
+
+admit, plan and commit each check their step; the manager walks a step
+object once and passes the same unchanged objects at once. A step (or its
+context) changed in place between admit and commit must still be caught,
+and leave the manager as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvref import validate
+from kvref.errors import InvalidStepError
+from kvref.step import KVStep, Segment, StepContext
+from tests.unit._manager_fixtures import assert_same, make_manager, snapshot
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    walks = [0]
+    walk = validate.step
+
+    def counted(step: object, ctx: object) -> None:
+        walks[0] += 1
+        walk(step, ctx)
+
+    monkeypatch.setattr(validate, "step", counted)
+    return walks
+
+
+def test_one_walk_per_step_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    walks = _counting(monkeypatch)
+    kv = make_manager()
+    kv.ingest_request("a")
+    step, ctx = KVStep([Segment("a", "main", 3)]), StepContext(["a"])
+    kv.admit(step, ctx)
+    kv.plan(step, ctx)
+    kv.commit(step, ctx)
+    assert walks[0] == 1
+    # an equal step in new objects is walked again (identity, not equality, is remembered)
+    again = KVStep([Segment("a", "main", 1)])
+    kv.admit(again, StepContext(["a"]))
+    assert walks[0] == 2
+
+
+def test_steps_that_could_change_unseen_are_walked_every_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    walks = _counting(monkeypatch)
+    kv = make_manager()
+    kv.ingest_request("a")
+    kv.ingest_request("b")
+    # forks as a list of lists: a pair could change in place without a trace
+    step = KVStep([Segment("a", "main", 2)], post_forks=[["main", "cfg"]])  # type: ignore[list-item]
+    ctx = StepContext(["a"])
+    kv.admit(step, ctx)
+    kv.plan(step, ctx)
+    kv.commit(step, ctx)
+    assert walks[0] == 3
+
+
+def _swap_field(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)  # a frozen dataclass's field, swapped
+
+
+MUTATIONS: dict[str, Callable[[KVStep, StepContext], None]] = {
+    "segment-replaced-negative": lambda s, c: s.segments.__setitem__(  # type: ignore[attr-defined]
+        0, Segment("a", "main", -1)),
+    "segment-replaced-bool-span": lambda s, c: s.segments.__setitem__(  # type: ignore[attr-defined]
+        0, Segment("a", "main", True)),
+    "segment-appended-not-a-segment": lambda s, c: s.segments.append(  # type: ignore[attr-defined]
+        ("b", "main", 1)),
+    "segments-swapped": lambda s, c: _swap_field(s, "segments", "ab"),
+    "commit-swapped": lambda s, c: _swap_field(s, "commit", 1),
+    "forks-swapped": lambda s, c: _swap_field(s, "post_forks", (("main", "main"),)),
+    "padded-appended-int": lambda s, c: c.padded_request_ids.append(7),  # type: ignore[attr-defined]
+    "preplan-swapped": lambda s, c: _swap_field(c, "is_preplan", "no"),
+}
+
+
+@pytest.mark.parametrize("when", ["plan", "commit"])
+@pytest.mark.parametrize("mutate", list(MUTATIONS), ids=list(MUTATIONS))
+def test_a_step_changed_after_admit_is_caught(mutate: str, when: str) -> None:
+    kv = make_manager()
+    kv.ingest_request("a")
+    kv.ingest_request("b")
+    step, ctx = KVStep([Segment("a", "main", 3)]), StepContext(["a"])
+    kv.admit(step, ctx)
+    if when == "commit":
+        kv.plan(step, ctx)
+    before = snapshot(kv)
+    MUTATIONS[mutate](step, ctx)
+    call: Any = kv.plan if when == "plan" else kv.commit
+    with pytest.raises(InvalidStepError):
+        call(step, ctx)
+    assert_same(before, snapshot(kv))
