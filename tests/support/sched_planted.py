@@ -22,6 +22,7 @@ from kvref import KVManager
 from kvref.allocator import PageAllocator
 from kvref.offload import Offload
 from kvref.offload_phases import HostOffload
+from kvref.outcomes import OffloadOutcome
 from kvref.streams import ClaimedStream
 from model import core as m
 from tests.support.lockset import Detector
@@ -69,7 +70,7 @@ def commit_ignores_guard() -> Iterator[None]:
     orig = HostOffload.commit
 
     def racy(self: HostOffload, offload: Offload, claims: Mapping[str, ClaimedStream],
-             copied: Sequence[str]) -> int:
+             copied: Sequence[str]) -> OffloadOutcome:
         with self.table.lock:
             streams = self.table.streams.get(offload.request_id, {})
             claims = {label: dataclasses.replace(c, generation=streams[label].generation)
