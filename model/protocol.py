@@ -99,9 +99,10 @@ def truncations(m: Model, s: State) -> Iterator[Action]:
     the same within a class): a negative length and a stream that does not
     exist, each a misuse whatever else holds, once per state; a stream that
     is not settled, once (a misuse whatever the length); per settled stream:
-    one past its length (a misuse), its length (a no-op), and two cuts, to
-    nothing and to one token less (a rejected draft). Cuts in between only
-    keep more of the same tokens."""
+    one past its length (a misuse), its length (a no-op), and three cuts: to
+    nothing, to one token less (a rejected draft), and to the last page
+    boundary below its length (the least cut that frees a page). Other cuts
+    differ from these only in how many of the same tokens stay."""
     sc = m.scope
     st = s.stream_map()
     yield Truncate(0, MAIN, -1)
@@ -113,7 +114,9 @@ def truncations(m: Model, s: State) -> Iterator[Action]:
         if not settled(v):
             yield Truncate(r, lb, 0)
             continue
-        for n in sorted({v.stored_len + 1, v.stored_len, 0, max(0, v.stored_len - 1)}):
+        boundary = sc.page_size * max(0, m.need(v.stored_len) - 1)
+        for n in sorted({v.stored_len + 1, v.stored_len, 0, max(0, v.stored_len - 1),
+                         boundary}):
             yield Truncate(r, lb, n)
 
 
