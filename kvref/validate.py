@@ -86,6 +86,14 @@ def req_config(overrides: object, rid: str) -> None:
         )
 
 
+def new_length(value: object, call: str, rid: str, name: str) -> None:
+    """A length to cut a stream back to: an ``int >= 0`` (whether the stream
+    holds that many tokens is the manager's business)."""
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        raise InvalidArgumentError(f"{call}: new_len must be an int >= 0, got {_what(value)}",
+                                   request_id=rid, label=name)
+
+
 def optional_label(value: object, call: str) -> None:
     """A plan label argument that defaults to the cursor when None."""
     if value is not None:
@@ -190,6 +198,12 @@ def step(step: object, ctx: object) -> None:
             f"StepContext.padded_request_ids must be a sequence of str request ids, "
             f"got {padded!r}"
         )
+    if (step.pre_forks or step.post_forks) and not padded:
+        # R25, R40: a fork applies to each padded request; with none it would
+        # do nothing, silently. Malformed input, so checked before any
+        # lifecycle state, at admit, plan and commit alike
+        raise InvalidStepError("a step with forks names no padded_request_ids to apply "
+                               "them to")
     if ctx.is_preplan is not True and ctx.is_preplan is not False:
         raise InvalidStepError(f"StepContext.is_preplan must be a bool, got "
                                f"{_what(ctx.is_preplan)}")

@@ -246,15 +246,25 @@ class Remove:
     rid: int
 
 
+@dataclass(frozen=True)
+class Truncate:
+    """cut a stream back to its first ``new_len`` tokens (a speculative
+    verify step keeping its accepted prefix)"""
+
+    rid: int
+    label: int
+    new_len: int
+
+
 Action = (
     Ingest | Admit | Plan | Write | Read | Commit | ClearPreplan | OffloadClaim
     | OffloadCopy | OffloadCommit | OffloadAbandon | Reload | Publish | RetrieveStart
-    | RetrieveComplete | Reset | Remove
+    | RetrieveComplete | Reset | Remove | Truncate
 )
 ACTIONS: tuple[type, ...] = (
     Ingest, Admit, Plan, Write, Read, Commit, ClearPreplan, OffloadClaim, OffloadCopy,
     OffloadCommit, OffloadAbandon, Reload, Publish, RetrieveStart, RetrieveComplete,
-    Reset, Remove,
+    Reset, Remove, Truncate,
 )
 
 
@@ -349,6 +359,7 @@ class Model:
     R21_publish_complete = True
     R22_admit_waits_for_retrieve = True
     R24_commit_runs_pending_forks = True
+    R38_truncate_settled_only = True
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
@@ -481,6 +492,10 @@ class Model:
     def _misused(self, s: State, a: Admit) -> Misuse | None:
         """What makes an admit a misuse, whatever the streams hold."""
         step = a.step
+        if (step.pre_forks or step.post_forks) and not step.padded:
+            # a fork applied to no request (R25): malformed, so before any
+            # lifecycle check, at every step call (R40)
+            return Misuse("InvalidStepError")
         if s.staged is not None:
             if a.preplan or step != s.staged.step:
                 # one step staged at a time; the next admit is its own (R23)
@@ -489,8 +504,6 @@ class Model:
             return Misuse("StepInFlightError")  # one running step (R23)
         if any(r not in s.requests() for r in {g.rid for g in step.segments} | set(step.padded)):
             return Misuse("UnknownRequestError")
-        if (step.pre_forks or step.post_forks) and not step.padded:
-            return Misuse("InvalidStepError")  # a fork applied to no request (R25)
         return None
 
     def do_Admit(self, s: State, a: Admit) -> tuple[Result, State]:
@@ -818,3 +831,30 @@ class Model:
             raise ProtocolError("no retrieve in progress")
         st[k] = replace(st[k], retrieve=IDLE if a.ok else FAILED)
         return Ok(), replace(s, streams=_sorted(st))
+
+    # --- speculative decoding
+
+    def do_Truncate(self, s: State, a: Truncate) -> tuple[Result, State]:
+        if a.new_len < 0:
+            return Misuse("InvalidArgumentError"), s
+        k = (a.rid, a.label)
+        st = s.stream_map()
+        v = st.get(k)
+        if v is None:
+            return Misuse("UnknownRequestError"), s
+        if self.R38_truncate_settled_only:
+            if v.in_flight:  # a step (or staged preplan) writes past the new end
+                return Misuse("StepInFlightError"), s
+            if v.offload != RESIDENT or v.retrieve != IDLE:
+                # its pages are leaving, on the host, or still (or never) written
+                return Misuse("StreamUnavailableError"), s
+        if a.new_len > v.stored_len:
+            return Misuse("InvalidArgumentError"), s
+        if a.new_len == v.stored_len:
+            return Freed(0), s  # nothing to cut: spare pages stay (R39)
+        # pages past the new end go back (R39); a stream already holding fewer
+        # (offloaded, only reachable without R38) has nothing more to give
+        keep = min(v.pages, self.need(a.new_len))
+        st[k] = replace(v, pages=keep, stored_len=a.new_len, contents=v.contents[:a.new_len])
+        return Freed(v.pages - keep), replace(s, free=s.free + v.pages - keep,
+                                              streams=_sorted(st))

@@ -299,7 +299,8 @@ def _i(what: str, pred: Callable[[Model, State, Action, Result, State], bool]
 
 INTERESTING: dict[str, tuple[str, Callable[[Model, State, Action, Result, State], bool]]] = {
     "I1": _i("pages returned by an offload commit",
-             lambda m, s, a, r, n: isinstance(r, Freed) and r.pages > 0),
+             lambda m, s, a, r, n: isinstance(a, OffloadCommit) and isinstance(r, Freed)
+             and r.pages > 0),
     "I2": _i("every usable page handed out", lambda m, s, a, r, n: n.free == 0),
     "I3": _i("a step planned on a high-water stream",
              lambda m, s, a, r, n: isinstance(a, Plan)

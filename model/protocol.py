@@ -17,9 +17,11 @@ from model.core import (
     ADMITTED,
     CLAIMED,
     IDLE,
+    MAIN,
     OFFLOADED,
     PENDING,
     PLANNED,
+    RESIDENT,
     WRITTEN,
     Action,
     Admit,
@@ -43,6 +45,7 @@ from model.core import (
     State,
     Step,
     Stream,
+    Truncate,
     Write,
 )
 
@@ -83,6 +86,38 @@ def completions(st: dict[tuple[int, int], Stream], rid: int, label: int
     if v is not None and v.retrieve == PENDING:
         yield RetrieveComplete(rid, label, ok=True)
         yield RetrieveComplete(rid, label, ok=False)
+
+
+def settled(v: Stream) -> bool:
+    """A stream truncate may cut: no step names it, resident, no retrieve
+    copying into it or failed (R38)."""
+    return not v.in_flight and v.offload == RESIDENT and v.retrieve == IDLE
+
+
+def truncations(m: Model, s: State) -> Iterator[Action]:
+    """Truncate by argument class (the answer, and the state it leads to, is
+    the same within a class): a negative length and a stream that does not
+    exist, each a misuse whatever else holds, once per state; a stream that
+    is not settled, once (a misuse whatever the length); per settled stream:
+    one past its length (a misuse), its length (a no-op), and three cuts: to
+    nothing, to one token less (a rejected draft), and to the last page
+    boundary below its length (the least cut that frees a page). Other cuts
+    differ from these only in how many of the same tokens stay."""
+    sc = m.scope
+    st = s.stream_map()
+    yield Truncate(0, MAIN, -1)
+    absent = [(r, lb) for r in range(sc.requests) for lb in range(sc.labels)
+              if (r, lb) not in st]
+    if absent:
+        yield Truncate(*absent[0], 0)
+    for (r, lb), v in sorted(st.items()):
+        if not settled(v):
+            yield Truncate(r, lb, 0)
+            continue
+        boundary = sc.page_size * max(0, m.need(v.stored_len) - 1)
+        for n in sorted({v.stored_len + 1, v.stored_len, 0, max(0, v.stored_len - 1),
+                         boundary}):
+            yield Truncate(r, lb, n)
 
 
 def calls(m: Model, s: State) -> Iterator[Action]:
@@ -145,6 +180,7 @@ def calls(m: Model, s: State) -> Iterator[Action]:
         yield Reset(r, free=False)
         yield Reset(r, free=True)
         yield Remove(r)
+    yield from truncations(m, s)
 
 
 def enabled(m: Model, s: State) -> Iterator[Action]:
@@ -199,3 +235,7 @@ def enabled(m: Model, s: State) -> Iterator[Action]:
         yield Reset(r, free=False)
         yield Reset(r, free=True)
         yield Remove(r)
+    for (r, lb), v in sorted(st.items()):
+        if settled(v):  # to any length it holds: keeping all of it is a no-op
+            for n in range(v.stored_len + 1):
+                yield Truncate(r, lb, n)

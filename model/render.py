@@ -34,6 +34,7 @@ from model.core import (
     RetrieveComplete,
     RetrieveStart,
     Scope,
+    Truncate,
     Write,
 )
 
@@ -93,7 +94,8 @@ def to_pytest(trace: Trace, scope: Scope, name: str = "test_model_trace") -> str
     L = [
         "import pytest", "import torch", "from kvref import (KVManager, KVConfig, KVStep, Segment, "
         "StepContext, TransferEngineInfo,", "    AllocationFailed, RequestOffloading, "
-        "AdmitRuntimeError, KVRefError, StepInFlightError)", "",
+        "AdmitRuntimeError, KVRefError, StepInFlightError)",
+        "from kvref.errors import *  # noqa: F403 (every misuse kind a trace may name)", "",
         "",
         "def _mgr():",
         "    cfg = KVConfig(num_layers=1, num_kv_heads=1, head_dim=4, max_seq_len=64,",
@@ -218,4 +220,8 @@ def to_pytest(trace: Trace, scope: Scope, name: str = "test_model_trace") -> str
             w(f"{pre}mgr.reset_request({q(rname(a.rid))}, free={a.free})")
         elif isinstance(a, Remove):
             w(f"{pre}mgr.remove_request({q(rname(a.rid))})")
+        elif isinstance(a, Truncate):
+            call = f"mgr.truncate({q(rname(a.rid))}, {q(lname(a.label))}, {a.new_len})"
+            w(f"{pre}{call}" if raises else
+              f"{pre}assert {call} == {r.pages if isinstance(r, Freed) else 0}")
     return "\n".join(L) + "\n"

@@ -412,6 +412,9 @@ class Driver:
             self.close(a.rid)
         return m.Ok()
 
+    def _Truncate(self, a: m.Truncate) -> m.Result:
+        return m.Freed(self.kv.truncate(rid_name(a.rid), label_name(a.label), a.new_len))
+
     # -- kvref state -> model state ---------------------------------------------
 
     def abstract(self, model_state: m.State) -> m.State:

@@ -11,6 +11,7 @@ invariant, page ownership by id (I1, I2, I6) and the bytes of every stream
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -96,6 +97,10 @@ def careless(model: m.Model, s: m.State) -> st.SearchStrategy[m.Action]:
         st.builds(m.Publish, rid),
         st.builds(m.RetrieveStart, rid, label, st.integers(0, sc.max_span), st.booleans()),
         st.builds(m.Reset, rid, st.booleans()), st.builds(m.Remove, rid),
+        # any stream, to any length around what streams hold (past it, negative)
+        st.builds(m.Truncate, rid, label, st.integers(-1, 3 * sc.max_span + 1)),
+        # a step whose context lost its padded requests: with forks, malformed (R40)
+        st.builds(m.Admit, step.map(lambda g: replace(g, padded=())), st.booleans()),
     )
 
 
@@ -384,6 +389,33 @@ class Lockstep(RuleBasedStateMachine):
             if self.state.current is not None:
                 self.run(action)
         self.agrees_with_model()
+
+    @precondition(lambda self: self.state.staged is None and self.state.current is None
+                  and bool(self.ready()))
+    @rule(data=st.data())
+    def verify_step(self, data: st.DataObject) -> None:
+        """A speculative verify step: run whole, its spans the last token and
+        the drafts, then each stream cut back to its accepted prefix (R39)."""
+        self.driver.combine = data.draw(st.booleans(), label="combined labels")
+        step = data.draw(steps(self.model, self.state, self.ready()))
+        for action in (m.Admit(step), m.Plan(), m.Write(), m.Commit()):
+            if self.state.current is None and not isinstance(action, m.Admit):
+                return  # refused
+            self.run(action)
+        for g in step.segments:
+            v = self.state.stream_map().get((g.rid, g.label))
+            if v is None or v.in_flight or v.offload != m.RESIDENT or v.retrieve != m.IDLE:
+                continue
+            rejected = data.draw(st.integers(0, min(g.span, v.stored_len)), label="rejected")
+            self.run(m.Truncate(g.rid, g.label, v.stored_len - rejected))
+        self.agrees_with_model()
+
+    @precondition(lambda self: self.has(m.Truncate))
+    @rule(data=st.data())
+    def truncate(self, data: st.DataObject) -> None:
+        """A cut between any other calls: of a stream a preplan or a retrieve
+        left alone, after a reload, with spare pages from a step not kept."""
+        self.run(self.draw_enabled(data, m.Truncate))
 
     @rule(data=st.data())
     def careless_call(self, data: st.DataObject) -> None:

@@ -7,6 +7,7 @@ that survives means a check is missing, not that the mutant is harmless.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
@@ -17,6 +18,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import kvref.admission as admission_module
 import kvref.plan as plan_module
+import kvref.truncation as truncation_module
+import kvref.validate as validate_module
 from kvref import Offload, ReloadCopyError
 from kvref.forks import ForkFailed, Forks
 from kvref.manager import KVManager
@@ -184,6 +187,50 @@ def _promoted_preplan_keeps_stale_generations(mp: pytest.MonkeyPatch) -> None:  
     mp.setattr(KVManager, "plan", bad)
 
 
+# -- issue 10 item 4 (t: truncate) and item 7a
+
+
+def _truncate_keeps_the_generation(mp: pytest.MonkeyPatch) -> None:  # t
+    orig = truncation_module.truncate
+
+    def bad(table: Any, rid: str, label: str, new_len: int) -> int:
+        stream = table.stream(rid, label)
+        gen = stream.generation
+        freed = orig(table, rid, label, new_len)
+        stream.generation = gen  # a plan, a host copy or a peer sees no change
+        return freed
+
+    mp.setattr(truncation_module, "truncate", bad)
+
+
+def _truncate_frees_one_page_off(extra: int) -> Callable[[pytest.MonkeyPatch], None]:  # t
+    def plant(mp: pytest.MonkeyPatch) -> None:
+        # the kept page count off by one: ceil taken as floor, or the
+        # partial last page counted twice
+        def pages_for(tokens: int, page_size: int) -> int:
+            return max(0, -(-tokens // page_size) + extra)
+
+        mp.setattr(truncation_module, "pages_for", pages_for)
+    return plant
+
+
+def _fork_with_no_padded_request_passes(mp: pytest.MonkeyPatch) -> None:  # 7a
+    # both checks dropped: the forks are stripped before validation looks
+    orig_step, orig_admission = validate_module.step, admission_module.validate_step
+
+    def bare(step: Any) -> Any:
+        return dataclasses.replace(step, pre_forks=(), post_forks=())
+
+    def bad_step(step: Any, ctx: Any) -> None:
+        orig_step(step if ctx.padded_request_ids else bare(step), ctx)
+
+    def bad_admission(table: Any, step: Any, padded: tuple[str, ...]) -> None:
+        orig_admission(table, step if padded else bare(step), padded)
+
+    mp.setattr(validate_module, "step", bad_step)
+    mp.setattr(admission_module, "validate_step", bad_admission)
+
+
 def _claim_ignores_in_flight(stack: ExitStack) -> None:
     # the race the concurrency suite plants, reused as it is
     stack.enter_context(claim_ignores_marks())
@@ -211,6 +258,10 @@ MUTANTS: dict[str, Callable[[ExitStack], None]] = {
         _offload_copy_does_not_wait_for_read),
     "e: a promoted preplan keeps stale view generations": _patched(
         _promoted_preplan_keeps_stale_generations),
+    "t: truncate keeps the generation": _patched(_truncate_keeps_the_generation),
+    "t: truncate frees one page too many": _patched(_truncate_frees_one_page_off(-1)),
+    "t: truncate frees one page too few": _patched(_truncate_frees_one_page_off(+1)),
+    "7a: a fork with no padded request passes": _patched(_fork_with_no_padded_request_passes),
 }
 
 

@@ -91,6 +91,9 @@ def calls(text: str) -> list[m.Action]:
             out.append(m.ClearPreplan())
         elif verb == "copy":
             out.append(m.OffloadCopy(*stream(args[0]), copy_error=fault))
+        elif verb == "truncate":
+            where, _, n = args[0].partition("=")
+            out.append(m.Truncate(*stream(where), int(n)))
         elif verb in ("retrieve", "land", "fail"):
             where, _, n = args[0].partition("=")
             r, lb = stream(where)
@@ -146,7 +149,7 @@ def test_scenario(sid: str, scenario: str, expected: str) -> None:
 
 
 @pytest.mark.parametrize(("rule", "sid"), [("R20", "S5"), ("R22", "S30"), ("R24", "S9"),
-                                           ("R21", "S35")])
+                                           ("R21", "S35"), ("R38", "S59")])
 def test_a_model_that_drifts_from_intent_fails(rule: str, sid: str) -> None:
     """The table catches a model that agrees with a defect: each rule switched
     off (the model kvref once matched) fails the row that traces to it."""
