@@ -95,3 +95,9 @@ class InvalidArgumentError(KVRefError, ValueError):
 
 class KVDeviceError(KVShapeError):
     """K/V handed to `write_kv` on another device than the cache."""
+
+
+class PublishLeasedError(KVRefError):
+    """A call that would take or change pages a `publish` leased to a peer
+    (reset, remove): release it first (`release_published`), or let it
+    expire (`KVConfig.publish_lease_s`)."""
