@@ -15,8 +15,8 @@ import pytest
 
 from kvref.lease import LeaseTable
 from kvref.manager import KVManager
-from kvref.offload import Offload
-from kvref.offload_phases import HostOffload
+from kvref.published import PublishedKVInfo, PublishRefused
+from kvref.retrieval import Retrieval
 from tests.support.sched_harness import Op, Program
 from tests.support.sched_planted import Race, dfs, dfs_count, nothing
 
@@ -43,29 +43,30 @@ def test_clean_tree_passes_every_schedule(name: str) -> None:
 
 
 @contextmanager
-def claim_checks_lease_apart() -> Iterator[None]:
-    """The claim reads the lease in one critical section and claims in a
-    second: a publish in between leases pages the offload then takes."""
-    orig = HostOffload.claim
+def publish_leases_apart() -> Iterator[None]:
+    """publish builds the info in one critical section and takes the lease in
+    a second: an offload claiming in between takes pages the peer is told to
+    copy."""
+    orig = Retrieval.publish
 
-    def racy(self: HostOffload, rid: str) -> Offload | None:
-        with self.table.lock:
-            leased = self.table.leases.held(rid)
-        self.table.runtime.checkpoint("claim.lease-read")
-        if leased:
-            return None
-        real = LeaseTable.held
-        LeaseTable.held = lambda table, r: False  # type: ignore[method-assign]
+    def racy(self: Retrieval, rid: str) -> PublishedKVInfo | PublishRefused:
+        real = LeaseTable.take
+        LeaseTable.take = lambda table, r: None  # type: ignore[method-assign]
         try:
-            return orig(self, rid)
+            info = orig(self, rid)
         finally:
-            LeaseTable.held = real  # type: ignore[method-assign]
+            LeaseTable.take = real  # type: ignore[method-assign]
+        self._table.runtime.checkpoint("publish.info-built")
+        if isinstance(info, PublishedKVInfo):
+            with self._table.lock:
+                self._table.leases.take(rid)
+        return info
 
-    HostOffload.claim = racy  # type: ignore[method-assign]
+    Retrieval.publish = racy  # type: ignore[method-assign]
     try:
         yield
     finally:
-        HostOffload.claim = orig  # type: ignore[method-assign]
+        Retrieval.publish = orig  # type: ignore[method-assign]
 
 
 @contextmanager
@@ -89,9 +90,8 @@ def remove_ignores_lease() -> Iterator[None]:
 
 
 PLANTED = {
-    "claim checks the lease apart": Race("claim checks the lease apart",
-                                         claim_checks_lease_apart,
-                                         PROGRAMS["publish racing offload"]),
+    "publish leases apart": Race("publish leases apart", publish_leases_apart,
+                                 PROGRAMS["publish racing offload"]),
     "remove ignores the lease": Race("remove ignores the lease", remove_ignores_lease,
                                      PROGRAMS["publish racing remove"]),
 }

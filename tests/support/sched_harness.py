@@ -538,7 +538,9 @@ class Harness:
         elif op.kind == "ingest":
             lin.call(m.Ingest(op.rid), lambda: d.apply(m.Ingest(op.rid)))
         elif op.kind == "publish":
-            lin.call(m.Publish(op.rid), lambda: d.apply(m.Publish(op.rid)))
+            # at its last manager section: one today; a publish that leased in a
+            # second section would be seen at the lease, where it takes effect
+            lin.call(m.Publish(op.rid), lambda: d.apply(m.Publish(op.rid)), last=True)
         elif op.kind == "release":
             a_rel = m.ReleasePublished(op.rid)
             lin.call(a_rel, lambda: d.apply(a_rel))
