@@ -39,8 +39,8 @@ def claimable(streams: Mapping[str, CacheStream]) -> list[tuple[str, CacheStream
     return [(label, s) for label, s in streams.items() if not s.offloaded and s.page_indices]
 
 
-def claim_refusal(streams: Mapping[str, CacheStream] | None,
-                  offload_running: bool) -> OffloadReason | None:
+def claim_refusal(streams: Mapping[str, CacheStream] | None, offload_running: bool,
+                  leased: bool) -> OffloadReason | None:
     """Why a claim of a request with these streams is refused now, or None."""
     if streams is None:
         return OffloadReason.UNKNOWN_REQUEST
@@ -48,6 +48,8 @@ def claim_refusal(streams: Mapping[str, CacheStream] | None,
         return OffloadReason.OFFLOAD_RUNNING
     if any(s.step_in_flight for s in streams.values()):  # R4: the whole request
         return OffloadReason.STEP_IN_FLIGHT
+    if leased:  # a peer may be copying these pages (R33)
+        return OffloadReason.PUBLISH_LEASED
     if not claimable(streams):
         return OffloadReason.NOTHING_ON_DEVICE
     return None
@@ -80,7 +82,8 @@ class HostOffload:
         """See `KVManager.begin_offload`; a refusal is its reason."""
         with self.table.lock:
             streams = self.table.streams.get(rid)
-            refused = claim_refusal(streams, rid in self.offloads)
+            refused = claim_refusal(streams, rid in self.offloads,
+                                    self.table.leases.held(rid))
             if refused is not None:
                 self._refused.reason = refused
                 return refused
@@ -100,13 +103,15 @@ class HostOffload:
     def refusal(self, rid: str) -> OffloadReason | None:
         """Why a claim of ``rid`` would be refused now, or None."""
         with self.table.lock:
-            return claim_refusal(self.table.streams.get(rid), rid in self.offloads)
+            return claim_refusal(self.table.streams.get(rid), rid in self.offloads,
+                                 self.table.leases.held(rid))
 
     def priority(self, rid: str) -> int:
         """The device pages a claim of ``rid`` would take now; 0 if refused."""
         with self.table.lock:
             streams = self.table.streams.get(rid)
-            if claim_refusal(streams, rid in self.offloads) is not None:
+            if claim_refusal(streams, rid in self.offloads,
+                             self.table.leases.held(rid)) is not None:
                 return 0
             assert streams is not None
             return sum(len(s.page_indices) for _, s in claimable(streams))

@@ -22,6 +22,7 @@ class OffloadReason(enum.Enum):
     UNKNOWN_REQUEST = "unknown request (never ingested, or removed)"
     OFFLOAD_RUNNING = "an offload of the request is already between claim and commit"
     STEP_IN_FLIGHT = "a step of the request is admitted; commit it first (R4)"
+    PUBLISH_LEASED = "its publication is leased to a peer; release_published it first (R33)"
     NOTHING_ON_DEVICE = "no stream of the request holds device pages that are not offloaded"
     HOST_POOL_FULL = "the host pool had no room for a stream; it stayed on device"
     NOT_COPIED = "the offload was committed without copying this stream"

@@ -36,6 +36,8 @@ def truncate(table: StreamTable, rid: str, label: str, new_len: int) -> int:
     if state == FAILED:
         raise StreamUnavailableError("truncate of a stream whose retrieve failed; reset or "
                                      "remove the request", request_id=rid, label=label)
+    # a peer may still be copying the pages this would free (R33)
+    table.leases.refuse(rid, "truncate")
     if new_len > stream.stored_len:
         raise InvalidArgumentError(f"truncate to {new_len} tokens; the stream holds "
                                    f"{stream.stored_len}", request_id=rid, label=label)

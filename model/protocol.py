@@ -28,6 +28,7 @@ from model.core import (
     ClearPreplan,
     Commit,
     Ingest,
+    LeaseTimeout,
     Model,
     OffloadAbandon,
     OffloadClaim,
@@ -36,6 +37,7 @@ from model.core import (
     Plan,
     Publish,
     Read,
+    ReleasePublished,
     Reload,
     Remove,
     Reset,
@@ -98,7 +100,8 @@ def truncations(m: Model, s: State) -> Iterator[Action]:
     """Truncate by argument class (the answer, and the state it leads to, is
     the same within a class): a negative length and a stream that does not
     exist, each a misuse whatever else holds, once per state; a stream that
-    is not settled, once (a misuse whatever the length); per settled stream:
+    is not settled or is leased, once (a misuse whatever the length); per
+    settled stream:
     one past its length (a misuse), its length (a no-op), and three cuts: to
     nothing, to one token less (a rejected draft), and to the last page
     boundary below its length (the least cut that frees a page). Other cuts
@@ -111,7 +114,7 @@ def truncations(m: Model, s: State) -> Iterator[Action]:
     if absent:
         yield Truncate(*absent[0], 0)
     for (r, lb), v in sorted(st.items()):
-        if not settled(v):
+        if not settled(v) or r in s.leases:  # a misuse whatever the length (R38, R33)
             yield Truncate(r, lb, 0)
             continue
         boundary = sc.page_size * max(0, m.need(v.stored_len) - 1)
@@ -128,7 +131,9 @@ def calls(m: Model, s: State) -> Iterator[Action]:
     every other plain admit is the same `StepInFlightError` (R23); with a
     preplan staged, every other admit the same `PreplanPendingError`; a step
     over a request never ingested is `UnknownRequestError` before anything
-    else; a fault flag on a call that runs no such copy changes nothing.
+    else; a fault flag on a call that runs no such copy changes nothing, and
+    neither does a stale flag on a retrieve an earlier rule answers; releasing a
+    request not leased is one no-op, whichever request it names.
     """
     sc = m.scope
     every = list(range(sc.requests))
@@ -177,9 +182,20 @@ def calls(m: Model, s: State) -> Iterator[Action]:
             for n in range(sc.max_span + 1):
                 yield RetrieveStart(r, label, n)
             yield RetrieveStart(r, label, sc.max_span, start_error=True)
+            v = st.get((r, label))
+            if r in ingested and (v is None or (v.retrieve == IDLE and not v.in_flight
+                                                and v.offload == RESIDENT)):
+                # elsewhere an earlier rule answers, as for the same call not stale
+                yield RetrieveStart(r, label, sc.max_span, stale=True)
         yield Reset(r, free=False)
         yield Reset(r, free=True)
         yield Remove(r)
+        if r in s.leases:
+            yield ReleasePublished(r)
+    # a release of a request not leased is one no-op whichever request it names
+    yield ReleasePublished(next((r for r in every if r not in s.leases), 0))
+    if s.leases:  # with nothing leased, the clock passing a deadline changes nothing
+        yield LeaseTimeout()
     yield from truncations(m, s)
 
 
@@ -232,10 +248,18 @@ def enabled(m: Model, s: State) -> Iterator[Action]:
             # also into a stream a step names: kvref raises and nothing moves
             for n in range(1, sc.max_span + 1):
                 yield RetrieveStart(r, label, n)
+            # the peer's pages changed since it published: not the engine's doing
+            yield RetrieveStart(r, label, sc.max_span, stale=True)
+        # a careful engine releases first; reset and remove of a leased request
+        # are still issued, as an engine aborting a request would
         yield Reset(r, free=False)
         yield Reset(r, free=True)
         yield Remove(r)
+        if r in s.leases:
+            yield ReleasePublished(r)
+    if s.leases:
+        yield LeaseTimeout()
     for (r, lb), v in sorted(st.items()):
-        if settled(v):  # to any length it holds: keeping all of it is a no-op
+        if settled(v) and r not in s.leases:  # to any length it holds (R33: not leased)
             for n in range(v.stored_len + 1):
                 yield Truncate(r, lb, n)
