@@ -95,3 +95,9 @@ class InvalidArgumentError(KVRefError, ValueError):
 
 class KVDeviceError(KVShapeError):
     """K/V handed to `write_kv` on another device than the cache."""
+
+
+class PreplanStaleError(KVRefError):
+    """The staged preplan was built over a running step that did not commit as
+    admitted (a stream it shares holds another length): promotion refused,
+    nothing changed; clear_preplan and admit the step afresh (R42)."""

@@ -19,6 +19,7 @@ from kvref.errors import (
     ForkCopyError,
     InvalidStepError,
     PreplanPendingError,
+    PreplanStaleError,
     StepInFlightError,
     StepNotAdmittedError,
     StepOrderError,
@@ -34,8 +35,23 @@ from kvref.plan import (
     group_by_plan_label,
     plan_tables,
 )
-from kvref.running_step import RunningStep, StagedPreplan, same_step, where
-from kvref.step import ADMIT_OK, AdmitFailedReason, AdmitOutcome, KVStep, Segment, StepContext
+from kvref.running_step import (
+    RunningStep,
+    StagedPreplan,
+    same_step,
+    settled_lengths,
+    stale,
+    where,
+)
+from kvref.step import (
+    ADMIT_OK,
+    AdmitFailedReason,
+    AdmitOutcome,
+    KVStep,
+    PreplanStale,
+    Segment,
+    StepContext,
+)
 from kvref.stream_table import Key, StreamTable
 from kvref.streams import CacheStream
 
@@ -76,6 +92,10 @@ class Stepping:
                     "admit of a different step than the staged preplan; "
                     "clear_preplan first"
                 )
+            if self.running is None:
+                moved = stale(self._table.streams, staged)
+                if moved is not None:
+                    return AdmitOutcome(ok=False, reason=self._stale_reason(staged, moved))
             return ADMIT_OK  # the preplan pass already reserved and marked
         running = self.running
         if running is not None and not ctx.is_preplan:
@@ -94,30 +114,25 @@ class Stepping:
         padded = tuple(ctx.padded_request_ids)
         admission.validate_step(all_streams, step, padded)
         keys = admission.named_keys(step, padded)
-        if ctx.is_preplan:
-            # R10: the staged plan would be built from lengths a running
-            # step has not committed, and its commit would clear these marks
-            for rid, label in keys:
-                stream = all_streams[rid].get(label)
-                if stream is not None and stream.step_in_flight:
-                    raise StepInFlightError(
-                        "preplan names a stream of a step still in flight; "
-                        "commit that step first",
-                        request_id=rid,
-                        label=label,
-                    )
+        settled: dict[Key, int] = {}
+        if ctx.is_preplan and running is not None:
+            # R41: step N+1 is planned while step N runs, from the lengths N
+            # leaves once committed; promotion checks it did (R42)
+            settled = settled_lengths(all_streams, running)
         refused = admission.refusal(all_streams, keys)
         if refused is not None:
             return AdmitOutcome(ok=False, reason=refused)
         grant = admission.reserve(all_streams, step, padded, keys,
-                                  self._table.page_size, self._table.allocator.num_free)
+                                  self._table.page_size, self._table.allocator.num_free,
+                                  settled)
         if isinstance(grant, AdmitFailedReason):
             return AdmitOutcome(ok=False, reason=grant)
         created = self._apply_grant(grant)
         for rid, label in keys:
             all_streams[rid][label].step_in_flight = True
         if ctx.is_preplan:
-            self.preplan = StagedPreplan(step, ctx, created, list(keys))
+            basis = {k: settled[k] for k in keys if k in settled}
+            self.preplan = StagedPreplan(step, ctx, created, list(keys), basis=basis)
         else:
             self.running = RunningStep(step, padded, set(created))
         return ADMIT_OK
@@ -190,6 +205,10 @@ class Stepping:
         self.running = RunningStep(step, tuple(ctx.padded_request_ids), set())
         return ADMIT_OK
 
+    def _stale_reason(self, staged: StagedPreplan, key: Key) -> PreplanStale:
+        stream = self._table.streams.get(key[0], {}).get(key[1])
+        return _stale(key, staged.basis[key], stream.stored_len if stream else None)
+
     def _apply_grant(self, grant: admission.Grant) -> list[Key]:
         created: list[Key] = []
         for (rid, label), pages in grant.pages.items():
@@ -219,10 +238,13 @@ class Stepping:
             stream = all_streams.get(rid, {}).pop(label, None)
             if stream is not None:
                 self._table.allocator.free(stream.page_indices)
-        # or the request stays unevictable for a step that never runs
+        # or the request stays unevictable for a step that never runs; a mark
+        # the running step also owns stays until it commits (R43)
+        running = self.running
+        owned = admission.named_keys(running.step, running.padded) if running else {}
         for rid, label in staged.marked:
             stream = all_streams.get(rid, {}).get(label)
-            if stream is not None:
+            if stream is not None and (rid, label) not in owned:
                 stream.step_in_flight = False
 
     # -- plan ----------------------------------------------------------------
@@ -236,8 +258,9 @@ class Stepping:
                                            **where(step))
             if staged.outputs is not None:
                 raise PreplanPendingError("the staged preplan was already planned")
+            # over a running step: from the lengths it leaves (R41)
             outputs, states = self._build_plan(step, ctx, self._forks.lengths_after_pre_forks(
-                step, staged.ctx.padded_request_ids, staged.created))
+                step, staged.ctx.padded_request_ids, staged.created, staged.basis))
             staged.outputs, staged.states = outputs, states
             return outputs
         running = self.running
@@ -245,6 +268,10 @@ class Stepping:
             if staged is None or (step is not staged.step and step != staged.step):
                 raise StepNotAdmittedError("plan of a step that was not admitted",
                                            **where(step))
+            moved = stale(self._table.streams, staged)
+            if moved is not None:
+                reason = self._stale_reason(staged, moved)
+                raise PreplanStaleError(reason.message, request_id=moved[0], label=moved[1])
             # promotion, not abandonment: its reservations and marks stay
             self.preplan = None
             running = self.running = RunningStep(
@@ -374,3 +401,11 @@ class Stepping:
                 continue
             stream.stored_len += span
             stream.generation += 1
+
+
+def _stale(key: Key, planned: int, holds: int | None) -> PreplanStale:
+    return PreplanStale(
+        message=(f"the staged preplan was planned over length {planned}, but the stream "
+                 f"holds {holds}: the step running under it committed otherwise; "
+                 "clear_preplan and admit afresh"),
+        request_id=key[0], label=key[1])

@@ -131,9 +131,10 @@ def test_preplan_promote_and_clear() -> None:
     assert (0, CFG) not in s3.stream_map() and s3.free == 2  # invented label removed
 
 
-def test_preplan_over_running_step_raises() -> None:  # R10
-    rs, _ = run(Ingest(0), Admit(seg(1)), Admit(seg(1), preplan=True))
-    assert rs[-1] == Misuse("StepInFlightError")
+def test_preplan_over_running_step_reserves_what_it_leaves() -> None:  # R41 (R10 retired)
+    rs, s = run(Ingest(0), Admit(seg(2)), Admit(seg(1), preplan=True))
+    assert rs[-1] == Ok() and stream(s).pages == 2  # 2 + 1 tokens at page size 2, not 0 + 1
+    assert s.staged is not None and s.staged.basis == (((0, MAIN), 2),)
 
 
 def test_offload_phases() -> None:
