@@ -44,6 +44,7 @@ from model.core import (
     Step,
     Stream,
     Write,
+    named,
 )
 
 Forks = tuple[tuple[int, int], ...]
@@ -105,6 +106,13 @@ def calls(m: Model, s: State) -> Iterator[Action]:
     held = s.staged or s.current
     plain = shapes if held is None else [held.step, *shapes[:1]]
     preplan = shapes if s.staged is None else shapes[:1]
+    if s.staged is None and s.current is not None:
+        # a preplan over the running step (R41) is issued as the next decode of
+        # one of its streams (fork-free, the widest span): every shape over
+        # them made 12x the states at depth 4 (argument-class reduction)
+        busy = named(s.current.step)
+        preplan = [p for p in shapes if not named(p) & busy] + [
+            Step((Seg(r, lb, sc.max_span),), padded=(r,)) for r, lb in sorted(busy)]
     for step in plain:
         yield Admit(step)
     for step in preplan:

@@ -17,6 +17,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import kvref.admission as admission_module
 import kvref.plan as plan_module
+import kvref.stepping as stepping_module
 from kvref import Offload, ReloadCopyError
 from kvref.forks import ForkFailed, Forks
 from kvref.manager import KVManager
@@ -184,6 +185,32 @@ def _promoted_preplan_keeps_stale_generations(mp: pytest.MonkeyPatch) -> None:  
     mp.setattr(KVManager, "plan", bad)
 
 
+# -- issue 10 item 5, overlap scheduling (R41, R42)
+
+
+def _promotion_skips_the_basis_check(mp: pytest.MonkeyPatch) -> None:
+    # the running step committed otherwise (a fork copy failed), and the
+    # staged plan is promoted all the same
+    mp.setattr(stepping_module, "stale", lambda streams, staged: None)
+
+
+def _preplan_built_from_pre_commit_lengths(mp: pytest.MonkeyPatch) -> None:
+    # the basis is recorded, but the reservation and the views of a preplan
+    # over the running step start from the lengths before it commits
+    reserve = admission_module.reserve
+    after_forks = Forks.lengths_after_pre_forks
+
+    def bad_reserve(*args: Any, **kwargs: Any) -> Any:
+        return reserve(*args[:6], None)
+
+    def bad_after_forks(self: Forks, step: Any, padded: Any, created: Any,
+                        base: Any = None) -> Any:
+        return after_forks(self, step, padded, created, None)
+
+    mp.setattr(admission_module, "reserve", bad_reserve)
+    mp.setattr(Forks, "lengths_after_pre_forks", bad_after_forks)
+
+
 def _claim_ignores_in_flight(stack: ExitStack) -> None:
     # the race the concurrency suite plants, reused as it is
     stack.enter_context(claim_ignores_marks())
@@ -211,6 +238,10 @@ MUTANTS: dict[str, Callable[[ExitStack], None]] = {
         _offload_copy_does_not_wait_for_read),
     "e: a promoted preplan keeps stale view generations": _patched(
         _promoted_preplan_keeps_stale_generations),
+    "overlap: promotion skips the committed-as-admitted check": _patched(
+        _promotion_skips_the_basis_check),
+    "overlap: the staged plan is built from pre-commit lengths": _patched(
+        _preplan_built_from_pre_commit_lengths),
 }
 
 
