@@ -122,7 +122,10 @@ def calls(m: Model, s: State) -> Iterator[Action]:
         yield Admit(Step((Seg(unknown[0], 0, 1),), (), (), (unknown[0],)))
     # a step with a fork and nobody to apply it to
     yield Admit(Step((Seg(0, 0, 1),), ((0, 1),), (), ()))
-    forks = held is not None and bool(held.step.pre_forks or held.step.post_forks)
+    # the running step's forks fault at its plan or commit, the staged one's
+    # at its promotion: with both, either may be the one with forks
+    forks = any(p is not None and bool(p.step.pre_forks or p.step.post_forks)
+                for p in (s.current, s.staged))
     yield Plan()
     yield Plan(preplan=True)
     yield Write()
