@@ -95,6 +95,19 @@ def settled_lengths(streams: Table, running: RunningStep) -> dict[Key, int]:
     return {key: length_of(key) for key in named_keys(step, running.padded)}
 
 
+@dataclass(frozen=True, slots=True)
+class SettledLength:
+    stored_len: int
+
+
+def settled_table(streams: Table, settled: Mapping[Key, int]
+                  ) -> dict[str, dict[str, SettledLength]]:
+    """The table's lengths with ``settled`` over them: what the checks that read
+    only lengths (max_seq_len) see of a preplan over the running step."""
+    return {rid: {label: SettledLength(settled.get((rid, label), s.stored_len))
+                  for label, s in labels.items()} for rid, labels in streams.items()}
+
+
 def stale(streams: Table, staged: StagedPreplan) -> Key | None:
     """The first stream the staged preplan shares with the step it was built
     over that no longer holds the length it was built from; None when it may

@@ -40,6 +40,7 @@ from kvref.running_step import (
     StagedPreplan,
     same_step,
     settled_lengths,
+    settled_table,
     stale,
     where,
 )
@@ -80,7 +81,16 @@ class Stepping:
         """See `KVManager.admit`."""
         # malformed input first, whatever the lifecycle state: it is the
         # caller's bug in any state
-        validate.step_lengths(step, ctx, self._table.streams, self._max_seq_len)
+        running = self.running
+        settled: dict[Key, int] = {}
+        if ctx.is_preplan and running is not None:
+            # R41: step N+1 is planned while step N runs, from the lengths N
+            # leaves once committed (bounded by max_seq_len from there too);
+            # promotion checks it did (R42)
+            settled = settled_lengths(self._table.streams, running)
+        validate.step_lengths(
+            step, ctx, settled_table(self._table.streams, settled) if settled
+            else self._table.streams, self._max_seq_len)
         staged = self.preplan
         if staged is not None:
             if ctx.is_preplan:
@@ -97,7 +107,6 @@ class Stepping:
                 if moved is not None:
                     return AdmitOutcome(ok=False, reason=self._stale_reason(staged, moved))
             return ADMIT_OK  # the preplan pass already reserved and marked
-        running = self.running
         if running is not None and not ctx.is_preplan:
             if same_step(step, ctx, running.step, running.padded):
                 return ADMIT_OK  # admitted again: everything is reserved already
@@ -114,11 +123,6 @@ class Stepping:
         padded = tuple(ctx.padded_request_ids)
         admission.validate_step(all_streams, step, padded)
         keys = admission.named_keys(step, padded)
-        settled: dict[Key, int] = {}
-        if ctx.is_preplan and running is not None:
-            # R41: step N+1 is planned while step N runs, from the lengths N
-            # leaves once committed; promotion checks it did (R42)
-            settled = settled_lengths(all_streams, running)
         refused = admission.refusal(all_streams, keys)
         if refused is not None:
             return AdmitOutcome(ok=False, reason=refused)

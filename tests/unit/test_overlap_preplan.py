@@ -21,7 +21,7 @@ from _manager_fixtures import (
 )
 
 from kvref import KVManager, KVPlanOutputs, PreplanStale, PreplanStaleError
-from kvref.errors import ForkCopyError
+from kvref.errors import ForkCopyError, InvalidStepError
 from kvref.step import KVStep, Segment, StepContext
 
 
@@ -248,3 +248,18 @@ def test_the_running_steps_commit_keeps_the_preplans_marks() -> None:
     assert mgr.begin_offload("a") is None
     with pytest.raises(Exception, match="in flight"):
         mgr.reset_request("a")
+
+
+def test_max_seq_len_bounds_the_length_the_preplan_starts_from() -> None:
+    """7 tokens, step N adds 1 (8 = max_seq_len): N+1's +1 would end at 9."""
+    mgr = make_manager(page_size=4, max_seq_len=8)
+    drv = Driver(mgr)
+    drv.ingest("a")
+    fill(drv, "a", 7)
+    ctx = StepContext(("a",))
+    step = decode(["a"])
+    assert mgr.admit(step, ctx).ok
+    before = snapshot(mgr)
+    with pytest.raises(InvalidStepError, match="max_seq_len"):
+        mgr.admit(decode(["a"]), StepContext(("a",), is_preplan=True))
+    assert_same(before, snapshot(mgr))
