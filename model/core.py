@@ -532,7 +532,9 @@ class Model:
                 undo.append((k, None))
             st[k] = replace(st.get(k, Stream()), pages=max(st.get(k, Stream()).pages, n))
         before = s.stream_map()
-        for _, t in a.step.pre_forks:
+        # a pre-fork target to rewind, where a preplan runs its forks (R11 off);
+        # under R11 there is none, and a running step may still move it (R41)
+        for _, t in a.step.pre_forks if not self.R11_preplan_forks_at_promotion else ():
             for rid in a.step.padded:
                 if (rid, t) in before:
                     undo.append(((rid, t), before[(rid, t)].contents))

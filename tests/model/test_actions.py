@@ -265,3 +265,15 @@ def test_transition_invariants_flag_bad_steps() -> None:
     leak = replace(n, streams=tuple((k, replace(v, contents=(), stored_len=0)) if k[0] == 1
                                     else (k, v) for k, v in n.streams))
     assert "I8" in {x for x, _ in inv.violations(m, leak, Commit(), r, s)}
+
+
+def test_clear_preplan_keeps_what_the_running_step_committed_into_its_fork_target() -> None:
+    """R11: a preplan runs no fork, so clear_preplan rewinds none. Under R41 the
+    running step may commit into the preplan's pre-fork target in between
+    (found by the lockstep suite: the rewind wiped that commit)."""
+    m = Model(Scope(requests=1, labels=2, device_pages=4, host_pages=1, page_size=2,
+                    max_span=2))
+    rs, s = run(Ingest(0), Admit(seg(2)), Admit(seg(0, CFG, pre_forks=((CFG, MAIN),)),
+                                                 preplan=True),
+                Plan(), Write(), Commit(), ClearPreplan(), m=m)
+    assert rs[-1] == Ok() and stream(s).stored_len == 2
