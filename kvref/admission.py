@@ -219,13 +219,16 @@ def misuse(table: Table, step: KVStep, max_seq_len: int) -> NoReturn:
 
 
 def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[Key, None],
-            page_size: int, free: int) -> Grant | AllocationFailed:
+            page_size: int, free: int, settled: Mapping[Key, int] | None = None
+            ) -> Grant | AllocationFailed:
     """Pages per stream: the most its length reaches while the step runs, the
     forks applied in list order (a chain a->b, b->c copies a's tokens onward;
-    a segment on a pre-fork target grows from the source's length, R9)."""
+    a segment on a pre-fork target grows from the source's length, R9).
+    ``settled``: a preplan over the running step starts from the lengths
+    that step leaves once committed (R41)."""
     # made by this admit, and not yet written by a fork
     unfilled = {k for k in keys if k[1] not in table[k[0]]}
-    length: dict[Key, int] = {}
+    length: dict[Key, int] = dict(settled or {})
 
     def length_of(key: Key) -> int:
         if key in length:

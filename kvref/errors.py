@@ -105,3 +105,7 @@ class PublishLeasedError(KVRefError):
     """A call that would take or change pages a `publish` leased to a peer
     (reset, remove): release it first (`release_published`), or let it
     expire (`KVConfig.publish_lease_s`)."""
+class PreplanStaleError(KVRefError):
+    """The staged preplan was built over a running step that did not commit as
+    admitted (a stream it shares holds another length): promotion refused,
+    nothing changed; clear_preplan and admit the step afresh (R42)."""

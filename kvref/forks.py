@@ -8,7 +8,7 @@ Called under the stream table's lock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvref.cache import KVCache
 from kvref.errors import ForkCopyError, KVRefError
@@ -55,10 +55,12 @@ class Forks:
             ) from cause
 
     def lengths_after_pre_forks(self, step: KVStep, padded: Sequence[str],
-                                created: Sequence[Key]) -> dict[Key, int]:
-        """Target lengths the pre-forks will give, without applying them (R11)."""
+                                created: Sequence[Key], base: Mapping[Key, int] | None = None
+                                ) -> dict[Key, int]:
+        """Target lengths the pre-forks will give, without applying them (R11),
+        over ``base`` (a preplan over the running step: what it leaves, R41)."""
         unfilled = set(created)
-        lengths: dict[Key, int] = {}
+        lengths: dict[Key, int] = dict(base or {})
         for from_label, to_label in step.pre_forks:
             for rid in padded:
                 src = self._table.streams[rid].get(from_label)

@@ -3,11 +3,16 @@ remembers between admit, plan and commit (R23: one running, one staged)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvref.admission import named_keys
 from kvref.plan import KVPlanOutputs, KVPlanState
 from kvref.step import KVStep, StepContext
 from kvref.stream_table import Key
+from kvref.streams import CacheStream
+
+Table = Mapping[str, Mapping[str, CacheStream]]
 
 
 @dataclass
@@ -35,6 +40,10 @@ class StagedPreplan:
     marked: list[Key]
     outputs: KVPlanOutputs | None = None
     states: dict[str, KVPlanState] = field(default_factory=dict)
+    # admitted over a running step (R41): for the streams both name, the
+    # lengths that step leaves once committed as admitted; what this step
+    # was reserved and planned from, and what promotion checks (R42)
+    basis: dict[Key, int] = field(default_factory=dict)
 
 
 def same_step(step: KVStep, ctx: StepContext, other: KVStep, padded: tuple[str, ...]) -> bool:
@@ -52,3 +61,59 @@ def where(step: KVStep, admitted: KVStep | None = None) -> dict[str, str]:
     if not stray:
         return {}
     return {"request_id": stray[0].request_id, "label": stray[0].label}
+
+
+def settled_lengths(streams: Table, running: RunningStep) -> dict[Key, int]:
+    """The length of each stream the running step names once it commits as
+    admitted, fault-free: its pre-forks (unless they ran), its spans if it
+    keeps them, its post-forks, as `kvref.forks` applies them (R20 included).
+    A preplan over it is reserved and planned from these (R41)."""
+    unfilled = set(running.created)
+    length: dict[Key, int] = {}
+
+    def length_of(key: Key) -> int:
+        return length[key] if key in length else streams[key[0]][key[1]].stored_len
+
+    def fork(forks: Sequence[tuple[str, str]]) -> None:
+        for from_label, to_label in forks:
+            for rid in running.padded:
+                src = (rid, from_label)
+                if src in unfilled and length_of(src) == 0:
+                    continue  # R20: nothing to copy
+                unfilled.discard((rid, to_label))
+                length[(rid, to_label)] = length_of(src)
+
+    step = running.step
+    if not running.forked:
+        fork(step.pre_forks)
+    if step.commit:
+        for g in step.segments:
+            key = (g.request_id, g.label)
+            length[key] = length_of(key) + g.span
+    fork(step.post_forks)
+    # admit made every named stream (R16)
+    return {key: length_of(key) for key in named_keys(step, running.padded)}
+
+
+@dataclass(frozen=True, slots=True)
+class SettledLength:
+    stored_len: int
+
+
+def settled_table(streams: Table, settled: Mapping[Key, int]
+                  ) -> dict[str, dict[str, SettledLength]]:
+    """The table's lengths with ``settled`` over them: what the checks that read
+    only lengths (max_seq_len) see of a preplan over the running step."""
+    return {rid: {label: SettledLength(settled.get((rid, label), s.stored_len))
+                  for label, s in labels.items()} for rid, labels in streams.items()}
+
+
+def stale(streams: Table, staged: StagedPreplan) -> Key | None:
+    """The first stream the staged preplan shares with the step it was built
+    over that no longer holds the length it was built from; None when it may
+    be promoted (R42). Its marks kept every other change out (R2, R5, R14)."""
+    for (rid, label), n in staged.basis.items():
+        stream = streams.get(rid, {}).get(label)
+        if stream is None or stream.stored_len != n:
+            return (rid, label)
+    return None

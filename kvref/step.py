@@ -114,3 +114,10 @@ class AdmitOutcome:
 
 
 ADMIT_OK = AdmitOutcome()
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreplanStale(AdmitFailedReason):
+    """The staged preplan was built from the lengths the running step would
+    leave, and it committed otherwise (a fork copy failed): nothing changed;
+    clear_preplan, then admit the step afresh (R42)."""

@@ -18,6 +18,7 @@ from kvref import admission, validate
 from kvref.errors import (
     ForkCopyError,
     PreplanPendingError,
+    PreplanStaleError,
     StepInFlightError,
     StepNotAdmittedError,
     StepOrderError,
@@ -32,8 +33,24 @@ from kvref.plan import (
     group_by_plan_label,
     plan_tables,
 )
-from kvref.running_step import RunningStep, StagedPreplan, same_step, where
-from kvref.step import ADMIT_OK, AdmitFailedReason, AdmitOutcome, KVStep, Segment, StepContext
+from kvref.running_step import (
+    RunningStep,
+    StagedPreplan,
+    same_step,
+    settled_lengths,
+    settled_table,
+    stale,
+    where,
+)
+from kvref.step import (
+    ADMIT_OK,
+    AdmitFailedReason,
+    AdmitOutcome,
+    KVStep,
+    PreplanStale,
+    Segment,
+    StepContext,
+)
 from kvref.stream_table import Key, StreamTable
 from kvref.streams import CacheStream
 
@@ -67,10 +84,18 @@ class Stepping:
         # lengths in its one pass
         plain = staged is None and running is None and not (
             ctx.is_preplan or step.pre_forks or step.post_forks or step.combined_labels)
+        settled: dict[Key, int] = {}
+        if ctx.is_preplan and running is not None:
+            # R41: step N+1 is planned while step N runs, from the lengths N
+            # leaves once committed (bounded by max_seq_len from there too);
+            # promotion checks it did (R42)
+            settled = settled_lengths(self._table.streams, running)
         if not plain:
             # malformed input first, whatever the lifecycle state: it is the
             # caller's bug in any state
-            validate.step_lengths(step, ctx, self._table.streams, self._max_seq_len)
+            validate.step_lengths(
+                step, ctx, settled_table(self._table.streams, settled) if settled
+                else self._table.streams, self._max_seq_len)
         if staged is not None:
             if ctx.is_preplan:
                 raise PreplanPendingError(
@@ -81,6 +106,10 @@ class Stepping:
                     "admit of a different step than the staged preplan; "
                     "clear_preplan first"
                 )
+            if self.running is None:
+                moved = stale(self._table.streams, staged)
+                if moved is not None:
+                    return AdmitOutcome(ok=False, reason=self._stale_reason(staged, moved))
             return ADMIT_OK  # the preplan pass already reserved and marked
         if running is not None and not ctx.is_preplan:
             if same_step(step, ctx, running.step, running.padded):
@@ -103,31 +132,24 @@ class Stepping:
             return ADMIT_OK
         admission.validate_step(all_streams, step, padded)
         keys = admission.named_keys(step, padded)
-        if ctx.is_preplan:
-            # R10: the staged plan would be built from lengths a running
-            # step has not committed, and its commit would clear these marks
-            for rid, label in keys:
-                stream = all_streams[rid].get(label)
-                if stream is not None and stream.step_in_flight:
-                    raise StepInFlightError(
-                        "preplan names a stream of a step still in flight; "
-                        "commit that step first",
-                        request_id=rid,
-                        label=label,
-                    )
         refused = admission.refusal(all_streams, keys)
         if refused is not None:
             return AdmitOutcome(ok=False, reason=refused)
-        general = admission.reserve(all_streams, step, padded, keys,
-                                    self._table.page_size, free)
-        if isinstance(general, AdmitFailedReason):
-            return AdmitOutcome(ok=False, reason=general)
-        created = self._apply(general)
+        grant = admission.reserve(all_streams, step, padded, keys,
+                                  self._table.page_size, free, settled)
+        if isinstance(grant, AdmitFailedReason):
+            return AdmitOutcome(ok=False, reason=grant)
+        created = self._apply(grant)
         if ctx.is_preplan:
-            self.preplan = StagedPreplan(step, ctx, created, list(keys))
+            basis = {k: settled[k] for k in keys if k in settled}
+            self.preplan = StagedPreplan(step, ctx, created, list(keys), basis=basis)
         else:
             self.running = RunningStep(step, padded, set(created))
         return ADMIT_OK
+
+    def _stale_reason(self, staged: StagedPreplan, key: Key) -> PreplanStale:
+        stream = self._table.streams.get(key[0], {}).get(key[1])
+        return _stale(key, staged.basis[key], stream.stored_len if stream else None)
 
     def _apply(self, grant: admission.Grant) -> list[Key]:
         """Make a grant real: create each named stream that is missing, give it
@@ -159,10 +181,13 @@ class Stepping:
             stream = all_streams.get(rid, {}).pop(label, None)
             if stream is not None:
                 self._table.allocator.free(stream.page_indices)
-        # or the request stays unevictable for a step that never runs
+        # or the request stays unevictable for a step that never runs; a mark
+        # the running step also owns stays until it commits (R43)
+        running = self.running
+        owned = admission.named_keys(running.step, running.padded) if running else {}
         for rid, label in staged.marked:
             stream = all_streams.get(rid, {}).get(label)
-            if stream is not None:
+            if stream is not None and (rid, label) not in owned:
                 stream.step_in_flight = False
 
     # -- plan ----------------------------------------------------------------
@@ -176,8 +201,9 @@ class Stepping:
                                            **where(step))
             if staged.outputs is not None:
                 raise PreplanPendingError("the staged preplan was already planned")
+            # over a running step: from the lengths it leaves (R41)
             outputs, states = self._build_plan(step, ctx, self._forks.lengths_after_pre_forks(
-                step, staged.ctx.padded_request_ids, staged.created))
+                step, staged.ctx.padded_request_ids, staged.created, staged.basis))
             staged.outputs, staged.states = outputs, states
             return outputs
         running = self.running
@@ -185,6 +211,10 @@ class Stepping:
             if staged is None or (step is not staged.step and step != staged.step):
                 raise StepNotAdmittedError("plan of a step that was not admitted",
                                            **where(step))
+            moved = stale(self._table.streams, staged)
+            if moved is not None:
+                reason = self._stale_reason(staged, moved)
+                raise PreplanStaleError(reason.message, request_id=moved[0], label=moved[1])
             # promotion, not abandonment: its reservations and marks stay
             self.preplan = None
             running = self.running = RunningStep(
@@ -314,3 +344,11 @@ class Stepping:
                 continue
             stream.stored_len += span
             stream.generation += 1
+
+
+def _stale(key: Key, planned: int, holds: int | None) -> PreplanStale:
+    return PreplanStale(
+        message=(f"the staged preplan was planned over length {planned}, but the stream "
+                 f"holds {holds}: the step running under it committed otherwise; "
+                 "clear_preplan and admit afresh"),
+        request_id=key[0], label=key[1])

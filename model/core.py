@@ -99,6 +99,10 @@ class Pending:
     # the pre-forks ran (at plan, or at a plan that faulted): neither a
     # retried plan nor the commit of an unplanned step runs them again
     forked: bool = False
+    # a preplan over the running step (R41): the lengths it was built from for
+    # the streams both name, what that step leaves once it commits as admitted;
+    # promotion checks them (R42)
+    basis: tuple[tuple[Key, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -376,7 +380,6 @@ class Model:
     R6_no_reload_mid_offload = True
     R7_reset_clears_latch = True
     R9_fork_then_grow = True
-    R10_preplan_after_commit = True
     R11_preplan_forks_at_promotion = True
     R12_reset_forgets_host = True
     R13_publish_resident = True
@@ -390,6 +393,9 @@ class Model:
     R38_truncate_settled_only = True
     R33_publish_leases = True
     R35_stale_retrieve_latched = True
+    R41_preplan_over_running_step = True
+    R42_promotion_checks_basis = True
+    R43_shared_marks = True
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
@@ -544,16 +550,14 @@ class Model:
         misuse = self._misused(s, a)
         if misuse is not None:
             return misuse, s
+        if not a.preplan and s.current is None and self.stale(s) is not None:
+            return Refused("PreplanStale"), s  # R42: clear_preplan and admit afresh
         if not a.preplan and (s.staged is not None or s.current is not None):
             # the staged preplan, or the running step, admitted again: everything
             # is already reserved and marked
             return Ok(), s
         st = s.stream_map()
         keys = named(a.step)
-        if a.preplan and self.R10_preplan_after_commit and any(
-            st[k].in_flight for k in keys if k in st
-        ):
-            return Misuse("StepInFlightError"), s
         if self.R22_admit_waits_for_retrieve:
             retrieving = {st[k].retrieve for k in keys if k in st}
             if FAILED in retrieving:
@@ -562,7 +566,7 @@ class Model:
                 return Refused("RetrieveInProgress"), s  # its pages are still zeros
         if any(st[k].offload != RESIDENT for k in keys if k in st):
             return Refused("RequestOffloading"), s
-        want = self.reservations(a.step, st)
+        want = self.reservations(a.step, self._settled(s) if a.preplan else st)
         if self.R16_admit_makes_named:  # every named stream exists, so a mark covers it
             for k in sorted(keys):
                 want.setdefault(k, 0)
@@ -575,7 +579,9 @@ class Model:
                 undo.append((k, None))
             st[k] = replace(st.get(k, Stream()), pages=max(st.get(k, Stream()).pages, n))
         before = s.stream_map()
-        for _, t in a.step.pre_forks:
+        # a pre-fork target to rewind, where a preplan runs its forks (R11 off);
+        # under R11 there is none, and a running step may still move it (R41)
+        for _, t in a.step.pre_forks if not self.R11_preplan_forks_at_promotion else ():
             for rid in a.step.padded:
                 if (rid, t) in before:
                     undo.append(((rid, t), before[(rid, t)].contents))
@@ -594,7 +600,8 @@ class Model:
             st[k] = replace(st[k], in_flight=True)
         p = Pending(a.step, ADMITTED, marks, undo if a.preplan else (), fresh)
         if a.preplan:
-            return replace(s, free=free, streams=_sorted(st), staged=p)
+            return replace(s, free=free, streams=_sorted(st), staged=replace(
+                p, basis=self._basis(s, a.step)))
         return replace(s, free=free, streams=_sorted(st), current=p)
 
     def _fork_all(self, st: dict[Key, Stream], p: Pending, forks: tuple[tuple[int, int], ...],
@@ -638,9 +645,11 @@ class Model:
         if s.current is None:
             if s.staged is None:
                 return Misuse("StepNotAdmittedError"), s
+            if self.stale(s) is not None:
+                return Misuse("PreplanStaleError"), s  # R42: nothing promoted
             # promotion: the staged step becomes the running one, undo dropped;
             # one that was only admitted is planned now like any other
-            s = replace(s, current=replace(s.staged, undo=()), staged=None)
+            s = replace(s, current=replace(s.staged, undo=(), basis=()), staged=None)
         p = s.current
         assert p is not None
         if p is s0.current and p.phase != ADMITTED:
@@ -666,9 +675,9 @@ class Model:
         return Ok(), s
 
     def _unmark(self, st: dict[Key, Stream], keys: frozenset[Key], keep: frozenset[Key]) -> None:
-        # kvref: a mark another pending step also owns stays (R10 makes this
-        # moot for kvref; the reference clears it regardless)
-        for k in keys - keep if self.R10_preplan_after_commit else keys:
+        # kvref: a mark another pending step also owns stays (R43; the
+        # reference clears it regardless)
+        for k in keys - keep if self.R43_shared_marks else keys:
             if k in st:
                 st[k] = replace(st[k], in_flight=False)
 
@@ -917,3 +926,41 @@ class Model:
 
     def do_LeaseTimeout(self, s: State, a: LeaseTimeout) -> tuple[Result, State]:
         return Ok(), replace(s, leases=())
+    # --- overlap: a preplan over the running step (R41-R43)
+
+    def _settled(self, s: State) -> dict[Key, Stream]:
+        """The streams as the running step leaves them once it runs as admitted,
+        fault-free: its pre-forks, its spans if it keeps them, its post-forks.
+        A preplan over it is reserved and planned from these lengths (R41);
+        without R41, from the lengths as they are now."""
+        p = s.current
+        if p is None or not self.R41_preplan_over_running_step:
+            return s.stream_map()
+        if p.phase == ADMITTED:
+            _, s = self.do_Plan(s, Plan())
+        _, s = self.do_Commit(s, Commit())
+        return s.stream_map()
+
+    def _basis(self, s: State, step: Step) -> tuple[tuple[Key, int], ...]:
+        """What a preplan of ``step`` admitted in ``s`` is built from, for the
+        streams it shares with the running step: the only ones whose length
+        can still move under its marks."""
+        if s.current is None:
+            return ()
+        settled = self._settled(s)
+        shared = named(step) & named(s.current.step)
+        return tuple(sorted((k, settled[k].stored_len) for k in shared if k in settled))
+
+    def stale(self, s: State) -> Key | None:
+        """The first stream the staged preplan shares with the step it was built
+        over that no longer holds the length it was built from: that step
+        committed otherwise than admitted (a fork copy failed). None: the
+        preplan may be promoted (R42)."""
+        p = s.staged
+        if p is None or not self.R42_promotion_checks_basis:
+            return None
+        st = s.stream_map()
+        for k, n in p.basis:
+            if k not in st or st[k].stored_len != n:
+                return k
+        return None

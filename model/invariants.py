@@ -318,19 +318,38 @@ def i19(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
     return None
 
 
+def i21(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    """A preplan over the running step runs only against the lengths it was
+    planned from: its promotion (or its real admit answering ok) finds every
+    stream it shares with that step at the length its plan assumed."""
+    p = s.staged
+    if p is None or s.current is not None or not p.basis:
+        return None
+    promoted = isinstance(a, Plan) and not a.preplan and n.staged is None
+    admitted = isinstance(a, Admit) and not a.preplan and r == Ok()
+    if not (promoted or admitted):
+        return None
+    st = s.stream_map()
+    for k, want in p.basis:
+        got = st[k].stored_len if k in st else None
+        if got != want:
+            return f"preplan promoted over {k} at length {got}; its plan assumed {want}"
+    return None
+
+
 STATE: dict[str, StatePred] = {
     "I1": i1, "I2": i2, "I3": i3, "I4": i4, "I5": i5, "I6": i6, "I7": i7,
     "I8": i8_state, "I12": i12, "I13": i13, "I18": i18_state,
 }
 TRANSITION: dict[str, StepPred] = {
     "I8": i8, "I9": i9, "I10": i10, "I11": i11, "I14": i14, "I15": i15, "I17": i17,
-    "I18": i18, "I19": i19,
+    "I18": i18, "I19": i19, "I21": i21,
 }
 # I16 (tp-symmetry) is not a property of one manager: the model is
 # deterministic, so every rank replaying one trace has one free count.
 # tests/distributed checks it on real ranks.
 NOT_IN_MODEL = {"I16": "checked by the distributed test only (the model is one rank)"}
-INVARIANT_IDS = tuple(f"I{i}" for i in range(1, 20))
+INVARIANT_IDS = (*(f"I{i}" for i in range(1, 20)), "I21")
 
 
 def _claim_in_flight(m: Model, s: State, a: Action, r: Result, n: State) -> bool:
@@ -391,6 +410,9 @@ INTERESTING: dict[str, tuple[str, Callable[[Model, State, Action, Result, State]
     "I19": _i("a retrieve of stale published info latched",
               lambda m, s, a, r, n: isinstance(a, RetrieveStart) and a.stale
               and isinstance(r, Latched)),
+    "I21": _i("a preplan over the running step promoted",
+              lambda m, s, a, r, n: isinstance(a, Plan) and s.staged is not None
+              and bool(s.staged.basis) and s.current is None and n.staged is None),
 }
 
 

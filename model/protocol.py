@@ -49,6 +49,7 @@ from model.core import (
     Stream,
     Truncate,
     Write,
+    named,
 )
 
 Forks = tuple[tuple[int, int], ...]
@@ -145,6 +146,13 @@ def calls(m: Model, s: State) -> Iterator[Action]:
     held = s.staged or s.current
     plain = shapes if held is None else [held.step, *shapes[:1]]
     preplan = shapes if s.staged is None else shapes[:1]
+    if s.staged is None and s.current is not None:
+        # a preplan over the running step (R41) is issued as the next decode of
+        # one of its streams (fork-free, the widest span): every shape over
+        # them made 12x the states at depth 4 (argument-class reduction)
+        busy = named(s.current.step)
+        preplan = [p for p in shapes if not named(p) & busy] + [
+            Step((Seg(r, lb, sc.max_span),), padded=(r,)) for r, lb in sorted(busy)]
     for step in plain:
         yield Admit(step)
     for step in preplan:
@@ -154,7 +162,10 @@ def calls(m: Model, s: State) -> Iterator[Action]:
         yield Admit(Step((Seg(unknown[0], 0, 1),), (), (), (unknown[0],)))
     # a step with a fork and nobody to apply it to
     yield Admit(Step((Seg(0, 0, 1),), ((0, 1),), (), ()))
-    forks = held is not None and bool(held.step.pre_forks or held.step.post_forks)
+    # the running step's forks fault at its plan or commit, the staged one's
+    # at its promotion: with both, either may be the one with forks
+    forks = any(p is not None and bool(p.step.pre_forks or p.step.post_forks)
+                for p in (s.current, s.staged))
     yield Plan()
     yield Plan(preplan=True)
     yield Write()

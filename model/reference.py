@@ -14,7 +14,6 @@ from model.core import (
     RESIDENT,
     Admit,
     Key,
-    Misuse,
     Model,
     Ok,
     Refused,
@@ -35,7 +34,6 @@ class ReferenceModel(Model):
     R6_no_reload_mid_offload = False
     R7_reset_clears_latch = False
     R9_fork_then_grow = False
-    R10_preplan_after_commit = False
     R11_preplan_forks_at_promotion = False
     R12_reset_forgets_host = False
     R13_publish_resident = False
@@ -47,6 +45,9 @@ class ReferenceModel(Model):
     R24_commit_runs_pending_forks = False
     R33_publish_leases = False
     R35_stale_retrieve_latched = False
+    R41_preplan_over_running_step = False
+    R42_promotion_checks_basis = False
+    R43_shared_marks = False
     # the reference's clear_preplan removes invented fork targets only, not
     # labels a preplan's segment created; kvref removes both (DESIGN.md)
     UNDO_ALL_INVENTED = False
@@ -61,10 +62,6 @@ class ReferenceModel(Model):
             return Ok(), s
         st, before = s.stream_map(), s.stream_map()
         keys = named(a.step)
-        if a.preplan and self.R10_preplan_after_commit and any(
-            st[k].in_flight for k in keys if k in st
-        ):
-            return Misuse("StepInFlightError"), s
         if self.R3_offloaded_refuses and any(st[k].offload != RESIDENT for k in keys if k in st):
             return Refused("RequestOffloading"), s
         free = s.free

@@ -13,6 +13,7 @@ from model.core import (
     Claimed,
     ClearPreplan,
     Commit,
+    Fault,
     Flag,
     Freed,
     Ingest,
@@ -62,10 +63,11 @@ def describe(a: Action) -> str:
         pad = ",".join(map(rname, st.padded))
         return (f"{'preplan ' if a.preplan else ''}admit([{segs}]{forks}, padded [{pad}]"
                 f"{'' if st.commit else ', commit=False'})")
+    fault = " (a fork copy fails)" if isinstance(a, (Plan, Commit)) and a.fork_error else ""
     if isinstance(a, Plan):
-        return "plan(preplan)" if a.preplan else "plan"
+        return ("plan(preplan)" if a.preplan else "plan") + fault
     if isinstance(a, (Write, Commit, ClearPreplan)):
-        return {Write: "write_kv", Commit: "commit", ClearPreplan: "clear_preplan"}[type(a)]
+        return {Write: "write_kv", Commit: "commit", ClearPreplan: "clear_preplan"}[type(a)] + fault
     parts = []
     for k, v in vars(a).items():
         parts.append(rname(v) if k == "rid" else lname(v) if k == "label" else f"{k}={v}")
@@ -75,7 +77,7 @@ def describe(a: Action) -> str:
 def show(r: Result) -> str:
     if isinstance(r, Refused):
         return f"refused {r.kind}" + (f" (pages_short={r.pages_short})" if r.pages_short else "")
-    if isinstance(r, Misuse):
+    if isinstance(r, (Misuse, Fault)):
         return f"raises {r.kind}"
     if isinstance(r, Latched):
         return f"refused {r.kind}, latched"

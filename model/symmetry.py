@@ -28,7 +28,7 @@ Symmetry = tuple[Perm, Perm]  # (request permutation, label permutation)
 KNOWN_FIELDS: dict[type, tuple[str, ...]] = {
     State: ("free", "streams", "host", "current", "staged", "offloads", "leases"),
     Stream: ("pages", "stored_len", "contents", "in_flight", "offload", "retrieve"),
-    Pending: ("step", "phase", "marks", "undo", "fresh", "forked"),
+    Pending: ("step", "phase", "marks", "undo", "fresh", "forked", "basis"),
     Step: ("segments", "pre_forks", "post_forks", "padded", "commit"),
     Seg: ("rid", "label", "span"),
     Offload: ("claimed", "copied", "touched"),
@@ -74,7 +74,8 @@ def _pending(p: Pending | None, rp: Perm, lp: Perm, tm: Perm) -> tuple[Any, ...]
                           (0,) if c is None else (1, tuple([tm[t] for t in c])))
                          for k, c in p.undo]))
     return (1, step, p.phase, tuple(sorted([(rp[r], lp[lb]) for r, lb in p.marks])), undo,
-            tuple(sorted([(rp[r], lp[lb]) for r, lb in p.fresh])), p.forked)
+            tuple(sorted([(rp[r], lp[lb]) for r, lb in p.fresh])), p.forked,
+            tuple(sorted([((rp[r], lp[lb]), n) for (r, lb), n in p.basis])))
 
 
 def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
@@ -174,7 +175,8 @@ def rename(s: State, rp: Perm, lp: Perm, n_labels: int) -> State:
         undo = tuple(sorted(((key(k), None if c is None else toks(c)) for k, c in p.undo),
                             key=lambda u: (u[0], u[1] is not None, u[1] or ())))
         return Pending(new, p.phase, frozenset(map(key, p.marks)), undo,
-                       frozenset(map(key, p.fresh)), p.forked)
+                       frozenset(map(key, p.fresh)), p.forked,
+                       tuple(sorted((key(k), n) for k, n in p.basis)))
 
     return State(
         free=s.free,

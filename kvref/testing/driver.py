@@ -32,6 +32,7 @@ from kvref import (
     KVStep,
     Offload,
     OffloadReason,
+    PreplanStaleError,
     PublishedKVInfo,
     PublishRefused,
     ReloadReason,
@@ -183,13 +184,23 @@ class Driver:
                     self.kv.plan(self.staged[1], self.staged[2])
                 return m.Ok()
             if self.step is None and self.staged is not None:
-                # promotion of the staged preplan: from here it is the running step
+                # promotion of the staged preplan: from here it is the running
+                # step, unless kvref refused it as stale (R42: nothing moved)
                 mstep, step, ctx = self.staged
-                self.step, self.staged = (mstep, step, StepContext(ctx.padded_request_ids)), None
-            if self.step is None:
+                promoted = (mstep, step, StepContext(ctx.padded_request_ids))
+                try:
+                    self.outputs = self.kv.plan(promoted[1], promoted[2])
+                except PreplanStaleError:
+                    raise
+                except KVRefError:
+                    self.step, self.staged = promoted, None
+                    raise
+                self.step, self.staged = promoted, None
+            elif self.step is None:
                 self.kv.plan(self.STRAY, StepContext(["r0"]))
                 return m.Ok()
-            self.outputs = self.kv.plan(self.step[1], self.step[2])
+            else:
+                self.outputs = self.kv.plan(self.step[1], self.step[2])
             self.written = {}
             self.last_rows = {label: sum(v.to_compute for v in out.views)
                               for label, out in self.outputs.items()}

@@ -220,11 +220,11 @@ class Lockstep(RuleBasedStateMachine):
     @precondition(lambda self: self.state.staged is None and bool(self.ready()))
     @rule(data=st.data())
     def admit_preplan(self, data: st.DataObject) -> None:
-        # mostly over requests the running step leaves alone: a preplan over
-        # its streams is always the same R10 misuse, and would crowd out the rest
+        # over the running step's streams half the time (overlap, R41), else
+        # over requests it leaves alone
         ready = self.ready()
         cur = self.state.current
-        if cur is not None and data.draw(st.integers(0, 3), label="free requests") > 0:
+        if cur is not None and data.draw(st.booleans(), label="free requests"):
             busy = {k[0] for k in m.named(cur.step)}
             ready = [r for r in ready if r not in busy] or ready
         self.driver.combine = data.draw(st.booleans(), label="combined labels")
@@ -439,6 +439,48 @@ class Lockstep(RuleBasedStateMachine):
         """A cut between any other calls: of a stream a preplan or a retrieve
         left alone, after a reload, with spare pages from a step not kept."""
         self.run(self.draw_enabled(data, m.Truncate))
+    def overlapped_steps(self, data: st.DataObject) -> None:
+        """Overlap scheduling: step N+1 is preplanned over every stream N names
+        while N runs (R41); N commits as admitted, or with a fork copy failing
+        (then N+1 is stale); N+1's real admit and plan promote it, or refuse
+        it and the engine replans (R42)."""
+        self.driver.combine = data.draw(st.booleans(), label="combined labels")
+        self.run(m.Admit(data.draw(steps(self.model, self.state, self.ready()))))
+        cur = self.state.current
+        if cur is None:
+            return
+        keys = sorted(m.named(cur.step))
+        spans = st.integers(0, self.scope.max_span)
+        nxt = m.Step(tuple(m.Seg(r, lb, data.draw(spans)) for r, lb in keys), (), (),
+                     tuple(sorted({r for r, _ in keys})), data.draw(st.booleans()))
+        self.run(m.Admit(nxt, preplan=True))
+        if self.state.staged is not None and data.draw(st.booleans(), label="preplan-plan"):
+            self.run(m.Plan(preplan=True))
+        forks = cur.step.pre_forks or cur.step.post_forks
+        fault = bool(forks) and data.draw(st.booleans(), label="a fork copy of N fails")
+        if fault and cur.step.pre_forks and data.draw(st.booleans(), label="at plan"):
+            self.run(m.Plan(fork_error=True))
+            fault = False  # the step stays admitted, its forks done: plan again
+        self.run_enabled(m.Plan(), m.Write(), m.Commit(fork_error=fault))
+        staged = self.state.staged
+        if staged is None or self.state.current is not None:
+            return
+        if self.run(m.Admit(staged.step)) != m.Ok():
+            RULES["overlap (stale)"] += 1
+            self.run(m.Plan())  # a promotion by plan alone is refused as well
+            self.run(m.ClearPreplan())  # the engine replans
+            return
+        RULES["overlap (promoted)"] += 1
+        self.run(m.Plan())
+        self.run_enabled(m.Write(), m.Commit())
+        self.agrees_with_model()
+
+    def run_enabled(self, *actions: m.Action) -> None:
+        """Each of ``actions`` in turn, where a careful engine would issue it."""
+        for action in actions:
+            if self.state.current is not None and any(
+                    type(a) is type(action) for a in enabled(self.model, self.state)):
+                self.run(action)
 
     @rule(data=st.data())
     def careless_call(self, data: st.DataObject) -> None:
@@ -509,7 +551,7 @@ def run_lockstep(config: DriverConfig, scope: m.Scope = SCOPE,
     if (run_settings or settings()).database is None:
         faults = {"OffloadCopy (fault)", "RetrieveComplete (failed)", "Plan (fault)",
                   "Commit (fault)", "Reload (fault)", "RetrieveStart (fault)",
-                  "RetrieveStart (stale)"}
+                  "RetrieveStart (stale)", "overlap (promoted)", "overlap (stale)"}
         never = ({t.__name__ for t in m.ACTIONS} | faults) - set(RULES)
         if never:
             raise AssertionError(f"actions never exercised: {sorted(never)}")

@@ -20,7 +20,9 @@ def test_every_reachable_state_and_action(driver_config: DriverConfig,
         print("\n" + summary(out))
     assert not out.failures, "\n".join(out.failures)
     # the scope must be the one reviewed: a model change that shrank it would pass vacuously
-    assert out.states > 500 and out.transitions > 40_000
+    # (684 states, 35,931 calls since a preplan over the running step is issued as
+    # the next decode of each of its streams, not as every shape: R41, protocol.calls)
+    assert out.states > 600 and out.transitions > 30_000
 
 
 @pytest.mark.nightly

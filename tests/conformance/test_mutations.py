@@ -18,6 +18,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import kvref.admission as admission_module
 import kvref.plan as plan_module
+import kvref.stepping as stepping_module
 import kvref.truncation as truncation_module
 import kvref.validate as validate_module
 from kvref import Offload, ReloadCopyError
@@ -230,6 +231,30 @@ def _fork_with_no_padded_request_passes(mp: pytest.MonkeyPatch) -> None:  # 7a
 
     mp.setattr(validate_module, "step", bad_step)
     mp.setattr(admission_module, "validate_step", bad_admission)
+# -- issue 10 item 5, overlap scheduling (R41, R42)
+
+
+def _promotion_skips_the_basis_check(mp: pytest.MonkeyPatch) -> None:
+    # the running step committed otherwise (a fork copy failed), and the
+    # staged plan is promoted all the same
+    mp.setattr(stepping_module, "stale", lambda streams, staged: None)
+
+
+def _preplan_built_from_pre_commit_lengths(mp: pytest.MonkeyPatch) -> None:
+    # the basis is recorded, but the reservation and the views of a preplan
+    # over the running step start from the lengths before it commits
+    reserve = admission_module.reserve
+    after_forks = Forks.lengths_after_pre_forks
+
+    def bad_reserve(*args: Any, **kwargs: Any) -> Any:
+        return reserve(*args[:6], None)
+
+    def bad_after_forks(self: Forks, step: Any, padded: Any, created: Any,
+                        base: Any = None) -> Any:
+        return after_forks(self, step, padded, created, None)
+
+    mp.setattr(admission_module, "reserve", bad_reserve)
+    mp.setattr(Forks, "lengths_after_pre_forks", bad_after_forks)
 
 
 def _claim_ignores_in_flight(stack: ExitStack) -> None:
@@ -283,6 +308,10 @@ MUTANTS: dict[str, Callable[[ExitStack], None]] = {
     "lease: remove ignores the lease": _patched(_remove_ignores_the_lease),
     "lease: a retrieve skips the generation check": _patched(
         _retrieve_skips_the_generation_check),
+    "overlap: promotion skips the committed-as-admitted check": _patched(
+        _promotion_skips_the_basis_check),
+    "overlap: the staged plan is built from pre-commit lengths": _patched(
+        _preplan_built_from_pre_commit_lengths),
 }
 
 

@@ -131,9 +131,10 @@ def test_preplan_promote_and_clear() -> None:
     assert (0, CFG) not in s3.stream_map() and s3.free == 2  # invented label removed
 
 
-def test_preplan_over_running_step_raises() -> None:  # R10
-    rs, _ = run(Ingest(0), Admit(seg(1)), Admit(seg(1), preplan=True))
-    assert rs[-1] == Misuse("StepInFlightError")
+def test_preplan_over_running_step_reserves_what_it_leaves() -> None:  # R41 (R10 retired)
+    rs, s = run(Ingest(0), Admit(seg(2)), Admit(seg(1), preplan=True))
+    assert rs[-1] == Ok() and stream(s).pages == 2  # 2 + 1 tokens at page size 2, not 0 + 1
+    assert s.staged is not None and s.staged.basis == (((0, MAIN), 2),)
 
 
 def test_offload_phases() -> None:
@@ -264,3 +265,15 @@ def test_transition_invariants_flag_bad_steps() -> None:
     leak = replace(n, streams=tuple((k, replace(v, contents=(), stored_len=0)) if k[0] == 1
                                     else (k, v) for k, v in n.streams))
     assert "I8" in {x for x, _ in inv.violations(m, leak, Commit(), r, s)}
+
+
+def test_clear_preplan_keeps_what_the_running_step_committed_into_its_fork_target() -> None:
+    """R11: a preplan runs no fork, so clear_preplan rewinds none. Under R41 the
+    running step may commit into the preplan's pre-fork target in between
+    (found by the lockstep suite: the rewind wiped that commit)."""
+    m = Model(Scope(requests=1, labels=2, device_pages=4, host_pages=1, page_size=2,
+                    max_span=2))
+    rs, s = run(Ingest(0), Admit(seg(2)), Admit(seg(0, CFG, pre_forks=((CFG, MAIN),)),
+                                                 preplan=True),
+                Plan(), Write(), Commit(), ClearPreplan(), m=m)
+    assert rs[-1] == Ok() and stream(s).stored_len == 2

@@ -154,7 +154,8 @@ def test_scenario(sid: str, scenario: str, expected: str) -> None:
 
 @pytest.mark.parametrize(("rule", "sid"), [("R20", "S5"), ("R22", "S30"), ("R24", "S9"),
                                            ("R21", "S35"), ("R38", "S59"), ("R33", "S48"),
-                                           ("R35", "S52")])
+                                           ("R35", "S52"), ("R41", "S64"), ("R41", "S63"),
+                                           ("R42", "S65"), ("R43", "S68"), ("R43", "S69")])
 def test_a_model_that_drifts_from_intent_fails(rule: str, sid: str) -> None:
     """The table catches a model that agrees with a defect: each rule switched
     off (the model kvref once matched) fails the row that traces to it."""

@@ -12,7 +12,6 @@ from _manager_fixtures import (
     snapshot,
 )
 
-from kvref.errors import StepInFlightError
 from kvref.step import AllocationFailed, KVStep, Segment, StepContext
 
 
@@ -223,28 +222,6 @@ def test_clear_preplan_twice_and_without_preplan_is_noop() -> None:
     mgr.clear_preplan()
     mgr.clear_preplan()
     assert_same(before, snapshot(mgr))
-
-
-def test_preplan_while_step_in_flight_raises() -> None:
-    """R10."""
-    mgr = make_manager()
-    drv = Driver(mgr)
-    drv.ingest("a")
-    fill(drv, "a", 2)
-    running = KVStep([Segment("a", "main", 1)])
-    ctx = StepContext(("a",))
-    assert mgr.admit(running, ctx).ok
-    mgr.plan(running, ctx)
-    before = snapshot(mgr)
-    nxt = KVStep([Segment("a", "main", 1), Segment("a", "cfg", 3)])
-    with pytest.raises(StepInFlightError) as err:
-        mgr.admit(nxt, StepContext(("a",), is_preplan=True))
-    assert "'a'" in str(err.value) and "'main'" in str(err.value)
-    assert_same(before, snapshot(mgr))
-    mgr.commit(running, ctx)
-    assert mgr.admit(nxt, StepContext(("a",), is_preplan=True)).ok
-    mgr.clear_preplan()
-    assert mgr.labels("a") == ["main"]
 
 
 # -- forks whose source only this step creates, with nothing in it yet ----------
