@@ -926,6 +926,7 @@ class Model:
 
     def do_LeaseTimeout(self, s: State, a: LeaseTimeout) -> tuple[Result, State]:
         return Ok(), replace(s, leases=())
+
     # --- overlap: a preplan over the running step (R41-R43)
 
     def _settled(self, s: State) -> dict[Key, Stream]:
