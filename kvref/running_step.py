@@ -3,16 +3,41 @@ remembers between admit, plan and commit (R23: one running, one staged)."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvref.admission import named_keys
 from kvref.plan import KVPlanOutputs, KVPlanState
-from kvref.step import KVStep, StepContext
+from kvref.step import Fork, KVStep, Segment, StepContext
 from kvref.stream_table import Key
 from kvref.streams import CacheStream
 
 Table = Mapping[str, Mapping[str, CacheStream]]
+
+
+StepShape = tuple[tuple[Segment, ...], bool, tuple[Fork, ...], tuple[Fork, ...],
+                  tuple[tuple[str, ...], ...]]
+
+
+def shape_of(step: KVStep) -> StepShape:
+    """What the step held at admit, out of reach of the caller's lists."""
+    return (tuple(step.segments), step.commit, tuple(step.pre_forks), tuple(step.post_forks),
+            tuple(tuple(c) for c in step.combined_labels))
+
+
+def unchanged(step: KVStep, shape: StepShape) -> bool:
+    """``step`` still holds what ``shape`` recorded. The admitted step is the
+    caller's object, and its lists can change in place between admit and
+    commit: a segment appended after plan was committed onto a stream with
+    no pages for it (found by the fast-path work, issue 11)."""
+    segments = step.segments
+    # element identity first: the usual caller hands the same objects back
+    return (len(segments) == len(shape[0])
+            and (all(map(operator.is_, segments, shape[0])) or tuple(segments) == shape[0])
+            and step.commit == shape[1] and tuple(step.pre_forks) == shape[2]
+            and tuple(step.post_forks) == shape[3]
+            and tuple(tuple(c) for c in step.combined_labels) == shape[4])
 
 
 @dataclass
@@ -27,6 +52,17 @@ class RunningStep:
     planned: bool = False
     # its pre-forks ran (perhaps at a plan that failed): never twice
     forked: bool = False
+    # what the step held at admit (a promoted preplan's: at its admit)
+    shape: StepShape | None = None
+
+    def __post_init__(self) -> None:
+        if self.shape is None:
+            self.shape = shape_of(self.step)
+
+    def matches(self, step: KVStep) -> bool:
+        """``step`` is the admitted step, as it was admitted."""
+        assert self.shape is not None
+        return (step is self.step or step == self.step) and unchanged(step, self.shape)
 
 
 @dataclass
@@ -44,12 +80,21 @@ class StagedPreplan:
     # lengths that step leaves once committed as admitted; what this step
     # was reserved and planned from, and what promotion checks (R42)
     basis: dict[Key, int] = field(default_factory=dict)
+    shape: StepShape = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shape = shape_of(self.step)
+
+    def matches(self, step: KVStep) -> bool:
+        """``step`` is the staged step, as it was admitted."""
+        return (step is self.step or step == self.step) and unchanged(step, self.shape)
 
 
-def same_step(step: KVStep, ctx: StepContext, other: KVStep, padded: tuple[str, ...]) -> bool:
-    """The same step admitted again: equal, and padded to the same requests
-    (its forks reserved for those)."""
-    return (step is other or step == other) and tuple(ctx.padded_request_ids) == padded
+def same_step(step: KVStep, ctx: StepContext, admitted: RunningStep | StagedPreplan,
+              padded: tuple[str, ...]) -> bool:
+    """The same step admitted again: as it was admitted, and padded to the
+    same requests (its forks reserved for those)."""
+    return admitted.matches(step) and tuple(ctx.padded_request_ids) == padded
 
 
 def where(step: KVStep, admitted: KVStep | None = None) -> dict[str, str]:

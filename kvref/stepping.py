@@ -101,7 +101,7 @@ class Stepping:
                 raise PreplanPendingError(
                     "a preplan is already staged; clear_preplan before preplanning again"
                 )
-            if not same_step(step, ctx, staged.step, tuple(staged.ctx.padded_request_ids)):
+            if not same_step(step, ctx, staged, tuple(staged.ctx.padded_request_ids)):
                 raise PreplanPendingError(
                     "admit of a different step than the staged preplan; "
                     "clear_preplan first"
@@ -112,7 +112,7 @@ class Stepping:
                     return AdmitOutcome(ok=False, reason=self._stale_reason(staged, moved))
             return ADMIT_OK  # the preplan pass already reserved and marked
         if running is not None and not ctx.is_preplan:
-            if same_step(step, ctx, running.step, running.padded):
+            if same_step(step, ctx, running, running.padded):
                 return ADMIT_OK  # admitted again: everything is reserved already
             # R23: a second step would be planned against lengths the
             # first has not committed, and its commit would clear the
@@ -196,7 +196,7 @@ class Stepping:
         """See `KVManager.plan`."""
         staged = self.preplan
         if ctx.is_preplan:
-            if staged is None or staged.step != step:
+            if staged is None or not staged.matches(step):
                 raise StepNotAdmittedError("preplan of a step that was not preplan-admitted",
                                            **where(step))
             if staged.outputs is not None:
@@ -208,8 +208,9 @@ class Stepping:
             return outputs
         running = self.running
         if running is None:
-            if staged is None or (step is not staged.step and step != staged.step):
-                raise StepNotAdmittedError("plan of a step that was not admitted",
+            if staged is None or not staged.matches(step):
+                raise StepNotAdmittedError("plan of a step that was not admitted (or was "
+                                           "changed in place since)",
                                            **where(step))
             moved = stale(self._table.streams, staged)
             if moved is not None:
@@ -218,7 +219,8 @@ class Stepping:
             # promotion, not abandonment: its reservations and marks stay
             self.preplan = None
             running = self.running = RunningStep(
-                staged.step, tuple(staged.ctx.padded_request_ids), set(staged.created))
+                staged.step, tuple(staged.ctx.padded_request_ids), set(staged.created),
+                shape=staged.shape)
             if staged.outputs is not None:
                 self._forks.run_pre(running)
                 # the views were built before the forks ran: what they
@@ -230,8 +232,9 @@ class Stepping:
                 running.planned = True
                 self.current_plan_states = staged.states
                 return staged.outputs
-        elif step is not running.step and step != running.step:
-            raise StepNotAdmittedError("plan of a step other than the admitted one",
+        elif not running.matches(step):
+            raise StepNotAdmittedError("plan of a step other than the admitted one (or the "
+                                       "admitted step changed in place since its admit)",
                                        **where(step, running.step))
         elif running.planned:
             raise StepOrderError("the admitted step was already planned; commit it",
@@ -286,13 +289,13 @@ class Stepping:
     def commit(self, step: KVStep, ctx: StepContext) -> None:
         """See `KVManager.commit`."""
         running = self.running
-        if running is None or (step is not running.step and step != running.step):
+        if running is None or not running.matches(step):
             staged = self.preplan
-            if staged is not None and staged.step == step:
+            if staged is not None and staged.matches(step):
                 raise StepNotAdmittedError("commit of a step that is only preplanned",
                                            **where(step))
             raise StepNotAdmittedError(
-                "commit of a step that was not admitted",
+                "commit of a step that was not admitted (or was changed in place since)",
                 **where(step, running.step if running is not None else None))
         fault: ForkCopyError | None = None
         try:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvref import validate
-from kvref.errors import InvalidStepError
+from kvref.errors import InvalidStepError, StepInFlightError, StepNotAdmittedError
 from kvref.step import KVStep, Segment, StepContext
 from tests.unit._manager_fixtures import assert_same, make_manager, snapshot
 
@@ -96,3 +96,34 @@ def test_a_step_changed_after_admit_is_caught(mutate: str, when: str) -> None:
     with pytest.raises(InvalidStepError):
         call(step, ctx)
     assert_same(before, snapshot(kv))
+
+
+@pytest.mark.parametrize("when", ["after admit", "after plan"])
+@pytest.mark.parametrize("change", ["append a segment", "grow a span", "drop the commit"])
+def test_a_well_formed_change_in_place_is_not_the_admitted_step(when: str, change: str) -> None:
+    """Validation passes a well-formed step; stepping must still see that it
+    is not what was admitted. Before, a segment appended after plan was
+    committed onto stream ``b`` with a length and no pages for it."""
+    kv = make_manager()
+    kv.ingest_request("a")
+    kv.ingest_request("b")
+    segments = [Segment("a", "main", 2)]
+    step, ctx = KVStep(segments), StepContext(["a", "b"])
+    assert kv.admit(step, ctx).ok
+    if when == "after plan":
+        kv.plan(step, ctx)
+    if change == "append a segment":
+        segments.append(Segment("b", "main", 20))
+    elif change == "grow a span":
+        segments[0] = Segment("a", "main", 9)
+    else:
+        object.__setattr__(step, "commit", False)
+    before = snapshot(kv)
+    calls: list[Callable[[], Any]] = [lambda: kv.commit(step, ctx), lambda: kv.admit(step, ctx)]
+    if when == "after admit":
+        calls.append(lambda: kv.plan(step, ctx))
+    for call in calls:
+        with pytest.raises((StepNotAdmittedError, StepInFlightError)):
+            call()
+        assert_same(before, snapshot(kv))
+    assert kv.stored_len("b") == 0
