@@ -214,7 +214,7 @@ def _parser() -> _Parser:
                      help="no progress lines on stderr (states, states/s, depth, queue, memory)")
     out.add_argument("--conformance", action="store_true",
                      help="instead, replay every reachable state and every call on kvref "
-                     "(needs kvref and the repository's tests/ importable)")
+                     "(needs kvref installed with its testing extra)")
     return ap
 
 
