@@ -95,3 +95,9 @@ class InvalidArgumentError(KVRefError, ValueError):
 
 class KVDeviceError(KVShapeError):
     """K/V handed to `write_kv` on another device than the cache."""
+
+
+class StreamUnavailableError(KVRefError):
+    """A call that needs a settled, resident stream met one that is not: an
+    offload claims it or holds it on the host, or a retrieve is still copying
+    into it or failed (reset or remove the request)."""

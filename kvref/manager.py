@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvref import validate
+from kvref import truncation, validate
 from kvref.allocator import PageAllocator
 from kvref.base import CGSlotSpec, EngineResourceInfo
 from kvref.cache import KVCache
@@ -284,6 +284,25 @@ class KVManager(LayerIO):
         validate.step(step, ctx)
         with self._lock:
             self._stepping.commit(step, ctx)
+
+    def truncate(self, rid: str, label: str, new_len: int) -> int:
+        """Cut the stream back to its first ``new_len`` tokens; returns device pages freed.
+
+        For a speculative verify step: commit every verified token, then
+        truncate to the accepted prefix. The pages past ``ceil(new_len /
+        page_size)`` are freed and the generation is bumped (R39); truncating
+        to the current length changes nothing and returns 0. Raises, changing
+        nothing (R38): `StepInFlightError` while a step or a staged preplan
+        names the stream; `StreamUnavailableError` while an offload claims or
+        holds it, or a retrieve is copying into it or failed;
+        `InvalidArgumentError` for a ``new_len`` below 0 or past its length;
+        `UnknownRequestError` for an unknown request or label.
+        """
+        validate.request_id(rid, "truncate")
+        validate.label(label, "truncate", rid)
+        validate.new_length(new_len, "truncate", rid, label)
+        with self._lock:
+            return truncation.truncate(self._table, rid, label, new_len)
 
     # what the conformance and unit tests inspect: the stepping mechanism's state
     @property

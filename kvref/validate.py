@@ -86,6 +86,14 @@ def req_config(overrides: object, rid: str) -> None:
         )
 
 
+def new_length(value: object, call: str, rid: str, name: str) -> None:
+    """A length to cut a stream back to: an ``int >= 0`` (whether the stream
+    holds that many tokens is the manager's business)."""
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        raise InvalidArgumentError(f"{call}: new_len must be an int >= 0, got {_what(value)}",
+                                   request_id=rid, label=name)
+
+
 def optional_label(value: object, call: str) -> None:
     """A plan label argument that defaults to the cursor when None."""
     if value is not None:

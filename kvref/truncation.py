@@ -1,0 +1,52 @@
+"""Truncation: a stream cut back to a prefix of its tokens.
+
+What a speculative verify step needs: the step commits every drafted token
+it verified, then the engine cuts each stream back to the accepted prefix.
+The pages past the new end go back to the allocator and the generation is
+bumped, so anything holding the old pages or length (a plan's views, a host
+copy, a peer's retrieve) can tell they changed. Runs under the stream
+table's lock, which `KVManager.truncate` holds.
+"""
+
+from __future__ import annotations
+
+from kvref.admission import FAILED, PENDING, retrieve_state
+from kvref.errors import InvalidArgumentError, StepInFlightError, StreamUnavailableError
+from kvref.stream_table import StreamTable, pages_for
+
+
+def truncate(table: StreamTable, rid: str, label: str, new_len: int) -> int:
+    """See `KVManager.truncate`. Every refusal raises before anything changes."""
+    stream = table.stream(rid, label)
+    if stream.step_in_flight:
+        # the step (or a staged preplan) addresses slots past the new end
+        # and would commit its span onto the shorter stream
+        raise StepInFlightError("truncate while a step names the stream; commit it first",
+                                request_id=rid, label=label)
+    if stream.offloaded:
+        # its pages are leaving or on the host: the copy's length is the old one
+        raise StreamUnavailableError("truncate of a stream an offload claims or holds; "
+                                     "reload it first", request_id=rid, label=label)
+    state = retrieve_state(stream) if (stream.read_future is not None
+                                       or stream.read_error is not None) else None
+    if state == PENDING:
+        # the transfer is still writing the pages this would free
+        raise StreamUnavailableError("truncate while a retrieve is copying into the stream",
+                                     request_id=rid, label=label)
+    if state == FAILED:
+        raise StreamUnavailableError("truncate of a stream whose retrieve failed; reset or "
+                                     "remove the request", request_id=rid, label=label)
+    if new_len > stream.stored_len:
+        raise InvalidArgumentError(f"truncate to {new_len} tokens; the stream holds "
+                                   f"{stream.stored_len}", request_id=rid, label=label)
+    if new_len == stream.stored_len:
+        # nothing to cut: the spare pages stay for the next step (R39)
+        return 0
+    keep = pages_for(new_len, table.page_size)
+    freed = stream.page_indices[keep:]
+    # a new list: a slice someone took of the old one keeps what it saw
+    stream.page_indices = stream.page_indices[:keep]
+    table.allocator.free(freed)
+    stream.stored_len = new_len
+    stream.generation += 1
+    return len(freed)
