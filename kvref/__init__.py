@@ -25,6 +25,7 @@ from kvref.errors import (
     OffloadStateError,
     PreplanPendingError,
     PublishedInfoError,
+    PublishLeasedError,
     ReloadCopyError,
     StepInFlightError,
     StepNotAdmittedError,
@@ -44,7 +45,7 @@ from kvref.plan import (
     build_paged_indptrs,
     group_by_plan_label,
 )
-from kvref.published import KVSequenceInfo, PublishedKVInfo
+from kvref.published import KVSequenceInfo, PublishedKVInfo, PublishRefused, RetrieveStale
 from kvref.runtime import Runtime, ThreadingRuntime, default_runtime, set_default_runtime
 from kvref.step import (
     ADMIT_OK,
@@ -98,6 +99,8 @@ __all__ = [
     "PageAllocator",
     "PagedIndptrs",
     "PreplanPendingError",
+    "PublishLeasedError",
+    "PublishRefused",
     "PublishedInfo",
     "PublishedInfoError",
     "PublishedKVInfo",
@@ -105,6 +108,7 @@ __all__ = [
     "RequestOffloading",
     "Resource",
     "RetrieveInProgress",
+    "RetrieveStale",
     "Runtime",
     "Segment",
     "SequenceView",

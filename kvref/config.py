@@ -65,6 +65,9 @@ class KVConfig:
     num_qo_heads: int
     layout: KVLayout = KVLayout.NHD
     cpu_offload_pages: int = 0
+    # seconds a `publish` lease pins the request before it expires on its own
+    # (R34); None: until `release_published`
+    publish_lease_s: float | None = None
     # the tensor-parallel degree the head counts were divided by; 1 = unsharded
     sharded_by: int = field(default=1, init=False)
 
@@ -94,6 +97,11 @@ class KVConfig:
                       "page 0 is the sink, so one page leaves nothing to allocate")
         _int_at_least("cpu_offload_pages", self.cpu_offload_pages, 0, "")
         _positive_int("sharded_by", self.sharded_by)
+        lease = self.publish_lease_s
+        if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
+                                  or not lease > 0):
+            raise InvalidConfigError(
+                f"KVConfig.publish_lease_s must be None or seconds > 0, got {lease!r}")
         if not isinstance(self.layout, KVLayout):
             raise InvalidConfigError(
                 f"KVConfig.layout must be a KVLayout, got {type(self.layout).__name__} "

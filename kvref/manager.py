@@ -38,14 +38,15 @@ from kvref.forks import Forks
 from kvref.graph_staging import GraphStaging
 from kvref.host_pool import CPUPagePool
 from kvref.layer_io import LayerIO
+from kvref.lease import LeaseTable
 from kvref.offload import Offload
 from kvref.offload_phases import HostOffload
 from kvref.plan import SINK_PAGE, KVPlanOutputs, KVPlanState
-from kvref.published import PublishedKVInfo
+from kvref.published import PublishedKVInfo, PublishRefused
 from kvref.rank_check import check_free_pages_agree
 from kvref.retrieval import Retrieval
 from kvref.running_step import RunningStep, StagedPreplan
-from kvref.runtime import Runtime, default_runtime, shared
+from kvref.runtime import Runtime, default_runtime, monotonic, shared
 from kvref.step import AdmitOutcome, KVStep, StepContext
 from kvref.stepping import Stepping
 from kvref.stream_table import StreamTable
@@ -91,8 +92,11 @@ class KVManager(LayerIO):
         self._transfer = KVTransferManager(info, self.kv_cache, runtime=self._runtime)
         # the shared containers come through the runtime seam: plain ones in
         # production, the race detector's in the tests
-        self._table = StreamTable(self._allocator, self._runtime.lock(), self._runtime,
-                                  cfg.page_size, shared(self._runtime, {}, "streams"))
+        runtime = self._runtime
+        self._table = StreamTable(self._allocator, runtime.lock(), runtime,
+                                  cfg.page_size, shared(runtime, {}, "streams"),
+                                  leases=LeaseTable(cfg.publish_lease_s,
+                                                    lambda: monotonic(runtime)))
         # the manager's one lock, and the table every mechanism shares
         self._lock = self._table.lock
         self._streams = self._table.streams
@@ -161,7 +165,8 @@ class KVManager(LayerIO):
 
         Raises `StepInFlightError` while a step of the request is admitted
         (R5): the step would write into, and commit onto, a stream that no
-        longer holds what it planned against.
+        longer holds what it planned against; `PublishLeasedError` while its
+        publication is leased (R33).
         """
         validate.request_id(rid, "reset_request")
         self._refuse_if_in_flight(rid, "reset")
@@ -173,6 +178,7 @@ class KVManager(LayerIO):
             with self._lock:
                 streams = self._request(rid)
                 self._refuse_if_in_flight(rid, "reset")
+                self._table.leases.refuse(rid, "reset")
                 if self._reads_pending(streams):
                     # a retrieve started between the drain and the lock
                     continue
@@ -195,7 +201,8 @@ class KVManager(LayerIO):
         """Release everything the request holds, device and host. Idempotent.
 
         An offload of the request still in progress is cancelled: its later
-        copies copy nothing and its commit frees nothing.
+        copies copy nothing and its commit frees nothing. Raises
+        `PublishLeasedError` while its publication is leased (R33).
         """
         validate.request_id(rid, "remove_request")
         if rid not in self._streams:
@@ -208,6 +215,7 @@ class KVManager(LayerIO):
                 if streams is None:
                     return
                 self._refuse_if_in_flight(rid, "remove")
+                self._table.leases.refuse(rid, "remove")
                 if self._reads_pending(streams):
                     continue  # a retrieve started between the drain and the lock
                 for stream in streams.values():
@@ -363,7 +371,8 @@ class KVManager(LayerIO):
         """Claim every stream of ``rid`` that holds pages; None if refused or nothing to claim.
 
         Refused for the whole request while any of its streams is in flight
-        (R4): a step already holds addressing into these pages.
+        (R4): a step already holds addressing into these pages; and while its
+        publication is leased (R33): a peer may be copying them.
         """
         validate.request_id(rid, "begin_offload")
         if self._host_offload is None:
@@ -411,32 +420,55 @@ class KVManager(LayerIO):
 
     # -- KV transfer between managers ----------------------------------------
 
-    def publish(self, request_id: str) -> PublishedKVInfo | None:
-        """What another manager needs to retrieve this request's KV.
+    def publish(self, request_id: str) -> PublishedKVInfo | PublishRefused:
+        """What another manager needs to retrieve this request's KV, leased.
 
-        None when the request is gone (a removal can race the engine's
-        finalize), any stream is off the device (R13), or any stream is still
-        receiving a retrieve or holds a failed one (R21): its pages do not hold
-        the tokens its length counts, and the peer would copy them anyway.
+        The pages it names are pinned until `release_published` or the lease
+        timeout (`KVConfig.publish_lease_s`): meanwhile `begin_offload` and
+        `offload` refuse (None, 0) and `reset_request` and `remove_request`
+        raise `PublishLeasedError` (R33). Publishing again renews the lease and
+        stamps the generations now (R34). Each stream's generation travels
+        with it: a retrieve of pages changed since is refused, latched (R35).
+        A falsy `PublishRefused` when any stream is off the device
+        (`RequestOffloading`), still receiving a retrieve
+        (`RetrieveInProgress`) or holds a failed one (`AdmitRuntimeError`):
+        its pages do not hold what its length counts (R36). Raises
+        `UnknownRequestError` for a request not ingested or removed.
         """
         validate.request_id(request_id, "publish")
         return self._retrieval.publish(request_id)
 
+    def release_published(self, request_id: str) -> None:
+        """End the lease `publish` took: the peer copied what it needed (R34).
+
+        Idempotent, also for a request whose lease expired or that is gone: the
+        consumer cannot tell those from a lease it still holds.
+        """
+        validate.request_id(request_id, "release_published")
+        self._retrieval.release_published(request_id)
+
     def admit_retrieve(
         self,
         rid: str,
-        node_name: str,
-        graph_walk: str,
-        published: PublishedKVInfo | None,
+        node_name: str | None = None,
+        graph_walk: str | None = None,
+        published: PublishedKVInfo | None = None,
     ) -> AdmitOutcome:
         """Start copying what another manager published; ready once it landed.
 
-        ``ok=True, ready=False`` while a copy runs; a failed copy is latched
-        and reported on every later call (I11) until reset or removal.
+        ``node_name``/``graph_walk`` route the labels through the request's
+        `KVReqConfig` (the reference's call); without them (an engine without a
+        graph) every published label is retrieved, and readiness covers every
+        label (R37). ``published=None`` is a readiness check that starts
+        nothing (R29). ``ok=True, ready=False`` while a copy runs; a failed
+        copy is latched and reported on every later call (I11) until reset or
+        removal, and so is a publication whose pages changed since publish
+        (`RetrieveStale`, R35). A `PublishRefused` raises `PublishedInfoError`.
         """
         validate.request_id(rid, "admit_retrieve")
-        validate.label(node_name, "admit_retrieve", rid, what="node_name")
-        validate.label(graph_walk, "admit_retrieve", rid, what="graph_walk")
+        if node_name is not None or graph_walk is not None:
+            validate.label(node_name, "admit_retrieve", rid, what="node_name")
+            validate.label(graph_walk, "admit_retrieve", rid, what="graph_walk")
         validate.published(published, rid, self._rank)
         return self._retrieval.admit_retrieve(rid, node_name, graph_walk, published)
 

@@ -41,6 +41,8 @@ class HostOffload:
                 return None
             if any(s.step_in_flight for s in streams.values()):
                 return None
+            if self.table.leases.held(rid):
+                return None  # a peer may be copying these pages (R33)
             claims: list[ClaimedStream] = []
             reads: dict[str, Future[Any]] = {}
             for label, s in streams.items():

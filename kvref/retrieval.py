@@ -1,9 +1,11 @@
 """KV transfer between managers: publish what this cache holds, retrieve what
 another published.
 
-A retrieve takes pages and starts an asynchronous copy under the stream
-table's lock; the stream reads as pending until the copy lands, and a failed
-copy is latched on it (I11) until reset or removal.
+`publish` leases what it names (R33, `kvref.lease`) and stamps each stream's
+generation; a retrieve takes pages and starts an asynchronous copy under the
+stream table's lock, after checking the publisher still holds those
+generations (R35); the stream reads as pending until the copy lands, and a
+failed or stale copy is latched on it (I11) until reset or removal.
 """
 
 from __future__ import annotations
@@ -14,11 +16,17 @@ from typing import Any
 from kvref import admission
 from kvref.errors import KVRefError, PublishedInfoError, StepInFlightError
 from kvref.plan import SINK_PAGE
-from kvref.published import KVSequenceInfo, PublishedKVInfo
-from kvref.step import AdmitOutcome, AdmitRuntimeError, AllocationFailed
+from kvref.published import KVSequenceInfo, PublishedKVInfo, PublishRefused, RetrieveStale
+from kvref.step import (
+    AdmitOutcome,
+    AdmitRuntimeError,
+    AllocationFailed,
+    RequestOffloading,
+    RetrieveInProgress,
+)
 from kvref.stream_table import StreamTable, pages_for
 from kvref.streams import CacheStream
-from kvref.transfer import KVTransferManager
+from kvref.transfer import KVTransferManager, StaleSourceError
 
 logger = logging.getLogger(__name__)
 
@@ -33,35 +41,73 @@ class Retrieval:
         self._rank = rank
         self._world_size = world_size
         self._name = name  # the manager's, for the log
+        # a consumer in this process checks our generations through the transfer
+        # engine's registry (R35)
+        transfer.serve_generations(self.generation_of)
 
     def own_transfer_info(self) -> Any:
         return self._transfer.get_kv_transfer_info()
 
-    def publish(self, request_id: str) -> PublishedKVInfo | None:
+    def generation_of(self, rid: str, label: str) -> int | None:
+        """The generation of (rid, label) now; None once it is gone. Read by a
+        consumer's retrieve without this manager's lock (a consumer holds its
+        own; taking ours too could deadlock two managers retrieving from each
+        other): one atomic lookup and an int, and the copy reads it again after
+        it copied (a sequence lock)."""
+        stream = self._table.streams.get(rid, {}).get(label)
+        return None if stream is None else stream.generation
+
+    def publish(self, request_id: str) -> PublishedKVInfo | PublishRefused:
         """See `KVManager.publish`."""
         transfer_info = self.own_transfer_info()
         ps = self._table.page_size
         with self._table.lock:
-            streams = self._table.streams.get(request_id)
-            if streams is None or any(s.offloaded for s in streams.values()):
-                return None
-            if any(admission.retrieve_state(s) != admission.IDLE for s in streams.values()):
-                return None
+            streams = self._table.request(request_id)
+            refused = self._publish_refusal(request_id, streams)
+            if refused is not None:
+                return PublishRefused(refused)
             seq_info = {
                 label: KVSequenceInfo(
                     seq_len=s.stored_len,
                     latest_kv_transfer_info=transfer_info,
                     page_indices=list(s.page_indices[: pages_for(s.stored_len, ps)]),
+                    generation=s.generation,
                 )
                 for label, s in streams.items()
             }
-        return PublishedKVInfo.build_for_rank(self._rank, self._world_size, seq_info)
+            self._table.leases.take(request_id)  # or renewed (R34)
+        return PublishedKVInfo.build_for_rank(self._rank, self._world_size, seq_info,
+                                              request_id=request_id)
+
+    @staticmethod
+    def _publish_refusal(rid: str, streams: dict[str, CacheStream]
+                         ) -> RequestOffloading | RetrieveInProgress | AdmitRuntimeError | None:
+        """Why these streams' pages do not hold what their lengths count (R13, R21)."""
+        for label, s in streams.items():
+            if s.offloaded:
+                return RequestOffloading(message="offloaded: reload it, then publish",
+                                         request_id=rid, label=label)
+        states = {label: admission.retrieve_state(s) for label, s in streams.items()}
+        for label, state in states.items():
+            if state == admission.FAILED:
+                return AdmitRuntimeError("its retrieve failed (latched)",
+                                         request_id=rid, label=label)
+        for label, state in states.items():
+            if state == admission.PENDING:
+                return RetrieveInProgress(message="still receiving a retrieve",
+                                          request_id=rid, label=label)
+        return None
+
+    def release_published(self, request_id: str) -> None:
+        """See `KVManager.release_published`."""
+        with self._table.lock:
+            self._table.leases.release(request_id)
 
     def admit_retrieve(
         self,
         rid: str,
-        node_name: str,
-        graph_walk: str,
+        node_name: str | None,
+        graph_walk: str | None,
         published: PublishedKVInfo | None,
     ) -> AdmitOutcome:
         """See `KVManager.admit_retrieve`."""
@@ -81,10 +127,15 @@ class Retrieval:
         # published and starting the copy must not interleave a commit or reset
         with self._table.lock:
             streams = self._table.request(rid)
-            needed = self._table.overrides[rid].get_labels(node_name, graph_walk)
+            offered = published.get(self._rank).items() if published is not None else ()
+            if node_name is None and graph_walk is None:
+                # no graph: every label published, and every label held (R37)
+                needed: tuple[str, ...] = tuple(dict.fromkeys(
+                    [label for label, _ in offered] + list(streams)))
+            else:
+                needed = self._table.overrides[rid].get_labels(node_name or "", graph_walk or "")
             todo: list[tuple[str, KVSequenceInfo, int]] = []
             new_pages = 0
-            offered = published.get(self._rank).items() if published is not None else ()
             for label, info in offered:
                 if label not in needed:
                     continue
@@ -122,6 +173,11 @@ class Retrieval:
                 held = len(stream.page_indices) if stream is not None else 0
                 new_pages += max(0, pages_for(info.seq_len, ps) - held)
                 todo.append((label, info, old_len))
+            source = published.request_id if published is not None else None
+            stale = [label for label, info, _ in todo if self._transfer.source_current(
+                info.latest_kv_transfer_info, source, label, info.generation) is False]
+            if stale:
+                return self._latch_stale(rid, streams, stale)
             free = self._table.allocator.num_free
             if new_pages > free:
                 label = todo[0][0]
@@ -130,7 +186,7 @@ class Retrieval:
                     message=f"retrieve needs {new_pages} new pages, {free} free",
                 ))
             for label, info, old_len in todo:
-                started = self._start_retrieve(rid, streams, label, info, old_len)
+                started = self._start_retrieve(rid, streams, label, info, old_len, source)
                 if started is not None:
                     return AdmitOutcome(ok=False, ready=False, reason=started)
             ready = True
@@ -141,8 +197,25 @@ class Retrieval:
                 ready = ready and label_ready
             return AdmitOutcome(ok=True, ready=ready)
 
+    @staticmethod
+    def _latch_stale(rid: str, streams: dict[str, CacheStream], labels: list[str]
+                     ) -> AdmitOutcome:
+        """Refuse a retrieve of pages the publisher changed, gave back or reused
+        since it published (R35): latched on each such label, as a failed copy
+        (I11), before any page is taken, so nothing is copied."""
+        for label in labels:
+            stream = streams.get(label)
+            if stream is None:
+                stream = streams[label] = CacheStream()
+            stream.read_error = StaleSourceError(
+                "the publisher's stream changed generation since it published")
+        return AdmitOutcome(ok=False, ready=False, reason=RetrieveStale(
+            f"published pages of {labels} changed since publish; reset the request "
+            "and retrieve a fresh publication", request_id=rid, label=labels[0]))
+
     def _start_retrieve(self, rid: str, streams: dict[str, CacheStream], label: str,
-                        info: KVSequenceInfo, old_len: int) -> AdmitRuntimeError | None:
+                        info: KVSequenceInfo, old_len: int,
+                        source: str | None = None) -> AdmitRuntimeError | None:
         """Take the pages and start one label's copy; if the transfer engine
         raises, give back what this label took and refuse (R26). Labels started
         before it keep copying: their pages are theirs, and reset drains them."""
@@ -163,6 +236,7 @@ class Retrieval:
                 local_page_indices=list(stream.page_indices),
                 remote_page_indices=info.page_indices,
                 kv_transfer_info=info.latest_kv_transfer_info,
+                source=(source, label, info.generation),
             )
         except Exception as err:
             if got:

@@ -10,6 +10,7 @@ that can be searched, shrunk and replayed.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -85,6 +86,14 @@ def shared(runtime: Runtime, value: T, name: str) -> T:
     """
     hook = getattr(runtime, "shared", None)
     return value if hook is None else hook(value, name)
+
+
+def monotonic(runtime: Runtime) -> float:
+    """Seconds on ``runtime``'s clock: an optional extension, as `shared`. A
+    runtime with a ``monotonic()`` method gives the time (a test's, which it
+    moves); the others get `time.monotonic`. Lease deadlines read it."""
+    hook = getattr(runtime, "monotonic", None)
+    return time.monotonic() if hook is None else float(hook())
 
 
 _default: Runtime = ThreadingRuntime()

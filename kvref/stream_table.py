@@ -9,6 +9,7 @@ runtime seam so the concurrency tests can schedule it.
 
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from kvref.allocator import PageAllocator
 from kvref.config import KVReqConfig
 from kvref.errors import UnknownRequestError
+from kvref.lease import LeaseTable
 from kvref.runtime import Runtime
 from kvref.streams import CacheStream
 
@@ -38,6 +40,8 @@ class StreamTable:
     # Passed in: the runtime seam may hand a recording container
     streams: dict[str, dict[str, CacheStream]] = field(default_factory=dict)
     overrides: dict[str, KVReqConfig] = field(default_factory=dict)
+    # publish leases (R33): offload, reset and remove read them under ``lock``
+    leases: LeaseTable = field(default_factory=lambda: LeaseTable(None, time.monotonic))
 
     def request(self, rid: str) -> dict[str, CacheStream]:
         streams = self.streams.get(rid)

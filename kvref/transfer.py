@@ -25,7 +25,7 @@ import os
 import threading
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -46,6 +46,11 @@ _SHM_DIR = "/dev/shm"
 
 class TransferError(KVRefError):
     """A retrieve that could not run: its future raises this (or a subclass)."""
+
+
+class StaleSourceError(TransferError):
+    """The publisher's stream moved past the generation it published (or is
+    gone) before or while its pages were copied: the copy is not its KV (R35)."""
 
 
 class RemoteCacheGoneError(TransferError):
@@ -251,6 +256,13 @@ def _lookup(cache_id: str) -> KVCache | None:
 def _unregister(cache_id: str) -> None:
     with _live_lock:
         _live_caches.pop(cache_id, None)
+        _generations.pop(cache_id, None)
+
+
+# (request id, label) -> the publisher's stream generation now, None if gone
+GenerationOf = Callable[[str, str], "int | None"]
+# cache id -> its manager's generations, weakly (a bound method of its retrieval)
+_generations: dict[str, weakref.WeakMethod[GenerationOf]] = {}
 
 
 # -- copying ------------------------------------------------------------------
@@ -429,6 +441,28 @@ class KVTransferManager:
             self.kv_cache.order_after_compute(self._publish_stream)
             self._publish_event.record(self._publish_stream)
 
+    def serve_generations(self, generation_of: GenerationOf) -> None:
+        """Publisher side: how a consumer in this process reads a published
+        stream's generation now (R35). ``generation_of`` is a bound method."""
+        with _live_lock:
+            _generations[self._cache_id] = weakref.WeakMethod(generation_of)
+
+    @staticmethod
+    def source_current(remote: KVTransferInfo, rid: str | None, label: str,
+                       generation: int | None) -> bool | None:
+        """Whether the publisher's (rid, label) still is at ``generation``: False
+        once it moved on or is gone; None when that cannot be told (a hand-built
+        publication, or a publisher in another process: there its lease is what
+        holds the pages)."""
+        if rid is None or generation is None:
+            return None
+        with _live_lock:
+            ref = _generations.get(remote.cache_id)
+        fn = None if ref is None else ref()
+        if fn is None:
+            return None
+        return fn(rid, label) == generation
+
     def start_async_retrieve(
         self,
         start_len: int,
@@ -436,6 +470,7 @@ class KVTransferManager:
         local_page_indices: Sequence[int],
         remote_page_indices: Sequence[int],
         kv_transfer_info: KVTransferInfo,
+        source: tuple[str | None, str, int | None] | None = None,
     ) -> Future[None] | None:
         """Copy tokens ``[start_len, end_len)`` of the remote cache into this one.
 
@@ -443,7 +478,9 @@ class KVTransferManager:
         side, with each side's own page size. None when the range is empty.
         Bad arguments raise `TransferRangeError` here; everything that can only
         be found out by reaching the remote (it is gone, a mapping fails) makes
-        the future raise a `TransferError`.
+        the future raise a `TransferError`. ``source``: the publisher's (request,
+        label, generation); the copy checks it before and after it reads, and
+        raises `StaleSourceError` if the publisher's stream moved (R35).
         """
         if start_len >= end_len:
             return None
@@ -463,7 +500,7 @@ class KVTransferManager:
         if fail:
             self.fail_next -= 1
         future = self._runtime.submit(
-            self._retrieve, start_len, end_len, local_pages, remote_pages, remote, fail
+            self._retrieve, start_len, end_len, local_pages, remote_pages, remote, fail, source
         )
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()]
@@ -533,18 +570,31 @@ class KVTransferManager:
         remote_pages: list[int],
         remote: KVTransferInfo,
         fail: bool,
+        source: tuple[str | None, str, int | None] | None = None,
     ) -> None:
         if fail:
             raise InjectedTransferError(
                 f"injected failure of the retrieve of tokens [{start}, {end}) "
                 f"from cache {remote.cache_id}"
             )
+        # a sequence lock: the generation before the read and after it; a change
+        # in between means the bytes read may be anyone's
+        self._check_source(remote, source, "before")
         src = self._resolve(remote)
         dst = self.kv_cache.tensor
         if dst.is_cuda or src.is_cuda:
             self._copy_on_stream(src, remote, local_pages, remote_pages, start, end)
         else:
             self._copy(src, remote, local_pages, remote_pages, start, end)
+        self._check_source(remote, source, "while")
+
+    def _check_source(self, remote: KVTransferInfo,
+                      source: tuple[str | None, str, int | None] | None, when: str) -> None:
+        if source is not None and self.source_current(remote, *source) is False:
+            rid, label, generation = source
+            raise StaleSourceError(
+                f"the publisher's {rid!r}/{label!r} left generation {generation} {when} "
+                "the copy: its pages no longer hold what was published")
 
     def _copy(
         self,

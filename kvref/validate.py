@@ -24,7 +24,7 @@ from kvref.errors import (
     PublishedInfoError,
 )
 from kvref.plan import group_by_plan_label
-from kvref.published import KVSequenceInfo, PublishedKVInfo
+from kvref.published import KVSequenceInfo, PublishedKVInfo, PublishRefused
 from kvref.step import BucketKey, KVStep, Segment, SlotLease, StepContext
 
 
@@ -138,6 +138,10 @@ def published(pub: object, rid: str, rank: int) -> None:
     this cache is checked against the cache)."""
     if pub is None:
         return
+    if isinstance(pub, PublishRefused):  # not a publication: there is nothing to retrieve
+        raise PublishedInfoError(
+            f"publish was refused ({type(pub.reason).__name__}: {pub.reason.message}); "
+            "retrieve once the publisher publishes", request_id=rid)
     if not isinstance(pub, PublishedKVInfo):
         raise PublishedInfoError(
             f"published must be a PublishedKVInfo or None, got {type(pub).__name__}",

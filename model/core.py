@@ -118,13 +118,15 @@ class State:
     current: Pending | None = None
     staged: Pending | None = None
     offloads: tuple[tuple[int, Offload], ...] = ()
+    # requests whose publication is leased to a peer (R33): pinned until released
+    leases: tuple[int, ...] = ()
 
     def __hash__(self) -> int:
         # cached: the checker hashes each state many times (dict keys)
         h: int | None = self.__dict__.get("_hash")
         if h is None:
             h = hash((self.free, self.streams, self.host, self.current, self.staged,
-                      self.offloads))
+                      self.offloads, self.leases))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -226,6 +228,9 @@ class RetrieveStart:
     label: int
     length: int
     start_error: bool = False  # the transfer engine raises starting the copy
+    # the publication handed in is stale: its source stream's generation moved
+    # since publish (the peer changed, released or reused those pages; R35)
+    stale: bool = False
 
 
 @dataclass(frozen=True)
@@ -246,15 +251,28 @@ class Remove:
     rid: int
 
 
+@dataclass(frozen=True)
+class ReleasePublished:
+    """the consumer releases the lease `publish` took (R34)"""
+
+    rid: int
+
+
+@dataclass(frozen=True)
+class LeaseTimeout:
+    """the clock passes the lease deadline: every lease taken so far expires
+    (the clock moves only here, so they share one deadline; R34)"""
+
+
 Action = (
     Ingest | Admit | Plan | Write | Read | Commit | ClearPreplan | OffloadClaim
     | OffloadCopy | OffloadCommit | OffloadAbandon | Reload | Publish | RetrieveStart
-    | RetrieveComplete | Reset | Remove
+    | RetrieveComplete | Reset | Remove | ReleasePublished | LeaseTimeout
 )
 ACTIONS: tuple[type, ...] = (
     Ingest, Admit, Plan, Write, Read, Commit, ClearPreplan, OffloadClaim, OffloadCopy,
     OffloadCommit, OffloadAbandon, Reload, Publish, RetrieveStart, RetrieveComplete,
-    Reset, Remove,
+    Reset, Remove, ReleasePublished, LeaseTimeout,
 )
 
 
@@ -311,9 +329,19 @@ class Published:
     lengths: tuple[tuple[int, int], ...]  # (label, stored_len) on device
 
 
-Result = Ok | NotReady | Refused | Misuse | Fault | Freed | Flag | Claimed | Published
+@dataclass(frozen=True)
+class Latched:
+    """Refused, and the failure latched on the stream (I11): unlike `Refused`,
+    the call changed the stream's retrieve state, and every later readiness
+    check reports it until reset or removal (R35)."""
+
+    kind: str
+
+
+Result = (Ok | NotReady | Refused | Misuse | Fault | Freed | Flag | Claimed | Published
+          | Latched)
 RESULTS: tuple[type, ...] = (Ok, NotReady, Refused, Misuse, Fault, Freed, Flag, Claimed,
-                             Published)
+                             Published, Latched)
 
 
 # ---------------------------------------------------------------- model
@@ -349,6 +377,8 @@ class Model:
     R21_publish_complete = True
     R22_admit_waits_for_retrieve = True
     R24_commit_runs_pending_forks = True
+    R33_publish_leases = True
+    R35_stale_retrieve_latched = True
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
@@ -394,6 +424,8 @@ class Model:
             return Misuse("UnknownRequestError"), s
         if self.R5_no_reset_in_flight and self._in_flight(s, a.rid):
             return Misuse("StepInFlightError"), s
+        if a.rid in s.leases:  # R33: the peer may still be copying these pages
+            return Misuse("PublishLeasedError"), s
         s = self._drained(s, a.rid)
         st, free, offloads = s.stream_map(), s.free, dict(s.offloads)
         for k, v in st.items():
@@ -423,6 +455,8 @@ class Model:
             return Ok(), s  # idempotent, as the reference
         if self.R5_no_reset_in_flight and self._in_flight(s, a.rid):
             return Misuse("StepInFlightError"), s
+        if a.rid in s.leases:  # R33
+            return Misuse("PublishLeasedError"), s
         s = self._drained(s, a.rid)
         st = s.stream_map()
         freed = sum(v.pages for k, v in st.items() if k[0] == a.rid)
@@ -674,6 +708,8 @@ class Model:
             return Claimed(()), s
         if any(v.in_flight for v in mine.values()):  # R4: the whole request
             return Claimed(()), s
+        if a.rid in s.leases:  # R33: begin_offload's refusal value, as R4's
+            return Claimed(()), s
         claim = tuple((k[1], v.pages) for k, v in sorted(mine.items())
                       if v.offload == RESIDENT and v.pages > 0)
         if not claim:
@@ -771,13 +807,21 @@ class Model:
     # --- disaggregation
 
     def do_Publish(self, s: State, a: Publish) -> tuple[Result, State]:
+        if a.rid not in s.requests():
+            return Misuse("UnknownRequestError"), s  # R36
         mine = [(k, v) for k, v in s.streams if k[0] == a.rid]
         if self.R13_publish_resident and any(v.offload != RESIDENT for _, v in mine):
-            return Published(()), s  # its pages are not on the device to be read
-        if self.R21_publish_complete and any(v.retrieve != IDLE for _, v in mine):
-            return Published(()), s  # its pages are still being (or were never) written
+            return Refused("RequestOffloading"), s  # its pages are not on the device (R36)
+        if self.R21_publish_complete:  # its pages are still being (or were never) written
+            if any(v.retrieve == FAILED for _, v in mine):
+                return Refused("AdmitRuntimeError"), s
+            if any(v.retrieve == PENDING for _, v in mine):
+                return Refused("RetrieveInProgress"), s
         lengths = tuple((k[1], v.stored_len if v.offload != OFFLOADED else 0) for k, v in mine)
-        return Published(lengths), s
+        if not self.R33_publish_leases:
+            return Published(lengths), s
+        # taken, or renewed (a re-publish): one lease per request (R34)
+        return Published(lengths), replace(s, leases=tuple(sorted({*s.leases, a.rid})))
 
     def do_RetrieveStart(self, s: State, a: RetrieveStart) -> tuple[Result, State]:
         if a.rid not in s.requests():
@@ -800,6 +844,10 @@ class Model:
             return Misuse("StepInFlightError"), s
         if v.offload != RESIDENT:
             return Refused("RequestOffloading"), s
+        if a.stale and self.R35_stale_retrieve_latched:
+            # terminal, as a failed copy: latched, nothing taken, nothing copied
+            st[k] = replace(v, retrieve=FAILED)
+            return Latched("RetrieveStale"), replace(s, streams=_sorted(st))
         new = max(0, self.need(a.length) - v.pages)
         if new > s.free:
             return Refused("AllocationFailed", new - s.free), s
@@ -818,3 +866,12 @@ class Model:
             raise ProtocolError("no retrieve in progress")
         st[k] = replace(st[k], retrieve=IDLE if a.ok else FAILED)
         return Ok(), replace(s, streams=_sorted(st))
+
+    # --- the publish lease (R33, R34)
+
+    def do_ReleasePublished(self, s: State, a: ReleasePublished) -> tuple[Result, State]:
+        # idempotent: the consumer cannot know whether the lease already expired
+        return Ok(), replace(s, leases=tuple(r for r in s.leases if r != a.rid))
+
+    def do_LeaseTimeout(self, s: State, a: LeaseTimeout) -> tuple[Result, State]:
+        return Ok(), replace(s, leases=())

@@ -1,4 +1,4 @@
-"""Invariants I1-I16 (DESIGN.md), each a named predicate carrying its ID.
+"""Invariants I1-I19 (DESIGN.md, specs/stream-lifecycle.md), each a named predicate carrying its ID.
 
 A predicate returns None when it holds and a one-line reason when it does
 not.  State predicates look at one state; transition predicates look at
@@ -19,6 +19,7 @@ from model.core import (
     CLAIMED,
     FAILED,
     OFFLOADED,
+    PENDING,
     RESIDENT,
     UNWRITTEN,
     WRITTEN,
@@ -29,6 +30,7 @@ from model.core import (
     Fault,
     Flag,
     Freed,
+    Latched,
     Misuse,
     Model,
     OffloadClaim,
@@ -44,6 +46,7 @@ from model.core import (
     Result,
     RetrieveStart,
     State,
+    Stream,
     Write,
     named,
 )
@@ -273,18 +276,61 @@ def i17(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
     return None
 
 
+def i18_state(m: Model, s: State) -> Msg:
+    st = s.stream_map()
+    for rid in s.leases:
+        mine = [(k, v) for k, v in st.items() if k[0] == rid]
+        if not mine:
+            return f"request {rid} is leased to a peer but was removed"
+        for k, v in mine:
+            if v.offload != RESIDENT:
+                return f"{k} is {v.offload} while its publication is leased"
+    return None
+
+
+def i18(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    # the pin: pages a peer may be copying stay with their stream. Their tokens
+    # may still change (a fork onto the stream): the generation says so (R35)
+    before, after = s.stream_map(), n.stream_map()
+    for rid in s.leases:
+        for k, v in before.items():
+            # what publish named: the pages under its tokens (a label a cleared
+            # preplan invented holds none of those, and goes with its pages)
+            if k[0] == rid and after.get(k, Stream()).pages < m.need(v.stored_len):
+                return f"{type(a).__name__} took pages of leased {k}"
+    return None
+
+
+def i19(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    # a retrieve of stale published info never copies: it fails, latched
+    if not isinstance(a, RetrieveStart) or not a.stale:
+        return None
+    k = (a.rid, a.label)
+    old, new = s.stream_map().get(k), n.stream_map().get(k)
+    if new is None:
+        return None
+    grew = new.stored_len > (old.stored_len if old else 0)
+    started = new.retrieve == PENDING and (old is None or old.retrieve != PENDING)
+    if grew or started:
+        return f"a retrieve of stale published info started copying into {k}"
+    if isinstance(r, Latched) and new.retrieve != FAILED:
+        return f"a stale retrieve answered {r} but {k} is not latched"
+    return None
+
+
 STATE: dict[str, StatePred] = {
     "I1": i1, "I2": i2, "I3": i3, "I4": i4, "I5": i5, "I6": i6, "I7": i7,
-    "I8": i8_state, "I12": i12, "I13": i13,
+    "I8": i8_state, "I12": i12, "I13": i13, "I18": i18_state,
 }
 TRANSITION: dict[str, StepPred] = {
     "I8": i8, "I9": i9, "I10": i10, "I11": i11, "I14": i14, "I15": i15, "I17": i17,
+    "I18": i18, "I19": i19,
 }
 # I16 (tp-symmetry) is not a property of one manager: the model is
 # deterministic, so every rank replaying one trace has one free count.
 # tests/distributed checks it on real ranks.
 NOT_IN_MODEL = {"I16": "checked by the distributed test only (the model is one rank)"}
-INVARIANT_IDS = tuple(f"I{i}" for i in range(1, 18))
+INVARIANT_IDS = tuple(f"I{i}" for i in range(1, 20))
 
 
 def _claim_in_flight(m: Model, s: State, a: Action, r: Result, n: State) -> bool:
@@ -338,6 +384,12 @@ INTERESTING: dict[str, tuple[str, Callable[[Model, State, Action, Result, State]
     "I15": _i("a commit of a span",
               lambda m, s, a, r, n: isinstance(a, Commit) and s.current is not None
               and s.current.step.commit and any(g.span for g in s.current.step.segments)),
+    "I18": _i("a claim, reset or remove of a leased request",
+              lambda m, s, a, r, n: isinstance(a, (OffloadClaim, Reset, Remove))
+              and a.rid in s.leases and any(v.pages for k, v in s.streams if k[0] == a.rid)),
+    "I19": _i("a retrieve of stale published info latched",
+              lambda m, s, a, r, n: isinstance(a, RetrieveStart) and a.stale
+              and isinstance(r, Latched)),
 }
 
 

@@ -26,6 +26,7 @@ from model.core import (
     ClearPreplan,
     Commit,
     Ingest,
+    LeaseTimeout,
     Model,
     OffloadAbandon,
     OffloadClaim,
@@ -34,6 +35,7 @@ from model.core import (
     Plan,
     Publish,
     Read,
+    ReleasePublished,
     Reload,
     Remove,
     Reset,
@@ -142,9 +144,12 @@ def calls(m: Model, s: State) -> Iterator[Action]:
             for n in range(sc.max_span + 1):
                 yield RetrieveStart(r, label, n)
             yield RetrieveStart(r, label, sc.max_span, start_error=True)
+            yield RetrieveStart(r, label, sc.max_span, stale=True)
         yield Reset(r, free=False)
         yield Reset(r, free=True)
         yield Remove(r)
+        yield ReleasePublished(r)
+    yield LeaseTimeout()
 
 
 def enabled(m: Model, s: State) -> Iterator[Action]:
@@ -196,6 +201,14 @@ def enabled(m: Model, s: State) -> Iterator[Action]:
             # also into a stream a step names: kvref raises and nothing moves
             for n in range(1, sc.max_span + 1):
                 yield RetrieveStart(r, label, n)
+            # the peer's pages changed since it published: not the engine's doing
+            yield RetrieveStart(r, label, sc.max_span, stale=True)
+        # a careful engine releases first; reset and remove of a leased request
+        # are still issued, as an engine aborting a request would
         yield Reset(r, free=False)
         yield Reset(r, free=True)
         yield Remove(r)
+        if r in s.leases:
+            yield ReleasePublished(r)
+    if s.leases:
+        yield LeaseTimeout()

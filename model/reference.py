@@ -45,6 +45,8 @@ class ReferenceModel(Model):
     R21_publish_complete = False
     R22_admit_waits_for_retrieve = False
     R24_commit_runs_pending_forks = False
+    R33_publish_leases = False
+    R35_stale_retrieve_latched = False
     # the reference's clear_preplan removes invented fork targets only, not
     # labels a preplan's segment created; kvref removes both (DESIGN.md)
     UNDO_ALL_INVENTED = False

@@ -26,7 +26,7 @@ Symmetry = tuple[Perm, Perm]  # (request permutation, label permutation)
 
 # the fields the renaming below handles, per class
 KNOWN_FIELDS: dict[type, tuple[str, ...]] = {
-    State: ("free", "streams", "host", "current", "staged", "offloads"),
+    State: ("free", "streams", "host", "current", "staged", "offloads", "leases"),
     Stream: ("pages", "stored_len", "contents", "in_flight", "offload", "retrieve"),
     Pending: ("step", "phase", "marks", "undo", "fresh", "forked"),
     Step: ("segments", "pre_forks", "post_forks", "padded", "commit"),
@@ -91,7 +91,7 @@ def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
     offloads = tuple(sorted([
         (rp[r], tuple(sorted([(lp[lb], n) for lb, n in o.claimed])),
          tuple(sorted([lp[lb] for lb in o.copied])), o.touched) for r, o in s.offloads]))
-    return (s.free, streams, host, cur, staged, offloads)
+    return (s.free, streams, host, cur, staged, offloads, tuple(sorted([rp[r] for r in s.leases])))
 
 
 def plain(obj: object) -> object:
@@ -186,4 +186,5 @@ def rename(s: State, rp: Perm, lp: Perm, n_labels: int) -> State:
             (rp[r], Offload(tuple(sorted((lp[lb], n) for lb, n in o.claimed)),
                             frozenset(lp[lb] for lb in o.copied), o.touched))
             for r, o in s.offloads)),
+        leases=tuple(sorted(rp[r] for r in s.leases)),
     )

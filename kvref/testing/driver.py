@@ -31,6 +31,8 @@ from kvref import (
     KVReqConfig,
     KVStep,
     Offload,
+    PublishedKVInfo,
+    PublishRefused,
     Segment,
     StepContext,
     TransferEngineInfo,
@@ -68,6 +70,10 @@ class DriverConfig:
 
 # the KVRefError kinds an injected fault surfaces as: a fault, not a misuse
 FAULTS = frozenset({"ForkCopyError", "ReloadCopyError", "OffloadCopyError"})
+# refusal reasons that latch on the stream: the model's `Latched`, not `Refused`
+LATCHED = frozenset({"RetrieveStale"})
+# how far LeaseTimeout moves the clock: past every deadline taken so far
+LEASE_S = 60.0
 
 
 class InjectedCopyFault(OSError):
@@ -85,7 +91,7 @@ class Driver:
             num_layers=2, num_kv_heads=1, head_dim=2, max_seq_len=256,
             max_num_pages=scope.device_pages + 1,  # + the sink
             page_size=scope.page_size, num_qo_heads=1,
-            cpu_offload_pages=scope.host_pages,
+            cpu_offload_pages=scope.host_pages, publish_lease_s=LEASE_S,
         )
         self.kv = self.config.factory(
             cfg=self.cfg, name="kv", joint_comm_group=None,
@@ -329,16 +335,38 @@ class Driver:
 
     def _Publish(self, a: m.Publish) -> m.Result:
         info = self.kv.publish(rid_name(a.rid))
-        if info is None:
-            return m.Published(())
+        if isinstance(info, PublishRefused):
+            return m.Refused(type(info.reason).__name__)
         return m.Published(tuple(sorted(
             (m.LABEL_NAMES.index(label), s.seq_len) for label, s in info.get(0).items()
         )))
 
+    def _ReleasePublished(self, a: m.ReleasePublished) -> m.Result:
+        self.kv.release_published(rid_name(a.rid))
+        return m.Ok()
+
+    def _LeaseTimeout(self, a: m.LeaseTimeout) -> m.Result:
+        self.runtime.advance(LEASE_S)
+        return m.Ok()
+
+    def published(self, a: m.RetrieveStart) -> PublishedKVInfo | None:
+        """What the engine hands `admit_retrieve`: None for length 0 (nothing
+        published); for a stale one, a publication whose source then moved on
+        (released, and reset: its generation bumped, as a reuse would)."""
+        if not a.length:
+            return None
+        rid = rid_name(a.rid)
+        src = self.publisher(a.rid, a.label, a.length)
+        info = src.publish(rid)
+        assert isinstance(info, PublishedKVInfo), info
+        if a.stale:
+            src.release_published(rid)
+            src.reset_request(rid)
+        return info
+
     def _RetrieveStart(self, a: m.RetrieveStart) -> m.Result:
         rid, label = rid_name(a.rid), label_name(a.label)
-        # length 0: nothing published, the engine hands in None
-        info = self.publisher(a.rid, a.label, a.length).publish(rid) if a.length else None
+        info = self.published(a)
         transfer = self.kv._transfer
         if a.start_error:
             def broken(**kwargs: Any) -> None:
@@ -437,10 +465,12 @@ class Driver:
             rid = int(rname[1:])
             mine = model_state.offload_of(rid)
             offloads.append((rid, mine if mine is not None else m.Offload(())))
+        with kv._lock:
+            leases = tuple(sorted(int(r[1:]) for r in kv._table.leases.leased()))
         return m.State(
             free=kv.num_free_pages, streams=tuple(sorted(streams.items())),
             host=tuple(sorted(host)), current=model_state.current, staged=model_state.staged,
-            offloads=tuple(sorted(offloads)),
+            offloads=tuple(sorted(offloads)), leases=leases,
         )
 
     def check_host_lengths(self, model_state: m.State) -> None:
@@ -566,6 +596,8 @@ def outcome(out: AdmitOutcome) -> m.Result:
     if not out.ok:
         assert out.reason is not None
         kind = type(out.reason).__name__
+        if kind in LATCHED:
+            return m.Latched(kind)
         short = getattr(out.reason, "pages_short", 0) if kind == "AllocationFailed" else 0
         return m.Refused(kind, short)
     return m.Ok() if out.ready else m.NotReady()

@@ -94,8 +94,10 @@ def careless(model: m.Model, s: m.State) -> st.SearchStrategy[m.Action]:
         st.builds(m.OffloadCommit, rid), st.builds(m.OffloadAbandon, rid),
         st.builds(m.Reload, rid, st.booleans()),
         st.builds(m.Publish, rid),
-        st.builds(m.RetrieveStart, rid, label, st.integers(0, sc.max_span), st.booleans()),
+        st.builds(m.RetrieveStart, rid, label, st.integers(0, sc.max_span), st.booleans(),
+                  st.booleans()),
         st.builds(m.Reset, rid, st.booleans()), st.builds(m.Remove, rid),
+        st.builds(m.ReleasePublished, rid), st.just(m.LeaseTimeout()),
     )
 
 
@@ -106,6 +108,8 @@ def fault_name(action: m.Action) -> str | None:
             return f"{type(action).__name__} (fault)"
     if isinstance(action, m.RetrieveComplete) and not action.ok:
         return "RetrieveComplete (failed)"
+    if isinstance(action, m.RetrieveStart) and action.stale:
+        return "RetrieveStart (stale)"
     return None
 
 
@@ -307,6 +311,25 @@ class Lockstep(RuleBasedStateMachine):
         assert isinstance(a, m.RetrieveStart)
         self.run(m.RetrieveStart(a.rid, a.label, a.length, start_error=True))
 
+    @precondition(lambda self: self.has(m.RetrieveStart))
+    @rule(data=st.data())
+    def retrieve_stale(self, data: st.DataObject) -> None:
+        """The peer changed, gave back or reused what it published before the
+        copy started: refused and latched, nothing copied (R35)."""
+        a = self.draw_enabled(data, m.RetrieveStart)
+        assert isinstance(a, m.RetrieveStart)
+        self.run(m.RetrieveStart(a.rid, a.label, max(a.length, 1), stale=True))
+
+    @precondition(lambda self: self.has(m.ReleasePublished))
+    @rule(data=st.data())
+    def release_published(self, data: st.DataObject) -> None:
+        self.run(self.draw_enabled(data, m.ReleasePublished))
+
+    @precondition(lambda self: self.has(m.LeaseTimeout))
+    @rule()
+    def lease_timeout(self) -> None:
+        self.run(m.LeaseTimeout())
+
     @precondition(lambda self: self.has(m.OffloadCommit))
     @rule(data=st.data())
     def offload_commit(self, data: st.DataObject) -> None:
@@ -418,6 +441,8 @@ class Lockstep(RuleBasedStateMachine):
         for k, v in self.state.streams:
             if v.retrieve == m.PENDING:
                 self.run(m.RetrieveComplete(k[0], k[1], ok=True))
+        for rid in self.state.leases:
+            self.run(m.ReleasePublished(rid))
         for rid in sorted(self.state.requests()):
             self.run(m.Remove(rid))
         self.agrees_with_model()
@@ -450,7 +475,8 @@ def run_lockstep(config: DriverConfig, scope: m.Scope = SCOPE,
     run_state_machine_as_test(Lockstep, settings=run_settings)
     if (run_settings or settings()).database is None:
         faults = {"OffloadCopy (fault)", "RetrieveComplete (failed)", "Plan (fault)",
-                  "Commit (fault)", "Reload (fault)", "RetrieveStart (fault)"}
+                  "Commit (fault)", "Reload (fault)", "RetrieveStart (fault)",
+                  "RetrieveStart (stale)"}
         never = ({t.__name__ for t in m.ACTIONS} | faults) - set(RULES)
         if never:
             raise AssertionError(f"actions never exercised: {sorted(never)}")

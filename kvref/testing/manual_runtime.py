@@ -36,6 +36,13 @@ class ManualRuntime:
         self.pending: list[_Task] = []
         self.checkpoints: list[str] = []
         self.deferred = 0  # completions a blocking wait brought about
+        self.clock = 0.0  # what `monotonic` answers: moved by `advance` only
+
+    def monotonic(self) -> float:
+        return self.clock
+
+    def advance(self, seconds: float) -> None:
+        self.clock += seconds
 
     def lock(self) -> AbstractContextManager[Any]:
         return threading.RLock()

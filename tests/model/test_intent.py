@@ -94,8 +94,11 @@ def calls(text: str) -> list[m.Action]:
         elif verb in ("retrieve", "land", "fail"):
             where, _, n = args[0].partition("=")
             r, lb = stream(where)
-            out.append(m.RetrieveStart(r, lb, int(n), start_error=fault) if verb == "retrieve"
+            out.append(m.RetrieveStart(r, lb, int(n), start_error=fault,
+                                       stale="stale" in args[1:]) if verb == "retrieve"
                        else m.RetrieveComplete(r, lb, ok=verb == "land"))
+        elif verb == "lease-timeout":
+            out.append(m.LeaseTimeout())
         else:
             assert rid is not None, call
             simple: dict[str, m.Action] = {
@@ -103,7 +106,7 @@ def calls(text: str) -> list[m.Action]:
                 "offload-commit": m.OffloadCommit(rid), "abandon": m.OffloadAbandon(rid),
                 "reload": m.Reload(rid, copy_error=fault), "publish": m.Publish(rid),
                 "reset": m.Reset(rid, free=False), "reset-free": m.Reset(rid, free=True),
-                "remove": m.Remove(rid),
+                "remove": m.Remove(rid), "release": m.ReleasePublished(rid),
             }
             out.append(simple[verb])
     return out
@@ -115,8 +118,9 @@ def result(text: str) -> m.Result:
         return m.Ok()
     if kind == "not-ready":
         return m.NotReady()
-    if kind in ("refused", "misuse", "fault"):
-        return {"refused": m.Refused, "misuse": m.Misuse, "fault": m.Fault}[kind](arg)
+    if kind in ("refused", "misuse", "fault", "latched"):
+        return {"refused": m.Refused, "misuse": m.Misuse, "fault": m.Fault,
+                "latched": m.Latched}[kind](arg)
     if kind == "flag":
         return m.Flag(arg == "true")
     if kind == "freed":
@@ -146,7 +150,7 @@ def test_scenario(sid: str, scenario: str, expected: str) -> None:
 
 
 @pytest.mark.parametrize(("rule", "sid"), [("R20", "S5"), ("R22", "S30"), ("R24", "S9"),
-                                           ("R21", "S35")])
+                                           ("R21", "S35"), ("R33", "S48"), ("R35", "S52")])
 def test_a_model_that_drifts_from_intent_fails(rule: str, sid: str) -> None:
     """The table catches a model that agrees with a defect: each rule switched
     off (the model kvref once matched) fails the row that traces to it."""

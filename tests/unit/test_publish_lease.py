@@ -1,0 +1,292 @@
+"""publish is a lease (R33, R34); stale publications fail latched (R35); publish
+answers typed refusals (R36); admit_retrieve routes without a graph (R37)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+from _manager_fixtures import Driver, assert_same, check_conservation, fill, make_cfg, snapshot
+
+from kvref import (
+    AdmitOutcome,
+    AdmitRuntimeError,
+    KVConfig,
+    KVManager,
+    PublishedKVInfo,
+    PublishLeasedError,
+    PublishRefused,
+    RequestOffloading,
+    RetrieveInProgress,
+    RetrieveStale,
+    TransferEngineInfo,
+)
+from kvref.config import KVReqConfig
+from kvref.errors import (
+    InvalidArgumentError,
+    InvalidConfigError,
+    PublishedInfoError,
+    UnknownRequestError,
+)
+from kvref.testing.manual_runtime import ManualRuntime
+from kvref.transfer import StaleSourceError
+
+LEASE_S = 30.0
+
+
+def manager(runtime: ManualRuntime, lease_s: float | None = None, cpu_pages: int = 0
+            ) -> KVManager:
+    cfg = dataclasses.replace(make_cfg(pages=16, page_size=4, cpu_pages=cpu_pages),
+                              publish_lease_s=lease_s)
+    return KVManager(cfg, "kv", None, TransferEngineInfo(), "cpu", dtype=torch.float32,
+                     runtime=runtime)
+
+
+@pytest.fixture
+def rt() -> ManualRuntime:
+    return ManualRuntime()
+
+
+@pytest.fixture
+def src(rt: ManualRuntime) -> Iterator[tuple[KVManager, Driver]]:
+    mgr = manager(rt, LEASE_S, cpu_pages=8)
+    drv = Driver(mgr)
+    drv.ingest("r")
+    fill(drv, "r", 10)
+    fill(drv, "r", 3, "cfg")
+    yield mgr, drv
+    mgr.cleanup()
+
+
+@pytest.fixture
+def dst(rt: ManualRuntime) -> Iterator[KVManager]:
+    mgr = manager(rt)
+    yield mgr
+    rt.complete_all()
+    mgr.cleanup()
+
+
+def published(mgr: KVManager, rid: str) -> PublishedKVInfo:
+    info = mgr.publish(rid)
+    assert isinstance(info, PublishedKVInfo), info
+    return info
+
+
+# -- R33: the lease pins -----------------------------------------------------------------
+
+
+def test_lease_refuses_offload_reset_remove_and_changes_nothing(src) -> None:  # type: ignore[no-untyped-def]
+    mgr, _ = src
+    published(mgr, "r")
+    before = snapshot(mgr)
+    assert mgr.begin_offload("r") is None
+    assert mgr.offload("r") == 0
+    for call in (lambda: mgr.reset_request("r"), lambda: mgr.reset_request("r", free=True),
+                 lambda: mgr.remove_request("r")):
+        with pytest.raises(PublishLeasedError, match=r"'r'.*release_published"):
+            call()
+    assert_same(before, snapshot(mgr))
+    check_conservation(mgr)
+
+
+def test_release_ends_the_lease(src) -> None:  # type: ignore[no-untyped-def]
+    mgr, _ = src
+    published(mgr, "r")
+    mgr.release_published("r")
+    mgr.release_published("r")  # idempotent
+    assert mgr.offload("r") > 0
+    assert mgr.reload("r")
+    mgr.remove_request("r")
+    mgr.release_published("r")  # gone: still a no-op, the consumer cannot tell
+    assert not mgr.has_request("r")
+
+
+def test_lease_expires_on_the_runtime_clock(src, rt) -> None:  # type: ignore[no-untyped-def]
+    mgr, _ = src
+    published(mgr, "r")
+    rt.advance(LEASE_S - 1)
+    with pytest.raises(PublishLeasedError):
+        mgr.remove_request("r")
+    rt.advance(1)
+    mgr.remove_request("r")
+    assert not mgr.has_request("r")
+
+
+def test_republish_renews_one_lease_and_is_idempotent(src, rt) -> None:  # type: ignore[no-untyped-def]
+    mgr, _ = src
+    first = published(mgr, "r")
+    rt.advance(LEASE_S - 1)
+    again = published(mgr, "r")  # unchanged request: the same info, deadline moved
+    assert again.get(0) == first.get(0) and again.request_id == first.request_id == "r"
+    rt.advance(LEASE_S - 1)
+    with pytest.raises(PublishLeasedError):
+        mgr.reset_request("r")
+    mgr.release_published("r")  # one release ends it, however many publishes
+    mgr.reset_request("r")
+
+
+def test_no_timeout_by_default(rt) -> None:  # type: ignore[no-untyped-def]
+    mgr = manager(rt)
+    mgr.ingest_request("r")
+    published(mgr, "r")
+    rt.advance(1e9)
+    with pytest.raises(PublishLeasedError):
+        mgr.remove_request("r")
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "5"])
+def test_lease_timeout_config_checked(bad: object) -> None:
+    with pytest.raises(InvalidConfigError, match="publish_lease_s"):
+        dataclasses.replace(make_cfg(), publish_lease_s=bad)
+
+
+def test_steps_still_run_on_a_leased_request(src) -> None:  # type: ignore[no-untyped-def]
+    mgr, drv = src
+    info = published(mgr, "r")
+    fill(drv, "r", 2)  # a decode on the publisher: allowed, and bumps the generation
+    drv.check("r")
+    assert mgr._streams["r"]["main"].generation != info.get(0)["main"].generation
+
+
+# -- R35: stale publications ------------------------------------------------------------
+
+
+def test_stale_publication_is_refused_and_latched(src, dst) -> None:  # type: ignore[no-untyped-def]
+    mgr, _ = src
+    info = published(mgr, "r")
+    mgr.release_published("r")
+    mgr.reset_request("r")  # the pages the info names are free for reuse now
+    dst.ingest_request("r")
+    free = dst.num_free_pages
+    out = dst.admit_retrieve("r", published=info)
+    assert not out.ok and isinstance(out.reason, RetrieveStale)
+    assert isinstance(out.reason, AdmitRuntimeError)  # terminal, as every latched failure
+    assert dst.num_free_pages == free and dst.stored_len("r") == 0  # nothing taken, copied
+    # latched (I11): every later readiness check says so, until reset
+    later = dst.admit_retrieve("r")
+    assert not later.ok and isinstance(later.reason, AdmitRuntimeError)
+    dst.reset_request("r")
+    assert dst.admit_retrieve("r") == AdmitOutcome(ok=True, ready=True)
+
+
+def test_removed_publisher_stream_is_stale(src, dst) -> None:  # type: ignore[no-untyped-def]
+    mgr, _ = src
+    info = published(mgr, "r")
+    mgr.release_published("r")
+    mgr.remove_request("r")
+    dst.ingest_request("r")
+    out = dst.admit_retrieve("r", published=info)
+    assert not out.ok and isinstance(out.reason, RetrieveStale)
+
+
+def test_publisher_change_during_the_copy_fails_it_latched(src, dst, rt) -> None:  # type: ignore[no-untyped-def]
+    mgr, drv = src
+    info = published(mgr, "r")
+    dst.ingest_request("r")
+    out = dst.admit_retrieve("r", "n", "w", info)
+    assert out.ok and not out.ready  # the copy is queued on the runtime
+    fill(drv, "r", 1)  # the publisher's stream moves before the copy runs
+    rt.complete_all()
+    later = dst.admit_retrieve("r", "n", "w", info)
+    assert not later.ok and isinstance(later.reason, AdmitRuntimeError)
+    assert isinstance(dst._streams["r"]["main"].read_error, StaleSourceError)
+
+
+def test_fresh_publication_copies(src, dst, rt) -> None:  # type: ignore[no-untyped-def]
+    mgr, drv = src
+    dst.ingest_request("r")
+    out = dst.admit_retrieve("r", published=published(mgr, "r"))
+    assert out.ok and not out.ready
+    rt.complete_all()
+    assert dst.admit_retrieve("r").ready
+    assert torch.equal(dst.read_stream("r"), drv.expected("r"))
+    assert torch.equal(dst.read_stream("r", "cfg"), drv.expected("r", "cfg"))
+    mgr.release_published("r")
+    mgr.remove_request("r")
+
+
+def test_hand_built_info_is_unchecked(src, dst, rt) -> None:  # type: ignore[no-untyped-def]
+    """No generation, no request id: nothing to check against, as before R35."""
+    mgr, drv = src
+    info = published(mgr, "r")
+    main = dataclasses.replace(info.get(0)["main"], generation=None)
+    bare = PublishedKVInfo(info={0: {"main": main}})
+    dst.ingest_request("r")
+    assert dst.admit_retrieve("r", published=bare).ok
+    rt.complete_all()
+    assert torch.equal(dst.read_stream("r"), drv.expected("r"))
+
+
+# -- R36: typed publish answers -------------------------------------------------------------
+
+
+def test_publish_of_an_offloaded_request_is_a_typed_refusal(src, dst) -> None:  # type: ignore[no-untyped-def]
+    mgr, _ = src
+    assert mgr.offload("r") > 0
+    before = snapshot(mgr)
+    got = mgr.publish("r")
+    assert isinstance(got, PublishRefused) and isinstance(got.reason, RequestOffloading)
+    assert not got and got.reason.request_id == "r"
+    assert_same(before, snapshot(mgr))
+    mgr.remove_request("r")  # a refused publish took no lease
+    dst.ingest_request("r")
+    with pytest.raises(PublishedInfoError, match=r"publish was refused.*RequestOffloading"):
+        dst.admit_retrieve("r", published=got)  # type: ignore[arg-type]
+    assert dst.stored_len("r") == 0
+
+
+def test_publish_while_receiving_or_failed(src, dst, rt) -> None:  # type: ignore[no-untyped-def]
+    mgr, _ = src
+    dst.ingest_request("r")
+    dst.admit_retrieve("r", published=published(mgr, "r"))
+    got = dst.publish("r")
+    assert isinstance(got, PublishRefused) and isinstance(got.reason, RetrieveInProgress)
+    for fut in [s.read_future for s in dst._streams["r"].values() if s.read_future]:
+        rt.complete(fut, ok=False)
+    got = dst.publish("r")
+    assert isinstance(got, PublishRefused) and isinstance(got.reason, AdmitRuntimeError)
+
+
+def test_publish_unknown_request_raises(dst) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(UnknownRequestError, match="'nope'"):
+        dst.publish("nope")
+
+
+# -- R37: routes ------------------------------------------------------------------------------
+
+
+def test_no_route_retrieves_every_published_label(src, dst, rt) -> None:  # type: ignore[no-untyped-def]
+    """The forked request arrives with cfg too, and is ready only once both landed."""
+    mgr, drv = src
+    info = published(mgr, "r")
+    dst.ingest_request("r")  # default routing: main only, which a route would keep to
+    out = dst.admit_retrieve("r", published=info)
+    assert out.ok and not out.ready
+    assert sorted(dst.labels("r")) == ["cfg", "main"]
+    futs = {label: s.read_future for label, s in dst._streams["r"].items()}
+    assert all(f is not None for f in futs.values())
+    rt.complete(futs["main"])  # type: ignore[arg-type]
+    assert not dst.admit_retrieve("r").ready  # cfg still copying
+    rt.complete(futs["cfg"])  # type: ignore[arg-type]
+    assert dst.admit_retrieve("r").ready
+    assert torch.equal(dst.read_stream("r", "cfg"), drv.expected("r", "cfg"))
+
+
+def test_a_route_still_routes(src, dst, rt) -> None:  # type: ignore[no-untyped-def]
+    mgr, _ = src
+    dst.ingest_request("r", KVReqConfig(labels={("n", "w"): ("main",)}))
+    out = dst.admit_retrieve("r", "n", "w", published(mgr, "r"))  # positional, as the reference
+    assert out.ok and dst.labels("r") == ["main"]
+
+
+def test_half_a_route_raises(dst) -> None:  # type: ignore[no-untyped-def]
+    dst.ingest_request("r")
+    with pytest.raises(InvalidArgumentError, match="graph_walk"):
+        dst.admit_retrieve("r", "n")
+
+
+def test_config_default_is_none() -> None:
+    assert KVConfig(num_layers=1, num_kv_heads=1, head_dim=1, max_seq_len=8, max_num_pages=2,
+                    page_size=1, num_qo_heads=1).publish_lease_s is None
