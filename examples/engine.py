@@ -474,10 +474,15 @@ def main() -> None:
     for r in reqs:
         for label, toks in r.out.items():
             print(f"{r.rid:>6} {label:<4} prompt {len(r.prompt):>2} -> {toks}")
-    print(stats)
-    print(f"device pages free at the end: {engine.kv.num_free_pages} of "
+    s = stats
+    print(f"{s.steps} steps, {s.mixed_steps} of them a prefill chunk beside decodes; "
+          f"{s.preemptions} preemptions ({s.pages_offloaded} pages offloaded), "
+          f"{s.reloads} reloads; {s.forks} fork")
+    print(f"{s.verify_steps} speculative verify steps: {s.accepted} of {s.drafted} drafted "
+          f"tokens accepted, truncate freed {s.pages_truncated} pages")
+    print(f"{s.transfers} disaggregated prefill, {s.leases_released} lease released; "
+          f"device pages free at the end: {engine.kv.num_free_pages} of "
           f"{engine.kv.config.max_num_pages - 1}")
-
 
 if __name__ == "__main__":
     main()

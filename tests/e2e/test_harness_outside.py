@@ -127,7 +127,12 @@ def test_model_check_runs_outside_the_checkout(installed: Installed) -> None:
     small = installed.run(sys.executable, "-m", "model.check", "--depth", "2", "--workers", "1",
                           "--quiet")
     assert small.returncode == 0, small.stdout + small.stderr
-    assert "states" in small.stdout
+    assert small.stdout.splitlines()[-1].startswith("CHECK PASSED: "), small.stdout[-500:]
+    # the reference manager's rules break an invariant within four calls
+    broken = installed.run(sys.executable, "-m", "model.check", "--depth", "4", "--workers",
+                           "1", "--quiet", "--model", "reference")
+    assert broken.returncode == 1, broken.stdout[-2000:] + broken.stderr
+    assert broken.stdout.splitlines()[-1].startswith("CHECK FAILED: invariant ")
 
 
 def test_harness_passes_a_correct_subclass(installed: Installed) -> None:
