@@ -170,6 +170,7 @@ class KVManager(LayerIO):
         """
         validate.request_id(rid, "reset_request")
         self._refuse_if_in_flight(rid, "reset")
+        self._refuse_if_leased(rid, "reset")  # before the drain: a misuse changes nothing
         while True:
             # in-flight retrieves write into these pages: drain them before
             # the pages can be reused, outside the lock (a transfer does not
@@ -208,6 +209,7 @@ class KVManager(LayerIO):
         if rid not in self._streams:
             return
         self._refuse_if_in_flight(rid, "remove")
+        self._refuse_if_leased(rid, "remove")
         while True:
             self._drain_reads(rid)
             with self._lock:
@@ -509,6 +511,10 @@ class KVManager(LayerIO):
                         f"{what} while a step is in flight; commit it first",
                         request_id=rid, label=label,
                     )
+
+    def _refuse_if_leased(self, rid: str, what: str) -> None:
+        with self._lock:
+            self._table.leases.refuse(rid, what)
 
     def _drain_reads(self, rid: str) -> None:
         # the streams are read under the lock (R32), the wait is outside it

@@ -20,6 +20,7 @@ from model.core import (
     OFFLOADED,
     PENDING,
     PLANNED,
+    RESIDENT,
     WRITTEN,
     Action,
     Admit,
@@ -95,7 +96,9 @@ def calls(m: Model, s: State) -> Iterator[Action]:
     every other plain admit is the same `StepInFlightError` (R23); with a
     preplan staged, every other admit the same `PreplanPendingError`; a step
     over a request never ingested is `UnknownRequestError` before anything
-    else; a fault flag on a call that runs no such copy changes nothing.
+    else; a fault flag on a call that runs no such copy changes nothing, and
+    neither does a stale flag on a retrieve an earlier rule answers; releasing a
+    request not leased is one no-op, whichever request it names.
     """
     sc = m.scope
     every = list(range(sc.requests))
@@ -144,12 +147,20 @@ def calls(m: Model, s: State) -> Iterator[Action]:
             for n in range(sc.max_span + 1):
                 yield RetrieveStart(r, label, n)
             yield RetrieveStart(r, label, sc.max_span, start_error=True)
-            yield RetrieveStart(r, label, sc.max_span, stale=True)
+            v = st.get((r, label))
+            if r in ingested and (v is None or (v.retrieve == IDLE and not v.in_flight
+                                                and v.offload == RESIDENT)):
+                # elsewhere an earlier rule answers, as for the same call not stale
+                yield RetrieveStart(r, label, sc.max_span, stale=True)
         yield Reset(r, free=False)
         yield Reset(r, free=True)
         yield Remove(r)
-        yield ReleasePublished(r)
-    yield LeaseTimeout()
+        if r in s.leases:
+            yield ReleasePublished(r)
+    # a release of a request not leased is one no-op whichever request it names
+    yield ReleasePublished(next((r for r in every if r not in s.leases), 0))
+    if s.leases:  # with nothing leased, the clock passing a deadline changes nothing
+        yield LeaseTimeout()
 
 
 def enabled(m: Model, s: State) -> Iterator[Action]:

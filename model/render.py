@@ -16,6 +16,8 @@ from model.core import (
     Flag,
     Freed,
     Ingest,
+    Latched,
+    LeaseTimeout,
     Misuse,
     NotReady,
     OffloadAbandon,
@@ -27,6 +29,7 @@ from model.core import (
     Publish,
     Published,
     Refused,
+    ReleasePublished,
     Reload,
     Remove,
     Reset,
@@ -73,6 +76,8 @@ def show(r: Result) -> str:
         return f"refused {r.kind}" + (f" (pages_short={r.pages_short})" if r.pages_short else "")
     if isinstance(r, Misuse):
         return f"raises {r.kind}"
+    if isinstance(r, Latched):
+        return f"refused {r.kind}, latched"
     if isinstance(r, Claimed):
         return f"claimed {[lname(x) for x in r.labels]}" if r.labels else "claim refused (None)"
     if isinstance(r, (Freed, Flag)):
@@ -218,4 +223,8 @@ def to_pytest(trace: Trace, scope: Scope, name: str = "test_model_trace") -> str
             w(f"{pre}mgr.reset_request({q(rname(a.rid))}, free={a.free})")
         elif isinstance(a, Remove):
             w(f"{pre}mgr.remove_request({q(rname(a.rid))})")
+        elif isinstance(a, ReleasePublished):
+            w(f"    mgr.release_published({q(rname(a.rid))})")
+        elif isinstance(a, LeaseTimeout):
+            w("    pytest.skip('needs a runtime whose clock the test moves (ManualRuntime)')")
     return "\n".join(L) + "\n"

@@ -465,8 +465,8 @@ class Driver:
             rid = int(rname[1:])
             mine = model_state.offload_of(rid)
             offloads.append((rid, mine if mine is not None else m.Offload(())))
-        with kv._lock:
-            leases = tuple(sorted(int(r[1:]) for r in kv._table.leases.leased()))
+        # read as the rest of this read-back is: the checks run between calls
+        leases = tuple(sorted(int(r[1:]) for r in kv._table.leases.leased()))
         return m.State(
             free=kv.num_free_pages, streams=tuple(sorted(streams.items())),
             host=tuple(sorted(host)), current=model_state.current, staged=model_state.staged,

@@ -22,6 +22,7 @@ from kvref.forks import ForkFailed, Forks
 from kvref.manager import KVManager
 from kvref.plan import KVPlanState, PagedIndptrs
 from kvref.testing.lockstep import Lockstep
+from kvref.transfer import KVTransferManager
 from tests.support.sched_planted import claim_ignores_marks
 
 
@@ -189,6 +190,23 @@ def _claim_ignores_in_flight(stack: ExitStack) -> None:
     stack.enter_context(claim_ignores_marks())
 
 
+def _remove_ignores_the_lease(mp: pytest.MonkeyPatch) -> None:  # issue 10
+    orig = KVManager.remove_request
+
+    def bad(self: KVManager, rid: str) -> None:
+        self._table.leases.release(rid)  # as if remove never heard of the peer
+        orig(self, rid)
+
+    mp.setattr(KVManager, "remove_request", bad)
+
+
+def _retrieve_skips_the_generation_check(mp: pytest.MonkeyPatch) -> None:  # issue 10
+    # the registry lookup "cannot tell", before the copy and in it: the stale
+    # publication is copied as if it were current
+    mp.setattr(KVTransferManager, "source_current",
+               staticmethod(lambda remote, rid, label, generation: None))
+
+
 def _patched(mutant: Callable[[pytest.MonkeyPatch], None]) -> Callable[[ExitStack], None]:
     return lambda stack: mutant(stack.enter_context(pytest.MonkeyPatch.context()))
 
@@ -211,6 +229,9 @@ MUTANTS: dict[str, Callable[[ExitStack], None]] = {
         _offload_copy_does_not_wait_for_read),
     "e: a promoted preplan keeps stale view generations": _patched(
         _promoted_preplan_keeps_stale_generations),
+    "lease: remove ignores the lease": _patched(_remove_ignores_the_lease),
+    "lease: a retrieve skips the generation check": _patched(
+        _retrieve_skips_the_generation_check),
 }
 
 

@@ -326,7 +326,8 @@ class StepOp:
 
 @dataclass(frozen=True)
 class Op:
-    """Any other thread's call: offload / reload / reset / remove / ingest / retrieve."""
+    """Any other thread's call: offload / reload / reset / remove / ingest / retrieve /
+    publish / release (release_published)."""
 
     kind: str
     rid: int
@@ -536,6 +537,11 @@ class Harness:
             lin.call(m.Remove(op.rid), lambda: d.apply(m.Remove(op.rid)), last=True)
         elif op.kind == "ingest":
             lin.call(m.Ingest(op.rid), lambda: d.apply(m.Ingest(op.rid)))
+        elif op.kind == "publish":
+            lin.call(m.Publish(op.rid), lambda: d.apply(m.Publish(op.rid)))
+        elif op.kind == "release":
+            a_rel = m.ReleasePublished(op.rid)
+            lin.call(a_rel, lambda: d.apply(a_rel))
         elif op.kind == "retrieve":
             info = self.published[(op.rid, op.label, op.n)]
 

@@ -102,7 +102,7 @@ def test_begin_copy_commit_phases() -> None:
     out = mgr.admit(KVStep([Segment("a", "main", 1)]), StepContext(("a",)))
     assert not out.ok and isinstance(out.reason, RequestOffloading)
     assert not mgr.reload("a")  # R6
-    assert mgr.publish("a") is None  # R13 while claimed
+    assert not mgr.publish("a")  # R13 while claimed (a falsy PublishRefused, R36)
     assert off.copy("main")
     assert not mgr.reload("a")  # R6, with a host copy already made
     with pytest.raises(OffloadStateError):
@@ -115,11 +115,11 @@ def test_begin_copy_commit_phases() -> None:
     with pytest.raises(OffloadStateError):
         off.commit()
     assert mgr.reclaimable("a") == 0
-    assert mgr.publish("a") is None  # R13 once offloaded
+    assert not mgr.publish("a")  # R13 once offloaded
     assert mgr.reload("a")
     drv.check("a")
     drv.check("a", "cfg")
-    assert mgr.publish("a") is not None
+    assert mgr.publish("a")
 
 
 def test_abandon_discards_host_copies() -> None:

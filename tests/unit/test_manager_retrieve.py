@@ -101,6 +101,7 @@ def test_world_size_mismatch_refused(pair) -> None:  # type: ignore[no-untyped-d
 def test_self_retrieve_skipped(pair) -> None:  # type: ignore[no-untyped-def]
     src, _drv, _dst = pair
     pub = src.publish("r")
+    src.release_published("r")  # publish leased it (R33)
     src.reset_request("r")  # shorter than published: a real retrieve would copy
     before = snapshot(src)
     out = src.admit_retrieve("r", "n", "w", pub)
@@ -165,9 +166,10 @@ def test_admit_retrieve_unknown_request(pair) -> None:  # type: ignore[no-untype
 
 def test_publish_unknown_and_none() -> None:
     mgr = make_manager()
-    assert mgr.publish("nope") is None
+    with pytest.raises(UnknownRequestError):  # R36: it was None
+        mgr.publish("nope")
     mgr.ingest_request("a")
-    assert mgr.admit_retrieve("a", "n", "w", None).ready
+    assert mgr.admit_retrieve("a", "n", "w", None).ready  # R29: a readiness check
 
 
 def test_retrieve_into_stream_with_step_in_flight(pair) -> None:  # type: ignore[no-untyped-def]

@@ -290,3 +290,16 @@ def test_half_a_route_raises(dst) -> None:  # type: ignore[no-untyped-def]
 def test_config_default_is_none() -> None:
     assert KVConfig(num_layers=1, num_kv_heads=1, head_dim=1, max_seq_len=8, max_num_pages=2,
                     page_size=1, num_qo_heads=1).publish_lease_s is None
+
+
+def test_a_refused_reset_does_not_drain(src, dst, rt) -> None:  # type: ignore[no-untyped-def]
+    """A leased request that is also receiving a retrieve: the refused reset
+    and remove leave the retrieve running (a misuse changes nothing, I10)."""
+    mgr, _ = src
+    dst.ingest_request("r")
+    published(dst, "r")  # dst leases its (empty) request to a third manager
+    assert dst.admit_retrieve("r", published=published(mgr, "r")).ok  # then receives
+    for call in (lambda: dst.reset_request("r"), lambda: dst.remove_request("r")):
+        with pytest.raises(PublishLeasedError):
+            call()
+    assert rt.pending and rt.deferred == 0
