@@ -101,10 +101,14 @@ class StreamUnavailableError(KVRefError):
     """A call that needs a settled, resident stream met one that is not: an
     offload claims it or holds it on the host, or a retrieve is still copying
     into it or failed (reset or remove the request)."""
+
+
 class PublishLeasedError(KVRefError):
     """A call that would take or change pages a `publish` leased to a peer
-    (reset, remove): release it first (`release_published`), or let it
+    (reset, remove, truncate): release it first (`release_published`), or let it
     expire (`KVConfig.publish_lease_s`)."""
+
+
 class PreplanStaleError(KVRefError):
     """The staged preplan was built over a running step that did not commit as
     admitted (a stream it shares holds another length): promotion refused,

@@ -214,7 +214,7 @@ def _parser() -> _Parser:
                      help="no progress lines on stderr (states, states/s, depth, queue, memory)")
     out.add_argument("--conformance", action="store_true",
                      help="instead, replay every reachable state and every call on kvref "
-                     "(needs kvref and the repository's tests/ importable)")
+                     "(needs kvref installed with its testing extra)")
     return ap
 
 
@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         print(exhaustive.summary(result))
         for failure in result.failures:
             print("MISMATCH", failure)
+        print(f"CONFORMANCE FAILED: {len(result.failures)} mismatches" if result.failures
+              else "CONFORMANCE PASSED: kvref agreed with the model on every call")
         return 1 if result.failures else 0
     rep = Report()
     with contextlib.ExitStack() as stack:
@@ -279,7 +281,22 @@ def main(argv: list[str] | None = None) -> int:
         else:
             with open(o.json, "w") as f:
                 f.write(doc + "\n")
+    # the last line, for whoever reads only that; stderr when stdout is the JSON
+    print(verdict(rep), file=sys.stderr if o.json == "-" else sys.stdout)
     return 1 if rep.violations else 0
+
+
+def verdict(rep: Report) -> str:
+    if rep.violations:
+        ids = ", ".join(sorted(rep.violations))
+        return f"CHECK FAILED: invariant {ids} violated (traces above)"
+    vacuous = [i for i in inv.INVARIANT_IDS
+               if i not in inv.NOT_IN_MODEL and not rep.interesting[i]]
+    holes = [c.__name__ for c in ACTIONS if not rep.fired[c.__name__]]
+    gaps = "".join([f"; never arose: {', '.join(vacuous)}" if vacuous else "",
+                    f"; never fired: {', '.join(holes)}" if holes else "",
+                    "" if rep.complete else "; stopped early"])
+    return f"CHECK PASSED: {rep.states} states, no invariant violated{gaps}"
 
 
 if __name__ == "__main__":

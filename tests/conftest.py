@@ -25,15 +25,9 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("kvref")
-    group.addoption("--kvref-device", default="cpu", help="device the managers under test use")
-    group.addoption("--kvref-dtype", default="float32", help="cache dtype (float32, bfloat16)")
-    group.addoption(
-        "--kvref-factory", default=None,
-        help="module:function building the manager under test (same arguments as KVManager)",
-    )
+# --kvref-device, --kvref-dtype, --kvref-factory and the driver_config fixture:
+# the plugin engine teams run the harness with
+pytest_plugins = ["kvref.testing.plugin"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

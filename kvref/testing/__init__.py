@@ -1,4 +1,10 @@
 """The verification harness kvref is tested with, shipped for engine teams:
 the lockstep machine (`lockstep.run_lockstep`), the conformance driver
-(`driver.DriverConfig`, whose factory builds the manager under test) and the
-exhaustive replay (`exhaustive.check_scope`). Needs the ``testing`` extra."""
+(`driver.DriverConfig`, whose factory builds the manager under test), the
+exhaustive replay (`exhaustive.check_scope`), a pytest plugin for the
+``--kvref-*`` options (`plugin`) and ready-made tests over them (`suite`):
+
+    pytest -p kvref.testing.plugin --pyargs kvref.testing.suite \\
+        --kvref-factory mypkg.mod:make_manager
+
+Needs the ``testing`` extra (``pip install 'kvref[testing]'``)."""

@@ -1,0 +1,488 @@
+"""A small continuous-batching engine on kvref's public API.
+
+A random-weight Llama (built from a local ``LlamaConfig``: nothing is
+downloaded) generates greedily for a handful of requests that arrive over
+time. Every step is one packed forward over every scheduled request, with
+kvref's page table keeping them apart. What it shows, each counted in
+`Stats` and printed at the end:
+
+- chunked prefill mixed with decode: a long prompt goes in ``chunk`` tokens a
+  step, in the same forward as other requests' decode tokens;
+- preemption: the device pool is small; when ``admit`` refuses with
+  ``AllocationFailed``, the youngest scheduled request is offloaded to host
+  memory (``offload``), and reloaded (``reload``) once pages are free;
+- parallel sampling: a request asks for two samples; once its prompt is in,
+  a fork step copies its ``main`` stream onto ``s1`` (forks apply to every
+  request in ``padded_request_ids``, so that step pads only this request),
+  and ``s1`` continues from the runner-up first token;
+- a speculative verify step: a draft model (the target with perturbed
+  weights) proposes tokens; one step computes them all, commits them, and
+  ``truncate`` cuts the stream back to the accepted prefix;
+- disaggregated prefill: a second manager (the prefill worker) computes a
+  prompt, ``publish`` leases its pages, the decode manager copies them with
+  ``admit_retrieve`` and, once the copy landed, the lease is released with
+  ``release_published``.
+
+Run it: ``python examples/engine.py``. ``tests/e2e/test_example_engine.py``
+checks every sample's tokens against transformers' ``generate``.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import AttentionMaskInterface
+
+from kvref import (
+    AllocationFailed,
+    KVConfig,
+    KVManager,
+    KVPlanOutput,
+    KVStep,
+    Segment,
+    StepContext,
+    TransferEngineInfo,
+)
+from kvref.attention import PagedAttention
+from kvref.published import PublishRefused
+
+ATTN_NAME = "kvref_example_engine"
+VOCAB = 128
+MAIN, SAMPLE = "main", "s1"
+
+
+# -- the model and kvref's attention inside it ------------------------------------
+
+
+@dataclass
+class Forward:
+    """What one forward's attention layers need (passed down as a model kwarg)."""
+
+    manager: KVManager
+    attention: PagedAttention
+
+
+def kvref_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: torch.Tensor | None,
+                    scaling: float | None = None, dropout: float = 0.0,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Write this layer's new K/V into the step's slots, attend over the pages.
+
+    ``query: [1, Hq, T, D]``, ``key/value: [1, Hkv, T, D]``, RoPE applied. The
+    mask is ignored: the page table says who attends to what.
+    """
+    fwd: Forward = kwargs["kvref"]
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    fwd.manager.write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), layer_idx=layer)
+    out = fwd.attention.run(query[0].transpose(0, 1), fwd.manager.layer_view(layer))
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_NAME, kvref_attention)
+AttentionMaskInterface.register(ATTN_NAME, lambda *args, **kwargs: None)
+
+
+def build_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        # wider than the default: greedy picks then win by margins far above
+        # float32 noise, so a paged forward and a dense one pick the same
+        initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    cfg._attn_implementation = "eager"
+    model = LlamaForCausalLM(cfg)
+    model.train(False)  # inference: no dropout
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def build_draft(model: LlamaForCausalLM, noise: float = 0.02, seed: int = 1) -> LlamaForCausalLM:
+    """A stand-in for a small draft model: the target, weights perturbed, so it
+    agrees with the target often but not always."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen))
+    return draft
+
+
+@contextmanager
+def attn_implementation(model: LlamaForCausalLM, name: str) -> Iterator[None]:
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
+# -- requests and what the engine did ----------------------------------------------
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    max_new: int
+    arrival: int  # the engine step it arrives at
+    samples: int = 1  # 2: parallel sampling, a second stream forked from main
+    speculative: bool = False
+    disaggregated: bool = False  # prefilled on the prefill worker's manager
+    out: dict[str, list[int]] = field(default_factory=dict)  # label -> tokens
+    state: str = "new"  # new, transferring, running, swapped, done
+    published: Any = None  # the prefill worker's publication, until it landed
+    runner_up: int = -1  # the second-best first token: the second sample's start
+
+    def labels(self) -> list[str]:
+        return list(self.out) or [MAIN]
+
+    def prefilled(self, kv: KVManager) -> bool:
+        return kv.stored_len(self.rid) >= len(self.prompt)
+
+    def finished(self) -> bool:
+        return bool(self.out) and all(len(t) >= self.max_new for t in self.out.values()) and (
+            len(self.out) == self.samples)
+
+
+@dataclass
+class Stats:
+    steps: int = 0
+    mixed_steps: int = 0  # a prefill chunk and a decode in one forward
+    preemptions: int = 0
+    pages_offloaded: int = 0
+    reloads: int = 0
+    forks: int = 0
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    pages_truncated: int = 0
+    transfers: int = 0
+    leases_released: int = 0
+
+
+@dataclass
+class Work:
+    """One (request, label) segment of a step: the tokens it feeds."""
+
+    req: Request
+    label: str
+    tokens: list[int]
+    draft: list[int] = field(default_factory=list)  # speculative tokens among them
+
+
+class Engine:
+    """Continuous batching over a decode manager, plus a prefill worker's manager."""
+
+    def __init__(self, model: LlamaForCausalLM, draft: LlamaForCausalLM | None = None, *,
+                 page_size: int = 4, device_pages: int = 16, chunk: int = 4,
+                 draft_len: int = 3) -> None:
+        self.model = model
+        self.draft = draft
+        self.chunk = chunk
+        self.draft_len = draft_len
+        self.kv = self._manager("decode", page_size, device_pages)
+        self.prefill_kv = self._manager("prefill", page_size, 64)
+        self.stats = Stats()
+        self.requests: list[Request] = []
+
+    def _manager(self, name: str, page_size: int, pages: int) -> KVManager:
+        mc = self.model.config
+        cfg = KVConfig(
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.num_key_value_heads or mc.num_attention_heads,
+            head_dim=mc.hidden_size // mc.num_attention_heads, max_seq_len=256,
+            max_num_pages=pages + 1,  # + the sink page
+            page_size=page_size, num_qo_heads=mc.num_attention_heads, cpu_offload_pages=64,
+        )
+        return KVManager(cfg, name, None, TransferEngineInfo(), torch.device("cpu"),
+                         torch.float32)
+
+    # -- the loop ---------------------------------------------------------------
+
+    def run(self, requests: list[Request], max_steps: int = 500) -> Stats:
+        self.requests = requests
+        with torch.no_grad(), attn_implementation(self.model, ATTN_NAME):
+            while not all(r.state == "done" for r in requests):
+                if self.stats.steps >= max_steps:
+                    raise RuntimeError(f"no progress after {max_steps} steps")
+                self.arrive()
+                self.land_transfers()
+                self.reload_swapped()
+                work = self.schedule()
+                if work:
+                    self.step(work)
+                    self.finish()
+                elif any(r.state == "transferring" for r in requests):
+                    time.sleep(0.001)  # only copies in flight: wait for them
+                self.stats.steps += 1
+        return self.stats
+
+    def arrive(self) -> None:
+        for r in self.requests:
+            if r.state == "new" and r.arrival <= self.stats.steps:
+                if r.disaggregated:
+                    self.prefill_remotely(r)
+                else:
+                    self.kv.ingest_request(r.rid)
+                    r.state = "running"
+
+    def schedule(self) -> list[Work]:
+        """Every running request, oldest first: a prefill chunk, a decode token
+        per sample, or a verify step of drafted tokens."""
+        work: list[Work] = []
+        for r in self.running():
+            if not r.prefilled(self.kv):
+                done = self.kv.stored_len(r.rid)
+                work.append(Work(r, MAIN, r.prompt[done:done + self.chunk]))
+                continue
+            for label, toks in r.out.items():
+                if len(toks) >= r.max_new:
+                    continue
+                draft = self.propose(r, label)
+                work.append(Work(r, label, [toks[-1], *draft], draft))
+        return work
+
+    def running(self) -> list[Request]:
+        return sorted((r for r in self.requests if r.state == "running"),
+                      key=lambda r: r.arrival)
+
+    def step(self, work: list[Work]) -> None:
+        work, step, ctx = self.admit(work)
+        plan = self.kv.plan(step, ctx)[MAIN]
+        logits, rows = self.forward(self.kv, plan, {(w.req.rid, w.label): w for w in work})
+        self.kv.commit(step, ctx)
+        self.stats.mixed_steps += any(not w.req.out for w in work) and any(w.req.out for w in work)
+        for w in work:
+            self.sample(w, logits[rows[(w.req.rid, w.label)]])
+        # after every sample: a fork may preempt a request sampled in this step
+        for r in {w.req.rid: w.req for w in work}.values():
+            if r.samples == 2 and r.out and SAMPLE not in r.out:
+                self.fork(r)
+                r.out[SAMPLE] = [r.runner_up]
+
+    def admit(self, work: list[Work]) -> tuple[list[Work], KVStep, StepContext]:
+        """Admit the step, preempting the youngest scheduled request while the
+        device is short of pages; returns the work that was admitted, as a step."""
+        while True:
+            step, ctx = self._step_of(work)
+            outcome = self.kv.admit(step, ctx)
+            if outcome.ok:
+                return work, step, ctx
+            if not isinstance(outcome.reason, AllocationFailed):
+                raise RuntimeError(f"admit refused: {outcome.reason}")
+            victims = sorted({w.req.rid: w.req for w in work}.values(), key=lambda r: r.arrival)
+            if len(victims) < 2:
+                raise RuntimeError(f"{victims[0].rid} alone does not fit: {outcome.reason}")
+            if self.kv.reclaimable(victims[-1].rid):
+                self.preempt(victims[-1])
+            # else it holds nothing yet: it simply waits for a later step
+            work = [w for w in work if w.req is not victims[-1]]
+
+    @staticmethod
+    def _step_of(work: list[Work]) -> tuple[KVStep, StepContext]:
+        # one forward for every label: plan them as one batch under "main"
+        labels = sorted({w.label for w in work}, key=[MAIN, SAMPLE].index)
+        step = KVStep(segments=[Segment(w.req.rid, w.label, len(w.tokens)) for w in work],
+                      combined_labels=[labels] if len(labels) > 1 else ())
+        return step, StepContext(padded_request_ids=sorted({w.req.rid for w in work}))
+
+    def forward(self, kv: KVManager, plan: KVPlanOutput, work: dict[tuple[str, str], Work],
+                ) -> tuple[torch.Tensor, dict[tuple[str, str], slice]]:
+        """One packed forward in the plan's row order (label-major, as planned)."""
+        attn = PagedAttention.from_config(kv.config, backend="torch",
+                                          sm_scale=self.model.model.layers[0].self_attn.scaling)
+        attn.plan(plan)
+        ids: list[int] = []
+        pos: list[int] = []
+        rows: dict[tuple[str, str], slice] = {}
+        for view in plan.views:
+            w = work[(view.request_id, view.label)]
+            assert view.to_compute == len(w.tokens)
+            start = view.length - view.to_compute  # the stream's length before this step
+            rows[(view.request_id, view.label)] = slice(len(ids), len(ids) + len(w.tokens))
+            ids += w.tokens
+            pos += range(start, view.length)
+        logits = self.model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
+                            use_cache=False, kvref=Forward(kv, attn)).logits[0]
+        return logits, rows
+
+    def sample(self, w: Work, logits: torch.Tensor) -> None:
+        r = w.req
+        if not r.out:
+            if r.prefilled(self.kv):
+                self.first_tokens(r, logits[-1])
+            return
+        if not w.draft:
+            r.out[w.label].append(int(logits[-1].argmax()))
+            return
+        # verify: row i predicts the token after tokens[i]; keep the drafted
+        # tokens the target agrees with, then the target's own next token
+        target = logits.argmax(-1).tolist()
+        accepted = 0
+        while accepted < len(w.draft) and w.draft[accepted] == target[accepted]:
+            accepted += 1
+        r.out[w.label] += target[:accepted + 1]
+        keep = self.kv.stored_len(r.rid, w.label) - (len(w.draft) - accepted)
+        self.stats.pages_truncated += self.kv.truncate(r.rid, w.label, keep)
+        self.stats.verify_steps += 1
+        self.stats.drafted += len(w.draft)
+        self.stats.accepted += accepted
+
+    def first_tokens(self, r: Request, last: torch.Tensor) -> None:
+        top = last.topk(2).indices.tolist()
+        r.out[MAIN] = [top[0]]
+        r.runner_up = top[1]  # where a second sample starts
+
+    def fork(self, r: Request) -> None:
+        """Copy main onto the second sample's stream. A fork applies to every
+        padded request, so this step pads only ``r``."""
+        step = KVStep(segments=[], pre_forks=[(MAIN, SAMPLE)])
+        ctx = StepContext(padded_request_ids=[r.rid])
+        outcome = self.kv.admit(step, ctx)
+        while not outcome.ok:
+            others = [o for o in self.running() if o is not r]
+            if not others or not isinstance(outcome.reason, AllocationFailed):
+                raise RuntimeError(f"fork of {r.rid} refused: {outcome.reason}")
+            self.preempt(others[-1])
+            outcome = self.kv.admit(step, ctx)
+        self.kv.plan(step, ctx)
+        self.kv.commit(step, ctx)
+        self.stats.forks += 1
+
+    def propose(self, r: Request, label: str) -> list[int]:
+        """Drafted tokens for ``r``'s next verify step; none for a plain decode."""
+        remaining = r.max_new - len(r.out[label])
+        k = min(self.draft_len, remaining - 1)
+        if not r.speculative or self.draft is None or k <= 0:
+            return []
+        context = r.prompt + r.out[label]
+        drafted: list[int] = []
+        for _ in range(k):
+            logits = self.draft(torch.tensor([context + drafted]), use_cache=False).logits
+            drafted.append(int(logits[0, -1].argmax()))
+        return drafted
+
+    # -- preemption -------------------------------------------------------------
+
+    def preempt(self, r: Request) -> None:
+        freed = self.kv.offload(r.rid)
+        if freed == 0:
+            raise RuntimeError(f"offload of {r.rid} freed nothing")
+        r.state = "swapped"
+        self.stats.preemptions += 1
+        self.stats.pages_offloaded += freed
+
+    def reload_swapped(self) -> None:
+        """Bring preempted requests back, oldest first, while the device has
+        room for them and a step's growth of everything running."""
+        ps = self.kv.config.page_size
+        for r in sorted((r for r in self.requests if r.state == "swapped"),
+                        key=lambda r: r.arrival):
+            need = sum(-(-self.kv.stored_len(r.rid, lb) // ps) + 1 for lb in r.labels())
+            headroom = sum(len(o.labels()) for o in self.running())
+            if self.kv.num_free_pages < need + headroom or not self.kv.reload(r.rid):
+                return
+            r.state = "running"
+            self.stats.reloads += 1
+
+    # -- disaggregated prefill --------------------------------------------------
+
+    def prefill_remotely(self, r: Request) -> None:
+        """The prefill worker computes the prompt and publishes it; the decode
+        manager starts copying it (ready once it landed)."""
+        pkv = self.prefill_kv
+        pkv.ingest_request(r.rid)
+        step = KVStep(segments=[Segment(r.rid, MAIN, len(r.prompt))])
+        ctx = StepContext(padded_request_ids=[r.rid])
+        outcome = pkv.admit(step, ctx)
+        if not outcome.ok:
+            raise RuntimeError(f"prefill worker refused {r.rid}: {outcome.reason}")
+        plan = pkv.plan(step, ctx)[MAIN]
+        logits, _ = self.forward(pkv, plan, {(r.rid, MAIN): Work(r, MAIN, r.prompt)})
+        pkv.commit(step, ctx)
+        r.out[MAIN] = [int(logits[-1].argmax())]
+        published = pkv.publish(r.rid)  # leased: the worker keeps these pages until released
+        if isinstance(published, PublishRefused):
+            raise RuntimeError(f"publish of {r.rid} refused: {published.reason}")
+        r.published = published
+        self.kv.ingest_request(r.rid)
+        r.state = "transferring"
+        self.start_transfer(r)
+
+    def start_transfer(self, r: Request) -> None:
+        outcome = self.kv.admit_retrieve(r.rid, published=r.published)
+        if not outcome.ok and not isinstance(outcome.reason, AllocationFailed):
+            raise RuntimeError(f"retrieve of {r.rid} refused: {outcome.reason}")
+        if outcome.ok:
+            r.published = None  # started: later calls only check readiness
+
+    def land_transfers(self) -> None:
+        for r in self.requests:
+            if r.state != "transferring":
+                continue
+            if r.published is not None:  # the decode side had no room yet
+                self.start_transfer(r)
+                continue
+            outcome = self.kv.admit_retrieve(r.rid)  # a readiness check
+            if not outcome.ok:
+                raise RuntimeError(f"retrieve of {r.rid} failed: {outcome.reason}")
+            if outcome.ready:
+                # the copy landed: end the lease, then the worker may drop it
+                self.prefill_kv.release_published(r.rid)
+                self.prefill_kv.remove_request(r.rid)
+                r.state = "running"
+                self.stats.transfers += 1
+                self.stats.leases_released += 1
+
+    def finish(self) -> None:
+        for r in self.requests:
+            if r.state == "running" and r.finished():
+                self.kv.remove_request(r.rid)
+                r.state = "done"
+
+
+def demo_requests(max_new: int = 10, seed: int = 1) -> list[Request]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(1, VOCAB, (n,), generator=gen).tolist()
+
+    return [
+        Request("long", prompt(17), max_new, arrival=0),  # prefilled in chunks
+        Request("pair", prompt(5), max_new, arrival=0, samples=2),
+        Request("spec", prompt(11), max_new, arrival=1, speculative=True),
+        Request("remote", prompt(8), max_new, arrival=2, disaggregated=True),
+        Request("late", prompt(13), max_new, arrival=4),
+    ]
+
+
+def main() -> None:
+    model = build_model()
+    engine = Engine(model, build_draft(model))
+    reqs = demo_requests()
+    stats = engine.run(reqs)
+    for r in reqs:
+        for label, toks in r.out.items():
+            print(f"{r.rid:>6} {label:<4} prompt {len(r.prompt):>2} -> {toks}")
+    s = stats
+    print(f"{s.steps} steps, {s.mixed_steps} of them a prefill chunk beside decodes; "
+          f"{s.preemptions} preemptions ({s.pages_offloaded} pages offloaded), "
+          f"{s.reloads} reloads; {s.forks} fork")
+    print(f"{s.verify_steps} speculative verify steps: {s.accepted} of {s.drafted} drafted "
+          f"tokens accepted, truncate freed {s.pages_truncated} pages")
+    print(f"{s.transfers} disaggregated prefill, {s.leases_released} lease released; "
+          f"device pages free at the end: {engine.kv.num_free_pages} of "
+          f"{engine.kv.config.max_num_pages - 1}")
+
+if __name__ == "__main__":
+    main()
