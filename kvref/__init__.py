@@ -31,6 +31,7 @@ from kvref.errors import (
     StepInFlightError,
     StepNotAdmittedError,
     StepOrderError,
+    StreamUnavailableError,
     UnknownRequestError,
 )
 from kvref.host_pool import CPUPagePool
@@ -134,6 +135,7 @@ __all__ = [
     "StepInFlightError",
     "StepNotAdmittedError",
     "StepOrderError",
+    "StreamUnavailableError",
     "ThreadingRuntime",
     "TransferEngineInfo",
     "UnknownRequestError",
