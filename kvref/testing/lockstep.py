@@ -399,16 +399,24 @@ class Lockstep(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork_over_the_batch(self, data: st.DataObject) -> None:
         """A forked step padded to every ready request, run whole: some padded
-        requests lack the source label, some already hold the target (R20)."""
+        requests lack the source label, some already hold the target (R20).
+        Its fork copy may raise: a fault over a target that already holds
+        tokens is what shows a torn target (R26), and the general fault rule
+        reaches that pairing too rarely once the other rules share the draws."""
         step = data.draw(steps(self.model, self.state, self.ready()))
         pair = data.draw(st.tuples(st.integers(0, self.scope.labels - 1),
                                    st.integers(0, self.scope.labels - 1)).filter(
             lambda p: p[0] != p[1]), label="fork")
         post = data.draw(st.booleans(), label="post-fork")
+        fault = data.draw(st.booleans(), label="fork copy raises")
         step = m.Step(step.segments, () if post else (pair,), (pair,) if post else (),
                       tuple(self.ready()), step.commit)
         self.run(m.Admit(step))
-        for action in (m.Plan(), m.Write(), m.Commit()):
+        if self.state.current is not None:
+            self.run(m.Plan(fork_error=fault and not post))
+        if self.state.current is not None and self.state.current.phase == m.ADMITTED:
+            self.run(m.Plan())  # a fork fault at plan leaves it admitted: plan again (R26)
+        for action in (m.Write(), m.Commit(fork_error=fault and post)):
             if self.state.current is not None:
                 self.run(action)
         self.agrees_with_model()
