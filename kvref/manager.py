@@ -11,8 +11,13 @@ manager:
   stages slot-leased addressing for CUDA graphs;
 - `kvref.offload_phases`: an offload's claim, copy, commit and abandon
   (the `kvref.offload.Offload` handle drives them), and reload;
-- `kvref.retrieval`: publish and retrieve between managers;
-- `kvref.layer_io`: what attention layers call between plan and commit.
+- `kvref.retrieval`: publish and retrieve between managers, under a lease
+  (`kvref.lease`); `kvref.truncation` cuts a stream back to a prefix.
+
+The public calls of three mechanisms are mixins over the same state:
+`kvref.layer_io` (what attention layers call between plan and commit),
+`kvref.eviction_calls` (offload, reload and their queries) and
+`kvref.transfer_calls` (publish, release, retrieve).
 
 Every read-modify-write of stream bookkeeping happens under ``_lock`` (from
 `kvref.runtime`, so the concurrency tests can schedule it). Blocking work —
@@ -34,6 +39,7 @@ from kvref.base import CGSlotSpec, EngineResourceInfo
 from kvref.cache import KVCache
 from kvref.config import KVConfig, KVReqConfig, KVSpec
 from kvref.errors import KVRefError, StepInFlightError
+from kvref.eviction_calls import EvictionCalls
 from kvref.forks import Forks
 from kvref.graph_staging import GraphStaging
 from kvref.host_pool import CPUPagePool
@@ -41,10 +47,7 @@ from kvref.layer_io import LayerIO
 from kvref.lease import LeaseTable
 from kvref.offload import Offload
 from kvref.offload_phases import HostOffload
-from kvref.outcomes import HostPoolView, OffloadOutcome, OffloadReason, ReloadOutcome, ReloadReason
-from kvref.page_needs import step_pages
 from kvref.plan import SINK_PAGE, KVPlanOutputs, KVPlanState
-from kvref.published import PublishedKVInfo, PublishRefused
 from kvref.rank_check import check_free_pages_agree
 from kvref.retrieval import Retrieval
 from kvref.running_step import RunningStep, StagedPreplan
@@ -54,11 +57,12 @@ from kvref.stepping import Stepping
 from kvref.stream_table import StreamTable
 from kvref.streams import CacheStream
 from kvref.transfer import KVTransferManager, TransferEngineInfo, allocate_cache_tensor
+from kvref.transfer_calls import TransferCalls
 
 if TYPE_CHECKING:
     from kvref.distributed import JointGroups
 
-class KVManager(LayerIO):
+class KVManager(EvictionCalls, TransferCalls, LayerIO):
     """Pages, streams and steps of one KV cache (see the module docstring)."""
 
     def __init__(
@@ -357,133 +361,6 @@ class KVManager(LayerIO):
                 raise KVRefError("stream is offloaded; reload it to read", request_id=rid,
                                  label=label)
             return self.kv_cache.gather_stream(stream.page_indices, stream.stored_len)
-
-    # -- eviction to host ----------------------------------------------------
-
-    @property
-    def supports_eviction(self) -> bool:
-        return self._cpu_pool is not None
-
-    def is_offloaded(self, rid: str) -> bool:
-        """True from the moment an offload claims the request, not only once
-        its pages are on the host: admission and the victim filter must not
-        schedule, or pick again, a request already on its way out."""
-        if self._cpu_pool is None:
-            return False
-        with self._lock:
-            return any(s.offloaded for s in self._streams.get(rid, {}).values())
-
-    def begin_offload(self, rid: str) -> Offload | None:
-        """Claim every stream of ``rid`` that holds pages; None if refused or nothing to claim.
-
-        Refused for the whole request while any of its streams is in flight
-        (R4): a step already holds addressing into these pages; and while its
-        publication is leased (R33): a peer may be copying them.
-        """
-        validate.request_id(rid, "begin_offload")
-        claimed = self._host_offload.claim(rid) if self._host_offload is not None else None
-        return claimed if isinstance(claimed, Offload) else None
-
-    def offload_outcome(self, rid: str) -> OffloadOutcome:
-        """`offload`, with the labels moved and kept and why not all (R44)."""
-        validate.request_id(rid, "offload")
-        if self._host_offload is None:
-            return OffloadOutcome(reason=OffloadReason.NO_HOST_POOL)
-        return self._host_offload.offload(rid, self.begin_offload)
-
-    def offload(self, rid: str) -> int:
-        """Move ``rid``'s streams to the host; device pages freed (`offload_outcome`: why)."""
-        return self.offload_outcome(rid).pages_freed
-
-    def reload_outcome(self, rid: str) -> ReloadOutcome:
-        """`reload`, with the pages taken, or why nothing moved (R44)."""
-        validate.request_id(rid, "reload")
-        if self._host_offload is None:
-            return ReloadOutcome(reason=ReloadReason.NO_HOST_POOL)
-        return self._host_offload.reload(rid)
-
-    def reload(self, rid: str) -> bool:
-        """Bring ``rid``'s offloaded streams back, all or none (`reload_outcome`: why not)."""
-        return self.reload_outcome(rid).reloaded
-
-    def reload_pages_needed(self, rid: str) -> int:
-        """Device pages `reload` would take now; 0 if it would refuse but for room (R46)."""
-        validate.request_id(rid, "reload_pages_needed")
-        return self._host_offload.reload_pages_needed(rid) if self._host_offload else 0
-
-    def pages_needed(self, step: KVStep, ctx: StepContext) -> int:
-        """New device pages `admit` would take now, forks included; changes nothing (R46)."""
-        validate.step(step, ctx)
-        with self._lock:
-            return step_pages(self._table, step, ctx, self.config.max_seq_len)
-
-    def host_pool(self) -> HostPoolView:
-        """Host pages: capacity, free, used; all 0 without a pool (R46)."""
-        return self._cpu_pool.view() if self._cpu_pool is not None else HostPoolView()
-
-    def reclaimable(self, rid: str) -> int:
-        """Device pages the request holds; 0 once offloaded."""
-        with self._lock:
-            return sum(len(s.page_indices) for s in self._streams.get(rid, {}).values())
-
-    def get_offload_priority(self, rid: str) -> float:
-        """Higher: offload first; the pages a claim takes now, 0 if it is refused (R45)."""
-        validate.request_id(rid, "get_offload_priority")
-        return float(self._host_offload.priority(rid)) if self._host_offload else 0.0
-
-    # -- KV transfer between managers ----------------------------------------
-
-    def publish(self, request_id: str) -> PublishedKVInfo | PublishRefused:
-        """What another manager needs to retrieve this request's KV, leased.
-
-        The pages it names are pinned until `release_published` or the lease
-        timeout (`KVConfig.publish_lease_s`): meanwhile `begin_offload` and
-        `offload` refuse (None, 0) and `reset_request` and `remove_request`
-        raise `PublishLeasedError` (R33). Publishing again renews the lease and
-        stamps the generations now (R34). Each stream's generation travels
-        with it: a retrieve of pages changed since is refused, latched (R35).
-        A falsy `PublishRefused` when any stream is off the device
-        (`RequestOffloading`), still receiving a retrieve
-        (`RetrieveInProgress`) or holds a failed one (`AdmitRuntimeError`):
-        its pages do not hold what its length counts (R36). Raises
-        `UnknownRequestError` for a request not ingested or removed.
-        """
-        validate.request_id(request_id, "publish")
-        return self._retrieval.publish(request_id)
-
-    def release_published(self, request_id: str) -> None:
-        """End the lease `publish` took: the peer copied what it needed (R34).
-
-        Idempotent, also for a request whose lease expired or that is gone: the
-        consumer cannot tell those from a lease it still holds.
-        """
-        validate.request_id(request_id, "release_published")
-        self._retrieval.release_published(request_id)
-
-    def admit_retrieve(
-        self,
-        rid: str,
-        node_name: str | None = None,
-        graph_walk: str | None = None,
-        published: PublishedKVInfo | None = None,
-    ) -> AdmitOutcome:
-        """Start copying what another manager published; ready once it landed.
-
-        ``node_name``/``graph_walk`` route the labels through the request's
-        `KVReqConfig` (the reference's call); without them (an engine without a
-        graph) every published label is retrieved, and readiness covers every
-        label (R37). ``published=None`` is a readiness check that starts
-        nothing (R29). ``ok=True, ready=False`` while a copy runs; a failed
-        copy is latched and reported on every later call (I11) until reset or
-        removal, and so is a publication whose pages changed since publish
-        (`RetrieveStale`, R35). A `PublishRefused` raises `PublishedInfoError`.
-        """
-        validate.request_id(rid, "admit_retrieve")
-        if node_name is not None or graph_walk is not None:
-            validate.label(node_name, "admit_retrieve", rid, what="node_name")
-            validate.label(graph_walk, "admit_retrieve", rid, what="graph_walk")
-        validate.published(published, rid, self._rank)
-        return self._retrieval.admit_retrieve(rid, node_name, graph_walk, published)
 
     # -- checks and teardown ---------------------------------------------------
 

@@ -4,7 +4,7 @@ catch, and check that the tests named for it fail; the clean tree passes them.
     python tests/unit/_plant_validate.py [WORD]   # from the repository root; WORD: only
                                                   # the plants whose name holds it
 
-Each plant runs in a scratch copy of kvref/ and tests/ (the tree is not touched).
+Each plant runs in a scratch copy of kvref/, model/ and tests/ (the tree is not touched).
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ PLANTS: list[tuple[str, str, str, str, list[str]]] = [
      "stream.offloaded or stream.read_future is not None",
      [f"{PATHS}::test_each_stream_that_may_refuse_is_ruled_as_in_general"]),
     ("plain admission counts a page short", "kvref/admission.py",
-     "short = -(-(stream.stored_len + span) // page_size)",
-     "short = -(-(stream.stored_len + span - 1) // page_size)",
+     "short = -(-end // page_size) - len(stream.page_indices)",
+     "short = -(-(end - 1) // page_size) - len(stream.page_indices)",
      [f"{PATHS}::test_plain_pass_answers_as_the_general_rules"]),
     ("plain admission skips max_seq_len", "kvref/admission.py",
      "        if end >= max_seq_len:\n", "        if False:\n",
@@ -128,7 +128,7 @@ def main() -> int:
                 continue
             tree = Path(tmp) / "tree"
             shutil.rmtree(tree, ignore_errors=True)
-            for part in ("kvref", "tests", "pyproject.toml"):
+            for part in ("kvref", "model", "tests", "pyproject.toml"):
                 src = ROOT / part
                 if src.is_dir():
                     shutil.copytree(src, tree / part)

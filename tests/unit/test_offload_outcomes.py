@@ -18,7 +18,7 @@ from _manager_fixtures import Driver, assert_same, check_conservation, fill, mak
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvref.manager
+import kvref.eviction_calls
 import kvref.offload_phases
 from kvref import (
     HostPoolView,
@@ -419,14 +419,14 @@ def test_plant_priority_of_in_flight_is_caught() -> None:
 
 def test_plant_pages_needed_without_forks_is_caught() -> None:
     """pages_needed counting only the segments, as a plain step's admit would."""
-    orig = kvref.manager.step_pages
+    orig = kvref.eviction_calls.step_pages
 
     def bad(table: object, step: KVStep, ctx: StepContext, max_seq_len: int) -> int:
         return orig(table, replace(step, pre_forks=(), post_forks=()), ctx,  # type: ignore[arg-type]
                     max_seq_len)
 
     caught = []
-    with planted(kvref.manager, "step_pages", bad):
+    with planted(kvref.eviction_calls, "step_pages", bad):
         for name, step, ctx in step_cases():
             try:
                 check_pages_needed(_setup(pages=20)[0], step, ctx)
