@@ -405,6 +405,7 @@ class Driver:
         finally:
             if a.start_error:
                 del transfer.start_async_retrieve
+
     def publisher(self, rid: int, label: int, length: int) -> KVManager:
         """Another manager holding ``length`` retrieved tokens of (rid, label)."""
         cfg = KVConfig(

