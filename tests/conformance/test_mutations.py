@@ -323,11 +323,16 @@ BUDGET = settings(
 
 # the first round's six run nightly (CI's 15 minutes); each blind spot's in CI
 FIRST_ROUND = {name for name in MUTANTS if ":" not in name}
+# found by lockstep only past the CI budget (a fork fault of the running step
+# under a staged preplan is rare among ~30 rules); in CI the unit test
+# test_overlap_preplan.py::test_promotion_refuses_a_preplan_the_running_step_did_not_leave
+# fails on it
+NIGHTLY_ONLY = FIRST_ROUND | {"overlap: promotion skips the committed-as-admitted check"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.nightly) if name in FIRST_ROUND else name
+    pytest.param(name, marks=pytest.mark.nightly) if name in NIGHTLY_ONLY else name
     for name in sorted(MUTANTS)])
 def test_lockstep_finds_mutant(name: str) -> None:
     with ExitStack() as stack:
