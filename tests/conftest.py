@@ -30,6 +30,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 pytest_plugins = ["kvref.testing.plugin"]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # before collection: Hypothesis's draws depend on which of the project's
+    # modules are loaded (tests/support/preload.py)
+    from tests.support.preload import preload
+
+    preload()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # nightly tests run only when asked for by marker
     if "nightly" in (config.getoption("-m") or ""):
