@@ -55,7 +55,13 @@ from kvref.plan import (
     build_paged_indptrs,
     group_by_plan_label,
 )
-from kvref.published import KVSequenceInfo, PublishedKVInfo, PublishRefused, RetrieveStale
+from kvref.published import (
+    KVSequenceInfo,
+    PublishedKVInfo,
+    PublishRefused,
+    RetrieveStale,
+    UnknownRequest,
+)
 from kvref.runtime import Runtime, ThreadingRuntime, default_runtime, set_default_runtime
 from kvref.step import (
     ADMIT_OK,
@@ -138,6 +144,7 @@ __all__ = [
     "StreamUnavailableError",
     "ThreadingRuntime",
     "TransferEngineInfo",
+    "UnknownRequest",
     "UnknownRequestError",
     "ViewRows",
     "build_paged_indptrs",

@@ -15,7 +15,7 @@ still copying, an offloaded stream, and last the page count.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -27,6 +27,7 @@ from kvref.step import (
     AdmitRuntimeError,
     AllocationFailed,
     KVStep,
+    PublishLeased,
     RequestOffloading,
     RetrieveInProgress,
     StepContext,
@@ -91,12 +92,10 @@ def validate_step(table: Table, step: KVStep, padded: tuple[str, ...]) -> None:
             raise InvalidStepError("stream appears twice in one step", request_id=rid,
                                    label=label)
         seen.add((rid, label))
+    # with or without forks: a padded id the manager does not know (R40)
+    validate.padded_known(padded, table)
     forks = (*step.pre_forks, *step.post_forks)
     if forks:
-        for rid in padded:
-            if rid not in table:
-                raise UnknownRequestError("padded request is unknown (never ingested, or "
-                                          "removed)", request_id=rid)
         if not padded:
             # R25: a fork applies to each padded request; with none it would
             # do nothing, silently
@@ -133,6 +132,21 @@ def refusal(table: Table, keys: Mapping[Key, None]) -> AdmitFailedReason | None:
     return failed or pending or offloading
 
 
+def leased_fork_target(table: Table, step: KVStep, padded: tuple[str, ...],
+                       leased: Callable[[str], bool]) -> PublishLeased | None:
+    """R50: a fork onto an existing stream of a leased request overwrites, in
+    place, pages a peer may be copying; across processes nothing else tells
+    the peer, so the fork waits for the lease to end."""
+    for _, to_label in (*step.pre_forks, *step.post_forks):
+        for rid in padded:
+            if to_label in table[rid] and leased(rid):
+                return PublishLeased(
+                    message=f"a fork onto {rid!r}/{to_label!r}, whose publication a peer "
+                            "still holds: retry after release_published or the lease's end",
+                    request_id=rid, label=to_label)
+    return None
+
+
 # One named stream and what its admit takes: the request id, the request's
 # streams, the label, the stream (None: the admit creates it, R16) and the
 # pages it is short (none when <= 0)
@@ -157,11 +171,12 @@ def settle(claims: list[Claim], new_pages: int, first_short: Key | None,
     return Grant(claims, new_pages)
 
 
-def plain_grant(table: Table, step: KVStep, page_size: int, free: int,
-                max_seq_len: int) -> Grant | AdmitFailedReason:
+def plain_grant(table: Table, step: KVStep, page_size: int, free: int, max_seq_len: int,
+                *, padded: tuple[str, ...] = ()) -> Grant | AdmitFailedReason:
     """`validate.step_lengths`, `validate_step`, `refusal` and `reserve` of a
     step with no forks and no combined labels: each segment's stream grows by
-    its span.
+    its span. ``padded``: the step's ``ctx.padded_request_ids``, which a
+    plain step only has to name known requests (R40).
 
     One pass over the segments holding each request's streams: at batch 256
     the general path's tuple-keyed lookups were most of an admit. A misuse
@@ -177,7 +192,7 @@ def plain_grant(table: Table, step: KVStep, page_size: int, free: int,
         rid, label, span = seg.request_id, seg.label, seg.span
         streams = table.get(rid)
         if streams is None or span < 0:
-            misuse(table, step, max_seq_len)
+            misuse(table, step, padded, max_seq_len)
         stream = streams.get(label)
         # `pages_for` and `engaged` inlined: a call each per segment cost
         # ~45 µs at batch 256 (tests/unit/test_admission_paths.py holds this
@@ -201,8 +216,8 @@ def plain_grant(table: Table, step: KVStep, page_size: int, free: int,
         seen.add((rid, label))
     if at_limit:
         validate.step_lengths(step, StepContext(), table, max_seq_len)
-    if len(seen) != len(claims):
-        misuse(table, step, max_seq_len)  # a stream named twice
+    if len(seen) != len(claims) or not all(map(table.__contains__, padded)):
+        misuse(table, step, padded, max_seq_len)  # a stream named twice, an unknown padded id
     if refusing:
         refused = refusal(table, named_keys(step, ()))
         if refused is not None:
@@ -210,11 +225,11 @@ def plain_grant(table: Table, step: KVStep, page_size: int, free: int,
     return settle(claims, new_pages, first_short, free)
 
 
-def misuse(table: Table, step: KVStep, max_seq_len: int) -> NoReturn:
+def misuse(table: Table, step: KVStep, padded: tuple[str, ...], max_seq_len: int) -> NoReturn:
     """Raise the misuse of a plain step `plain_grant` found, as the general
     path ranks them: a stream past ``max_seq_len`` first, then the rest."""
     validate.step_lengths(step, StepContext(), table, max_seq_len)
-    validate_step(table, step, ())
+    validate_step(table, step, padded)
     raise AssertionError(f"plain_grant found a misuse the general rules pass: {step!r}")
 
 

@@ -53,8 +53,35 @@ def _labels(name: str, labels: object) -> tuple[str, ...]:
     return tuple(labels)
 
 
+# the most pages a cache may have: page ids travel as int32 in FlashInfer's page
+# tables (and kvref's plans), so a cache of more could not be addressed
+MAX_NUM_PAGES = 2**31
+
+# what `KVConfig.publish_lease_s` is unless given: vLLM's P/D connector frees a
+# producer's blocks the same 480 s after its consumer went quiet
+# (VLLM_NIXL_ABORT_REQUEST_TIMEOUT); R49
+DEFAULT_PUBLISH_LEASE_S = 480.0
+
+
 @dataclass
 class KVConfig:
+    """The static shape of one KV cache, and its lease timeout.
+
+    Validated at construction (`validate`); a field of the wrong type or
+    range raises `InvalidConfigError`, so does ``max_num_pages`` above
+    `MAX_NUM_PAGES`. Whether the cache fits the device and the host is
+    checked where the device is known, by `KVManager`'s constructor, before
+    anything is allocated.
+
+    A `KVManager` keeps a private, validated copy (`copy`, or `sharded` under
+    tensor parallelism): changing this object after the manager was built
+    changes nothing in that manager; ``manager.config`` is the copy it runs on.
+
+    ``publish_lease_s``: seconds a `publish` lease pins the request's pages
+    before it expires on its own (R34); `DEFAULT_PUBLISH_LEASE_S` (480 s)
+    unless given, None for no deadline (until `release_published`; R49).
+    """
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -66,8 +93,9 @@ class KVConfig:
     layout: KVLayout = KVLayout.NHD
     cpu_offload_pages: int = 0
     # seconds a `publish` lease pins the request before it expires on its own
-    # (R34); None: until `release_published`
-    publish_lease_s: float | None = None
+    # (R34); None: until `release_published`. A finite default (R49): a
+    # consumer that dies must not pin the publisher's pages forever
+    publish_lease_s: float | None = DEFAULT_PUBLISH_LEASE_S
     # the tensor-parallel degree the head counts were divided by; 1 = unsharded
     sharded_by: int = field(default=1, init=False)
 
@@ -95,6 +123,10 @@ class KVConfig:
             _positive_int(name, getattr(self, name))
         _int_at_least("max_num_pages", self.max_num_pages, 2,
                       "page 0 is the sink, so one page leaves nothing to allocate")
+        if self.max_num_pages > MAX_NUM_PAGES:
+            raise InvalidConfigError(
+                f"KVConfig.max_num_pages must be <= {MAX_NUM_PAGES} (2**31: page ids are "
+                f"int32 in the page tables), got {self.max_num_pages}")
         _int_at_least("cpu_offload_pages", self.cpu_offload_pages, 0, "")
         _positive_int("sharded_by", self.sharded_by)
         lease = self.publish_lease_s

@@ -63,7 +63,21 @@ if TYPE_CHECKING:
     from kvref.distributed import JointGroups
 
 class KVManager(EvictionCalls, TransferCalls, LayerIO):
-    """Pages, streams and steps of one KV cache (see the module docstring)."""
+    """Pages, streams and steps of one KV cache (see the module docstring).
+
+    The manager runs on a private, validated copy of ``cfg``
+    (`KVConfig.copy`; `KVConfig.sharded` under a ``joint_comm_group``, its
+    head counts divided per rank), exposed as ``config``: changing the
+    caller's config after construction (a field reassigned, the object
+    reused for another manager) changes nothing here, and the caller's
+    config stays unsharded.
+
+    Raises `InvalidConfigError` before anything is allocated when the cache
+    cannot fit: ``max_num_pages`` pages on ``device`` past its total memory
+    (CUDA) or the host's physical memory (CPU), or a host pool
+    (``cpu_offload_pages``) past the host's, each with the byte figures
+    (`kvref.validate.cache_fits`).
+    """
 
     def __init__(
         self,
@@ -84,6 +98,9 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         self.config = cfg
         self.name = name
         self._device = torch.device(device)
+        # an impossible size is a config error here, not an untyped one from
+        # torch's allocator (or the OOM killer) below
+        validate.cache_fits(cfg, self._device, dtype)
         self._runtime = runtime if runtime is not None else default_runtime()
         info = transfer_engine_info if transfer_engine_info is not None else TransferEngineInfo()
         tensor = allocate_cache_tensor(
@@ -122,8 +139,11 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         self._comm_group = joint_comm_group
         self._rank = joint_comm_group.rank if joint_comm_group is not None else 0
         self._world_size = joint_comm_group.world_size if joint_comm_group is not None else 1
+        # publish asks stepping whether a step still forks onto the request
+        # (R50); stepping is built below, so the question is late-bound
         self._retrieval = Retrieval(self._table, self._transfer, self._rank,
-                                    self._world_size, name)
+                                    self._world_size, name,
+                                    lambda rid: self._stepping.forks_pending(rid))
         self._graph_staging = GraphStaging(self._device)
         # admit, plan and commit each check their step; one walk per step object
         self._validate_step = validate.StepValidator()

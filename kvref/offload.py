@@ -104,7 +104,10 @@ class Offload:
 
         A copy that raises undoes the whole offload (every host copy
         discarded, every claim released) and re-raises as `OffloadCopyError`:
-        a half-copied request must not be left for a reload to trust.
+        a half-copied request must not be left for a reload to trust. A
+        `BaseException` that is not an `Exception` (`KeyboardInterrupt`,
+        `SystemExit`) undoes it the same way and then propagates as itself,
+        unwrapped (R8): it is the process being stopped, not a copy fault.
         """
         self._check_open("copy")
         claim = self._claims.get(label)
@@ -122,8 +125,10 @@ class Offload:
             self._phases.wait([read])
         try:
             refused = self._phases.copy_to_host(self, claim)
-        except Exception as err:
+        except BaseException as err:
             self.abandon()
+            if not isinstance(err, Exception):
+                raise  # KeyboardInterrupt, SystemExit: after the cleanup, as itself
             raise OffloadCopyError(
                 f"host copy failed, offload abandoned: {type(err).__name__}: {err}",
                 request_id=self.request_id,

@@ -50,10 +50,18 @@ class PublishedKVInfo(PublishedInfo):
         return self.info.get(rank, {})
 
 
+@dataclass(frozen=True, kw_only=True)
+class UnknownRequest(AdmitFailedReason):
+    """`publish` of a request this manager does not hold: never ingested, or
+    removed, possibly by another thread between the engine's forward and its
+    publish (R48). Nothing to publish; nothing was leased."""
+
+
 @dataclass(frozen=True)
 class PublishRefused:
-    """`publish` published nothing, and why (R36): `RequestOffloading` (reload
-    and publish again), `RetrieveInProgress` (publish once it landed) or
+    """`publish` published nothing, and why (R36, R48): `UnknownRequest` (never
+    ingested, or removed meanwhile), `RequestOffloading` (reload and publish
+    again), `RetrieveInProgress` (publish once it landed) or
     `AdmitRuntimeError` (a failed retrieve is latched: terminal). Falsy, so
     ``if not info:`` reads as it did when the answer was None; handing it to
     `admit_retrieve` raises `PublishedInfoError` instead of retrieving nothing."""

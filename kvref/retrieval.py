@@ -11,16 +11,25 @@ failed or stale copy is latched on it (I11) until reset or removal.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from kvref import admission
 from kvref.errors import KVRefError, PublishedInfoError, StepInFlightError
 from kvref.plan import SINK_PAGE
-from kvref.published import KVSequenceInfo, PublishedKVInfo, PublishRefused, RetrieveStale
+from kvref.published import (
+    KVSequenceInfo,
+    PublishedKVInfo,
+    PublishRefused,
+    RetrieveStale,
+    UnknownRequest,
+)
 from kvref.step import (
+    AdmitFailedReason,
     AdmitOutcome,
     AdmitRuntimeError,
     AllocationFailed,
+    ForkPending,
     RequestOffloading,
     RetrieveInProgress,
 )
@@ -35,8 +44,10 @@ class Retrieval:
     """Publish and retrieve over one stream table and one transfer engine."""
 
     def __init__(self, table: StreamTable, transfer: KVTransferManager, rank: int,
-                 world_size: int, name: str) -> None:
+                 world_size: int, name: str,
+                 forks_pending: Callable[[str], bool] = lambda rid: False) -> None:
         self._table = table
+        self._forks_pending = forks_pending
         self._transfer = transfer
         self._rank = rank
         self._world_size = world_size
@@ -62,8 +73,19 @@ class Retrieval:
         transfer_info = self.own_transfer_info()
         ps = self._table.page_size
         with self._table.lock:
-            streams = self._table.request(request_id)
-            refused = self._publish_refusal(request_id, streams)
+            streams = self._table.streams.get(request_id)
+            if streams is None:
+                # R48: a value, not an error: remove_request may run on another
+                # thread between the engine's forward and this publish
+                return PublishRefused(UnknownRequest(
+                    message="unknown request (never ingested, or removed): nothing to "
+                    "publish", request_id=request_id))
+            refused: AdmitFailedReason | None = self._publish_refusal(request_id, streams)
+            if refused is None and self._forks_pending(request_id):
+                # R50: under the lease, nothing may overwrite what it names
+                refused = ForkPending(
+                    message="a running or staged step still forks onto this request: "
+                            "publish once it committed", request_id=request_id)
             if refused is not None:
                 return PublishRefused(refused)
             seq_info = {

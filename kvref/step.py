@@ -91,6 +91,20 @@ class RetrieveInProgress(AdmitFailedReason):
 
 
 @dataclass(frozen=True, kw_only=True)
+class PublishLeased(AdmitFailedReason):
+    """A fork of the step would overwrite a stream of a request whose
+    publication a peer still holds (R50); retry once the peer released it
+    (`release_published`) or the lease expired."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForkPending(AdmitFailedReason):
+    """`publish` while a running or staged step still has forks to apply to
+    the request: they would overwrite what the peer copies (R50). Publish
+    once that step committed."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class _AdmitRuntimeErrorFields(AdmitFailedReason):
     pass
 

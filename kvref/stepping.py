@@ -106,6 +106,7 @@ class Stepping:
                     "admit of a different step than the staged preplan; "
                     "clear_preplan first"
                 )
+            validate.padded_known(ctx.padded_request_ids, self._table.streams)
             if self.running is None:
                 moved = stale(self._table.streams, staged)
                 if moved is not None:
@@ -113,6 +114,7 @@ class Stepping:
             return ADMIT_OK  # the preplan pass already reserved and marked
         if running is not None and not ctx.is_preplan:
             if same_step(step, ctx, running, running.padded):
+                validate.padded_known(ctx.padded_request_ids, self._table.streams)
                 return ADMIT_OK  # admitted again: everything is reserved already
             # R23: a second step would be planned against lengths the
             # first has not committed, and its commit would clear the
@@ -125,14 +127,15 @@ class Stepping:
         free = self._table.allocator.num_free
         if plain:
             grant = admission.plain_grant(all_streams, step, self._table.page_size, free,
-                                          self._max_seq_len)
+                                          self._max_seq_len, padded=padded)
             if isinstance(grant, AdmitFailedReason):
                 return AdmitOutcome(ok=False, reason=grant)
             self.running = RunningStep(step, padded, set(self._apply(grant)))
             return ADMIT_OK
         admission.validate_step(all_streams, step, padded)
         keys = admission.named_keys(step, padded)
-        refused = admission.refusal(all_streams, keys)
+        refused = admission.refusal(all_streams, keys) or admission.leased_fork_target(
+            all_streams, step, padded, self._table.leases.held)
         if refused is not None:
             return AdmitOutcome(ok=False, reason=refused)
         grant = admission.reserve(all_streams, step, padded, keys,
@@ -146,6 +149,16 @@ class Stepping:
         else:
             self.running = RunningStep(step, padded, set(created))
         return ADMIT_OK
+
+    def forks_pending(self, rid: str) -> bool:
+        """Whether the running or the staged step still has forks to apply to
+        ``rid``: `publish` waits for them (R50). Called under the table's lock."""
+        running, staged = self.running, self.preplan
+        if running is not None and rid in running.padded and (
+                running.step.post_forks or (running.step.pre_forks and not running.forked)):
+            return True
+        return staged is not None and rid in staged.ctx.padded_request_ids and bool(
+            staged.step.pre_forks or staged.step.post_forks)
 
     def _stale_reason(self, staged: StagedPreplan, key: Key) -> PreplanStale:
         stream = self._table.streams.get(key[0], {}).get(key[1])
@@ -201,6 +214,7 @@ class Stepping:
                                            **where(step))
             if staged.outputs is not None:
                 raise PreplanPendingError("the staged preplan was already planned")
+            validate.padded_known(ctx.padded_request_ids, self._table.streams)
             # over a running step: from the lengths it leaves (R41)
             outputs, states = self._build_plan(step, ctx, self._forks.lengths_after_pre_forks(
                 step, staged.ctx.padded_request_ids, staged.created, staged.basis))
@@ -212,6 +226,7 @@ class Stepping:
                 raise StepNotAdmittedError("plan of a step that was not admitted (or was "
                                            "changed in place since)",
                                            **where(step))
+            validate.padded_known(ctx.padded_request_ids, self._table.streams)
             moved = stale(self._table.streams, staged)
             if moved is not None:
                 reason = self._stale_reason(staged, moved)
@@ -239,6 +254,8 @@ class Stepping:
         elif running.planned:
             raise StepOrderError("the admitted step was already planned; commit it",
                                  **where(step))
+        else:
+            validate.padded_known(ctx.padded_request_ids, self._table.streams)
         self._forks.run_pre(running)
         outputs, states = self._build_plan(step, ctx, {})
         running.planned = True
@@ -297,6 +314,7 @@ class Stepping:
             raise StepNotAdmittedError(
                 "commit of a step that was not admitted (or was changed in place since)",
                 **where(step, running.step if running is not None else None))
+        validate.padded_known(ctx.padded_request_ids, self._table.streams)
         fault: ForkCopyError | None = None
         try:
             self._forks.run_pre(running)

@@ -374,6 +374,9 @@ class KVTransferManager:
             self._copy_on_stream(src, remote, local_pages, remote_pages, start, end)
         else:
             self._copy(src, remote, local_pages, remote_pages, start, end)
+        # the bytes are read; a publisher that moved since the first check
+        # did so while they were read (the concurrency tests switch here)
+        self._runtime.checkpoint("retrieve.copied")
         self._check_source(remote, source, "while")
 
     def _check_source(self, remote: KVTransferInfo,

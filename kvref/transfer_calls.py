@@ -25,11 +25,12 @@ class TransferCalls:
         raise `PublishLeasedError` (R33). Publishing again renews the lease and
         stamps the generations now (R34). Each stream's generation travels
         with it: a retrieve of pages changed since is refused, latched (R35).
-        A falsy `PublishRefused` when any stream is off the device
-        (`RequestOffloading`), still receiving a retrieve
-        (`RetrieveInProgress`) or holds a failed one (`AdmitRuntimeError`):
-        its pages do not hold what its length counts (R36). Raises
-        `UnknownRequestError` for a request not ingested or removed.
+        A falsy `PublishRefused` when the request is not held (`UnknownRequest`:
+        never ingested, or removed, perhaps by another thread since the
+        forward; R48), or any stream is off the device (`RequestOffloading`),
+        still receiving a retrieve (`RetrieveInProgress`) or holds a failed
+        one (`AdmitRuntimeError`): its pages do not hold what its length
+        counts (R36). Only a request id that is not a `str` raises.
         """
         validate.request_id(request_id, "publish")
         return self._retrieval.publish(request_id)

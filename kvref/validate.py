@@ -4,24 +4,30 @@ Each function raises a `KVRefError` subclass naming the request and label it
 can, and changes nothing: the manager calls them before it touches any state,
 so a misuse found here leaves the manager exactly as it was. They check types
 and ranges only; whether a call is allowed in the current lifecycle state is
-the manager's business. ``step_lengths`` is the one that reads stream state
-(read-only), and must run under the manager's lock.
+the manager's business. ``step_lengths`` and ``padded_known`` read the
+stream table (read-only), and must run under the manager's lock;
+``cache_fits`` asks the device and the host how much memory they have.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
 
-from kvref.config import KVReqConfig
+from kvref.cache import KVCache
+from kvref.config import KVConfig, KVReqConfig
 from kvref.errors import (
     InvalidArgumentError,
+    InvalidConfigError,
     InvalidStepError,
     KVDeviceError,
     KVShapeError,
     PublishedInfoError,
+    UnknownRequestError,
 )
 from kvref.plan import group_by_plan_label
 from kvref.published import KVSequenceInfo, PublishedKVInfo, PublishRefused
@@ -172,6 +178,72 @@ def published(pub: object, rid: str, rank: int) -> None:
         ):
             raise PublishedInfoError(f"published page_indices {pages!r}",
                                      request_id=rid, label=name)
+
+
+# -- the cache's size ---------------------------------------------------------------
+
+# what a page costs in a free list (`PageAllocator`: a deque slot, an int, a
+# flag byte), measured with tracemalloc on CPython 3.11
+FREE_LIST_BYTES_PER_PAGE = 41
+
+
+def host_memory_bytes() -> int | None:
+    """This host's physical memory, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """What ``device`` holds in all: a CUDA device's total memory, None where
+    it cannot be asked (no CUDA here, another kind). The host's for ``cpu``."""
+    if device.type == "cpu":
+        return host_memory_bytes()
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info(device)[1])
+    return None
+
+
+def cache_fits(cfg: KVConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """The cache ``cfg`` sizes, and its host pool, fit where they will live.
+
+    Raises `InvalidConfigError` with the byte figures before anything is
+    allocated, where the allocator would raise an untyped error (or the
+    kernel kill the process) past them. An impossible size, not a tight one:
+    the bound is everything the device (its total memory, not what is free
+    now) or the host (physical memory) has. On ``cpu`` the device cache, the
+    host pool and the page free lists share the host; on CUDA the cache is
+    held to the device's memory and the rest to the host's. A device whose
+    memory cannot be asked is not checked.
+    """
+    def cache_bytes(pages: int) -> int:
+        return math.prod(KVCache.shape_for(cfg, pages)) * dtype.itemsize
+
+    pages, host_pages = cfg.max_num_pages, cfg.cpu_offload_pages
+    device_need = cache_bytes(pages)
+    pool_need = cache_bytes(host_pages) if host_pages > 0 else 0
+    lists_need = (pages + host_pages) * FREE_LIST_BYTES_PER_PAGE
+    cache = (f"the device cache: {device_need:,} bytes (max_num_pages {pages} x "
+             f"{cache_bytes(1):,} bytes a page in {dtype})")
+    pool = (f"the host pool: {pool_need:,} bytes (cpu_offload_pages {host_pages})"
+            if host_pages > 0 else "")
+    lists = f"page free lists: {lists_need:,} bytes"
+    host = host_memory_bytes()
+    if device.type == "cpu":
+        parts, need = [cache, pool, lists], device_need + pool_need + lists_need
+    else:
+        capacity = device_memory_bytes(device)
+        if capacity is not None and device_need > capacity:
+            raise InvalidConfigError(
+                f"KVConfig does not fit {device}: {cache}, more than its "
+                f"{capacity:,} bytes of memory")
+        parts, need = [pool, lists], pool_need + lists_need
+    if host is not None and need > host:
+        raise InvalidConfigError(
+            f"KVConfig does not fit this host: {need:,} bytes ("
+            + "; ".join(p for p in parts if p)
+            + f"), more than its {host:,} bytes of physical memory")
 
 
 # -- steps ------------------------------------------------------------------------
@@ -353,6 +425,27 @@ def step_lengths(
             base = stream.stored_len if stream is not None else 0
         if base + seg.span > max_seq_len:
             _too_long(seg, base, max_seq_len)
+
+
+def padded_known(padded: Sequence[str], streams: Mapping[str, object]) -> None:
+    """Every request ``ctx.padded_request_ids`` names is ingested (and not
+    removed). Under the manager's lock; raises `UnknownRequestError` naming
+    the first that is not, and changes nothing.
+
+    The padded requests are what a step's forks apply to, and a padded id
+    the manager does not know is the engine's bookkeeping gone wrong with or
+    without forks (R40): `admit` (plain, forked or preplanned) and
+    `pages_needed` check it with the step's own requests, `plan` and
+    `commit` once they know the step is the admitted one and before they
+    change anything. One C-level pass: a decode step at batch 256 pays for it
+    three times.
+    """
+    if all(map(streams.__contains__, padded)):
+        return
+    for rid in padded:
+        if rid not in streams:
+            raise UnknownRequestError("padded request is unknown (never ingested, or removed)",
+                                      request_id=rid)
 
 
 def _pre_fork_lengths(

@@ -14,7 +14,41 @@ checker can show what each one prevents.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+# per class: its field names (in order, and as a set), or None where
+# `replace` must not copy them itself
+_FIELD_NAMES: dict[type, tuple[tuple[str, ...], frozenset[str]] | None] = {}
+
+
+def replace(obj: _T, /, **changes: Any) -> _T:
+    """`dataclasses.replace`, for the model's frozen dataclasses at a third of
+    its cost (the checker calls it about once a transition): a new object
+    with the same fields, `changes` applied.  Only the fields are copied, so
+    nothing an object caches in its __dict__ (State's hash) carries over.  A
+    class with more than plain init fields (InitVar, init=False, a
+    __post_init__, slots) goes through `dataclasses.replace`."""
+    cls: Any = type(obj)
+    if cls in _FIELD_NAMES:
+        names = _FIELD_NAMES[cls]
+    else:
+        plain = (dataclasses.is_dataclass(cls) and not hasattr(cls, "__post_init__")
+                 and not hasattr(cls, "__slots__") and hasattr(obj, "__dict__")
+                 and all(f.init for f in dataclasses.fields(cls)))
+        order = tuple(f.name for f in dataclasses.fields(cls)) if plain else ()
+        names = _FIELD_NAMES[cls] = (order, frozenset(order)) if plain else None
+    if names is None or not names[1].issuperset(changes):
+        return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
+    new = object.__new__(cls)
+    d, src = new.__dict__, obj.__dict__
+    for name in names[0]:
+        d[name] = src[name]
+    d.update(changes)
+    return new  # type: ignore[no-any-return]
+
 
 Key = tuple[int, int]  # (request, label); label 0 is "main"
 Tokens = tuple[int, ...]  # token identities, one per stored position
@@ -242,6 +276,9 @@ class RetrieveComplete:
     rid: int
     label: int
     ok: bool
+    # the publisher's stream moved while the copy read it (its lease released
+    # or expired, then reset or reused): the copy's second read catches it (R35)
+    moved: bool = False
 
 
 @dataclass(frozen=True)
@@ -306,6 +343,7 @@ class NotReady:
 @dataclass(frozen=True)
 class Refused:
     # AllocationFailed | RequestOffloading | RetrieveInProgress | AdmitRuntimeError
+    # | PreplanStale | UnknownRequest (publish only, R48)
     kind: str
     pages_short: int = 0
 
@@ -393,6 +431,7 @@ class Model:
     R38_truncate_settled_only = True
     R33_publish_leases = True
     R35_stale_retrieve_latched = True
+    R50_lease_refuses_in_place_writes = True
     R41_preplan_over_running_step = True
     R42_promotion_checks_basis = True
     R43_shared_marks = True
@@ -566,6 +605,11 @@ class Model:
                 return Refused("RetrieveInProgress"), s  # its pages are still zeros
         if any(st[k].offload != RESIDENT for k in keys if k in st):
             return Refused("RequestOffloading"), s
+        if self.R50_lease_refuses_in_place_writes and any(
+                rid in s.leases for rid, _ in self.fork_targets(a.step, st)):
+            # R50: a fork would overwrite a published stream in place; across
+            # processes the lease is all that keeps the peer's bytes (R35)
+            return Refused("PublishLeased"), s
         want = self.reservations(a.step, self._settled(s) if a.preplan else st)
         if self.R16_admit_makes_named:  # every named stream exists, so a mark covers it
             for k in sorted(keys):
@@ -830,7 +874,9 @@ class Model:
 
     def do_Publish(self, s: State, a: Publish) -> tuple[Result, State]:
         if a.rid not in s.requests():
-            return Misuse("UnknownRequestError"), s  # R36
+            # R48: the engine's race with remove_request (publish after another
+            # thread removed the request) is a refusal it plans around, not a bug
+            return Refused("UnknownRequest"), s
         mine = [(k, v) for k, v in s.streams if k[0] == a.rid]
         if self.R13_publish_resident and any(v.offload != RESIDENT for _, v in mine):
             return Refused("RequestOffloading"), s  # its pages are not on the device (R36)
@@ -839,6 +885,9 @@ class Model:
                 return Refused("AdmitRuntimeError"), s
             if any(v.retrieve == PENDING for _, v in mine):
                 return Refused("RetrieveInProgress"), s
+        if self.R50_lease_refuses_in_place_writes and self.forks_onto(s, a.rid):
+            # R50: the step would overwrite a published stream in place, under the lease
+            return Refused("ForkPending"), s
         lengths = tuple((k[1], v.stored_len if v.offload != OFFLOADED else 0) for k, v in mine)
         if not self.R33_publish_leases:
             return Published(lengths), s
@@ -886,7 +935,8 @@ class Model:
         k = (a.rid, a.label)
         if st.get(k, Stream()).retrieve != PENDING:
             raise ProtocolError("no retrieve in progress")
-        st[k] = replace(st[k], retrieve=IDLE if a.ok else FAILED)
+        torn = a.moved and self.R35_stale_retrieve_latched  # latched, as a failed copy
+        st[k] = replace(st[k], retrieve=IDLE if a.ok and not torn else FAILED)
         return Ok(), replace(s, streams=_sorted(st))
 
     # --- speculative decoding
@@ -937,9 +987,17 @@ class Model:
         p = s.current
         if p is None or not self.R41_preplan_over_running_step:
             return s.stream_map()
+        # a function of the state alone, asked twice by every preplan admit
+        # over a running step; the checker issues a state's calls one after
+        # another, so the last answer is kept (a copy goes out: callers own it)
+        memo: tuple[State, dict[Key, Stream]] | None = self.__dict__.get("_settled_memo")
+        if memo is not None and memo[0] is s:
+            return dict(memo[1])
+        s0 = s
         if p.phase == ADMITTED:
             _, s = self.do_Plan(s, Plan())
         _, s = self.do_Commit(s, Commit())
+        self.__dict__["_settled_memo"] = (s0, s.stream_map())
         return s.stream_map()
 
     def _basis(self, s: State, step: Step) -> tuple[tuple[Key, int], ...]:
@@ -951,6 +1009,18 @@ class Model:
         settled = self._settled(s)
         shared = named(step) & named(s.current.step)
         return tuple(sorted((k, settled[k].stored_len) for k in shared if k in settled))
+
+    @staticmethod
+    def fork_targets(step: Step, st: dict[Key, Stream]) -> set[Key]:
+        """The existing streams a step's forks write (R50)."""
+        return {(rid, t) for _, t in (*step.pre_forks, *step.post_forks)
+                for rid in step.padded if (rid, t) in st}
+
+    @staticmethod
+    def forks_onto(s: State, rid: int) -> bool:
+        """Whether a running or staged step still has forks to apply to ``rid`` (R50)."""
+        return any(rid in p.step.padded and (p.step.post_forks or (
+            p.step.pre_forks and not p.forked)) for p in (s.current, s.staged) if p)
 
     def stale(self, s: State) -> Key | None:
         """The first stream the staged preplan shares with the step it was built

@@ -1,4 +1,4 @@
-"""Invariants I1-I19 (DESIGN.md, specs/stream-lifecycle.md), each a named predicate carrying its ID.
+"""Invariants I1-I22 (DESIGN.md, specs/stream-lifecycle.md), each a named predicate carrying its ID.
 
 A predicate returns None when it holds and a one-line reason when it does
 not.  State predicates look at one state; transition predicates look at
@@ -18,6 +18,7 @@ from model.core import (
     ADMITTED,
     CLAIMED,
     FAILED,
+    IDLE,
     OFFLOADED,
     PENDING,
     RESIDENT,
@@ -44,6 +45,7 @@ from model.core import (
     Remove,
     Reset,
     Result,
+    RetrieveComplete,
     RetrieveStart,
     State,
     Stream,
@@ -288,6 +290,9 @@ def i18_state(m: Model, s: State) -> Msg:
     return None
 
 
+_NO_STREAM = Stream()  # a removed stream (frozen: one value serves every call)
+
+
 def i18(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
     # the pin: pages a peer may be copying stay with their stream. Their tokens
     # may still change (a fork onto the stream): the generation says so (R35)
@@ -296,13 +301,19 @@ def i18(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
         for k, v in before.items():
             # what publish named: the pages under its tokens (a label a cleared
             # preplan invented holds none of those, and goes with its pages)
-            if k[0] == rid and after.get(k, Stream()).pages < m.need(v.stored_len):
+            if k[0] == rid and after.get(k, _NO_STREAM).pages < m.need(v.stored_len):
                 return f"{type(a).__name__} took pages of leased {k}"
     return None
 
 
 def i19(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
     # a retrieve of stale published info never copies: it fails, latched
+    if isinstance(a, RetrieveComplete) and a.moved:
+        k = (a.rid, a.label)
+        v = n.stream_map().get(k)
+        if v is not None and v.retrieve == IDLE:
+            return f"a copy whose publisher moved mid-copy landed in {k}"
+        return None
     if not isinstance(a, RetrieveStart) or not a.stale:
         return None
     k = (a.rid, a.label)
@@ -315,6 +326,20 @@ def i19(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
         return f"a retrieve of stale published info started copying into {k}"
     if isinstance(r, Latched) and new.retrieve != FAILED:
         return f"a stale retrieve answered {r} but {k} is not latched"
+    return None
+
+
+def i22(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    """While a request stays leased, what its streams held is never overwritten
+    in place: each stream's old contents are a prefix of its new ones (R50).
+    Across processes the lease is all that protects a peer's copy (R35)."""
+    if not s.leases:
+        return None
+    old, new = s.stream_map(), n.stream_map()
+    for k, v in old.items():
+        leased = k[0] in s.leases and k[0] in n.leases
+        if leased and k in new and new[k].contents[:len(v.contents)] != v.contents:
+            return f"{a} overwrote leased stream {k} in place"
     return None
 
 
@@ -343,13 +368,17 @@ STATE: dict[str, StatePred] = {
 }
 TRANSITION: dict[str, StepPred] = {
     "I8": i8, "I9": i9, "I10": i10, "I11": i11, "I14": i14, "I15": i15, "I17": i17,
-    "I18": i18, "I19": i19, "I21": i21,
+    "I18": i18, "I19": i19, "I21": i21, "I22": i22,
 }
 # I16 (tp-symmetry) is not a property of one manager: the model is
 # deterministic, so every rank replaying one trace has one free count.
 # tests/distributed checks it on real ranks.
 NOT_IN_MODEL = {"I16": "checked by the distributed test only (the model is one rank)"}
-INVARIANT_IDS = (*(f"I{i}" for i in range(1, 20)), "I21")
+INVARIANT_IDS = (*(f"I{i}" for i in range(1, 20)), "I21", "I22")
+
+
+# built once, not per call; a result of another class equals neither
+_I22_REFUSALS = (Refused("PublishLeased"), Refused("ForkPending"))
 
 
 def _claim_in_flight(m: Model, s: State, a: Action, r: Result, n: State) -> bool:
@@ -410,9 +439,80 @@ INTERESTING: dict[str, tuple[str, Callable[[Model, State, Action, Result, State]
     "I19": _i("a retrieve of stale published info latched",
               lambda m, s, a, r, n: isinstance(a, RetrieveStart) and a.stale
               and isinstance(r, Latched)),
+    "I22": _i("a fork refused over a leased stream, or a publish under a pending fork",
+              lambda m, s, a, r, n: type(r) is Refused and r in _I22_REFUSALS),
     "I21": _i("a preplan over the running step promoted",
               lambda m, s, a, r, n: isinstance(a, Plan) and s.staged is not None
               and bool(s.staged.basis) and s.current is None and n.staged is None),
+}
+
+
+# ---------------------------------------------------------------------------
+# Where each transition predicate and interesting case can fail or hold, for
+# the checker's fast path (model.check.TransitionChecks): it skips a predicate
+# only where the predicate returns None (an interesting case: False) whatever
+# else holds, as its first lines say.  An ID absent from a table is not
+# limited by it.  tests/model/test_fast_path.py calls every predicate outside
+# its limits, on pairs of states no transition joins, and wants None there.
+
+# the action types a transition predicate can fail on (its first test)
+ON_ACTIONS: dict[str, tuple[type, ...]] = {
+    "I8": (Write, Read, Plan, Commit), "I9": (ClearPreplan,), "I14": (OffloadCommit,),
+    "I15": (Commit,), "I19": (RetrieveStart, RetrieveComplete), "I21": (Plan, Admit),
+}
+# the result types it can fail on
+ON_RESULTS: dict[str, tuple[type, ...]] = {
+    "I10": (Refused, Misuse), "I14": (Freed,), "I17": (Fault,),
+}
+
+
+def _latched(s: State) -> bool:
+    return any(v.retrieve == FAILED for _, v in s.streams)
+
+
+def _leased(s: State) -> bool:
+    return bool(s.leases)
+
+
+def _staged(s: State) -> bool:
+    return s.staged is not None
+
+
+def _committing(s: State) -> bool:
+    return s.current is not None and s.current.step.commit
+
+
+def _over_basis(s: State) -> bool:
+    return s.staged is not None and s.current is None and bool(s.staged.basis)
+
+
+# what the state a transition leaves must have for the predicate to fail (its
+# first lines return None otherwise): I11 looks only at streams whose retrieve
+# failed, I18 and I22 only at leased ones, I9 at a staged preplan, I15 at a
+# running step that keeps its span, I21 at a preplan built over a step
+WHEN: dict[str, Callable[[State], bool]] = {
+    "I11": _latched, "I18": _leased, "I22": _leased, "I9": _staged, "I15": _committing,
+    "I21": _over_basis,
+}
+# the predicates that hold on every transition whose next state is the very
+# object it left: I10 fails only if the state changed (`s != n`), I22 only if
+# a stream's contents changed, I14 only if a stream became offloaded
+UNCHANGED_HOLDS = frozenset({"I10", "I14", "I22"})
+# on such a transition, the action types a predicate can still fail on: I11's
+# latch cannot vanish when nothing changed, so only a reset or remove that
+# kept it, or a retrieve answered otherwise than refused, fails it
+UNCHANGED_ON_ACTIONS: dict[str, tuple[type, ...]] = {"I11": (Reset, Remove, RetrieveStart)}
+# on such a transition, the predicates whose verdict depends on the state
+# alone (the action and result only name it in the message): I18 compares the
+# leased streams' pages after with their lengths before, here one state
+UNCHANGED_STATE_ONLY = frozenset({"I18"})
+# the action types an interesting case can hold on
+INTERESTING_ON: dict[str, tuple[type, ...]] = {
+    "I1": (OffloadCommit,), "I3": (Plan,), "I4": (OffloadClaim,), "I5": (OffloadCommit,),
+    "I6": (OffloadCopy,), "I7": (Reload,), "I8": (Commit,), "I9": (ClearPreplan,),
+    "I10": (Admit,), "I11": (RetrieveStart,), "I12": (Remove,), "I13": (Commit,),
+    "I14": (OffloadCommit,), "I15": (Commit,), "I17": (Plan, Commit),
+    "I18": (OffloadClaim, Reset, Remove), "I19": (RetrieveStart,), "I21": (Plan,),
 }
 
 

@@ -43,6 +43,7 @@ from model.core import (
     Reset,
     RetrieveComplete,
     RetrieveStart,
+    Scope,
     Seg,
     State,
     Step,
@@ -82,6 +83,41 @@ def step_shapes(m: Model, reqs: list[int]) -> Iterator[Step]:
                         yield Step((Seg(r, label, span),), pre, post, padded, commit)
 
 
+class _Shapes:
+    """`step_shapes(m, reqs)` as the admits `calls` issues, built once per
+    scope and request set (the steps are frozen values: sharing them is safe)."""
+
+    def __init__(self, m: Model, reqs: list[int]) -> None:
+        self.max_span = m.scope.max_span
+        self.steps = tuple(step_shapes(m, reqs))
+        self.plain = tuple(Admit(step) for step in self.steps)
+        self.preplan = tuple(Admit(step, preplan=True) for step in self.steps)
+        self.named = tuple(frozenset(named(step)) for step in self.steps)
+        self._over: dict[frozenset[tuple[int, int]], tuple[Admit, ...]] = {}
+
+    def over(self, running: Step) -> tuple[Admit, ...]:
+        """The preplans issued over a running step: the shapes that name none
+        of its streams, then the next decode of each of them."""
+        busy = frozenset(named(running))
+        got = self._over.get(busy)
+        if got is None:
+            got = self._over[busy] = tuple(
+                [a for a, keys in zip(self.preplan, self.named, strict=True) if not keys & busy]
+                + [Admit(Step((Seg(r, lb, self.max_span),), padded=(r,)), preplan=True)
+                   for r, lb in sorted(busy)])
+        return got
+
+
+_SHAPES: dict[tuple[Scope, tuple[int, ...]], _Shapes] = {}
+
+
+def _shapes(m: Model, reqs: list[int]) -> _Shapes:
+    got = _SHAPES.get((m.scope, tuple(reqs)))
+    if got is None:
+        got = _SHAPES[(m.scope, tuple(reqs))] = _Shapes(m, reqs)
+    return got
+
+
 def completions(st: dict[tuple[int, int], Stream], rid: int, label: int
                 ) -> Iterator[Action]:
     """The environment's event: a running retrieve lands, or fails."""
@@ -89,6 +125,8 @@ def completions(st: dict[tuple[int, int], Stream], rid: int, label: int
     if v is not None and v.retrieve == PENDING:
         yield RetrieveComplete(rid, label, ok=True)
         yield RetrieveComplete(rid, label, ok=False)
+        # the publisher moves while the copy reads (R35's second read)
+        yield RetrieveComplete(rid, label, ok=True, moved=True)
 
 
 def settled(v: Stream) -> bool:
@@ -142,24 +180,27 @@ def calls(m: Model, s: State) -> Iterator[Action]:
     st = s.stream_map()
     for r in every:
         yield Ingest(r)
-    shapes = list(step_shapes(m, ingested))
+    shapes = _shapes(m, ingested)
     held = s.staged or s.current
-    plain = shapes if held is None else [held.step, *shapes[:1]]
-    preplan = shapes if s.staged is None else shapes[:1]
-    if s.staged is None and s.current is not None:
+    if held is None:
+        yield from shapes.plain
+    else:
+        yield Admit(held.step)
+        yield from shapes.plain[:1]
+    if s.staged is not None:
+        yield from shapes.preplan[:1]
+    elif s.current is None:
+        yield from shapes.preplan
+    else:
         # a preplan over the running step (R41) is issued as the next decode of
         # one of its streams (fork-free, the widest span): every shape over
         # them made 12x the states at depth 4 (argument-class reduction)
-        busy = named(s.current.step)
-        preplan = [p for p in shapes if not named(p) & busy] + [
-            Step((Seg(r, lb, sc.max_span),), padded=(r,)) for r, lb in sorted(busy)]
-    for step in plain:
-        yield Admit(step)
-    for step in preplan:
-        yield Admit(step, preplan=True)
+        yield from shapes.over(s.current.step)
     unknown = [r for r in every if r not in ingested]
     if unknown:  # a step over a request never ingested, or removed
         yield Admit(Step((Seg(unknown[0], 0, 1),), (), (), (unknown[0],)))
+        if ingested:  # a plain step on a known request, padded to an unknown one
+            yield Admit(Step((Seg(ingested[0], 0, 1),), (), (), (ingested[0], unknown[0])))
     # a step with a fork and nobody to apply it to
     yield Admit(Step((Seg(0, 0, 1),), ((0, 1),), (), ()))
     # the running step's forks fault at its plan or commit, the staged one's

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +115,10 @@ class Driver:
         self.offloads: dict[int, Offload] = {}
         self.closed: dict[int, Offload] = {}  # the last handle of each request, closed
         self.sources: list[KVManager] = []  # publishers of retrieves, kept alive
+        # the publisher each running copy reads (by its future):
+        # RetrieveComplete(moved) changes it while the copy reads
+        self.source_of: dict[Future[Any], KVManager] = {}
+        self.last_source: KVManager | None = None
         self.combine = False  # the next admitted step plans its labels combined
         # the typed reason kvref gave for the last action's refusal (a claim or a
         # reload), checked against the model's state by `check_queries`
@@ -386,6 +391,7 @@ class Driver:
         src = self.publisher(a.rid, a.label, a.length)
         info = src.publish(rid)
         assert isinstance(info, PublishedKVInfo), info
+        self.last_source = src
         if a.stale:
             src.release_published(rid)
             src.reset_request(rid)
@@ -393,6 +399,7 @@ class Driver:
 
     def _RetrieveStart(self, a: m.RetrieveStart) -> m.Result:
         rid, label = rid_name(a.rid), label_name(a.label)
+        self.last_source = None
         info = self.published(a)
         transfer = self.kv._transfer
         if a.start_error:
@@ -401,10 +408,15 @@ class Driver:
 
             transfer.start_async_retrieve = broken  # type: ignore[method-assign,assignment]
         try:
-            return outcome(self.kv.admit_retrieve(rid, "node", label, info))
+            out = outcome(self.kv.admit_retrieve(rid, "node", label, info))
         finally:
             if a.start_error:
                 del transfer.start_async_retrieve
+        stream = self.kv._streams.get(rid, {}).get(label)
+        future = stream.read_future if stream is not None else None
+        if future is not None and future not in self.source_of and self.last_source:
+            self.source_of[future] = self.last_source  # this call started that copy
+        return out
 
     def publisher(self, rid: int, label: int, length: int) -> KVManager:
         """Another manager holding ``length`` retrieved tokens of (rid, label)."""
@@ -435,7 +447,26 @@ class Driver:
     def _RetrieveComplete(self, a: m.RetrieveComplete) -> m.Result:
         stream = self.kv._streams[rid_name(a.rid)][label_name(a.label)]
         assert stream.read_future is not None
-        self.runtime.complete(stream.read_future, ok=a.ok)
+        if not a.moved:
+            self.runtime.complete(stream.read_future, ok=a.ok)
+            return m.Ok()
+        # the publisher moves between the copy's two reads of its generation:
+        # its lease released (a buggy peer, or expired), then reset, as a reuse
+        # of its pages would; only the read after the copy can see it (R35)
+        transfer, rid = self.kv._transfer, rid_name(a.rid)
+        src = self.source_of.pop(stream.read_future)
+        copy = transfer._copy
+
+        def copy_then_move(*args: Any) -> None:
+            copy(*args)
+            src.release_published(rid)
+            src.reset_request(rid)
+
+        transfer._copy = copy_then_move  # type: ignore[method-assign,assignment]
+        try:
+            self.runtime.complete(stream.read_future, ok=a.ok)
+        finally:
+            del transfer._copy
         return m.Ok()
 
     def _Reset(self, a: m.Reset) -> m.Result:

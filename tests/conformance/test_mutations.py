@@ -279,6 +279,22 @@ def _retrieve_skips_the_generation_check(mp: pytest.MonkeyPatch) -> None:  # iss
                staticmethod(lambda remote, rid, label, generation: None))
 
 
+def _retrieve_checks_only_before_the_copy(mp: pytest.MonkeyPatch) -> None:  # issue 17
+    # half a sequence lock: the generation read before the copy, never after
+    # it, so a publisher that moves while the copy reads lands silently
+    check = KVTransferManager._check_source
+
+    def before_only(self: KVTransferManager, remote: Any, source: Any, when: str) -> None:
+        if when == "before":
+            check(self, remote, source, when)
+
+    mp.setattr(KVTransferManager, "_check_source", before_only)
+
+
+def _fork_overwrites_a_leased_stream(mp: pytest.MonkeyPatch) -> None:  # issue 17, R50
+    mp.setattr(admission_module, "leased_fork_target", lambda *args: None)
+
+
 def _patched(mutant: Callable[[pytest.MonkeyPatch], None]) -> Callable[[ExitStack], None]:
     return lambda stack: mutant(stack.enter_context(pytest.MonkeyPatch.context()))
 
@@ -308,6 +324,9 @@ MUTANTS: dict[str, Callable[[ExitStack], None]] = {
     "lease: remove ignores the lease": _patched(_remove_ignores_the_lease),
     "lease: a retrieve skips the generation check": _patched(
         _retrieve_skips_the_generation_check),
+    "lease: a retrieve checks the publisher only before its copy": _patched(
+        _retrieve_checks_only_before_the_copy),
+    "lease: a fork overwrites a leased stream": _patched(_fork_overwrites_a_leased_stream),
     "overlap: promotion skips the committed-as-admitted check": _patched(
         _promotion_skips_the_basis_check),
     "overlap: the staged plan is built from pre-commit lengths": _patched(

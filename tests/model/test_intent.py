@@ -99,7 +99,8 @@ def calls(text: str) -> list[m.Action]:
             r, lb = stream(where)
             out.append(m.RetrieveStart(r, lb, int(n), start_error=fault,
                                        stale="stale" in args[1:]) if verb == "retrieve"
-                       else m.RetrieveComplete(r, lb, ok=verb == "land"))
+                       else m.RetrieveComplete(r, lb, ok=verb == "land",
+                                               moved="moved" in args[1:]))
         elif verb == "lease-timeout":
             out.append(m.LeaseTimeout())
         else:
@@ -155,7 +156,8 @@ def test_scenario(sid: str, scenario: str, expected: str) -> None:
 @pytest.mark.parametrize(("rule", "sid"), [("R20", "S5"), ("R22", "S30"), ("R24", "S9"),
                                            ("R21", "S35"), ("R38", "S59"), ("R33", "S48"),
                                            ("R35", "S52"), ("R41", "S64"), ("R41", "S63"),
-                                           ("R42", "S65"), ("R43", "S68"), ("R43", "S69")])
+                                           ("R42", "S65"), ("R43", "S68"), ("R43", "S69"),
+                                           ("R50", "S71"), ("R50", "S73"), ("R35", "S74")])
 def test_a_model_that_drifts_from_intent_fails(rule: str, sid: str) -> None:
     """The table catches a model that agrees with a defect: each rule switched
     off (the model kvref once matched) fails the row that traces to it."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvref import KVManager, KVRefError, Offload, PublishedKVInfo
@@ -49,6 +49,18 @@ from tests.support.scheduler import (
 SCOPE = m.Scope(requests=3, labels=2, device_pages=8, host_pages=4, page_size=2, max_span=3)
 
 
+@dataclass(frozen=True)
+class PublisherMoves:
+    """The environment's event: the publisher of (rid, label)'s retrieve
+    releases its lease and resets the request (a reuse of its pages would do
+    the same). Not the model's: the model holds no publisher, so the event
+    changes nothing there; it decides whether a later retrieve's start is
+    stale and whether a running copy's publisher moved (R35)."""
+
+    rid: int
+    label: int
+
+
 class ConcurrentModel(m.Model):
     """The model plus the answers kvref gives to calls on a request another
     thread removed. A sequential engine never makes them (the protocol only
@@ -56,6 +68,8 @@ class ConcurrentModel(m.Model):
     documents its answer for each."""
 
     def step(self, s: m.State, a: m.Action) -> tuple[m.Result, m.State]:
+        if isinstance(a, PublisherMoves):
+            return m.Ok(), s
         gone = self.gone(s, a)
         if gone is not None:
             return gone, s
@@ -167,6 +181,10 @@ class Linearizer:
             self._append(sub.entry)
             return
         if sub is not None and sub.entry is None and role is not None and role in sub.watch:
+            if isinstance(sub.action, m.RetrieveStart) and self.moves_since(
+                    sub.action.rid, sub.action.label, -1):
+                # its publisher moved before this section: the start's check sees it
+                sub.action = replace(sub.action, stale=True)
             sub.entry = self._append(Entry(self._who(), sub.action, watch=role,
                                            one_section=sub.watch == ("manager",)
                                            and not sub.split and not sub.last))
@@ -191,9 +209,20 @@ class Linearizer:
         if tag is None:
             return
         rid, label = tag
-        e = Entry(self._who(), m.RetrieveComplete(rid, label, ok), m.Ok(), done=True)
+        start = max(i for i, e in enumerate(self.log) if isinstance(e.action, m.RetrieveStart)
+                    and (e.action.rid, e.action.label) == (rid, label))
+        # a publisher that moved after the start's check moved under the copy:
+        # the model says latched whatever the copy answered (R35)
+        moved = self.moves_since(rid, label, start)
+        e = Entry(self._who(), m.RetrieveComplete(rid, label, ok or moved, moved), m.Ok(),
+                  done=True)
         e.section_end = len(self.log) + 1
         self._append(e)
+
+    def moves_since(self, rid: int, label: int, after: int) -> bool:
+        """Whether the log holds a move of (rid, label)'s publisher past ``after``."""
+        return any(isinstance(e.action, PublisherMoves) and (e.action.rid, e.action.label)
+                   == (rid, label) for e in self.log[after + 1:])
 
     def _append(self, e: Entry) -> Entry:
         self.log.append(e)
@@ -327,7 +356,8 @@ class StepOp:
 @dataclass(frozen=True)
 class Op:
     """Any other thread's call: offload / reload / reset / remove / ingest / retrieve /
-    publish / release (release_published)."""
+    publish / release (release_published) / move (the publisher of the retrieve
+    with the same rid, label and n moves: `PublisherMoves`)."""
 
     kind: str
     rid: int
@@ -399,6 +429,7 @@ class Harness:
             lk.switch = False
         self._instrument()
         self.published: dict[tuple[int, int, int], PublishedKVInfo] = {}
+        self.publishers: dict[tuple[int, int, int], KVManager] = {}
 
     # -- offload's phases are model actions ---------------------------------------------
 
@@ -478,8 +509,9 @@ class Harness:
                     if key not in self.published:
                         src = d.publisher(op.rid, op.label, op.n)
                         info = src.publish(rid_name(op.rid))
-                        assert info is not None
+                        assert isinstance(info, PublishedKVInfo), info
                         self.published[key] = info
+                        self.publishers[key] = src
         with self.detector.ignoring():
             lin.check()
         # the set-up ran before the threads started: it happens-before them
@@ -544,6 +576,18 @@ class Harness:
         elif op.kind == "release":
             a_rel = m.ReleasePublished(op.rid)
             lin.call(a_rel, lambda: d.apply(a_rel))
+        elif op.kind == "move":
+            # under the manager's lock, only so that the event has one place in
+            # the order of its sections; the copy's reads take no manager lock
+            src = self.publishers[(op.rid, op.label, op.n)]
+
+            def move() -> m.Result:
+                with kv._lock:
+                    src.release_published(name)
+                    src.reset_request(name)
+                return m.Ok()
+
+            lin.call(PublisherMoves(op.rid, op.label), move)
         elif op.kind == "retrieve":
             info = self.published[(op.rid, op.label, op.n)]
 

@@ -7,8 +7,8 @@ as the general rules do: the same misuse (class and message), the same
 refusal (kind, pages short, the stream it names), or the same grant (every
 stream in the same order, the same pages short). Hypothesis draws the
 tables, including offloaded streams, running, failed and finished
-retrieves, spare pages, unknown requests, a stream named twice and one
-grown past max_seq_len.
+retrieves, spare pages, unknown requests (in a segment or only among the
+padded ids, R40), a stream named twice and one grown past max_seq_len.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def stream_state(draw: st.DrawFn) -> dict[str, Any]:
 
 @st.composite
 def world(draw: st.DrawFn) -> tuple[dict[str, dict[str, dict[str, Any]]], list[Segment],
-                                    int, int, int]:
+                                    int, int, int, tuple[str, ...]]:
     page_size = draw(st.sampled_from([1, 2, 4]))
     table = {}
     # now and then a request the step names is missing (a misuse)
@@ -70,7 +70,9 @@ def world(draw: st.DrawFn) -> tuple[dict[str, dict[str, dict[str, Any]]], list[S
         st.builds(Segment, st.sampled_from(RIDS), st.sampled_from(LABELS), st.integers(0, 9)),
         max_size=5))
     max_seq_len = draw(st.sampled_from([8, 16, 1 << 20]))  # now and then too long a stream
-    return table, segs, page_size, draw(st.integers(0, 12)), max_seq_len
+    # the batch's requests, now and then one the table lacks
+    padded = tuple(draw(st.lists(st.sampled_from(RIDS), unique=True, max_size=3)))
+    return table, segs, page_size, draw(st.integers(0, 12)), max_seq_len, padded
 
 
 def _build(spec: dict[str, dict[str, dict[str, Any]]],
@@ -110,9 +112,9 @@ def _answer(decide: Any) -> Any:
 
 
 def _general(table: dict[str, dict[str, CacheStream]], step: KVStep, page_size: int,
-             free: int, max_seq_len: int = 1 << 20) -> Any:
+             free: int, max_seq_len: int = 1 << 20, padded: tuple[str, ...] = ()) -> Any:
     validate.step_lengths(step, StepContext(), table, max_seq_len)
-    admission.validate_step(table, step, ())
+    admission.validate_step(table, step, padded)
     keys = admission.named_keys(step, ())
     refused = admission.refusal(table, keys)
     if refused is not None:
@@ -122,13 +124,13 @@ def _general(table: dict[str, dict[str, CacheStream]], step: KVStep, page_size: 
 
 @given(world())
 def test_plain_pass_answers_as_the_general_rules(w: Any) -> None:
-    spec, segs, page_size, free, max_len = w
+    spec, segs, page_size, free, max_len, padded = w
     step = KVStep(segs)
     # a table each: a retrieve's outcome is latched on the stream when read
     general = _answer(lambda: _general(_build(spec, page_size), step, page_size, free,
-                                       max_len))
+                                       max_len, padded))
     plain = _answer(lambda: admission.plain_grant(_build(spec, page_size), step, page_size,
-                                                  free, max_len))
+                                                  free, max_len, padded=padded))
     event(general[0])  # raised / refused / granted: each must arise (--hypothesis-show-statistics)
     assert plain == general
 

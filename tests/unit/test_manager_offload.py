@@ -191,6 +191,46 @@ def test_copy_raising_abandons_everything(monkeypatch: pytest.MonkeyPatch) -> No
     drv.check("a", "cfg")
 
 
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("through", ["handle", "offload"])
+def test_copy_interrupted_abandons_and_propagates_unwrapped(
+        monkeypatch: pytest.MonkeyPatch, stop: type[BaseException], through: str) -> None:
+    """R8: a BaseException that is not an Exception is not wrapped as
+    OffloadCopyError, and leaves nothing claimed: the claims are abandoned
+    (host copies made before it discarded, marks undone) on the way out."""
+    mgr, drv = _setup()
+    pool = mgr._cpu_pool
+    assert pool is not None
+    before = snapshot(mgr)
+    real = pool._copy_out
+    calls = []
+
+    def interrupted(*args):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:  # the first stream is on the host by then
+            raise stop()
+        real(*args)
+
+    monkeypatch.setattr(pool, "_copy_out", interrupted)
+    handle = mgr.begin_offload("a") if through == "handle" else None
+    with pytest.raises(stop) as err:
+        if handle is not None:
+            handle.copy_all()
+        else:
+            mgr.offload("a")
+    assert type(err.value) is stop and not isinstance(err.value, OffloadCopyError)
+    if handle is not None:
+        assert not handle.is_open
+    assert "a" not in mgr._offloads  # nothing claimed
+    assert pool.num_free == 16 and not pool.is_offloaded("a")
+    assert_same(before, snapshot(mgr))
+    monkeypatch.setattr(pool, "_copy_out", real)
+    assert mgr.offload("a") == 5  # claimable again at once
+    assert mgr.reload("a")
+    drv.check("a")
+    drv.check("a", "cfg")
+
+
 @pytest.mark.parametrize("free", [False, True])
 def test_generation_guard_reset_between_claim_and_commit(free: bool) -> None:
     mgr, drv = _setup()

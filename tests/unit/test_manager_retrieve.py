@@ -19,7 +19,7 @@ from _manager_fixtures import (
 from kvref.config import KVReqConfig
 from kvref.errors import PublishedInfoError, UnknownRequestError
 from kvref.manager import KVManager
-from kvref.published import PublishedKVInfo
+from kvref.published import PublishedKVInfo, PublishRefused, UnknownRequest
 from kvref.step import AdmitOutcome, AdmitRuntimeError, AllocationFailed
 from kvref.transfer import InjectedTransferError
 
@@ -166,8 +166,9 @@ def test_admit_retrieve_unknown_request(pair) -> None:  # type: ignore[no-untype
 
 def test_publish_unknown_and_none() -> None:
     mgr = make_manager()
-    with pytest.raises(UnknownRequestError):  # R36: it was None
-        mgr.publish("nope")
+    got = mgr.publish("nope")  # R48: a falsy PublishRefused, as the reference's None
+    assert not got and isinstance(got, PublishRefused)
+    assert isinstance(got.reason, UnknownRequest)
     mgr.ingest_request("a")
     assert mgr.admit_retrieve("a", "n", "w", None).ready  # R29: a readiness check
 

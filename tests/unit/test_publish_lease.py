@@ -22,8 +22,9 @@ from kvref import (
     RetrieveInProgress,
     RetrieveStale,
     TransferEngineInfo,
+    UnknownRequest,
 )
-from kvref.config import KVReqConfig
+from kvref.config import DEFAULT_PUBLISH_LEASE_S, KVReqConfig
 from kvref.errors import (
     InvalidArgumentError,
     InvalidConfigError,
@@ -127,13 +128,38 @@ def test_republish_renews_one_lease_and_is_idempotent(src, rt) -> None:  # type:
     mgr.reset_request("r")
 
 
-def test_no_timeout_by_default(rt) -> None:  # type: ignore[no-untyped-def]
-    mgr = manager(rt)
+def test_no_timeout_when_none_is_given(rt) -> None:  # type: ignore[no-untyped-def]
+    mgr = manager(rt)  # publish_lease_s=None, explicitly
+    assert mgr.config.publish_lease_s is None
     mgr.ingest_request("r")
     published(mgr, "r")
     rt.advance(1e9)
     with pytest.raises(PublishLeasedError):
         mgr.remove_request("r")
+
+
+def test_default_lease_expires_after_480_s(rt) -> None:  # type: ignore[no-untyped-def]
+    """R49: a config that says nothing about the lease gets vLLM's producer
+    timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s): a consumer that died
+    pins the publisher's pages for 8 minutes, not forever."""
+    cfg = make_cfg(pages=16, page_size=4, cpu_pages=8)
+    assert cfg.publish_lease_s == DEFAULT_PUBLISH_LEASE_S == 480.0
+    mgr = KVManager(cfg, "kv", None, TransferEngineInfo(), "cpu", dtype=torch.float32,
+                    runtime=rt)
+    drv = Driver(mgr)
+    drv.ingest("r")
+    fill(drv, "r", 5)
+    published(mgr, "r")
+    rt.advance(DEFAULT_PUBLISH_LEASE_S - 1)
+    assert mgr.offload("r") == 0  # still leased: pinned (R33)
+    with pytest.raises(PublishLeasedError):
+        mgr.remove_request("r")
+    rt.advance(1)  # the consumer never released: the lease ends on its own
+    assert mgr.offload("r") == 2
+    assert mgr.reload("r")
+    mgr.remove_request("r")
+    check_conservation(mgr)
+    mgr.cleanup()
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, True, "5"])
@@ -249,9 +275,35 @@ def test_publish_while_receiving_or_failed(src, dst, rt) -> None:  # type: ignor
     assert isinstance(got, PublishRefused) and isinstance(got.reason, AdmitRuntimeError)
 
 
-def test_publish_unknown_request_raises(dst) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(UnknownRequestError, match="'nope'"):
-        dst.publish("nope")
+def test_publish_unknown_request_is_a_typed_refusal(dst) -> None:  # type: ignore[no-untyped-def]
+    """R48: never ingested: a falsy PublishRefused naming the request, no lease."""
+    before = snapshot(dst)
+    got = dst.publish("nope")
+    assert isinstance(got, PublishRefused) and isinstance(got.reason, UnknownRequest)
+    assert not got and got.reason.request_id == "nope" and "removed" in got.reason.message
+    assert_same(before, snapshot(dst))
+    assert dst._table.leases.leased() == []
+
+
+def test_publish_after_another_thread_removed_the_request(src, dst) -> None:  # type: ignore[no-untyped-def]
+    """R48, the reference's race: remove_request pops the streams (another
+    thread) between the engine's forward and its publish. The engine gets a
+    value to plan around, as for an offloaded request, and a consumer handed
+    it retrieves nothing."""
+    mgr, _ = src
+    mgr.remove_request("r")
+    got = mgr.publish("r")
+    assert isinstance(got, PublishRefused) and isinstance(got.reason, UnknownRequest)
+    assert mgr._table.leases.leased() == []  # nothing leased: nothing to release
+    mgr.release_published("r")  # and a release anyway is the usual no-op
+    mgr.ingest_request("r")  # a re-ingested request is not pinned by it
+    mgr.remove_request("r")
+    dst.ingest_request("r")
+    with pytest.raises(PublishedInfoError, match=r"publish was refused.*UnknownRequest"):
+        dst.admit_retrieve("r", published=got)  # type: ignore[arg-type]
+    assert dst.stored_len("r") == 0
+    with pytest.raises(UnknownRequestError):  # retrieve into an unknown request still raises
+        dst.admit_retrieve("gone", published=None)
 
 
 # -- R37: routes ------------------------------------------------------------------------------
@@ -287,9 +339,12 @@ def test_half_a_route_raises(dst) -> None:  # type: ignore[no-untyped-def]
         dst.admit_retrieve("r", "n")
 
 
-def test_config_default_is_none() -> None:
-    assert KVConfig(num_layers=1, num_kv_heads=1, head_dim=1, max_seq_len=8, max_num_pages=2,
-                    page_size=1, num_qo_heads=1).publish_lease_s is None
+def test_config_default_is_finite() -> None:
+    """R49: 480 s unless given; None only when the engine says so."""
+    shape = dict(num_layers=1, num_kv_heads=1, head_dim=1, max_seq_len=8, max_num_pages=2,
+                 page_size=1, num_qo_heads=1)
+    assert KVConfig(**shape).publish_lease_s == 480.0  # type: ignore[arg-type]
+    assert KVConfig(**shape, publish_lease_s=None).publish_lease_s is None  # type: ignore[arg-type]
 
 
 def test_a_refused_reset_does_not_drain(src, dst, rt) -> None:  # type: ignore[no-untyped-def]
