@@ -30,9 +30,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 pytest_plugins = ["kvref.testing.plugin"]
 
 
-def pytest_configure(config: pytest.Config) -> None:
+@pytest.hookimpl(trylast=True)  # after Hypothesis's own: its initialization is over
+def pytest_sessionstart(session: pytest.Session) -> None:
     # before collection: Hypothesis's draws depend on which of the project's
-    # modules are loaded (tests/support/preload.py)
+    # modules are loaded (tests/support/preload.py); not at configure, where
+    # Hypothesis warns against touching its storage
     from tests.support.preload import preload
 
     preload()

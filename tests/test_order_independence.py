@@ -9,8 +9,10 @@ every later lockstep run generated, and a planted bug went unfound.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +35,20 @@ def _constant_pool() -> Callable[[], Any]:
     except ImportError:  # private to Hypothesis: the test above still holds
         pytest.skip("this Hypothesis has no local constant pool to compare")
     return _get_local_constants
+
+
+def test_a_module_loaded_later_adds_no_constant(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = _constant_pool()
+    before = set(pool().set_for_type("integer"))
+    (tmp_path / "kvref_late_module.py").write_text("UNLIKELY = 982_451_653\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("kvref_late_module")
+    try:
+        assert 982_451_653 not in pool().set_for_type("integer")
+        assert set(pool().set_for_type("integer")) == before
+    finally:
+        sys.modules.pop("kvref_late_module", None)
 
 
 def test_what_the_exhaustive_replay_imports_changes_no_draw() -> None:

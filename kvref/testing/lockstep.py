@@ -282,6 +282,30 @@ class Lockstep(RuleBasedStateMachine):
         self.run(m.OffloadCommit(claim.rid))
         self.agrees_with_model()
 
+    def claims_while_receiving(self) -> list[m.Action]:
+        pending = {k[0] for k, v in self.state.streams if v.retrieve == m.PENDING}
+        return [a for a in self.enabled_of(m.OffloadClaim)
+                if isinstance(a, m.OffloadClaim) and a.rid in pending]
+
+    @precondition(lambda self: bool(self.claims_while_receiving()))
+    @rule(data=st.data())
+    def offload_while_receiving(self, data: st.DataObject) -> None:
+        """A whole offload of a request whose retrieve is still copying, then its
+        reload: the host copy waits for the bytes to land (R17), and what comes
+        back is checked byte for byte. Rare among the single-call rules."""
+        claim = data.draw(st.sampled_from(self.claims_while_receiving()), label="claim")
+        assert isinstance(claim, m.OffloadClaim)
+        self.run(claim)
+        off = self.state.offload_of(claim.rid)
+        if off is None:
+            return
+        for label, _ in off.claimed:
+            self.run(m.OffloadCopy(claim.rid, label))
+        self.run(m.OffloadCommit(claim.rid))
+        if self.has(m.Reload):
+            self.run(m.Reload(claim.rid))
+        self.agrees_with_model()
+
     @precondition(lambda self: self.has(m.OffloadCopy))
     @rule(data=st.data())
     def offload_copy(self, data: st.DataObject) -> None:
@@ -371,6 +395,23 @@ class Lockstep(RuleBasedStateMachine):
     def retrieve_completes(self, data: st.DataObject) -> None:
         self.run(data.draw(st.sampled_from(self.completions(ok=True))))
 
+    def fresh_retrieves(self) -> list[m.Action]:
+        return [a for a in self.enabled_of(m.RetrieveStart) if isinstance(a, m.RetrieveStart)
+                and not (a.stale or a.start_error)]
+
+    @precondition(lambda self: bool(self.fresh_retrieves()))
+    @rule(data=st.data())
+    def retrieve_as_the_publisher_moves(self, data: st.DataObject) -> None:
+        """A retrieve whose publisher moves while it copies (R35's second read):
+        its start and that completion back to back, which the single-call
+        rules seldom pair."""
+        start = data.draw(st.sampled_from(self.fresh_retrieves()), label="retrieve")
+        assert isinstance(start, m.RetrieveStart)
+        self.run(start)
+        moved = m.RetrieveComplete(start.rid, start.label, ok=True, moved=True)
+        if moved in self.enabled_of(m.RetrieveComplete):
+            self.run(moved)
+
     @precondition(lambda self: bool(self.completions(ok=True, moved=True)))
     @rule(data=st.data())
     def publisher_moves_mid_copy(self, data: st.DataObject) -> None:
@@ -403,29 +444,55 @@ class Lockstep(RuleBasedStateMachine):
         late: list[m.Action] = [m.Write(), m.Read()]
         self.run(data.draw(st.sampled_from(late), label="late call"))
 
-    @precondition(lambda self: self.state.staged is None and self.state.current is None
-                  and len(self.ready()) > 1)
+    def fork_pairs(self, kind: str) -> list[tuple[int, int]]:
+        """(source, target) label pairs to fork over the ready batch: ``any``;
+        ``held``: both labels hold tokens in one request (only a fault there
+        leaves a target torn, R26); ``absent``: the target holds tokens in a
+        request that lacks the source (R20: no source, the target keeps them)."""
+        labels = range(self.scope.labels)
+        ready = set(self.ready())
+        streams = self.state.stream_map()
+        held = {(r, lb) for (r, lb), v in streams.items() if r in ready and v.stored_len > 0}
+        pairs = [(f, t) for f in labels for t in labels if f != t]
+        if kind == "held":
+            return [(f, t) for f, t in pairs if any((r, f) in held and (r, t) in held
+                                                    for r in ready)]
+        if kind == "absent":
+            return [(f, t) for f, t in pairs
+                    if any((r, t) in held and (r, f) not in streams for r in ready)]
+        return pairs
+
+    def batch_idle(self) -> bool:
+        return self.state.staged is None and self.state.current is None and len(self.ready()) > 1
+
+    @precondition(lambda self: self.batch_idle())
     @rule(data=st.data())
     def fork_over_the_batch(self, data: st.DataObject) -> None:
         """A forked step padded to every ready request, run whole: some padded
-        requests lack the source label, some already hold the target (R20).
-        Its fork copy may raise: a fault over a target that already holds
-        tokens is what shows a torn target (R26), and the general fault rule
-        reaches that pairing too rarely once the other rules share the draws."""
+        requests lack the source label, some already hold the target (R20)."""
+        self.fork_batch(data, self.fork_pairs("any"))
+
+    @precondition(lambda self: self.batch_idle() and bool(self.fork_pairs("held")))
+    @rule(data=st.data())
+    def fork_between_held_labels(self, data: st.DataObject) -> None:
+        """A fork whose copy may raise over a target that holds tokens: what
+        shows a torn target (R26); the general rules reach it too rarely."""
+        self.fork_batch(data, self.fork_pairs("held"))
+
+    @precondition(lambda self: self.batch_idle() and bool(self.fork_pairs("absent")))
+    @rule(data=st.data())
+    def fork_from_a_label_a_request_lacks(self, data: st.DataObject) -> None:
+        """A fork onto tokens a padded request holds, from a label it lacks (R20)."""
+        self.fork_batch(data, self.fork_pairs("absent"))
+
+    def fork_batch(self, data: st.DataObject, pairs: list[tuple[int, int]]) -> None:
         # the peers copied what the batch published: a fork onto a leased
-        # stream is refused (R50), and this rule is about forks that run
+        # stream is refused (R50), and these rules are about forks that run
         for rid in self.ready():
             if rid in self.state.leases:
                 self.run(m.ReleasePublished(rid))
         step = data.draw(steps(self.model, self.state, self.ready()))
-        labels = st.integers(0, self.scope.labels - 1)
-        # onto a label a ready request holds tokens in, half the time: only
-        # there does a fault that leaves the target torn show
-        held = sorted({lb for (r, lb), v in self.state.streams
-                       if r in self.ready() and v.stored_len > 0})
-        onto_held = bool(held) and data.draw(st.booleans(), label="onto a held label")
-        to = data.draw(st.sampled_from(held) if onto_held else labels, label="fork target")
-        pair = (data.draw(labels.filter(lambda f: f != to), label="fork source"), to)
+        pair = data.draw(st.sampled_from(pairs), label="fork (source, target)")
         post = data.draw(st.booleans(), label="post-fork")
         fault = data.draw(st.booleans(), label="fork copy raises")
         step = m.Step(step.segments, () if post else (pair,), (pair,) if post else (),

@@ -1,14 +1,21 @@
-"""Import every module of the project before the first test runs.
+"""Make what Hypothesis draws depend on the seed and the project's library alone.
 
-Hypothesis draws, now and then, a constant found in the source of the
-*local* modules loaded so far (`sys.modules`, outside site-packages and the
-standard library), so what a derandomized run generates depends on which of
-the project's modules happen to be imported when it runs. A test that imports
-a module lazily (the exhaustive replay imports the model checker's search)
-changed what every later lockstep run drew: after `test_exhaustive.py`, one
-planted bug of `test_mutations.py` was no longer found within its budget
-(issue 17). Loading them all up front makes the pool the same in any order,
-in one process or per xdist worker, and for a test run alone.
+Hypothesis draws, now and then (one integer draw in twenty), a constant found
+in the source of the *local* modules loaded so far (`sys.modules`, outside
+site-packages and the standard library), so what a derandomized run generates
+depended on which modules happened to be imported when it ran. A test that
+imports a module lazily (the exhaustive replay imports the model checker's
+search) changed what every later lockstep run drew: after
+`test_exhaustive.py`, one planted bug of `test_mutations.py` was no longer
+found within its budget (issue 17); which test files a run collected, or the
+script that ran the machine, did the same.
+
+`preload` imports every library module (kvref, model, tests.support,
+benchmarks, the example engine) and pins Hypothesis's pool of local
+constants to theirs: not the test modules', not a script's. The pool is then
+the same in any order, for any selection of tests, in one process or per
+xdist worker. Pinning reaches into Hypothesis's internals; where they differ
+(another version), loading everything up front still keeps the order out.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import importlib.util
 import pkgutil
 import sys
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("kvref", "model", "tests.support", "benchmarks")
@@ -36,14 +44,37 @@ def local_module_names() -> list[str]:
     return names
 
 
-def preload() -> None:
-    for name in local_module_names():
-        importlib.import_module(name)
+def preload() -> list[ModuleType]:
+    """Import the library's modules; pin Hypothesis's constants to theirs."""
+    modules = [importlib.import_module(name) for name in local_module_names()]
     for name, path in EXAMPLES.items():
-        if name in sys.modules:
-            continue
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        modules.append(sys.modules[name])
+    pin_constants(modules)
+    return modules
+
+
+def pin_constants(modules: list[ModuleType]) -> bool:
+    """Hypothesis's local constants are those of ``modules``, whatever is
+    loaded later. False where this Hypothesis has no such pool."""
+    try:
+        from hypothesis.internal.conjecture import providers
+    except ImportError:
+        return False
+    needed = ("_get_local_constants", "Constants", "SortedSet", "float_to_int",
+              "constants_from_module", "CONSTANTS_CACHE")
+    if not all(hasattr(providers, n) for n in needed):
+        return False
+    pool = providers.Constants(
+        integers=providers.SortedSet(), floats=providers.SortedSet(key=providers.float_to_int),
+        bytes=providers.SortedSet(), strings=providers.SortedSet())
+    for module in modules:
+        pool = pool | providers.constants_from_module(module)
+    providers._get_local_constants = lambda: pool
+    providers.CONSTANTS_CACHE.cache.clear()  # answers computed from the old pool
+    return True
