@@ -48,3 +48,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "nightly" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
+                            exitstatus: int, config: pytest.Config) -> None:
+    # the order the tests ran in, even under -q (pytest-randomly's header is
+    # hidden there): a failure that depends on it replays with this seed
+    seed = getattr(config.option, "randomly_seed", None)
+    if isinstance(seed, int):
+        terminalreporter.write_line(f"test order: random, --randomly-seed={seed}")
