@@ -132,18 +132,20 @@ def refusal(table: Table, keys: Mapping[Key, None]) -> AdmitFailedReason | None:
     return failed or pending or offloading
 
 
-def leased_fork_target(table: Table, step: KVStep, padded: tuple[str, ...],
+def leased_fork_target(step: KVStep, padded: tuple[str, ...],
                        leased: Callable[[str], bool]) -> PublishLeased | None:
-    """R50: a fork onto an existing stream of a leased request overwrites, in
-    place, pages a peer may be copying; across processes nothing else tells
-    the peer, so the fork waits for the lease to end."""
-    for _, to_label in (*step.pre_forks, *step.post_forks):
-        for rid in padded:
-            if to_label in table[rid] and leased(rid):
-                return PublishLeased(
-                    message=f"a fork onto {rid!r}/{to_label!r}, whose publication a peer "
-                            "still holds: retry after release_published or the lease's end",
-                    request_id=rid, label=to_label)
+    """R50: a fork applied to a leased request may overwrite, in place, pages a
+    peer is copying (or, failing, empty them); across processes nothing else
+    tells the peer, so the step waits for the lease to end. Any fork over it,
+    not only one onto a published label: a target the step creates is then
+    written in place too, and the rule stays one an engine can predict."""
+    if not (step.pre_forks or step.post_forks):
+        return None
+    for rid in padded:
+        if leased(rid):
+            return PublishLeased(
+                message=f"a fork over {rid!r}, whose publication a peer still holds: "
+                        "retry after release_published or the lease's end", request_id=rid)
     return None
 
 

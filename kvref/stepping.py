@@ -135,7 +135,7 @@ class Stepping:
         admission.validate_step(all_streams, step, padded)
         keys = admission.named_keys(step, padded)
         refused = admission.refusal(all_streams, keys) or admission.leased_fork_target(
-            all_streams, step, padded, self._table.leases.held)
+            step, padded, self._table.leases.held)
         if refused is not None:
             return AdmitOutcome(ok=False, reason=refused)
         grant = admission.reserve(all_streams, step, padded, keys,

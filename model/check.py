@@ -23,7 +23,8 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from model import invariants as inv
@@ -46,20 +47,166 @@ def _state_checks(m: Model, s: State) -> list[tuple[str, str]]:
     return inv.violations(m, s)
 
 
+PlanKey = tuple[type, type, bool, tuple[bool, ...]]
+Pred = Callable[[Model, State, Action, Result, State], Any]
+
+
+class Observer:
+    """What the search asks of every transition, at the cost of what can
+    happen on it: the interesting cases of `inv.INTERESTING` (counted into
+    the `counts` it is handed) and the checks of `inv.TRANSITION` (returned:
+    the same as `inv.violations(m, n, a, r, prev, states=False)`, in the same
+    order).  It calls only the predicates that can hold (an interesting case)
+    or fail (a check) on the transition, as `model.invariants` states them:
+
+    - those the action's type, the result's type and the state it leaves do
+      not rule out (`ON_ACTIONS`, `ON_RESULTS`, `WHEN`; `INTERESTING_ON`,
+      `INTERESTING_RESULTS`);
+    - where the next state is the very object the transition left (every
+      refusal and misuse, most no-ops): not the checks that hold there
+      (`UNCHANGED_HOLDS`, `UNCHANGED_ON_ACTIONS`); those whose verdict there
+      is the state's alone once per state (`UNCHANGED_STATE_ONLY`,
+      `INTERESTING_UNCHANGED_STATE_ONLY`), the verdict serving the rest.
+
+    A state's signature is its guards (`WHEN`) and the truth of the state-only
+    cases; per signature and (action type, result type, unchanged) the plan of
+    what to call is made once.  `stats()` says per check on how many
+    transitions it ran since the last call: the report's account of what was
+    skipped."""
+
+    def __init__(self) -> None:
+        self._guards = tuple(inv.WHEN.items())
+        self._cases = tuple((i, inv.INTERESTING[i][1])
+                            for i in sorted(inv.INTERESTING_UNCHANGED_STATE_ONLY)
+                            if i in inv.INTERESTING)
+        # per (action type, result type, unchanged, guards): [interesting cases,
+        # state-only ones, checks, transitions seen]
+        self._plans: dict[PlanKey, list[Any]] = {}
+        # per signature, then per (action type, result type, unchanged): the
+        # plan and, where it calls nothing but state-only cases, those that hold
+        self._by_signature: dict[tuple[tuple[bool, ...], tuple[bool, ...]],
+                                 dict[tuple[type, type, bool],
+                                      tuple[list[Any], tuple[str, ...] | None]]] = {}
+        self._prev: State | None = None
+        self._flags: tuple[bool, ...] = ()
+        self._truth: dict[str, bool] = {}  # the state-only cases on `_prev`
+        self._mine: dict[tuple[type, type, bool], tuple[list[Any], tuple[str, ...] | None]] = {}
+        self._held: set[str] = set()  # state-only checks that held on `_prev`
+        self._state_only_runs: dict[str, int] = {}
+
+    def _plan(self, key: PlanKey) -> list[Any]:
+        ta, tr, unchanged, flags = key
+        off = {i for (i, _), ok in zip(self._guards, flags, strict=True) if not ok}
+        preds: list[tuple[str, Pred]] = []
+        state_only: list[tuple[str, Pred]] = []
+        for i, (_, pred) in inv.INTERESTING.items():
+            if ((i in inv.INTERESTING_ON and not issubclass(ta, inv.INTERESTING_ON[i]))
+                    or (i in inv.INTERESTING_RESULTS
+                        and not issubclass(tr, inv.INTERESTING_RESULTS[i]))):
+                continue
+            if unchanged and i in inv.INTERESTING_UNCHANGED_STATE_ONLY:
+                state_only.append((i, pred))
+            else:
+                preds.append((i, pred))
+        checks: list[tuple[str, inv.StepPred, bool]] = []
+        for i, f in inv.TRANSITION.items():
+            if (i in off or (i in inv.ON_ACTIONS and not issubclass(ta, inv.ON_ACTIONS[i]))
+                    or (i in inv.ON_RESULTS and not issubclass(tr, inv.ON_RESULTS[i]))):
+                continue
+            if unchanged and (i in inv.UNCHANGED_HOLDS or (
+                    i in inv.UNCHANGED_ON_ACTIONS
+                    and not issubclass(ta, inv.UNCHANGED_ON_ACTIONS[i]))):
+                continue
+            checks.append((i, f, unchanged and i in inv.UNCHANGED_STATE_ONLY))
+        return [tuple(preds), tuple(state_only), tuple(checks), 0]
+
+    def _enter(self, m: Model, prev: State, a: Action, r: Result) -> None:
+        """A new state: its guards, its state-only cases (asked as of a
+        transition that left it unchanged: any action and result will do)."""
+        self._prev = prev
+        self._flags = tuple([g(prev) for _, g in self._guards])
+        truths = tuple([bool(p(m, prev, a, r, prev)) for _, p in self._cases])
+        self._truth = {i: t for (i, _), t in zip(self._cases, truths, strict=True)}
+        self._mine = self._by_signature.setdefault((self._flags, truths), {})
+        self._held = set()
+
+    def _short(self, short: tuple[type, type, bool]
+               ) -> tuple[list[Any], tuple[str, ...] | None]:
+        key = (*short, self._flags)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(key)
+        rise = None
+        if not plan[0] and not plan[2]:
+            rise = tuple(i for i, _ in plan[1] if self._truth.get(i))
+        self._mine[short] = got = (plan, rise)
+        return got
+
+    def __call__(self, m: Model, prev: State, a: Action, r: Result, n: State,
+                 counts: Counter[str]) -> Sequence[tuple[str, str]]:
+        if prev is not self._prev:  # held, so its id is not reused while compared
+            self._enter(m, prev, a, r)
+        short = (type(a), type(r), n is prev)
+        mine = self._mine.get(short)
+        if mine is None:
+            mine = self._short(short)
+        plan, rise = mine
+        plan[3] += 1
+        if rise is not None:  # nothing to call: the state-only cases that hold
+            for i in rise:
+                counts[i] += 1
+            return ()
+        for i, pred in plan[0]:
+            if pred(m, prev, a, r, n):
+                counts[i] += 1
+        for i, _ in plan[1]:
+            if self._truth[i]:
+                counts[i] += 1
+        out = []
+        for i, f, state_only in plan[2]:
+            if state_only:
+                if i in self._held:
+                    continue  # it held on this very state, whatever the action
+                self._state_only_runs[i] = self._state_only_runs.get(i, 0) + 1
+                msg = f(m, prev, a, r, n)
+                if not msg:
+                    self._held.add(i)
+            else:
+                msg = f(m, prev, a, r, n)
+            if msg:
+                out.append((i, msg))
+        return out
+
+    def stats(self) -> dict[str, int]:
+        """Per transition check, the transitions it ran on (since the last call)."""
+        out = dict.fromkeys(inv.TRANSITION, 0)
+        for plan in self._plans.values():
+            for i, _, state_only in plan[2]:
+                if not state_only:
+                    out[i] += plan[3]
+            plan[3] = 0
+        for i, k in self._state_only_runs.items():
+            out[i] += k
+        self._state_only_runs = {}
+        return out
+
+
 def _transition_checks(m: Model, prev: State, a: Action, r: Result,
                        n: State) -> list[tuple[str, str]]:
     return inv.violations(m, n, a, r, prev, states=False)
 
 
 def make_spec(model: Model, reduce: bool = True) -> Spec:
-    """kvref's model, its protocol, I1-I15 and the symmetry, as a search spec."""
+    """kvref's model, its protocol, I1-I22 and the symmetry, as a search spec."""
     canon = Canonicaliser(model.scope, reduce)
+    observer = Observer()
     return Spec(
         model=model, enabled=calls, state_checks=_state_checks,
         transition_checks=_transition_checks,
         interesting={i: pred for i, (_, pred) in inv.INTERESTING.items()},
         key=canon.key, depth=model.scope.depth,
         identity=f"{type(model).__qualname__} {model.scope} reduce={canon.reduce}",
+        observe=observer, check_stats=observer.stats,
     )
 
 
@@ -76,15 +223,16 @@ def explore(model: Model, *, keep_going: bool = False, progress: bool = False,
             states: bool = True) -> Iterator[tuple[State | None, Trace]]:
     """BFS; yields each reachable (representative) state with its shortest
     trace (empty unless `traces`).  Violations land in `report`; without
-    keep_going the search stops at the first one.  With `states` False the
-    deepest level's states come as None (they are never decoded: faster)."""
+    keep_going the search stops at the first one.  With `states` False every
+    state comes as None: none is decoded, and the deepest level's are not even
+    kept (faster)."""
     search = Search(make_spec(model, reduce), workers=workers, keep_going=keep_going,
                     progress=progress, checkpoint=checkpoint,
                     checkpoint_every=checkpoint_every, resume=resume,
                     stop_after_chunks=stop_after_chunks, report=report,
                     want_states=states or traces)
     for sid, data in search.run():
-        yield loads(data) if data else None, search.trace(sid) if traces else ()
+        yield loads(data) if data and states else None, search.trace(sid) if traces else ()
 
 
 def reachable(scope: Scope, model: type[Model] = Model) -> Iterator[tuple[State, Trace]]:
@@ -122,7 +270,25 @@ def table(rep: Report, scope: Scope) -> str:
         n = rep.interesting[i]
         rows.append(f"  {i:8} {'YES' if i in rep.violations else 'no':8}  {what} ({n})"
                     + ("   <-- VACUOUS" if not n else ""))
-    return "\n".join(rows)
+    return "\n".join(rows + _skipped(rep))
+
+
+def _skipped(rep: Report) -> list[str]:
+    """What the fast path left out, said: every transition was stepped,
+    counted, fired and had its interesting cases looked at; the state checks
+    ran on every new state; a transition check was skipped only where
+    `model.invariants` says it cannot fail (or, on a transition that changed
+    nothing, where its verdict is the state's and was taken once already)."""
+    if not rep.checks:
+        return []
+    t = max(rep.transitions, 1)
+    rows = ["", f"transitions that changed nothing: {rep.unchanged} of {rep.transitions} "
+            f"({100 * rep.unchanged / t:.0f}%: the state they left, no successor)",
+            "transition check  ran on     skipped where it cannot fail (model.invariants)"]
+    for i in inv.TRANSITION:
+        n = rep.checks[i]
+        rows.append(f"  {i:8} {n:>13} {rep.transitions - n:>13} ({100 * (t - n) / t:.0f}%)")
+    return rows
 
 
 def to_json(rep: Report, scope: Scope, model: str) -> dict[str, Any]:
@@ -140,6 +306,10 @@ def to_json(rep: Report, scope: Scope, model: str) -> dict[str, Any]:
         "coverage_holes": [c.__name__ for c in ACTIONS if not rep.fired[c.__name__]],
         "interesting": {i: rep.interesting[i] for i in checked},
         "vacuous": [i for i in checked if not rep.interesting[i]],
+        # transitions whose next state is the state they left; per transition
+        # check, the transitions it ran on (skipped on the rest: it cannot fail there)
+        "unchanged_transitions": rep.unchanged,
+        "transition_checks_ran": {i: rep.checks[i] for i in inv.TRANSITION},
         "violations": {
             i: {"message": msg, "trace": [[describe(a), show(r)] for a, r in trace]}
             for i, (msg, trace) in sorted(rep.violations.items(), key=lambda x: int(x[0][1:]))

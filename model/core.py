@@ -101,6 +101,9 @@ class Stream:
     retrieve: str = IDLE
 
 
+NO_STREAM = Stream()  # a stream not there yet (frozen: one value serves every lookup)
+
+
 @dataclass(frozen=True)
 class Seg:
     rid: int
@@ -169,10 +172,20 @@ class State:
         return h
 
     def stream_map(self) -> dict[Key, Stream]:
-        return dict(self.streams)
+        # a fresh dict every call (callers change theirs), copied from one kept
+        # with the state: a step asks several times, and a copy is the cheaper
+        got: dict[Key, Stream] | None = self.__dict__.get("_map")
+        if got is None:
+            got = dict(self.streams)
+            object.__setattr__(self, "_map", got)
+        return got.copy()
 
     def requests(self) -> set[int]:
-        return {k[0] for k, _ in self.streams}
+        got: frozenset[int] | None = self.__dict__.get("_requests")  # kept, as `_map`
+        if got is None:
+            got = frozenset([k[0] for k, _ in self.streams])
+            object.__setattr__(self, "_requests", got)
+        return set(got)
 
     def offload_of(self, rid: int) -> Offload | None:
         return dict(self.offloads).get(rid)
@@ -402,11 +415,23 @@ RESULTS: tuple[type, ...] = (Ok, NotReady, Refused, Misuse, Fault, Freed, Flag, 
 def named(step: Step) -> set[Key]:
     """Every stream a step names: its segments, and both ends of every fork
     for every padded request."""
+    # a function of the (frozen) step, asked several times per admit: kept
+    # per step object (the entry holds it, so its id is not reused)
+    got = _NAMED.get(id(step))
+    if got is not None and got[0] is step:
+        return set(got[1])
     keys = {(g.rid, g.label) for g in step.segments}
     for f, t in step.pre_forks + step.post_forks:
         for rid in step.padded:
             keys |= {(rid, f), (rid, t)}
+    if len(_NAMED) > 4096:
+        _NAMED.clear()
+    _NAMED[id(step)] = (step, frozenset(keys))
     return keys
+
+
+_NAMED: dict[int, tuple[Step, frozenset[Key]]] = {}
+_HANDLERS: dict[tuple[type, type], Any] = {}  # Model.step's: (model class, action class)
 
 
 class Model:
@@ -446,9 +471,15 @@ class Model:
         return -(-tokens // self.scope.page_size)
 
     def step(self, s: State, a: Action) -> tuple[Result, State]:
-        handler = getattr(self, "do_" + type(a).__name__)
+        # the class's handler, looked up once per (model class, action class):
+        # the checker steps millions of times (an instance's own do_ attribute,
+        # which nothing sets, would not be seen)
+        handler = _HANDLERS.get((type(self), type(a)))
+        if handler is None:
+            handler = _HANDLERS[(type(self), type(a))] = getattr(
+                type(self), "do_" + type(a).__name__)
         result: Result
-        result, nxt = handler(s, a)
+        result, nxt = handler(self, s, a)
         assert isinstance(result, RESULTS)
         assert isinstance(nxt, State)
         return result, nxt
@@ -457,7 +488,9 @@ class Model:
 
     def do_Ingest(self, s: State, a: Ingest) -> tuple[Result, State]:
         st = s.stream_map()
-        st.setdefault((a.rid, MAIN), Stream())  # idempotent, as the reference
+        if (a.rid, MAIN) in st:
+            return Ok(), s  # idempotent, as the reference (the very state: nothing to copy)
+        st[(a.rid, MAIN)] = Stream()
         return Ok(), replace(s, streams=_sorted(st))
 
     def _in_flight(self, s: State, rid: int) -> bool:
@@ -540,6 +573,24 @@ class Model:
         length reaches while the step runs, its forks applied in list order
         (a chain a->b, b->c copies a's tokens twice; a cycle ends as the first
         source)."""
+        # a function of the step and of which streams it names exist at what
+        # length (nothing else of `st` is read), asked by every admit: kept per
+        # model and step object (the entry holds the step, so its id is not
+        # reused); a copy goes out, callers own it
+        proj = tuple([(k, st[k].stored_len if k in st else -1) for k in sorted(named(step))])
+        memo: dict[tuple[int, tuple[tuple[Key, int], ...]],
+                   tuple[Step, dict[Key, int]]] = self.__dict__.setdefault(
+                       "_reservations_memo", {})
+        got = memo.get((id(step), proj))
+        if got is not None and got[0] is step:
+            return dict(got[1])
+        if len(memo) > 1 << 14:
+            memo.clear()
+        want = self._reservations(step, st)
+        memo[(id(step), proj)] = (step, dict(want))
+        return want
+
+    def _reservations(self, step: Step, st: dict[Key, Stream]) -> dict[Key, int]:
         want: dict[Key, int] = {}
 
         def ask(k: Key, tokens: int) -> None:
@@ -605,8 +656,8 @@ class Model:
                 return Refused("RetrieveInProgress"), s  # its pages are still zeros
         if any(st[k].offload != RESIDENT for k in keys if k in st):
             return Refused("RequestOffloading"), s
-        if self.R50_lease_refuses_in_place_writes and any(
-                rid in s.leases for rid, _ in self.fork_targets(a.step, st)):
+        if self.R50_lease_refuses_in_place_writes and (
+                a.step.pre_forks or a.step.post_forks) and set(a.step.padded) & set(s.leases):
             # R50: a fork would overwrite a published stream in place; across
             # processes the lease is all that keeps the peer's bytes (R35)
             return Refused("PublishLeased"), s
@@ -621,7 +672,7 @@ class Model:
         for k, n in want.items():
             if k not in st:
                 undo.append((k, None))
-            st[k] = replace(st.get(k, Stream()), pages=max(st.get(k, Stream()).pages, n))
+            st[k] = replace(st.get(k, NO_STREAM), pages=max(st.get(k, NO_STREAM).pages, n))
         before = s.stream_map()
         # a pre-fork target to rewind, where a preplan runs its forks (R11 off);
         # under R11 there is none, and a running step may still move it (R41)
@@ -899,7 +950,7 @@ class Model:
             return Misuse("UnknownRequestError"), s
         st = s.stream_map()
         k = (a.rid, a.label)
-        v = st.get(k, Stream())
+        v = st.get(k, NO_STREAM)
         if v.retrieve == FAILED:
             return Refused("AdmitRuntimeError"), s
         if v.retrieve == PENDING:
@@ -972,6 +1023,8 @@ class Model:
 
     def do_ReleasePublished(self, s: State, a: ReleasePublished) -> tuple[Result, State]:
         # idempotent: the consumer cannot know whether the lease already expired
+        if a.rid not in s.leases:
+            return Ok(), s  # the very state: nothing to copy
         return Ok(), replace(s, leases=tuple(r for r in s.leases if r != a.rid))
 
     def do_LeaseTimeout(self, s: State, a: LeaseTimeout) -> tuple[Result, State]:
@@ -1009,12 +1062,6 @@ class Model:
         settled = self._settled(s)
         shared = named(step) & named(s.current.step)
         return tuple(sorted((k, settled[k].stored_len) for k in shared if k in settled))
-
-    @staticmethod
-    def fork_targets(step: Step, st: dict[Key, Stream]) -> set[Key]:
-        """The existing streams a step's forks write (R50)."""
-        return {(rid, t) for _, t in (*step.pre_forks, *step.post_forks)
-                for rid in step.padded if (rid, t) in st}
 
     @staticmethod
     def forks_onto(s: State, rid: int) -> bool:

@@ -514,6 +514,14 @@ INTERESTING_ON: dict[str, tuple[type, ...]] = {
     "I14": (OffloadCommit,), "I15": (Commit,), "I17": (Plan, Commit),
     "I18": (OffloadClaim, Reset, Remove), "I19": (RetrieveStart,), "I21": (Plan,),
 }
+# the result types it can hold on
+INTERESTING_RESULTS: dict[str, tuple[type, ...]] = {
+    "I1": (Freed,), "I6": (Flag,), "I7": (Flag,), "I10": (Refused,), "I11": (Refused,),
+    "I14": (Freed,), "I17": (Fault,), "I19": (Latched,), "I22": (Refused,),
+}
+# on a transition whose next state is the very object it left, the cases
+# whose truth is that state's alone: I2 looks only at the next state's pages
+INTERESTING_UNCHANGED_STATE_ONLY = frozenset({"I2"})
 
 
 def violations(m: Model, s: State, a: Action | None = None, r: Result | None = None,

@@ -118,6 +118,36 @@ def _shapes(m: Model, reqs: list[int]) -> _Shapes:
     return got
 
 
+class _PerRequest:
+    """The calls `calls` issues about request `r` whatever the state, made once
+    per scope (actions are frozen values: sharing them is safe), in its order."""
+
+    def __init__(self, sc: Scope, r: int) -> None:
+        labels = range(sc.labels)
+        self.claim = OffloadClaim(r)
+        self.copy = [OffloadCopy(r, label) for label in labels]
+        self.copy_error = [OffloadCopy(r, label, copy_error=True) for label in labels]
+        self.close = (OffloadCommit(r), OffloadAbandon(r), Reload(r))
+        self.reload_error = Reload(r, copy_error=True)
+        self.publish = Publish(r)
+        self.retrieve = [(*(RetrieveStart(r, label, n) for n in range(sc.max_span + 1)),
+                          RetrieveStart(r, label, sc.max_span, start_error=True))
+                         for label in labels]
+        self.stale = [RetrieveStart(r, label, sc.max_span, stale=True) for label in labels]
+        self.reset = (Reset(r, free=False), Reset(r, free=True), Remove(r))
+        self.release = ReleasePublished(r)
+
+
+_FIXED: dict[Scope, list[_PerRequest]] = {}
+
+
+def _fixed(sc: Scope) -> list[_PerRequest]:
+    got = _FIXED.get(sc)
+    if got is None:
+        got = _FIXED[sc] = [_PerRequest(sc, r) for r in range(sc.requests)]
+    return got
+
+
 def completions(st: dict[tuple[int, int], Stream], rid: int, label: int
                 ) -> Iterator[Action]:
     """The environment's event: a running retrieve lands, or fails."""
@@ -216,34 +246,30 @@ def calls(m: Model, s: State) -> Iterator[Action]:
         yield Plan(fork_error=True)
         yield Commit(fork_error=True)
     yield ClearPreplan()
+    fixed = _fixed(sc)
     for r in every:
-        yield OffloadClaim(r)
+        mine = fixed[r]
+        yield mine.claim
         off = s.offload_of(r)
         for label in range(sc.labels):
-            yield OffloadCopy(r, label)
+            yield mine.copy[label]
             if off is not None and label in dict(off.claimed):
-                yield OffloadCopy(r, label, copy_error=True)
-        yield OffloadCommit(r)
-        yield OffloadAbandon(r)
-        yield Reload(r)
+                yield mine.copy_error[label]
+        yield from mine.close
         if any(k[0] == r for k, _ in s.host):
-            yield Reload(r, copy_error=True)
-        yield Publish(r)
+            yield mine.reload_error
+        yield mine.publish
         for label in range(sc.labels):
             yield from completions(st, r, label)
-            for n in range(sc.max_span + 1):
-                yield RetrieveStart(r, label, n)
-            yield RetrieveStart(r, label, sc.max_span, start_error=True)
+            yield from mine.retrieve[label]
             v = st.get((r, label))
             if r in ingested and (v is None or (v.retrieve == IDLE and not v.in_flight
                                                 and v.offload == RESIDENT)):
                 # elsewhere an earlier rule answers, as for the same call not stale
-                yield RetrieveStart(r, label, sc.max_span, stale=True)
-        yield Reset(r, free=False)
-        yield Reset(r, free=True)
-        yield Remove(r)
+                yield mine.stale[label]
+        yield from mine.reset
         if r in s.leases:
-            yield ReleasePublished(r)
+            yield mine.release
     # a release of a request not leased is one no-op whichever request it names
     yield ReleasePublished(next((r for r in every if r not in s.leases), 0))
     if s.leases:  # with nothing leased, the clock passing a deadline changes nothing

@@ -14,11 +14,20 @@ knows the shape of a state.
   fixed chunks; workers expand chunks, the main process merges their
   results in chunk order.  So the counts, the states and the traces do not
   depend on the number of workers.
+- A transition whose next state is the very object it left (a refusal, a
+  misuse, a no-op: most of them) has no successor to compare, encode or
+  check; a spec's `observe` may also skip, per transition, the checks and
+  coverage predicates that cannot fail or hold there (model.check does).
+- A successor is encoded once per chunk, and its state checks run only if
+  its fingerprint is new to the chunk and to what the worker knows the
+  merge took (each task carries the fingerprints accepted since that
+  worker's last one): about once per new state.
 - A checkpoint (taken between chunks) holds everything needed to go on.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 import multiprocessing
 import os
@@ -30,7 +39,7 @@ import tempfile
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -39,7 +48,7 @@ from model.frontier import Entry, LevelReader, LevelWriter, level_from
 from model.memory import peak_rss, rss
 
 NO_ACTION = 0xFFFF  # the root's action index
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: the report counts unchanged transitions and checks
 
 Check = tuple[str, str]  # (invariant ID, what is wrong)
 Trace = tuple[tuple[Any, Any], ...]  # ((action, result), ...)
@@ -58,6 +67,15 @@ class Spec:
     key: Callable[[Any], bytes]  # canonical encoding: equal exactly within a symmetry class
     depth: int = 0  # 0: until no new state
     identity: str = ""  # what a checkpoint must match to be resumed
+    # instead of `interesting` and `transition_checks`, one call per transition
+    # that does both: (model, state before, action, result, state after, the
+    # interesting cases' counts to add to) -> the transition checks' failures,
+    # the same as `transition_checks` gives (a spec can then skip, per
+    # transition, what cannot hold or fail there)
+    observe: Callable[[Any, Any, Any, Any, Any, Counter[str]], Sequence[Check]] | None = None
+    # what the spec's checks did since the last call (say, how many transitions
+    # each transition check ran on), drained after each chunk into the report
+    check_stats: Callable[[], Mapping[str, int]] | None = None
 
 
 @dataclass
@@ -71,6 +89,11 @@ class Report:
     # first (shortest) violation per invariant ID
     violations: dict[str, tuple[str, Trace]] = field(default_factory=dict)
     workers: int = 1
+    # transitions whose next state is the very state they left (a refusal, a
+    # misuse, a no-op): no successor to encode, and only the transition checks
+    # that can fail there run (Spec.check_stats counts what ran)
+    unchanged: int = 0
+    checks: Counter[str] = field(default_factory=Counter)  # Spec.check_stats, summed
     complete: bool = False  # False: stopped at a violation or interrupted
     peak_rss: int = 0  # bytes, the main process
     peak_rss_workers: int = 0  # bytes, all worker processes together
@@ -108,9 +131,25 @@ def dumps(state: Any) -> bytes:
                         pickle.HIGHEST_PROTOCOL)
 
 
+_PLAIN: dict[type, tuple[str, ...] | None] = {}
+
+
 def loads(data: bytes) -> Any:
     cls, payload = pickle.loads(data)
-    return payload if cls is None else cls(*payload)
+    if cls is None:
+        return payload
+    names = _PLAIN.get(cls, ())
+    if names == ():
+        # a dataclass whose __init__ only sets its fields: filled in directly,
+        # as its __init__ would (a frozen one's costs a call per field)
+        plain = (not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__")
+                 and all(f.init for f in fields(cls)))
+        names = _PLAIN[cls] = tuple(f.name for f in fields(cls)) if plain else None
+    if names is None:
+        return cls(*payload)
+    state = object.__new__(cls)
+    state.__dict__.update(zip(names, payload, strict=True))
+    return state
 
 
 # ----------------------------------------------------------- the workers
@@ -124,53 +163,101 @@ Violation = tuple[str, str, int, int]
 @dataclass
 class ChunkResult:
     transitions: int = 0
+    unchanged: int = 0
     fired: Counter[str] = field(default_factory=Counter)
     interesting: Counter[str] = field(default_factory=Counter)
+    checks: Counter[str] = field(default_factory=Counter)
     # in transition order: a Found, or a Violation of a transition check
     events: list[tuple[str, Any]] = field(default_factory=list)
 
 
+def _observer(spec: Spec
+              ) -> Callable[[Any, Any, Any, Any, Any, Counter[str]], Sequence[Check]]:
+    """`spec.observe`, or the plain one: every interesting predicate and the
+    transition checks, on every transition."""
+    if spec.observe is not None:
+        return spec.observe
+    preds, tchecks = tuple(spec.interesting.items()), spec.transition_checks
+
+    def observe(m: Any, s: Any, a: Any, r: Any, n: Any, counts: Counter[str]) -> list[Check]:
+        for iid, pred in preds:
+            if pred(m, s, a, r, n):
+                counts[iid] += 1
+        return tchecks(m, s, a, r, n)
+    return observe
+
+
 def expand_chunk(spec: Spec, chunk: list[Entry], expand: bool,
-                 leaves: bool = False) -> ChunkResult:
+                 leaves: bool = False, known: Any = None) -> ChunkResult:
     """Every enabled action of every state in `chunk`: counts, coverage,
     transition checks, and each successor new to this chunk (with its state
     checks; whether it is new to the search only the merge knows).  With
     `leaves` the successors are the last level: nobody expands or reads
-    them, so they travel without their bytes."""
+    them, so they travel without their bytes.  A successor whose fingerprint
+    is in `known` (states the merge will have taken before this chunk's
+    results, so it would drop it) is not reported: no state checks, no bytes.
+
+    A transition whose next state is the state object it left (every
+    refusal and misuse of the model, about 3 in 4 transitions) has no
+    successor: nothing to compare, encode, fingerprint or check as a state;
+    it still counts, fires, and goes through the interesting predicates
+    and the transition checks (which skip what cannot fail there)."""
     out = ChunkResult()
     if not expand:
         return out
+    # the model's values hold no reference cycles, so the cyclic collector
+    # would only scan the millions of objects a chunk makes (a tenth of the
+    # time); off for the chunk, and whatever cycle a chunk leaves is still
+    # collected once it is back on
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        _expand(spec, chunk, leaves, known, out)
+    finally:
+        if collecting:
+            gc.enable()
+    return out
+
+
+def _expand(spec: Spec, chunk: list[Entry], leaves: bool, known: Any,
+            out: ChunkResult) -> None:
+    if known is None:
+        known = frozenset()
     m, step, enabled, key = spec.model, spec.model.step, spec.enabled, spec.key
-    tchecks, preds = spec.transition_checks, tuple(spec.interesting.items())
+    observe, schecks = _observer(spec), spec.state_checks
     interesting, events = out.interesting, out.events
-    by_type: Counter[type] = Counter()  # names once at the end: cheaper per transition
-    # successors already taken in this chunk: by value first (a cheap hash),
-    # then by fingerprint (canonicalising is the dear part)
+    # successors already taken in this chunk, and its states: by value first
+    # (a cheap hash), then by fingerprint (canonicalising is the dear part)
     seen: set[Any] = set()
     local: set[int] = set()
-    n_trans = 0
+    unchanged = 0
+    types: dict[type, int] = {}  # transitions per action type: names once, at the end
     for sid, data in chunk:
         s = loads(data)
+        seen.add(s)  # a successor equal to the state it left is none
         for idx, a in enumerate(enabled(m, s)):
             r, n = step(s, a)
-            n_trans += 1
-            by_type[type(a)] += 1
-            for iid, pred in preds:
-                if pred(m, s, a, r, n):
-                    interesting[iid] += 1
-            if n is not s and n != s and n not in seen:
+            t = type(a)
+            types[t] = types.get(t, 0) + 1
+            if n is s:
+                unchanged += 1
+            elif n not in seen:
                 seen.add(n)
                 fp = fingerprint(key(n))
-                if fp not in local:
+                if fp not in local and fp not in known:
                     local.add(fp)
                     events.append(("n", (fp, sid, idx, b"" if leaves else dumps(n),
-                                         spec.state_checks(m, n))))
-            for iid, msg in tchecks(m, s, a, r, n):
-                events.append(("v", (iid, msg, sid, idx)))
-    out.transitions = n_trans
-    for cls, k in by_type.items():
-        out.fired[cls.__name__] += k
-    return out
+                                         schecks(m, n))))
+            bad = observe(m, s, a, r, n, interesting)
+            if bad:
+                for iid, msg in bad:
+                    events.append(("v", (iid, msg, sid, idx)))
+    for t, k in types.items():
+        out.transitions += k
+        out.fired[t.__name__] += k
+    out.unchanged = unchanged
+    if spec.check_stats is not None:
+        out.checks.update(spec.check_stats())
 
 
 def _serve(conn: Any, spec: Spec) -> None:
@@ -179,8 +266,20 @@ def _serve(conn: Any, spec: Spec) -> None:
     # leave Ctrl-C to the parent, which stops the workers
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # what the merge has taken (sent with each task: the states it accepted
+    # since this worker's last one) and what this worker reported itself: its
+    # chunks come in order and are merged in order, so each chunk's results
+    # are merged after every earlier one of its own
+    known = FingerprintSet()
     while (task := conn.recv()) is not None:
-        conn.send(expand_chunk(spec, *task))
+        chunk, expand, leaves, taken = task
+        for fp in array("Q", taken):
+            known.add(fp)
+        res = expand_chunk(spec, chunk, expand, leaves, known)
+        for kind, ev in res.events:
+            if kind == "n":
+                known.add(ev[0])
+        conn.send(res)
 
 
 class Workers:
@@ -193,6 +292,8 @@ class Workers:
         ctx = multiprocessing.get_context("fork")  # the spec is inherited, not pickled
         self.conns: list[Any] = []
         self.procs: list[Any] = []
+        self.sent = [0] * n  # per worker: how much of the accepted fingerprints it was sent
+        self.trimmed = 0  # accepted fingerprints dropped from the front, all sent
         for _ in range(n):
             mine, theirs = ctx.Pipe()
             p = ctx.Process(target=_serve, args=(theirs, spec), daemon=True)
@@ -201,10 +302,22 @@ class Workers:
             self.conns.append(mine)
             self.procs.append(p)
 
-    def submit(self, i: int, task: tuple[list[Entry], bool, bool]) -> _Result:
-        conn = self.conns[i % len(self.conns)]
-        conn.send(task)
-        return _Result(conn)
+    def submit(self, i: int, task: tuple[list[Entry], bool, bool], taken: array[int]
+               ) -> _Result:
+        """Chunk i, with the fingerprints merged since that worker's last
+        chunk (`taken`, every state the merge accepted: each worker gets its
+        own cursor into it)."""
+        w = i % len(self.conns)
+        self.sent[w], since = len(taken) + self.trimmed, self.sent[w] - self.trimmed
+        self.conns[w].send((*task, taken[since:].tobytes()))
+        return _Result(self.conns[w])
+
+    def trim(self, taken: array[int]) -> None:
+        """Drop what every worker has been sent."""
+        done = min(self.sent) - self.trimmed
+        if done > 1 << 16:
+            del taken[:done]
+            self.trimmed += done
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.pid]
@@ -266,6 +379,7 @@ class Search:
         self.report = report if report is not None else Report()
         self.report.workers = self.workers
         self.visited = FingerprintSet()
+        self._taken = array("Q")  # fingerprints accepted, not yet sent to every worker
         self.parents = array("I")
         self.actions = array("H")
         self.level = 0
@@ -361,12 +475,13 @@ class Search:
                         break
                     at, chunk = got
                     if pool is not None:
-                        pending.append((at, len(chunk),
-                                        pool.submit(submitted, (chunk, expand, leaves))))
+                        pending.append((at, len(chunk), pool.submit(
+                            submitted, (chunk, expand, leaves), self._taken)))
+                        pool.trim(self._taken)
                         submitted += 1
-                    else:
-                        pending.append((at, len(chunk),
-                                        _Done(expand_chunk(spec, chunk, expand, leaves))))
+                    else:  # merged before the next: the visited set is what is known
+                        pending.append((at, len(chunk), _Done(
+                            expand_chunk(spec, chunk, expand, leaves, self.visited))))
                 if not pending:
                     break
                 _, size, handle = pending.popleft()
@@ -407,8 +522,10 @@ class Search:
         """Take a chunk's results in order; True when the search must stop."""
         rep = self.report
         rep.transitions += res.transitions
+        rep.unchanged += res.unchanged
         rep.fired.update(res.fired)
         rep.interesting.update(res.interesting)
+        rep.checks.update(res.checks)
         stop_at: tuple[int, int] | None = None  # the violating transition
         for kind, ev in res.events:
             where = (ev[1], ev[2]) if kind == "n" else (ev[2], ev[3])
@@ -418,6 +535,8 @@ class Search:
                 fp, parent, idx, data, checks = ev
                 if not self.visited.add(fp):
                     continue
+                if self.workers > 1:
+                    self._taken.append(fp)
                 sid = len(self.parents)
                 self.parents.append(parent)
                 self.actions.append(idx)

@@ -15,6 +15,7 @@ no reduction and says so: sound, only larger.
 from __future__ import annotations
 
 import itertools
+import marshal
 import sys
 from dataclasses import fields, is_dataclass, replace
 from typing import Any
@@ -79,11 +80,22 @@ def _pending(p: Pending | None, rp: Perm, lp: Perm, tm: Perm) -> tuple[Any, ...]
 
 
 def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
-            staged: tuple[Any, ...]) -> tuple[Any, ...]:
+            staged: tuple[Any, ...], same_labels: bool = False) -> tuple[Any, ...]:
     """`s` renamed, as nested tuples of ints, bools and strs (comparable and
-    with a deterministic repr).  Steps' segments and padded ids are sets to
-    the manager, so they are sorted, as are all keyed collections.  The
-    pending steps come encoded already (`_pending`, cached)."""
+    with a deterministic serialisation).  Steps' segments and padded ids are
+    sets to the manager, so they are sorted, as are all keyed collections.
+    The pending steps come encoded already (`_pending`, cached).  With
+    `same_labels` (`lp` the identity, so `tm` is too) the labels and tokens
+    are taken as they are: the same values, without mapping each one."""
+    if same_labels:
+        streams = tuple(sorted([
+            ((rp[r], lb), v.pages, v.stored_len, v.contents, v.in_flight, v.offload,
+             v.retrieve) for (r, lb), v in s.streams]))
+        offloads = tuple(sorted([
+            (rp[r], tuple(sorted(o.claimed)), tuple(sorted(o.copied)), o.touched)
+            for r, o in s.offloads]))
+        return (s.free, streams, tuple(sorted([((rp[r], lb), c) for (r, lb), c in s.host])),
+                cur, staged, offloads, tuple(sorted([rp[r] for r in s.leases])))
     streams = tuple(sorted([
         ((rp[r], lp[lb]), v.pages, v.stored_len, tuple([tm[t] for t in v.contents]),
          v.in_flight, v.offload, v.retrieve) for (r, lb), v in s.streams]))
@@ -119,30 +131,61 @@ class Canonicaliser:
         self.n_labels = scope.labels
         syms = symmetries(scope) if self.reduce else []
         self._renamings = [(rp, lp, token_map(lp, scope.labels)) for rp, lp in syms]
+        self._same_labels = [lp == tuple(range(len(lp))) for _, lp in syms]
+        # per request: the renamings that make it request 0
+        self._leading = [[j for j, (rp, _) in enumerate(syms) if rp[r] == 0]
+                         for r in range(scope.requests)]
         # a pending step is shared by a state and most of its successors:
         # its encodings are cached by identity (the entry keeps it alive, so
         # the id is not reused) and the cache is dropped when it grows
         self._pending: dict[int, tuple[Pending | None, list[tuple[Any, ...]]]] = {}
+        self._pending_values: dict[Pending | None, list[tuple[Any, ...]]] = {}
 
     def _pendings(self, p: Pending | None) -> list[tuple[Any, ...]]:
         got = self._pending.get(id(p))
         if got is None:
             if len(self._pending) > 4096:
                 self._pending.clear()
-            got = self._pending[id(p)] = (p, [_pending(p, rp, lp, tm)
-                                              for rp, lp, tm in self._renamings])
+            # then by value: each admit makes a new Pending, equal to the one
+            # the same admit made in many another state
+            enc = self._pending_values.get(p)
+            if enc is None:
+                if len(self._pending_values) > 1 << 13:
+                    self._pending_values.clear()
+                enc = self._pending_values[p] = [_pending(p, rp, lp, tm)
+                                                 for rp, lp, tm in self._renamings]
+            got = self._pending[id(p)] = (p, enc)
         return got[1]
 
     def encodings(self, s: State) -> list[tuple[Any, ...]]:
         """`s` under every renaming, in `symmetries` order."""
         cur, staged = self._pendings(s.current), self._pendings(s.staged)
-        return [_encode(s, rp, lp, tm, c, st)
-                for (rp, lp, tm), c, st in zip(self._renamings, cur, staged, strict=True)]
+        return [_encode(s, rp, lp, tm, c, st, same)
+                for (rp, lp, tm), same, c, st in zip(self._renamings, self._same_labels, cur,
+                                                      staged, strict=True)]
 
     def key(self, s: State) -> bytes:
         if not self._renamings:
             return repr(plain(s)).encode()
-        return repr(min(self.encodings(s))).encode()
+        # marshal's format 0 is a function of the value alone (no references
+        # or interned strings, which the later formats share by identity),
+        # and writes nested tuples of ints, bools and strs 2-3x faster than repr
+        return marshal.dumps(min(self._candidates(s)), 0)
+
+    def _candidates(self, s: State) -> list[tuple[Any, ...]]:
+        """The encodings among which the least is: all of them, but where
+        every stream is one request's, only those renaming that request 0.
+        An encoding is (free, streams, ...) with the streams sorted by their
+        renamed key, free is the same in all, so one that makes the request
+        any other id sorts after one that makes it 0, whatever follows."""
+        rids = {k[0] for k, _ in s.streams}
+        if len(rids) != 1:
+            return self.encodings(s)
+        (rid,) = rids
+        cur, staged = self._pendings(s.current), self._pendings(s.staged)
+        return [_encode(s, rp, lp, tm, cur[j], staged[j], self._same_labels[j])
+                for j in self._leading[rid]
+                for rp, lp, tm in (self._renamings[j],)]
 
     def canonical(self, s: State) -> State:
         """The orbit member whose encoding is `key(s)` (for tests and display)."""

@@ -1002,15 +1002,21 @@ def test_a_fork_onto_a_leased_request_waits_for_the_lease() -> None:
     ctx = StepContext(("a",))
     assert isinstance(d.mgr.publish("a"), PublishedKVInfo)
     before = snapshot(d.mgr)
-    assert d.mgr.admit(step, ctx) == AdmitOutcome(ok=False, reason=PublishLeased(
-        message="a fork onto 'a'/'cfg', whose publication a peer still holds: retry after "
-                "release_published or the lease's end", request_id="a", label="cfg"))
+    refused = AdmitOutcome(ok=False, reason=PublishLeased(
+        message="a fork over 'a', whose publication a peer still holds: retry after "
+                "release_published or the lease's end", request_id="a"))
+    assert d.mgr.admit(step, ctx) == refused
     assert_same(before, snapshot(d.mgr))
-    # a fork onto a label the request does not hold yet overwrites nothing
+    # onto a label the request does not hold yet too: the target is written
+    # in place once created, and a fork fault would empty it
     new = KVStep([Segment("a", "main", 1)], post_forks=[("main", "new")])
-    assert d.mgr.admit(new, ctx).ok
-    d.mgr.plan(new, ctx)
-    d.mgr.commit(new, ctx)
+    assert d.mgr.admit(new, ctx) == refused
+    assert_same(before, snapshot(d.mgr))
+    # a step without forks runs under the lease
+    plain = KVStep([Segment("a", "main", 1)])
+    assert d.mgr.admit(plain, ctx).ok
+    d.mgr.plan(plain, ctx)
+    d.mgr.commit(plain, ctx)
     d.mgr.release_published("a")
     assert d.mgr.admit(step, ctx).ok
 
