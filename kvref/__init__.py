@@ -44,6 +44,7 @@ from kvref.outcomes import (
     ReloadOutcome,
     ReloadReason,
 )
+from kvref.page_pool import ResetRefused
 from kvref.plan import (
     SINK_PAGE,
     KVPlanOutput,
@@ -71,6 +72,7 @@ from kvref.step import (
     AllocationFailed,
     BucketKey,
     KVStep,
+    PreplanRefused,
     PreplanStale,
     RequestOffloading,
     RetrieveInProgress,
@@ -119,6 +121,7 @@ __all__ = [
     "PageAllocator",
     "PagedIndptrs",
     "PreplanPendingError",
+    "PreplanRefused",
     "PreplanStale",
     "PreplanStaleError",
     "PublishLeasedError",
@@ -130,6 +133,7 @@ __all__ = [
     "ReloadOutcome",
     "ReloadReason",
     "RequestOffloading",
+    "ResetRefused",
     "Resource",
     "RetrieveInProgress",
     "RetrieveStale",

@@ -16,8 +16,8 @@ still copying, an offloaded stream, and last the page count.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass
-from typing import NoReturn
+from dataclasses import dataclass, field
+from typing import NoReturn, Protocol
 
 from kvref import validate
 from kvref.errors import InvalidStepError, UnknownRequestError
@@ -155,26 +155,39 @@ def leased_fork_target(step: KVStep, padded: tuple[str, ...],
 Claim = tuple[str, MutableMapping[str, CacheStream], str, CacheStream | None, int]
 
 
+class Sharing(Protocol):
+    """What admission asks of shared pages (`StreamTable` answers; None when
+    the cache shares nothing, and every page is its stream's alone)."""
+
+    def cow_needed(self, key: Key, stream: CacheStream) -> bool: ...
+
+    def private_count(self, key: Key, stream: CacheStream) -> int: ...
+
+
 @dataclass
 class Grant:
     """What an admit will do, computed before it does any of it (R1): every
     stream the step names, in reservation order, so applying the grant
-    creates and marks them all (R16)."""
+    creates and marks them all (R16). ``cow``: streams whose partial last
+    page is shared or registered, copied into a private page before the
+    step writes into it (R52); each is one of ``new_pages``."""
 
     claims: list[Claim]
     new_pages: int
+    cow: list[Key] = field(default_factory=list)
 
 
 def settle(claims: list[Claim], new_pages: int, first_short: Key | None,
-           free: int) -> Grant | AllocationFailed:
+           free: int, cow: list[Key] | None = None) -> Grant | AllocationFailed:
     """The page count decides last: a grant, or the pages it is short."""
     if new_pages > free:
         return allocation_failed(new_pages, free, first_short)
-    return Grant(claims, new_pages)
+    return Grant(claims, new_pages, cow or [])
 
 
 def plain_grant(table: Table, step: KVStep, page_size: int, free: int, max_seq_len: int,
-                *, padded: tuple[str, ...] = ()) -> Grant | AdmitFailedReason:
+                *, padded: tuple[str, ...] = (), sharing: Sharing | None = None
+                ) -> Grant | AdmitFailedReason:
     """`validate.step_lengths`, `validate_step`, `refusal` and `reserve` of a
     step with no forks and no combined labels: each segment's stream grows by
     its span. ``padded``: the step's ``ctx.padded_request_ids``, which a
@@ -190,6 +203,7 @@ def plain_grant(table: Table, step: KVStep, page_size: int, free: int, max_seq_l
     first_short: Key | None = None
     refusing = at_limit = False
     seen: set[Key] = set()
+    cow: list[Key] = []
     for seg in step.segments:
         rid, label, span = seg.request_id, seg.label, seg.span
         streams = table.get(rid)
@@ -208,6 +222,12 @@ def plain_grant(table: Table, step: KVStep, page_size: int, free: int, max_seq_l
                 refusing = True
             end = stream.stored_len + span
             short = -(-end // page_size) - len(stream.page_indices)
+            if sharing is not None and span and stream.tail_maybe_shared and (
+                    sharing.cow_needed((rid, label), stream)):
+                cow.append((rid, label))
+                new_pages += 1
+                if first_short is None:
+                    first_short = (rid, label)
         if end >= max_seq_len:
             at_limit = True  # at or past it: `validate.step_lengths` decides
         if short > 0:
@@ -224,7 +244,7 @@ def plain_grant(table: Table, step: KVStep, page_size: int, free: int, max_seq_l
         refused = refusal(table, named_keys(step, ()))
         if refused is not None:
             return refused
-    return settle(claims, new_pages, first_short, free)
+    return settle(claims, new_pages, first_short, free, cow)
 
 
 def misuse(table: Table, step: KVStep, padded: tuple[str, ...], max_seq_len: int) -> NoReturn:
@@ -236,13 +256,20 @@ def misuse(table: Table, step: KVStep, padded: tuple[str, ...], max_seq_len: int
 
 
 def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[Key, None],
-            page_size: int, free: int, settled: Mapping[Key, int] | None = None
-            ) -> Grant | AllocationFailed:
+            page_size: int, free: int, settled: Mapping[Key, int] | None = None,
+            sharing: Sharing | None = None) -> Grant | AllocationFailed:
     """Pages per stream: the most its length reaches while the step runs, the
     forks applied in list order (a chain a->b, b->c copies a's tokens onward;
     a segment on a pre-fork target grows from the source's length, R9).
     ``settled``: a preplan over the running step starts from the lengths
-    that step leaves once committed (R41)."""
+    that step leaves once committed (R41).
+
+    With ``sharing``, a fork target shares its source's full pages and
+    writes only into pages private to it (R51): it needs its whole length
+    in private pages, less those it holds privately now; none count if a
+    fork in this step may share them before its
+    own fork runs: a cycle, a second fork onto it). A segment whose partial
+    last page is shared or registered needs a private copy (R52)."""
     # made by this admit, and not yet written by a fork
     unfilled = {k for k in keys if k[1] not in table[k[0]]}
     length: dict[Key, int] = dict(settled or {})
@@ -282,19 +309,52 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
     fork(tuple(step.post_forks))
     for key in keys:
         want.setdefault(key, 0)
+    targets: set[Key] = set()
+    # targets whose private pages may be fewer when their fork runs than now:
+    # shared onward before (a fork from it ran first, a cycle) or a target twice
+    unsure: set[Key] = set()
+    if sharing is not None:
+        sources: set[Key] = set()
+        for from_label, to_label in (*step.pre_forks, *step.post_forks):
+            for rid in padded:
+                target = (rid, to_label)
+                if target in targets or target in sources:
+                    unsure.add(target)
+                targets.add(target)
+                sources.add((rid, from_label))
+    pre_targets = {(rid, to) for _, to in step.pre_forks for rid in padded}
+    writes = {(g.request_id, g.label) for g in step.segments if g.span}
     claims: list[Claim] = []
+    cow: list[Key] = []
     new_pages = 0
     first_short: Key | None = None
     for (rid, label), n in want.items():
         streams = table[rid]
         stream = streams.get(label)
-        short = n - (len(stream.page_indices) if stream is not None else 0)
+        key = (rid, label)
+        if stream is None:
+            held = 0
+        elif sharing is None or key not in targets:
+            held = len(stream.page_indices)
+        else:
+            # or changed by the running step first (a preplan)
+            held = 0 if key in unsure or key in (settled or {}) else (
+                sharing.private_count(key, stream))
+        short = n - held
+        if (sharing is not None and stream is not None and key in writes
+                and key not in pre_targets and key not in (settled or {})
+                and sharing.cow_needed(key, stream)):
+            # the partial page it writes into first is shared or registered
+            cow.append(key)
+            new_pages += 1
+            if first_short is None:
+                first_short = key
         if short > 0:
             new_pages += short
             if first_short is None:
-                first_short = (rid, label)
+                first_short = key
         claims.append((rid, streams, label, stream, short))
-    return settle(claims, new_pages, first_short, free)
+    return settle(claims, new_pages, first_short, free, cow)
 
 
 def allocation_failed(new_pages: int, free: int, first_short: Key | None) -> AllocationFailed:

@@ -60,11 +60,14 @@ class AttentionResource(Resource):
         self._default_layer_idx: int | None = None
 
     def set_default_label(self, label: str) -> None:
+        """The label calls that name none address (the model runner's cursor)."""
         self._default_label = label
 
     def set_default_layer_idx(self, layer_idx: int | None) -> None:
+        """The layer calls that name none address; None: no cursor set."""
         self._default_layer_idx = layer_idx
 
     def reset_default_cursors(self) -> None:
+        """Both cursors back to their start: label ``"main"``, no layer."""
         self._default_label = "main"
         self._default_layer_idx = None

@@ -96,6 +96,11 @@ class KVConfig:
     # (R34); None: until `release_published`. A finite default (R49): a
     # consumer that dies must not pin the publisher's pages forever
     publish_lease_s: float | None = DEFAULT_PUBLISH_LEASE_S
+    # shared pages: forks share their source's full pages (copy on write),
+    # and `cache_prefix` / `match_prefix` keep and find full pages of
+    # committed tokens. On by default, as vLLM's enable_prefix_caching; off,
+    # every page has one holder and forks copy every page
+    enable_prefix_caching: bool = True
     # the tensor-parallel degree the head counts were divided by; 1 = unsharded
     sharded_by: int = field(default=1, init=False)
 
@@ -128,6 +133,10 @@ class KVConfig:
                 f"KVConfig.max_num_pages must be <= {MAX_NUM_PAGES} (2**31: page ids are "
                 f"int32 in the page tables), got {self.max_num_pages}")
         _int_at_least("cpu_offload_pages", self.cpu_offload_pages, 0, "")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidConfigError(
+                f"KVConfig.enable_prefix_caching must be a bool, got "
+                f"{type(self.enable_prefix_caching).__name__} {self.enable_prefix_caching!r}")
         _positive_int("sharded_by", self.sharded_by)
         lease = self.publish_lease_s
         if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
@@ -199,8 +208,17 @@ class KVReqConfig:
 
     labels: Mapping[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
     default_labels: tuple[str, ...] = ("main",)
+    # the tenant's key into the prefix cache: its pages are found only by
+    # requests with the same salt, so one tenant cannot learn another's
+    # prompts from how fast its own are admitted (an extra key of every
+    # page hash, kvref.prefix_hash)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidConfigError(
+                f"KVReqConfig.cache_salt must be a str or None, got "
+                f"{type(self.cache_salt).__name__}")
         # a bare str is a sequence too, and would route the labels "m", "a", ...
         object.__setattr__(self, "default_labels", _labels("default_labels", self.default_labels))
         if not isinstance(self.labels, Mapping):

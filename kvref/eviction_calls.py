@@ -32,6 +32,7 @@ class EvictionCalls:
 
     @property
     def supports_eviction(self) -> bool:
+        """Whether offload can move streams to a host pool (``cpu_offload_pages``)."""
         return self._cpu_pool is not None
 
     def is_offloaded(self, rid: str) -> bool:
@@ -92,9 +93,14 @@ class EvictionCalls:
         return self._cpu_pool.view() if self._cpu_pool is not None else HostPoolView()
 
     def reclaimable(self, rid: str) -> int:
-        """Device pages the request holds; 0 once offloaded."""
+        """Device pages that would go free if the request let all of its go:
+        a page another request also holds (a shared prefix) is not counted,
+        and one two of its own streams share is counted once (S13); 0 once
+        offloaded."""
         with self._lock:
-            return sum(len(s.page_indices) for s in self._streams.get(rid, {}).values())
+            streams = self._streams.get(rid, {})
+            return self._table.pages.reclaimable(
+                {(rid, label): s.page_indices for label, s in streams.items()})
 
     def get_offload_priority(self, rid: str) -> float:
         """Higher: offload first; the pages a claim takes now, 0 if it is refused (R45)."""

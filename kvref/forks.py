@@ -4,6 +4,14 @@ Pre-forks run at plan (or at a commit without a plan, R24), post-forks at
 commit after the spans land. A copy that fails empties its target and the
 other forks still run; the first failure is raised as `ForkCopyError` (R26).
 Called under the stream table's lock.
+
+With shared pages (`KVConfig.enable_prefix_caching`) a fork is copy on
+write (R51): the target takes a reference on each of the source's full
+pages and copies only the partly filled last one, so a fork of a 2,048
+token stream at page size 16 copies one page, not 128. A write never lands
+in a page with another holder or a prefix-cache key: the one page a write
+could find so (a partial last page, after a truncate into a shared one) is
+copied first by `copy_on_write`, at the admit that reserved its page (R52).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from kvref.errors import ForkCopyError, KVRefError
 from kvref.running_step import RunningStep
 from kvref.step import KVStep
 from kvref.stream_table import Key, StreamTable, pages_for
+from kvref.streams import CacheStream
 
 
 class ForkFailed(Exception):
@@ -94,14 +103,83 @@ class Forks:
                 request_id=rid,
                 label=to_label,
             )
-        if n:
+        if self._table.sharing:
+            self._share(rid, from_label, to_label)
+        elif n:
             try:
                 self._kv_cache.copy_pages(src.page_indices[:n], dst.page_indices[:n])
             except Exception as err:
                 # the target may hold part of the source: nothing of it is
                 # trustworthy, so it is emptied rather than left torn (R26)
-                dst.stored_len = 0
-                dst.generation += 1
+                self._emptied(rid, to_label, dst)
                 raise ForkFailed() from err
         dst.stored_len = src.stored_len
+        full = src.stored_len // self._table.page_size
+        dst.keys = src.keys[:full]
+        dst.key_tokens = src.key_tokens[: full * self._table.page_size * 8]
+        # the partial page was copied into one of its own (or every page was)
+        dst.tail_maybe_shared = False
+        dst.received = src.received
         dst.generation += 1
+
+    def _share(self, rid: str, from_label: str, to_label: str) -> None:
+        """The copy-on-write fork (R51): the target keeps the pages private to
+        it (admit reserved enough: its whole length), takes references on the
+        source's full pages in place of the first of them, copies the
+        source's partial page into the next, and lets the surplus go."""
+        table = self._table
+        src = table.streams[rid][from_label]
+        dst = table.streams[rid][to_label]
+        dkey = (rid, to_label)
+        full, partial = divmod(src.stored_len, table.page_size)
+        private = table.pages.private_pages(dkey, dst.page_indices)
+        keep = [p for p, mine in zip(dst.page_indices, private, strict=True) if mine]
+        drop = [p for p, mine in zip(dst.page_indices, private, strict=True) if not mine]
+        if len(keep) < full + (1 if partial else 0):
+            raise KVRefError(
+                f"fork target holds {len(keep)} private pages, source {from_label!r} needs "
+                f"{full} shared and {1 if partial else 0} copied: the step was not admitted "
+                "with this fork", request_id=rid, label=to_label)
+        if partial:
+            try:
+                self._kv_cache.copy_pages([src.page_indices[full]], [keep[0]])
+            except Exception as err:
+                self._emptied(rid, to_label, dst)
+                raise ForkFailed() from err
+        table.give_back(dkey, drop)
+        shared = src.page_indices[:full]
+        table.pages.share(dkey, shared)
+        tail = len(keep) - full  # the table keeps its length: spare pages stay spare
+        table.give_back(dkey, keep[tail:])
+        dst.page_indices = shared + keep[:tail]
+
+    def _emptied(self, rid: str, label: str, dst: CacheStream) -> None:
+        """A target a failed copy left torn: empty, holding only private pages."""
+        dst.stored_len = 0
+        dst.keys = []
+        dst.key_tokens = bytearray()
+        dst.generation += 1
+        self._table.release_shared((rid, label), dst)
+
+    def copy_on_write(self, rid: str, label: str) -> None:
+        """Give the stream a private copy of its partial last page, which it
+        shares or which is registered, before a write lands in it (R52).
+        Admit reserved the page. A copy that raises changes nothing."""
+        table = self._table
+        key = (rid, label)
+        stream = table.streams[rid][label]
+        i = stream.stored_len // table.page_size
+        old = stream.page_indices[i]
+        (new,) = table.take(key, 1)
+        try:
+            self._kv_cache.copy_pages([old], [new])
+        except Exception as err:
+            table.give_back(key, [new])
+            raise KVRefError(f"copy-on-write of page {old} failed ({type(err).__name__}: "
+                             f"{err}); nothing changed", request_id=rid, label=label) from err
+        pages = list(stream.page_indices)
+        pages[i] = new
+        table.give_back(key, [old])
+        stream.page_indices = pages
+        stream.tail_maybe_shared = False
+        stream.generation += 1

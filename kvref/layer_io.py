@@ -27,6 +27,7 @@ class LayerIO(AttentionResource):
     _stepping: Stepping
 
     def set_default_layer_idx(self, layer_idx: int | None) -> None:
+        """The layer `write_kv`, `read_kv` and `layer_view` use when given none."""
         validate.optional_layer_idx(layer_idx, self.config.num_layers, "set_layer_idx")
         super().set_default_layer_idx(layer_idx)
 
@@ -34,6 +35,7 @@ class LayerIO(AttentionResource):
     set_layer_idx = set_default_layer_idx
 
     def reset_default_cursors(self) -> None:
+        """Back to layer 0 and the default label."""
         super().reset_default_cursors()
         # unlike attention's, every read here needs a usable index
         self._default_layer_idx = 0

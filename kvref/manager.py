@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvref import truncation, validate
-from kvref.allocator import PageAllocator
+from kvref import prefix_cache, truncation, validate
 from kvref.base import CGSlotSpec, EngineResourceInfo
 from kvref.cache import KVCache
 from kvref.config import KVConfig, KVReqConfig, KVSpec
@@ -47,7 +46,9 @@ from kvref.layer_io import LayerIO
 from kvref.lease import LeaseTable
 from kvref.offload import Offload
 from kvref.offload_phases import HostOffload
+from kvref.page_pool import PagePool, ResetRefused
 from kvref.plan import SINK_PAGE, KVPlanOutputs, KVPlanState
+from kvref.prefix_hash import Tokens
 from kvref.rank_check import check_free_pages_agree
 from kvref.retrieval import Retrieval
 from kvref.running_step import RunningStep, StagedPreplan
@@ -107,19 +108,18 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
             info, KVCache.shape_for(cfg, cfg.max_num_pages), dtype, self._device
         )
         self.kv_cache = KVCache(cfg, self._device, dtype, tensor=tensor)
-        self._allocator = PageAllocator(cfg.max_num_pages, self._runtime, name="device pages")
-        # take the sink out of circulation before anything else can get it;
-        # the allocator is FIFO from page 0
-        sink = self._allocator.try_allocate(1)
-        assert sink == [SINK_PAGE], f"expected page {SINK_PAGE} first, got {sink}"
+        # page 0, the sink, is reserved: never handed out, never shared
+        self._pages = PagePool(cfg.max_num_pages, cfg.page_size, reserved=SINK_PAGE + 1,
+                               runtime=self._runtime, name="device pages")
         self._transfer = KVTransferManager(info, self.kv_cache, runtime=self._runtime)
         # the shared containers come through the runtime seam: plain ones in
         # production, the race detector's in the tests
         runtime = self._runtime
-        self._table = StreamTable(self._allocator, runtime.lock(), runtime,
+        self._table = StreamTable(self._pages, runtime.lock(), runtime,
                                   cfg.page_size, shared(runtime, {}, "streams"),
                                   leases=LeaseTable(cfg.publish_lease_s,
-                                                    lambda: monotonic(runtime)))
+                                                    lambda: monotonic(runtime)),
+                                  sharing=cfg.enable_prefix_caching)
         # the manager's one lock, and the table every mechanism shares
         self._lock = self._table.lock
         self._streams = self._table.streams
@@ -141,18 +141,22 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         self._world_size = joint_comm_group.world_size if joint_comm_group is not None else 1
         # publish asks stepping whether a step still forks onto the request
         # (R50); stepping is built below, so the question is late-bound
+        forks = Forks(self._table, self.kv_cache)
         self._retrieval = Retrieval(self._table, self._transfer, self._rank,
                                     self._world_size, name,
-                                    lambda rid: self._stepping.forks_pending(rid))
+                                    lambda rid: self._stepping.forks_pending(rid),
+                                    forks.copy_on_write)
         self._graph_staging = GraphStaging(self._device)
         # admit, plan and commit each check their step; one walk per step object
         self._validate_step = validate.StepValidator()
-        self._stepping = Stepping(self._table, Forks(self._table, self.kv_cache),
+        self._stepping = Stepping(self._table, forks,
                                   self._graph_staging, self._device, name, cfg.max_seq_len)
         self.reset_default_cursors()
 
     @classmethod
     def build(cls, spec: KVSpec, info: EngineResourceInfo) -> KVManager:
+        """The manager a `KVSpec` names, on the engine's device and groups (the
+        reference's resource factory)."""
         return cls(
             cfg=spec.config,
             name=spec.resource_key,
@@ -165,6 +169,12 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
     # -- requests ---------------------------------------------------------
 
     def ingest_request(self, rid: str, overrides: KVReqConfig | None = None) -> None:
+        """Make the request known, with an empty ``main`` stream; idempotent.
+
+        ``overrides``: its label routing and its ``cache_salt`` (R58). A
+        second ingest keeps the first one's streams and config. Raises
+        `InvalidArgumentError` for a request id that is not a ``str``.
+        """
         validate.request_id(rid, "ingest_request")
         validate.req_config(overrides, rid)
         with self._lock:
@@ -175,14 +185,18 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
             self._overrides.setdefault(rid, overrides if overrides is not None else KVReqConfig())
 
     def has_request(self, rid: str) -> bool:
+        """Whether the request was ingested and not removed."""
         return rid in self._streams
 
     def labels(self, rid: str) -> list[str]:
+        """The request's streams, in creation order; `UnknownRequestError`."""
         validate.request_id(rid, "labels")
         with self._lock:
             return list(self._request(rid))
 
     def stored_len(self, rid: str, label: str = "main") -> int:
+        """Committed tokens of the stream; `UnknownRequestError` for an unknown
+        request or label."""
         validate.request_id(rid, "stored_len")
         validate.label(label, "stored_len", rid)
         with self._lock:
@@ -220,10 +234,12 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
                             self._cpu_pool.discard(rid, label)
                         stream.offloaded = False
                     if free:
-                        self._allocator.free(stream.page_indices)
+                        self._table.give_back((rid, label), stream.page_indices)
                     # a claim in progress keeps `offloaded`; the bumped
                     # generation fails its commit and the abandon clears it
                     stream.reset(freed=free)
+                    # kept pages become spare: only those no one else reads
+                    self._table.release_shared((rid, label), stream)
                 return
 
     def remove_request(self, rid: str) -> None:
@@ -248,8 +264,8 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
                 self._table.leases.refuse(rid, "remove")
                 if self._reads_pending(streams):
                     continue  # a retrieve started between the drain and the lock
-                for stream in streams.values():
-                    self._allocator.free(stream.page_indices)
+                for label, stream in streams.items():
+                    self._table.give_back((rid, label), stream.page_indices)
                     stream.page_indices = []
                     stream.generation += 1
                 offload = self._offloads.pop(rid, None)
@@ -297,12 +313,15 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
     def build_cuda_graph_buffers(
         self, slots: list[CGSlotSpec], max_bs: int, max_seq_len: int
     ) -> None:
+        """Allocate the static buffers slot-leased plans stage into, for
+        sequences up to ``max_seq_len`` (CUDA-graph capture)."""
         validate.capture_len(max_seq_len)
         del slots, max_bs
         self._graph_staging.build_buffers(max_seq_len)
 
     @property
     def supports_preplan(self) -> bool:
+        """Always: a step may be admitted and planned while another runs (R41)."""
         return True
 
     def clear_preplan(self) -> None:
@@ -341,6 +360,74 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         validate.new_length(new_len, "truncate", rid, label)
         with self._lock:
             return truncation.truncate(self._table, rid, label, new_len)
+
+    # -- the prefix cache (KVConfig.enable_prefix_caching) ---------------------
+
+    def match_prefix(self, rid: str, label: str, token_ids: Tokens) -> int:
+        """Attach cached pages holding the head of ``token_ids`` to an empty
+        stream; returns the tokens attached (the stream's new length).
+
+        Whole pages only, at most ``len(token_ids) - 1`` tokens, so the last
+        token is always computed (S8); only pages cached under the request's
+        ``KVReqConfig.cache_salt`` (S7). The pages are shared: a later write
+        past them lands in the stream's own pages. Creates the stream if the
+        request lacks it and something was attached. 0 with the cache off.
+        Raises, changing nothing: `InvalidArgumentError` for a stream that is
+        not empty or ids that are not 64-bit integers; `StepInFlightError`
+        while a step names the stream; `StreamUnavailableError` while it is
+        offloaded or receiving a retrieve; `PublishLeasedError` while the
+        request's publication is leased; `UnknownRequestError`.
+        """
+        validate.request_id(rid, "match_prefix")
+        validate.label(label, "match_prefix", rid)
+        with self._lock:
+            return prefix_cache.match_prefix(self._table, rid, label, token_ids)
+
+    def cache_prefix(self, rid: str, label: str, token_ids: Tokens, start: int = 0) -> int:
+        """Make the stream's full pages of ``token_ids`` findable by
+        `match_prefix`; returns how many pages were newly keyed.
+
+        ``token_ids`` are the ids of the stream's tokens ``start ..
+        start + len(token_ids) - 1``, committed and final: call it after a
+        commit, and for a speculative draft only once its verify step kept it
+        (R56). ``start`` is a whole number of pages, at most where the
+        stream's keyed pages end: an engine that passes only the tokens past
+        them (``start = pages keyed * page_size``) hashes only the new pages.
+        Ids of pages already keyed are compared with those they were keyed
+        with; a page whose key another page holds stays the stream's own
+        (S11). 0 with the cache off, and for a stream a retrieve filled (a
+        peer's KV is never cached, R55). Raises, changing nothing:
+        `InvalidArgumentError` for ids past the committed tokens, a ``start``
+        that is not a page boundary at or before the keyed pages' end, or ids
+        that disagree with those named before for a keyed page;
+        `StreamUnavailableError` while offloaded or receiving a retrieve;
+        `UnknownRequestError`.
+        """
+        validate.request_id(rid, "cache_prefix")
+        validate.label(label, "cache_prefix", rid)
+        with self._lock:
+            return prefix_cache.cache_prefix(self._table, rid, label, token_ids, start)
+
+    def cached_tokens(self, rid: str, label: str = "main") -> int:
+        """Tokens of the stream its keyed pages cover: where a `cache_prefix`
+        that names only new tokens starts."""
+        with self._lock:
+            return len(self._stream(rid, label).keys) * self.config.page_size
+
+    def reset_prefix_cache(self) -> int | ResetRefused:
+        """Forget every cached page (after a weight update); returns how many.
+
+        Refused with `ResetRefused`, changing nothing, while any stream holds
+        a page (S14): a partial reset would leave stale KV findable, or let
+        streams go on keying pages computed before it. Drain, then retry.
+        """
+        with self._lock:
+            return prefix_cache.reset_prefix_cache(self._table)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Free pages the prefix cache keeps findable; part of `num_free_pages`."""
+        return self._pages.num_cached
 
     # what the conformance and unit tests inspect: the stepping mechanism's state
     @property
@@ -386,7 +473,9 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
 
     @property
     def num_free_pages(self) -> int:
-        return self._allocator.num_free
+        """Pages an admit can take now: free ones, and cached ones no stream
+        holds (evicted least recently used first when taken)."""
+        return self._pages.num_free
 
     def post_warmup_validate(self) -> None:
         """Raise if tensor- or sequence-parallel ranks disagree on free pages.
@@ -395,10 +484,11 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         cpu_offload_pages) and anything that took pages on one rank only
         before warmup returned. The all_gather synchronises, so no barrier.
         """
-        check_free_pages_agree(self._comm_group, self._allocator.num_free, self._device,
-                               self.name, self._rank)
+        check_free_pages_agree(self._comm_group, self._pages.num_free, self._device,
+                               self.name, self._rank, cached=self._pages.num_cached)
 
     def cleanup(self) -> None:
+        """Close the transfer engine's handles (shared memory, IPC)."""
         self._transfer.cleanup()
 
     # -- helpers -----------------------------------------------------------------

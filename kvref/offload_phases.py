@@ -114,7 +114,10 @@ class HostOffload:
                              self.table.leases.held(rid)) is not None:
                 return 0
             assert streams is not None
-            return sum(len(s.page_indices) for _, s in claimable(streams))
+            # what the claim's commit would free: a page another request
+            # shares is not (SGLang 35270 counted shared pages as evictable)
+            return self.table.pages.reclaimable(
+                {(rid, label): s.page_indices for label, s in claimable(streams)})
 
     def offload(self, rid: str, begin: Callable[[str], Offload | None]) -> OffloadOutcome:
         """See `KVManager.offload_outcome`: claim with ``begin``, copy all, commit.
@@ -219,10 +222,13 @@ class HostOffload:
             freed = 0
             for label in moved:
                 stream = streams[label]
-                freed += len(stream.page_indices)
-                self.table.allocator.free(stream.page_indices)
+                # only pages whose last holder this was go free (R53)
+                freed += self.table.give_back((rid, label), stream.page_indices)
                 # the tokens are on the host: the length stays, the pages go
                 stream.page_indices = []
+                stream.keys = []
+                stream.key_tokens = bytearray()
+                stream.tail_maybe_shared = False  # a reload gives fresh pages
                 stream.generation += 1
             kept = tuple(label for label in claims if label not in moved)
             reason = (kept_reason(kept, offload.refusals) if intact
@@ -255,7 +261,7 @@ class HostOffload:
         if not pool.is_offloaded(rid):
             return ReloadReason.NOTHING_ON_HOST, 0
         needed = sum(pool.num_pages(rid, label) for label in pool.labels(rid))
-        if needed > self.table.allocator.num_free:
+        if needed > self.table.pages.num_free:
             return ReloadReason.DEVICE_FULL, needed
         return None, needed
 
@@ -268,25 +274,26 @@ class HostOffload:
     def reload(self, rid: str) -> ReloadOutcome:
         """See `KVManager.reload_outcome`."""
         pool = self.pool
-        allocator = self.table.allocator
+        table = self.table
         with self.table.lock:
             reason, needed = self._reload_refusal(rid)
             if reason is not None:
-                short = needed - allocator.num_free if reason is ReloadReason.DEVICE_FULL else 0
+                short = (needed - table.pages.num_free if reason is ReloadReason.DEVICE_FULL
+                         else 0)
                 return ReloadOutcome(reason=reason, pages_short=short)
             labels = pool.labels(rid)
             taken: list[tuple[str, list[int]]] = []
             try:
                 for label in labels:
-                    pages = allocator.try_allocate(pool.num_pages(rid, label))
-                    assert pages is not None  # counted above, under the same lock
+                    # counted above, under the same lock
+                    pages = table.take((rid, label), pool.num_pages(rid, label))
                     taken.append((label, pages))
                     pool.copy_in(rid, label, self._kv_cache.tensor, pages)
             except Exception as err:
                 # all streams or none (R26): the pages go back, the host copies
                 # stay, and a later reload can try again
-                for _, pages in taken:
-                    allocator.free(pages)
+                for label, pages in taken:
+                    table.give_back((rid, label), pages)
                 raise ReloadCopyError(
                     f"host-to-device copy failed ({type(err).__name__}: {err}); nothing "
                     "was reloaded", request_id=rid, label=taken[-1][0] if taken else None,

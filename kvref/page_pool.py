@@ -204,6 +204,19 @@ class PagePool:
     def refcount(self, page: int) -> int:
         return len(self.holders(page))
 
+    def writable(self, owner: Owner, page: int) -> bool:
+        """Whether `owner` alone holds `page` and it is unregistered: the
+        `check_writable` test as a value, for the admit that decides whether
+        a write needs a private copy first (S10)."""
+        with self._lock:
+            return self._holders[page] == {owner} and self._key[page] is None
+
+    def private_pages(self, owner: Owner, pages: Sequence[int]) -> list[bool]:
+        """`writable` of each page, under one acquisition of the lock."""
+        with self._lock:
+            alone, key = {owner}, self._key
+            return [self._holders[p] == alone and key[p] is None for p in pages]
+
     def key_of(self, page: int) -> PageKey | None:
         with self._lock:
             self._check_page(page, PageRefError)
@@ -311,15 +324,19 @@ class PagePool:
                     f"page {page} is registered in the prefix cache: copy it first")
 
     def register(self, page: int, parent: PageKey | None, tokens: Tokens,
-                 extras: ExtraKeys = ()) -> Registered:
+                 extras: ExtraKeys = (), *, key: PageKey | None = None) -> Registered:
         """Make the held `page`, a full page of committed `tokens` after the
         page keyed `parent`, findable by `match` (S7).  If another page has
-        the key, that page wins and `page` stays as it is (S11)."""
+        the key, that page wins and `page` stays as it is (S11).  ``key``:
+        the page's key as the caller already computed it from these same
+        arguments (`prefix_hash.iter_page_keys` over a chain), not hashed
+        again."""
         self._check_page(page, PageRegisterError)
         if len(tokens) != self.page_size:
             raise PageRegisterError(f"page {page}: {len(tokens)} tokens; only a full page "
                                     f"({self.page_size}) is registered")
-        key = prefix_hash.page_key(parent, tokens, extras)
+        if key is None:
+            key = prefix_hash.page_key(parent, tokens, extras)
         with self._lock:
             if not self._holders[page]:
                 raise PageRegisterError(f"page {page} is free: it holds nothing committed")

@@ -112,6 +112,11 @@ def _int32_tensors(values: list[int], bounds: Sequence[int]) -> list[torch.Tenso
 
 
 def build_paged_indptrs(views: Sequence[SequenceView], page_size: int) -> PagedIndptrs:
+    """FlashInfer's CSR page table (int32, on the host) for ``views``, in their order.
+
+    Per view: ``to_compute`` query rows, its pages, and how many tokens its
+    last page holds (0 for an empty view).
+    """
     n = len(views)
     qo = [0] * (n + 1)
     kv = [0] * (n + 1)

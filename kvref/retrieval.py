@@ -40,14 +40,20 @@ from kvref.transfer import KVTransferManager, StaleSourceError
 logger = logging.getLogger(__name__)
 
 
+def _no_shared_pages(rid: str, label: str) -> None:
+    raise AssertionError(f"copy-on-write of {rid!r}/{label!r} in a cache that shares no pages")
+
+
 class Retrieval:
     """Publish and retrieve over one stream table and one transfer engine."""
 
     def __init__(self, table: StreamTable, transfer: KVTransferManager, rank: int,
                  world_size: int, name: str,
-                 forks_pending: Callable[[str], bool] = lambda rid: False) -> None:
+                 forks_pending: Callable[[str], bool] = lambda rid: False,
+                 copy_on_write: Callable[[str, str], None] | None = None) -> None:
         self._table = table
         self._forks_pending = forks_pending
+        self._copy_on_write = copy_on_write or _no_shared_pages
         self._transfer = transfer
         self._rank = rank
         self._world_size = world_size
@@ -194,13 +200,15 @@ class Retrieval:
                         rid, label))
                 held = len(stream.page_indices) if stream is not None else 0
                 new_pages += max(0, pages_for(info.seq_len, ps) - held)
+                if stream is not None and self._table.cow_needed((rid, label), stream):
+                    new_pages += 1  # its shared partial page is copied first (R52)
                 todo.append((label, info, old_len))
             source = published.request_id if published is not None else None
             stale = [label for label, info, _ in todo if self._transfer.source_current(
                 info.latest_kv_transfer_info, source, label, info.generation) is False]
             if stale:
                 return self._latch_stale(rid, streams, stale)
-            free = self._table.allocator.num_free
+            free = self._table.pages.num_free
             if new_pages > free:
                 label = todo[0][0]
                 return AdmitOutcome(ok=False, reason=AllocationFailed(
@@ -245,12 +253,15 @@ class Retrieval:
         created = stream is None
         if stream is None:
             stream = streams[label] = CacheStream()
+        if self._table.cow_needed((rid, label), stream):
+            # the copy lands after the stream's last token, in its partial
+            # page: made private first, as an admit's write is (R52)
+            self._copy_on_write(rid, label)
         short = pages_for(info.seq_len, self._table.page_size) - len(stream.page_indices)
         got: list[int] = []
         if short > 0:
-            taken = self._table.allocator.try_allocate(short)
-            assert taken is not None  # counted by the caller, under the same lock
-            got = taken
+            # counted by the caller, under the same lock
+            got = self._table.take((rid, label), short)
             stream.page_indices.extend(got)
         try:
             fut = self._transfer.start_async_retrieve(
@@ -263,7 +274,7 @@ class Retrieval:
         except Exception as err:
             if got:
                 del stream.page_indices[-len(got):]
-                self._table.allocator.free(got)
+                self._table.give_back((rid, label), got)
             if created:
                 del streams[label]
             return AdmitRuntimeError(
@@ -273,6 +284,7 @@ class Retrieval:
         stream.read_future = fut
         stream.read_pending = fut is not None
         stream.stored_len = info.seq_len
+        stream.received = True  # a peer's KV: never registered (R55)
         stream.generation += 1
         return None
 

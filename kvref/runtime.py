@@ -21,6 +21,13 @@ T = TypeVar("T")
 
 
 class Runtime(Protocol):
+    """The concurrency seam: where kvref gets its locks, background work and waits.
+
+    `ThreadingRuntime` is the default; the tests swap in a cooperative
+    scheduler that chooses which thread runs at every lock, wait and
+    checkpoint (`set_default_runtime`, or ``KVManager(..., runtime=...)``).
+    """
+
     def lock(self) -> AbstractContextManager[Any]:
         """A new reentrant lock."""
         ...
@@ -100,6 +107,7 @@ _default: Runtime = ThreadingRuntime()
 
 
 def default_runtime() -> Runtime:
+    """The runtime a manager built without one uses (a `ThreadingRuntime` unless set)."""
     return _default
 
 

@@ -67,6 +67,8 @@ class StepContext:
 
 @dataclass(frozen=True, kw_only=True)
 class AdmitFailedReason:
+    """Why an admit refused: the base of every refusal, naming the stream."""
+
     message: str = ""
     request_id: str | None = None
     label: str | None = None
@@ -121,6 +123,9 @@ class AdmitRuntimeError(_AdmitRuntimeErrorFields):
 
 @dataclass(frozen=True)
 class AdmitOutcome:
+    """An admit's answer: ``ok`` (the step is reserved), ``ready`` (its
+    retrieves landed) and, when refused, the typed ``reason``."""
+
     ok: bool = True
     # False while a retrieve is still copying: admitted, but not schedulable
     ready: bool = True
@@ -128,6 +133,17 @@ class AdmitOutcome:
 
 
 ADMIT_OK = AdmitOutcome()
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreplanRefused(AdmitFailedReason):
+    """With shared pages (`KVConfig.enable_prefix_caching`), a preplan whose
+    views a fork or a copy-on-write would move before it runs: one with
+    pre-forks, one over a running step with forks still to apply, or one
+    writing a stream the running step names whose last page is shared. A
+    plan's views name pages, and a copy-on-write fork gives its target other
+    pages (R57). Nothing changed: admit the step once the running one
+    committed, without preplanning it."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -47,6 +47,7 @@ from kvref.step import (
     AdmitFailedReason,
     AdmitOutcome,
     KVStep,
+    PreplanRefused,
     PreplanStale,
     Segment,
     StepContext,
@@ -124,10 +125,15 @@ class Stepping:
             )
         all_streams = self._table.streams
         padded = tuple(ctx.padded_request_ids)
-        free = self._table.allocator.num_free
+        if ctx.is_preplan and self._table.sharing:
+            unplannable = self._views_would_move(step, padded, settled)
+            if unplannable is not None:
+                return AdmitOutcome(ok=False, reason=unplannable)
+        free = self._table.pages.num_free
+        sharing = self._table if self._table.sharing else None
         if plain:
             grant = admission.plain_grant(all_streams, step, self._table.page_size, free,
-                                          self._max_seq_len, padded=padded)
+                                          self._max_seq_len, padded=padded, sharing=sharing)
             if isinstance(grant, AdmitFailedReason):
                 return AdmitOutcome(ok=False, reason=grant)
             self.running = RunningStep(step, padded, set(self._apply(grant)))
@@ -139,7 +145,7 @@ class Stepping:
         if refused is not None:
             return AdmitOutcome(ok=False, reason=refused)
         grant = admission.reserve(all_streams, step, padded, keys,
-                                  self._table.page_size, free, settled)
+                                  self._table.page_size, free, settled, sharing)
         if isinstance(grant, AdmitFailedReason):
             return AdmitOutcome(ok=False, reason=grant)
         created = self._apply(grant)
@@ -149,6 +155,33 @@ class Stepping:
         else:
             self.running = RunningStep(step, padded, set(created))
         return ADMIT_OK
+
+    def _views_would_move(self, step: KVStep, padded: tuple[str, ...],
+                          settled: Mapping[Key, int]) -> PreplanRefused | None:
+        """R57: a preplan's views are built before it runs, from the page
+        tables then; with shared pages a fork (or a copy-on-write the running
+        step cannot see) gives a stream other pages in between, and the views
+        would address pages the stream no longer holds."""
+        running = self.running
+        why = None
+        if step.pre_forks:
+            why = "its pre-forks would give their targets other pages after it is planned"
+        elif running is not None and (running.step.post_forks or (
+                running.step.pre_forks and not running.forked)):
+            why = "the running step's forks would give their targets other pages"
+        else:
+            for seg in step.segments:
+                key = (seg.request_id, seg.label)
+                stream = self._table.streams.get(key[0], {}).get(key[1])
+                if (seg.span and key in settled and stream is not None
+                        and self._table.cow_needed(key, stream)):
+                    why = (f"{key[0]!r}/{key[1]!r} writes into a shared page the running "
+                           "step still reads")
+                    break
+        if why is None:
+            return None
+        return PreplanRefused(message=f"not preplanned with shared pages: {why}; admit it "
+                                      "once the running step committed")
 
     def forks_pending(self, rid: str) -> bool:
         """Whether the running or the staged step still has forks to apply to
@@ -168,16 +201,18 @@ class Stepping:
         """Make a grant real: create each named stream that is missing, give it
         the pages it is short, and mark it in flight. Returns the created keys."""
         created: list[Key] = []
-        allocate = self._table.allocator.try_allocate
+        # first, while nothing else changed: a copy that raises leaves the
+        # streams as they were, each copied one private and as it read
+        for rid, label in grant.cow:
+            self._forks.copy_on_write(rid, label)
+        take = self._table.take
         for rid, streams, label, stream, short in grant.claims:
             if stream is None:
                 stream = streams[label] = CacheStream()
                 created.append((rid, label))
             if short > 0:
-                got = allocate(short)
                 # admission counted these under the same lock
-                assert got is not None, "allocator lost pages between admission and apply"
-                stream.page_indices += got
+                stream.page_indices += take((rid, label), short)
                 stream.generation += 1
             stream.step_in_flight = True
         return created
@@ -193,7 +228,7 @@ class Stepping:
         for rid, label in reversed(staged.created):
             stream = all_streams.get(rid, {}).pop(label, None)
             if stream is not None:
-                self._table.allocator.free(stream.page_indices)
+                self._table.give_back((rid, label), stream.page_indices)
         # or the request stays unevictable for a step that never runs; a mark
         # the running step also owns stays until it commits (R43)
         running = self.running

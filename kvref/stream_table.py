@@ -3,8 +3,18 @@
 One object, built by the manager and handed to each mechanism (stepping,
 offload, retrieval), so none of them reaches back into the manager. Every
 read-modify-write of ``streams`` and every page taken from or given back
-to ``allocator`` happens under ``lock``: the manager's one lock, from the
+to ``pages`` happens under ``lock``: the manager's one lock, from the
 runtime seam so the concurrency tests can schedule it.
+
+Pages are reference counted (`kvref.page_pool`): each stream's page table
+holds its pages as the owner ``(rid, label)``, so a page two streams share
+(a fork's full pages, a prefix hit) goes free only when the last of them
+lets it go, and a stream that releases a page it does not hold is caught
+at that call. Invariant beside the pool's: a stream's pages past its last
+token (its spare pages) are private to it, so a write past the stream's
+length never lands in a shared or registered page; only the page holding
+its last, partial page may be shared (after a truncate into it), and an
+admit copies that one first (`cow_needed`).
 """
 
 from __future__ import annotations
@@ -14,10 +24,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvref.allocator import PageAllocator
 from kvref.config import KVReqConfig
 from kvref.errors import UnknownRequestError
 from kvref.lease import LeaseTable
+from kvref.page_pool import PagePool
 from kvref.runtime import Runtime
 from kvref.streams import CacheStream
 
@@ -30,9 +40,9 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 @dataclass
 class StreamTable:
-    """Streams per request, the device page allocator, and the lock over both."""
+    """Streams per request, the device page pool, and the lock over both."""
 
-    allocator: PageAllocator
+    pages: PagePool
     lock: AbstractContextManager[Any]
     runtime: Runtime
     page_size: int
@@ -42,6 +52,49 @@ class StreamTable:
     overrides: dict[str, KVReqConfig] = field(default_factory=dict)
     # publish leases (R33): offload, reset and remove read them under ``lock``
     leases: LeaseTable = field(default_factory=lambda: LeaseTable(None, time.monotonic))
+    # KVConfig.enable_prefix_caching: forks share full pages and the prefix
+    # cache is on; off, every page has one holder, as before sharing
+    sharing: bool = True
+
+    def take(self, key: Key, n: int) -> list[int]:
+        """``n`` fresh pages for the stream ``key``; the caller counted them
+        free under the same lock (an admission, a reload's check)."""
+        got = self.pages.allocate(key, n)
+        assert isinstance(got, list), f"pages counted free under the lock went missing: {got}"
+        return got
+
+    def give_back(self, key: Key, pages: list[int]) -> int:
+        """The stream ``key`` lets its pages go; returns how many became free.
+        Tail first, so a cached prefix is evicted after its own suffix (S6)."""
+        return self.pages.release(key, pages[::-1]) if pages else 0
+
+    def release_shared(self, key: Key, stream: CacheStream) -> None:
+        """Keep only the pages private to the stream, in order: what a stream
+        emptied but keeping its pages (a reset, a failed fork) may hold as
+        spare without a later write landing in a page someone else reads."""
+        pages = stream.page_indices
+        if not pages or not self.sharing:
+            return
+        private = self.pages.private_pages(key, pages)
+        if all(private):
+            return
+        self.give_back(key, [p for p, mine in zip(pages, private, strict=True) if not mine])
+        stream.page_indices = [p for p, mine in zip(pages, private, strict=True) if mine]
+
+    def private_count(self, key: Key, stream: CacheStream) -> int:
+        """Pages of the stream only it holds, unregistered: what a fork onto
+        it can keep writing into (R51)."""
+        return sum(self.pages.private_pages(key, stream.page_indices))
+
+    def cow_needed(self, key: Key, stream: CacheStream) -> bool:
+        """Whether the stream's next write lands in a page it may not write:
+        its partial last page, shared or registered after a truncate into it."""
+        if not stream.tail_maybe_shared:
+            return False
+        n = stream.stored_len
+        i = n // self.page_size
+        return (self.sharing and n % self.page_size != 0 and i < len(stream.page_indices)
+                and not self.pages.writable(key, stream.page_indices[i]))
 
     def request(self, rid: str) -> dict[str, CacheStream]:
         streams = self.streams.get(rid)

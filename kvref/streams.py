@@ -19,15 +19,19 @@ class CacheStream:
 
     __slots__ = (
         "generation",
+        "key_tokens",
+        "keys",
         "offloaded",
         "page_indices",
         "position",
         "read_error",
         "read_future",
         "read_pending",
+        "received",
         "released",
         "step_in_flight",
         "stored_len",
+        "tail_maybe_shared",
     )
 
     def __init__(self) -> None:
@@ -49,6 +53,22 @@ class CacheStream:
         # gone), so only reload may give the stream pages again
         self.offloaded = False
         self.generation = 0
+        # the prefix-cache keys of the first len(keys) full pages, a chain
+        # (kvref.prefix_hash): what `cache_prefix` registered or `match_prefix`
+        # attached. A later `cache_prefix` continues the chain from its last
+        # key, and one naming other tokens for a keyed page is refused
+        self.keys: list[bytes] = []
+        # the ids of those pages' tokens (signed 64-bit little endian, as
+        # hashed): a later call naming them otherwise is caught by a compare,
+        # not by hashing the whole prefix again
+        self.key_tokens = bytearray()
+        # False guarantees the partial last page is private to the stream, so
+        # the admit of every decode step skips the pool; only a truncate into
+        # a shared page sets it (R52), and a check of the pool answers then
+        self.tail_maybe_shared = False
+        # filled by a retrieve: its pages are never registered (a peer's KV,
+        # whose tokens this manager never saw computed; vllm-ascend PR 2083)
+        self.received = False
         # from admit until commit: the step already holds addressing into
         # these pages, so an offload must not claim them
         self.step_in_flight = False
@@ -61,6 +81,10 @@ class CacheStream:
         self.read_error = None
         self.read_pending = False
         self.read_future = None
+        self.keys = []
+        self.key_tokens = bytearray()
+        self.tail_maybe_shared = False
+        self.received = False
         if freed:
             self.page_indices = []
 

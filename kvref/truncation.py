@@ -45,10 +45,19 @@ def truncate(table: StreamTable, rid: str, label: str, new_len: int) -> int:
         # nothing to cut: the spare pages stay for the next step (R39)
         return 0
     keep = pages_for(new_len, table.page_size)
-    freed = stream.page_indices[keep:]
+    cut = stream.page_indices[keep:]
     # a new list: a slice someone took of the old one keeps what it saw
     stream.page_indices = stream.page_indices[:keep]
-    table.allocator.free(freed)
+    # only pages whose last holder this was go free: a shared one stays
+    # with its other holders (R54)
+    freed = table.give_back((rid, label), cut)
     stream.stored_len = new_len
+    # a key names a full page: the one the cut lands in no longer is
+    full = new_len // table.page_size
+    del stream.keys[full:]
+    del stream.key_tokens[full * table.page_size * 8:]
+    # the page the cut lands in may be another stream's too: the next
+    # write copies it first (R52)
+    stream.tail_maybe_shared = bool(new_len % table.page_size)
     stream.generation += 1
-    return len(freed)
+    return freed

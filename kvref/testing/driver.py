@@ -43,6 +43,7 @@ from kvref import (
 )
 from kvref.plan import SINK_PAGE
 from kvref.testing.manual_runtime import ManualRuntime
+from kvref.testing.page_checks import check_device_pages
 from model import core as m
 
 ManagerFactory = Callable[..., KVManager]
@@ -70,6 +71,10 @@ class DriverConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     factory: ManagerFactory = default_factory
+    # model.core specifies a cache whose every page has one holder: forks
+    # copy, nothing is cached. Shared pages are model.sharing's, and
+    # tests/conformance/test_sharing_lockstep.py drives them
+    sharing: bool = False
 
 
 # the KVRefError kinds an injected fault surfaces as: a fault, not a misuse
@@ -96,6 +101,7 @@ class Driver:
             max_num_pages=scope.device_pages + 1,  # + the sink
             page_size=scope.page_size, num_qo_heads=1,
             cpu_offload_pages=scope.host_pages, publish_lease_s=LEASE_S,
+            enable_prefix_caching=self.config.sharing,
         )
         self.kv = self.config.factory(
             cfg=self.cfg, name="kv", joint_comm_group=None,
@@ -599,19 +605,7 @@ class Driver:
     def check_pages(self) -> None:
         """I1 and I2 on page ids: every page exactly once in free list, sink or a stream."""
         kv = self.kv
-        owner: dict[int, str] = {}
-        for rname, labels in kv._streams.items():
-            for lname, s in labels.items():
-                for p in s.page_indices:
-                    assert p != SINK_PAGE, f"I2: sink page in {rname}/{lname}"
-                    assert p not in owner, f"I1: page {p} in {owner[p]} and {rname}/{lname}"
-                    owner[p] = f"{rname}/{lname}"
-        free = list(kv._allocator._free)
-        assert SINK_PAGE not in free, "I2: sink page on the free list"
-        assert len(set(free)) == len(free), "I1: a page twice on the free list"
-        both = set(free) & set(owner)
-        assert not both, f"I1: pages {both} both free and owned"
-        assert len(free) + len(owner) + 1 == self.cfg.max_num_pages, "I1: a page is lost"
+        check_device_pages(kv)
         pool = kv._cpu_pool
         if pool is not None:
             held = [p for c in pool._copies.values() for h in c.values() for p in h.pages]

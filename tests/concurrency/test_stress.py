@@ -29,22 +29,16 @@ from typing import Any
 import pytest
 
 from kvref import KVManager, KVRefError
-from kvref.plan import SINK_PAGE
 from kvref.runtime import ThreadingRuntime
 from kvref.testing.driver import Driver, DriverConfig, label_name, rid_name
+from kvref.testing.page_checks import check_device_pages
 from model import core as m
 from tests.support.lockset import Detector, TracedRuntime
 from tests.support.sched_harness import SCOPE
 
 
 def device_pages_ok(kv: KVManager) -> None:
-    owned: list[int] = [p for ls in kv._streams.values() for s in ls.values()
-                        for p in s.page_indices]
-    free = kv._allocator.free_pages()
-    assert SINK_PAGE not in owned and SINK_PAGE not in free, "I2"
-    assert len(set(owned)) == len(owned), "I1: a page in two streams"
-    assert not set(owned) & set(free), "I1: a page both free and owned"
-    assert len(owned) + len(free) + 1 == kv.config.max_num_pages, "I1: a page lost"
+    check_device_pages(kv)
 
 
 def stress(runtime: ThreadingRuntime, detector: Detector | None = None) -> dict[str, int]:

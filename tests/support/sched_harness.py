@@ -422,7 +422,7 @@ class Harness:
             assert isinstance(lk, CoopLock)
             lk.name = role
             self.lin.lock_role[id(lk)] = role
-        for lk, name in ((kv._allocator._lock, "device allocator"),
+        for lk, name in ((kv._pages._lock, "device pages"),
                          (kv._cpu_pool._allocator._lock, "host allocator")):
             assert isinstance(lk, CoopLock)
             lk.name = name

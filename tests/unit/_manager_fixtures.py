@@ -19,6 +19,7 @@ from kvref.config import KVConfig, KVLayout
 from kvref.manager import KVManager
 from kvref.plan import KVPlanOutputs
 from kvref.step import Fork, KVStep, Segment, StepContext
+from kvref.testing.page_checks import check_device_pages
 from kvref.transfer import TransferEngineInfo
 
 Key = tuple[str, str]
@@ -34,6 +35,7 @@ def make_cfg(
     layout: KVLayout = KVLayout.NHD,
     cpu_pages: int = 0,
     max_seq_len: int = 256,
+    sharing: bool = True,
 ) -> KVConfig:
     return KVConfig(
         num_layers=layers,
@@ -41,6 +43,7 @@ def make_cfg(
         head_dim=head_dim,
         max_seq_len=max_seq_len,
         max_num_pages=pages,
+        enable_prefix_caching=sharing,
         page_size=page_size,
         num_qo_heads=heads,
         layout=layout,
@@ -68,13 +71,7 @@ def held_pages(mgr: KVManager) -> list[int]:
 
 def check_conservation(mgr: KVManager) -> None:
     """I1/I2: free + held + sink == all pages, no page in two places, sink unheld."""
-    held = held_pages(mgr)
-    assert len(held) == len(set(held)), f"page held twice: {sorted(held)}"
-    assert 0 not in held, "sink page handed to a stream"
-    assert not mgr._allocator.is_free(0), "sink page on the free list"
-    for p in held:
-        assert not mgr._allocator.is_free(p), f"page {p} both held and free"
-    assert mgr.num_free_pages + len(held) + 1 == mgr.config.max_num_pages
+    check_device_pages(mgr)
 
 
 @dataclass

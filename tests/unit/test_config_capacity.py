@@ -38,7 +38,7 @@ def nothing_allocated(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("allocated before the size was checked")
 
     monkeypatch.setattr("kvref.manager.allocate_cache_tensor", refuse)
-    monkeypatch.setattr("kvref.manager.PageAllocator", refuse)
+    monkeypatch.setattr("kvref.manager.PagePool", refuse)
     monkeypatch.setattr("kvref.manager.CPUPagePool", refuse)
 
 

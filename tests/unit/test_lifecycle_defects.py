@@ -226,7 +226,7 @@ def test_a_second_step_is_refused_and_the_same_one_is_a_no_op() -> None:
 def test_preplan_views_carry_the_generation_the_step_runs_against() -> None:
     gens = []
     for preplan in (False, True):
-        mgr, drv = _manager()
+        mgr, drv = _manager(sharing=False)  # preplanned pre-forks copy (S23)
         drv.ingest("a")
         fill(drv, "a", 5)
         step = KVStep([Segment("a", "cfg", 1)], pre_forks=[("main", "cfg")])

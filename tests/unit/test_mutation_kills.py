@@ -148,7 +148,7 @@ def _rows(mgr: KVManager, n: int, value: float) -> torch.Tensor:
 
 
 def test_read_kv_reads_the_layer_it_is_asked_for_not_the_cursor() -> None:
-    mgr = make_manager(pages=16, page_size=4, layers=2)
+    mgr = make_manager(sharing=False, pages=16, page_size=4, layers=2)
     _running_two_label_step(mgr)
     for layer, value in ((0, 10.0), (1, 20.0)):
         mgr.write_kv(_rows(mgr, 2, value), _rows(mgr, 2, value + 1), layer_idx=layer)
@@ -161,7 +161,7 @@ def test_read_kv_reads_the_layer_it_is_asked_for_not_the_cursor() -> None:
 
 
 def test_read_kv_reads_the_plan_label_it_is_asked_for() -> None:
-    mgr = make_manager(pages=16, page_size=4)
+    mgr = make_manager(sharing=False, pages=16, page_size=4)
     _running_two_label_step(mgr)
     mgr.write_kv(_rows(mgr, 2, 1.0), _rows(mgr, 2, 2.0), layer_idx=0, label="main")
     mgr.write_kv(_rows(mgr, 2, 5.0), _rows(mgr, 2, 6.0), layer_idx=0, label="cfg")
@@ -172,7 +172,7 @@ def test_read_kv_reads_the_plan_label_it_is_asked_for() -> None:
 
 
 def test_read_kv_under_a_slot_lease_returns_the_buckets_rows() -> None:
-    mgr = make_manager(pages=32, page_size=4)
+    mgr = make_manager(sharing=False, pages=32, page_size=4)
     mgr.ingest_request("a")
     # buffers larger than the bucket: read_kv must stop at the bucket
     mgr.build_cuda_graph_buffers([CGSlotSpec(0, 4)], max_bs=4, max_seq_len=16)
@@ -188,7 +188,7 @@ def test_read_kv_under_a_slot_lease_returns_the_buckets_rows() -> None:
 
 def test_a_preplanned_chain_of_forks_predicts_the_chained_length() -> None:
     # main -> b, then b -> c: c ends with main's length, known before any copy
-    mgr = make_manager(pages=32, page_size=4)
+    mgr = make_manager(sharing=False, pages=32, page_size=4)
     mgr.ingest_request("a")
     fill_step = KVStep([Segment("a", "main", 5)])
     ctx = StepContext(("a",))
@@ -235,7 +235,7 @@ def _preplan_then_run(mgr: KVManager, step: KVStep, padded: tuple[str, ...],
 
 def test_a_padded_request_without_the_fork_source_keeps_its_target() -> None:
     # "b" (first in the batch) lacks src but holds keep; "a" holds src only
-    mgr = make_manager(pages=32, page_size=4)
+    mgr = make_manager(sharing=False, pages=32, page_size=4)
     mgr.ingest_request("a")
     mgr.ingest_request("b")
     _commit_span(mgr, "a", "src", 3)
@@ -250,7 +250,7 @@ def test_a_padded_request_without_the_fork_source_keeps_its_target() -> None:
 
 def test_a_chain_through_an_empty_source_empties_its_end() -> None:
     # main exists and is empty: main -> b -> c copies that emptiness onto c
-    mgr = make_manager(pages=32, page_size=4)
+    mgr = make_manager(sharing=False, pages=32, page_size=4)
     mgr.ingest_request("a")
     _commit_span(mgr, "a", "c", 5)
     step = KVStep([Segment("a", "c", 1)], pre_forks=[("main", "b"), ("b", "c")])
@@ -261,7 +261,7 @@ def test_a_chain_through_an_empty_source_empties_its_end() -> None:
 
 
 def test_a_failed_fork_copy_empties_its_target_and_moves_its_generation() -> None:
-    mgr = make_manager(pages=32, page_size=4)
+    mgr = make_manager(sharing=False, pages=32, page_size=4)
     mgr.ingest_request("a")
     _commit_span(mgr, "a", "main", 3)
     _commit_span(mgr, "a", "cfg", 6)

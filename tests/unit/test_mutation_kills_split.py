@@ -1208,7 +1208,7 @@ def test_a_pre_fork_that_fails_at_a_commit_without_a_plan_is_raised() -> None:
 
 def test_clear_preplan_over_a_running_step_with_forks_keeps_the_running_marks() -> None:
     # R43: the running step's marks (over its forks' streams too) stay
-    d = Driver(make_manager(pages=32, page_size=4))
+    d = Driver(make_manager(sharing=False, pages=32, page_size=4))
     d.ingest("a")
     fill(d, "a", 3)
     mgr = d.mgr
@@ -1229,7 +1229,7 @@ def test_a_span_committed_onto_a_stream_offloaded_mid_step_is_dropped_loudly(
         caplog: pytest.LogCaptureFixture) -> None:
     # the last defence behind R2-R5 (unreachable through the API): driven by
     # marking the stream offloaded by hand between plan and commit
-    d = Driver(make_manager(pages=32, page_size=4))
+    d = Driver(make_manager(sharing=False, pages=32, page_size=4))
     d.ingest("a", "b")
     fill(d, "a", 3)
     fill(d, "b", 3)
@@ -1253,7 +1253,7 @@ def test_a_span_committed_onto_a_stream_offloaded_mid_step_is_dropped_loudly(
 def test_a_stale_preplan_names_both_lengths_and_the_remedy() -> None:
     # step N post-forks main onto cfg; N+1 is preplanned over cfg at 4 tokens;
     # N's fork copy fails and leaves cfg empty (R42)
-    d = Driver(make_manager(pages=32, page_size=4))
+    d = Driver(make_manager(sharing=False, pages=32, page_size=4))
     d.ingest("a")
     fill(d, "a", 3)
     mgr = d.mgr

@@ -44,7 +44,7 @@ R = OffloadReason
 
 def _setup(cpu_pages: int = 16, pages: int = 16) -> tuple[KVManager, Driver]:
     """``a``: main 9 tokens (3 pages), cfg 5 (2 pages); ``b``: main 2 (1 page)."""
-    mgr = make_manager(pages=pages, page_size=4, cpu_pages=cpu_pages)
+    mgr = make_manager(sharing=False, pages=pages, page_size=4, cpu_pages=cpu_pages)
     drv = Driver(mgr)
     drv.ingest("a", "b")
     fill(drv, "a", 9)
@@ -99,7 +99,7 @@ def test_offload_refusals_say_why() -> None:
 
 
 def test_no_host_pool() -> None:
-    mgr = make_manager(pages=8, page_size=4)
+    mgr = make_manager(sharing=False, pages=8, page_size=4)
     drv = Driver(mgr)
     drv.ingest("a")
     fill(drv, "a", 3)
