@@ -8,13 +8,18 @@ ratio against a baseline measured in the same run; nothing here asserts a time.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import json
 import os
 import platform
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -96,3 +101,23 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     ]
     lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def jsonable(obj: Any) -> Any:
+    """Dataclasses (rows, spreads) as plain dicts, tuples as lists, recursively."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Write a run's raw results (``--json PATH``): `scripts/docs_figures.py` renders them."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    when = datetime.now(UTC).isoformat(timespec="seconds")
+    out.write_text(json.dumps(jsonable({"recorded": when, **payload}), indent=1,
+                              ensure_ascii=False) + "\n")

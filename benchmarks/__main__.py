@@ -1,14 +1,16 @@
-"""``python -m benchmarks [--quick] [--only control|data] [--threads N]``: Markdown tables."""
+"""``python -m benchmarks [--quick] [--only control|data] [--threads N] [--json PATH]``:
+Markdown tables; ``--json`` also writes the raw rows (for `scripts/docs_figures.py`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import time
+from typing import Any
 
 import torch
 
-from benchmarks import control_plane, data_plane, machine, md_table
+from benchmarks import control_plane, data_plane, machine, md_table, write_json
 
 # --quick: a smoke run in well under 20 s, the sizes that exercise every path
 QUICK_BATCHES = (1, 16, 256)
@@ -16,8 +18,19 @@ QUICK_PAGES = (64, 256)
 
 
 def control_report(quick: bool, batches: tuple[int, ...] = control_plane.BATCHES,
-                   mixed_batches: tuple[int, ...] = control_plane.MIXED_BATCHES) -> str:
+                   mixed_batches: tuple[int, ...] = control_plane.MIXED_BATCHES,
+                   keep: dict[str, Any] | None = None) -> str:
+    """Run the control-plane benchmark; its rows also go into ``keep`` if given."""
     rows, mixed, pre, profiles = control_plane.run(quick, batches, mixed_batches)
+    if keep is not None:
+        keep["control"] = {"decode": rows, "mixed": mixed, "prefill": pre, "profiles": profiles}
+    return control_tables(rows, mixed, pre, profiles)
+
+
+def control_tables(rows: list[control_plane.DecodeRow], mixed: list[control_plane.MixedRow],
+                   pre: control_plane.PrefillRow,
+                   profiles: dict[int, list[control_plane.ProfileEntry]]) -> str:
+    """The control plane's Markdown, from its rows (a run's, or read back from JSON)."""
     chunk = control_plane.CHUNK
     out = [
         "### Control plane: one decode step (admit + plan + commit)",
@@ -78,8 +91,17 @@ def control_report(quick: bool, batches: tuple[int, ...] = control_plane.BATCHES
     return "\n".join(out)
 
 
-def data_report(quick: bool, page_counts: tuple[int, ...] = data_plane.PAGE_COUNTS) -> str:
+def data_report(quick: bool, page_counts: tuple[int, ...] = data_plane.PAGE_COUNTS,
+                keep: dict[str, Any] | None = None) -> str:
+    """Run the data-plane benchmark; its rows also go into ``keep`` if given."""
     rows = data_plane.run(quick, page_counts)
+    if keep is not None:
+        keep["data"] = rows
+    return data_tables(rows)
+
+
+def data_tables(rows: list[data_plane.CopyRow]) -> str:
+    """The data plane's Markdown, from its rows (a run's, or read back from JSON)."""
     page_kib = data_plane.LAYERS * 2 * data_plane.PAGE_SIZE * data_plane.KV_HEADS \
         * data_plane.HEAD_DIM * 4 / 1024
     out = [
@@ -113,7 +135,10 @@ def main(argv: list[str] | None = None) -> None:
         help="torch intra-op threads (default 1: on a shared 2-core box two threads "
              "stall on each other and on neighbours; 0 keeps torch's default)",
     )
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the raw rows and the run's conditions to PATH")
     args = parser.parse_args(argv)
+    keep: dict[str, Any] | None = {} if args.json else None
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -122,19 +147,28 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Machine: {machine()}")
     print()
     # a shared box: the load says how far the absolute figures are from idle
-    print(f"Load average at the start: {os.getloadavg()[0]:.1f}")
+    load_start = os.getloadavg()[0]
+    print(f"Load average at the start: {load_start:.1f}")
     if args.only in (None, "control"):
         print()
         batches = QUICK_BATCHES if args.quick else control_plane.BATCHES
-        print(control_report(args.quick, batches), flush=True)
+        print(control_report(args.quick, batches, keep=keep), flush=True)
     if args.only in (None, "data"):
         print()
         pages = QUICK_PAGES if args.quick else data_plane.PAGE_COUNTS
-        print(data_report(args.quick, pages), flush=True)
+        print(data_report(args.quick, pages, keep=keep), flush=True)
+    seconds = time.perf_counter() - t0
+    load_end = os.getloadavg()[0]
     print()
-    print(f"_Measured in {time.perf_counter() - t0:.0f} s with "
+    print(f"_Measured in {seconds:.0f} s with "
           f"`python -m benchmarks{' --quick' if args.quick else ''}`; load average "
-          f"{os.getloadavg()[0]:.1f} at the end._")
+          f"{load_end:.1f} at the end._")
+    if args.json:
+        assert keep is not None
+        write_json(args.json, {
+            "benchmark": "benchmarks", "quick": args.quick, "machine": machine(),
+            "cpus": os.cpu_count(), "load_start": load_start, "load_end": load_end,
+            "seconds": seconds, **keep})
 
 
 if __name__ == "__main__":

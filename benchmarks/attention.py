@@ -1,4 +1,4 @@
-"""``python -m benchmarks.attention [--quick] [--threads N]``: paged attention on CPU.
+"""``python -m benchmarks.attention [--quick] [--threads N] [--json PATH]``: paged attention on CPU.
 
 Three ways to compute the same attention over the same tokens, timed
 interleaved (one call of each per round) in one run:
@@ -17,14 +17,16 @@ Ratios are path / dense (lower is better; 1.0 is the cost of no paging).
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks import Spread, machine, md_table, no_gc, spread, time_call
+from benchmarks import Spread, machine, md_table, no_gc, spread, time_call, write_json
 from kvref.attention import paged_attention_reference
 from kvref.attention_sdpa import plan_sdpa, run_sdpa_plan
 from kvref.config import KVLayout
@@ -170,9 +172,17 @@ def bench(case: Case, rounds: int, warmup: int = 2) -> Row:
                spread(ratios["sdpa"]).median, spread(ratios["ref"]).median)
 
 
-def report(quick: bool) -> str:
+def run(quick: bool) -> list[Row]:
     rounds = 5 if quick else 20
-    rows = [bench(c, rounds) for c in cases(quick)]
+    return [bench(c, rounds) for c in cases(quick)]
+
+
+def report(quick: bool) -> str:
+    return tables(run(quick))
+
+
+def tables(rows: list[Row]) -> str:
+    """The Markdown table, from rows (a run's, or read back from JSON)."""
     return "\n".join([
         "### Attention on CPU: paged paths vs dense attention over the same tokens",
         "",
@@ -193,10 +203,20 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", metavar="PATH", default=None,
+                    help="also write the raw rows and the run's conditions to PATH")
     o = ap.parse_args(argv)
     torch.set_num_threads(o.threads)
     print(f"Machine: {machine()}\n")
-    print(report(o.quick))
+    load_start, t0 = os.getloadavg()[0], time.perf_counter()
+    rows = run(o.quick)
+    print(tables(rows))
+    if o.json:
+        write_json(o.json, {
+            "benchmark": "benchmarks.attention", "quick": o.quick, "machine": machine(),
+            "cpus": os.cpu_count(), "load_start": load_start,
+            "load_end": os.getloadavg()[0], "seconds": time.perf_counter() - t0,
+            "rows": rows})
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Profiles (``--hypothesis-profile NAME`` or ``HYPOTHESIS_PROFILE=NAME``):
   dev      the default: a few hundred examples, failures saved for replay
   ci       derandomized, no database, sized for CI's time budget
-  nightly  long fuzzing on larger scopes (see README)
+  nightly  long fuzzing on larger scopes (see docs/gpu-and-nightly.md)
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
     python -m tests.concurrency.measure [seeds]
 
-Prints the README's table. PCT and random walk: median (min-max) over
-``seeds`` seeds, each run until the first failing schedule (budget 2000).
+Prints the table `docs/verification/concurrency.md` reads from. PCT and
+random walk: median (min-max) over ``seeds`` seeds, each run until the first
+failing schedule (budget 2000).
 Hypothesis: examples drawn (generation phase, before shrinking) until the
 first failure. DFS: schedules visited in depth-first order, bound 1 and 2.
 Those columns count only wrong results, states or exceptions (the race

@@ -1,4 +1,4 @@
-"""The example database HypoFuzz workers share (see README, "Long fuzzing").
+"""The example database HypoFuzz workers share (docs/gpu-and-nightly.md, "Long fuzzing").
 
 ``KVREF_HYPOTHESIS_DB`` names it: a directory (on a filesystem every worker
 mounts) or ``redis://host:port/db`` (needs ``hypothesis[redis]``). Loaded

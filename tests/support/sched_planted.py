@@ -3,8 +3,9 @@
 Each planted race is a context manager that monkeypatches `KVManager` into
 the reference's (or a plausible regression's) behaviour, plus the smallest
 thread programs in which the race can happen. `detect` runs a strategy until
-the harness reports a failure and says how many schedules it took: the
-figures the README quotes come from `python -m tests.concurrency.measure`.
+the harness reports a failure and says how many schedules it took:
+`python -m tests.concurrency.measure` prints them per strategy
+(`docs/verification/concurrency.md`).
 """
 
 from __future__ import annotations
