@@ -59,7 +59,10 @@ class Pair:
     ratio: Spread  # ours / theirs, per repetition
 
 
-def _pair(ours: Callable[[], object], theirs: Callable[[], object], reps: int) -> Pair:
+def pair(ours: Callable[[], object], theirs: Callable[[], object], reps: int, *,
+         undo: Sequence[Callable[[], object] | None] = (None, None)) -> Pair:
+    """Time ``ours`` and ``theirs`` alternately, ``reps`` times each; ``undo[j]``,
+    if given, runs untimed after each call of side ``j`` (puts its state back)."""
     a: list[float] = []
     b: list[float] = []
     fns = [ours, theirs]
@@ -70,6 +73,9 @@ def _pair(ours: Callable[[], object], theirs: Callable[[], object], reps: int) -
                 t0 = time.perf_counter()
                 fns[j]()
                 times[j] = (time.perf_counter() - t0) * 1e6
+                after = undo[j]
+                if after is not None:
+                    after()
             a.append(times[0])
             b.append(times[1])
     return Pair(spread(a), spread(b), spread([x / y for x, y in zip(a, b, strict=True)]))
@@ -79,7 +85,7 @@ def hashing(reps: int) -> Pair:
     rng = random.Random(0)
     tokens = [rng.randrange(150_000) for _ in range(PROMPT)]
     assert len(page_keys(tokens, PAGE_SIZE, EXTRAS)) == PROMPT // PAGE_SIZE
-    return _pair(lambda: page_keys(tokens, PAGE_SIZE, EXTRAS),
+    return pair(lambda: page_keys(tokens, PAGE_SIZE, EXTRAS),
                  lambda: pickle_chain(tokens, PAGE_SIZE, EXTRAS), reps)
 
 
@@ -112,7 +118,7 @@ def prefill(reps: int) -> Pair:
         if pool is cold:
             pool.reset_prefix_cache()  # nothing cached next time either
 
-    return _pair(lambda: run(warm), lambda: run(cold), reps)
+    return pair(lambda: run(warm), lambda: run(cold), reps)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,100 @@
+"""`python -m benchmarks.shared_pages --quick` runs and reports what it should:
+the table's rows, the JSON's structure, and the facts that are not timings
+(pages copied per fork, pages held by requests sharing a prompt). No timing is
+asserted: this box is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import shared_pages as sp
+from benchmarks.prefix_cache import PAGE_SIZE
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("shared") / "shared.json"
+    capture = pytest.MonkeyPatch()
+    lines: list[str] = []
+    capture.setattr("builtins.print", lambda *a, **k: lines.append(" ".join(map(str, a))))
+    try:
+        sp.main(["--quick", "--json", str(out)])
+    finally:
+        capture.undo()
+    return "\n".join(lines), json.loads(Path(out).read_text())
+
+
+def _spread(s: dict[str, Any]) -> None:
+    assert s["n"] > 0
+    assert all(math.isfinite(s[k]) and s[k] > 0 for k in ("p10", "median", "p90"))
+    assert s["p10"] <= s["median"] <= s["p90"]
+
+
+def test_the_table_has_every_row(quick_run: tuple[str, dict[str, Any]]) -> None:
+    text, _ = quick_run
+    assert text.startswith("### Shared pages (--quick)")
+    expected = [
+        "| what | kvref, sharing | baseline | ratio | target |",
+        *(f"| fork of {n} tokens: {what} |" for n in sp.FORK_TOKENS
+          for what in ("pages copied", "µs per pre-fork step")),
+        "admission of 2048 tokens, 1792 cached", "the same + cache_prefix of the prompt",
+        "hash 2048 tokens into 128 page keys",
+        *(f"| decode B={b}, caching on, {how}" for b in sp.DECODE_BATCHES
+          for how in ("tokens named", "no tokens named")),
+        "**176 pages held** = 64 shared + 16 × 7 own", "without sharing 1136 = 16 × 71",
+    ]
+    assert [row for row in expected if row not in text] == []
+    assert "`python -m benchmarks.shared_pages --quick`" in text
+
+
+def test_json_structure_and_timings_are_well_formed(
+        quick_run: tuple[str, dict[str, Any]]) -> None:
+    _, data = quick_run
+    assert data["benchmark"] == "shared_pages" and data["results"]["quick"] is True
+    r = data["results"]
+    assert {"forks", "hit", "decode", "memory"} <= r.keys()
+    for f in r["forks"]:
+        for k in ("shared_us", "copying_us", "ratio"):
+            _spread(f[k])
+    for k in ("admission", "with_cache_prefix", "hashing"):
+        for side in ("ours_us", "theirs_us", "ratio"):
+            _spread(r["hit"][k][side])
+    assert [d["batch"] for d in r["decode"]] == list(sp.DECODE_BATCHES)
+    for d in r["decode"]:
+        for k in ("off_us", "on_us", "named_us", "on_ratio", "named_ratio"):
+            _spread(d[k])
+        assert d["cache_calls_per_step"] > 0  # the engine named tokens as pages filled
+
+
+def test_a_copy_on_write_fork_copies_at_most_one_page(
+        quick_run: tuple[str, dict[str, Any]]) -> None:
+    _, data = quick_run
+    forks = {f["tokens"]: f for f in data["results"]["forks"]}
+    assert forks.keys() == set(sp.FORK_TOKENS)
+    for tokens, f in forks.items():
+        partial = tokens % PAGE_SIZE != 0
+        assert f["copied_shared"] == (1 if partial else 0)
+        assert f["copied_copying"] == sp.pages_for(tokens)  # the baseline copies them all
+    assert forks[2048]["page_kib"] == 512
+
+
+def test_the_hit_attaches_the_cached_head(quick_run: tuple[str, dict[str, Any]]) -> None:
+    _, data = quick_run
+    assert data["results"]["hit"]["attached"] == 1792
+
+
+def test_requests_sharing_a_prompt_hold_its_pages_once(
+        quick_run: tuple[str, dict[str, Any]]) -> None:
+    _, data = quick_run
+    m = data["results"]["memory"]
+    assert (m["requests"], m["shared_pages"], m["own_pages"]) == (16, 64, 7)
+    assert m["attached"] == [1024] * 15  # the first computes, the 15 others hit
+    assert m["heads_shared"] is True
+    assert m["held"] == 64 + 16 * 7
+    assert m["held_copying"] == 16 * (64 + 7)
