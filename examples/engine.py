@@ -11,10 +11,19 @@ kvref's page table keeping them apart. What it shows, each counted in
 - preemption: the device pool is small; when ``admit`` refuses with
   ``AllocationFailed``, the youngest scheduled request is offloaded to host
   memory (``offload``), and reloaded (``reload``) once pages are free;
+- prefix caching: several requests open with the same system prompt. A
+  request's prompt ids go to ``match_prefix`` when it arrives, which attaches
+  the cached pages holding its head to its empty stream; only the rest of the
+  prompt is computed, at positions from the hit on, attending to the cached
+  KV. After every commit (prefill chunk, decode, verify once truncated)
+  ``cache_prefix`` names the ids the stream holds, so its full pages become
+  findable for the requests after it;
 - parallel sampling: a request asks for two samples; once its prompt is in,
-  a fork step copies its ``main`` stream onto ``s1`` (forks apply to every
-  request in ``padded_request_ids``, so that step pads only this request),
-  and ``s1`` continues from the runner-up first token;
+  a fork step forks its ``main`` stream onto ``s1`` (forks apply to every
+  request in ``padded_request_ids``, so that step pads only this request).
+  The fork is copy-on-write: ``s1`` shares the prompt's full pages and
+  copies only the partly filled last one. ``s1`` continues from the
+  runner-up first token;
 - a speculative verify step: a draft model (the target with perturbed
   weights) proposes tokens; one step computes them all, commits them, and
   ``truncate`` cuts the stream back to the accepted prefix;
@@ -22,6 +31,12 @@ kvref's page table keeping them apart. What it shows, each counted in
   prompt, ``publish`` leases its pages, the decode manager copies them with
   ``admit_retrieve`` and, once the copy landed, the lease is released with
   ``release_published``.
+
+The summary reports the prefix cache's hit rate (prompt tokens attached from
+the cache over all prompt tokens) and the pages saved: at the step where
+sharing saves most, the pages the step's page tables name, summed per stream
+(what they would hold without sharing), minus the pages the manager holds
+(``max_num_pages - 1 - num_free_pages``).
 
 Run it: ``python examples/engine.py``. ``tests/e2e/test_example_engine.py``
 checks every sample's tokens against transformers' ``generate``.
@@ -56,6 +71,7 @@ from kvref.published import PublishRefused
 ATTN_NAME = "kvref_example_engine"
 VOCAB = 128
 MAIN, SAMPLE = "main", "s1"
+SYSTEM_LEN = 12  # the demo's shared system prompt, in tokens
 
 
 # -- the model and kvref's attention inside it ------------------------------------
@@ -142,6 +158,7 @@ class Request:
     state: str = "new"  # new, transferring, running, swapped, done
     published: Any = None  # the prefill worker's publication, until it landed
     runner_up: int = -1  # the second-best first token: the second sample's start
+    hit: int = 0  # prompt tokens attached from the prefix cache
 
     def labels(self) -> list[str]:
         return list(self.out) or [MAIN]
@@ -162,12 +179,21 @@ class Stats:
     pages_offloaded: int = 0
     reloads: int = 0
     forks: int = 0
+    fork_pages: int = 0  # device pages the fork took: its partial last page at most
     verify_steps: int = 0
     drafted: int = 0
     accepted: int = 0
     pages_truncated: int = 0
     transfers: int = 0
     leases_released: int = 0
+    prompt_tokens: int = 0  # every request's prompt
+    hit_tokens: int = 0  # of them, attached from the prefix cache
+    pages_cached: int = 0  # pages `cache_prefix` made findable
+    pages_saved: int = 0  # at most, in one step: page tables summed minus pages held
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclass
@@ -185,8 +211,9 @@ class Engine:
 
     def __init__(self, model: LlamaForCausalLM, draft: LlamaForCausalLM | None = None, *,
                  page_size: int = 4, device_pages: int = 16, chunk: int = 4,
-                 draft_len: int = 3) -> None:
+                 draft_len: int = 3, prefix_caching: bool = True) -> None:
         self.model = model
+        self.prefix_caching = prefix_caching  # off: no hits, and forks copy every page
         self.draft = draft
         self.chunk = chunk
         self.draft_len = draft_len
@@ -203,6 +230,7 @@ class Engine:
             head_dim=mc.hidden_size // mc.num_attention_heads, max_seq_len=256,
             max_num_pages=pages + 1,  # + the sink page
             page_size=page_size, num_qo_heads=mc.num_attention_heads, cpu_offload_pages=64,
+            enable_prefix_caching=self.prefix_caching,
         )
         return KVManager(cfg, name, None, TransferEngineInfo(), torch.device("cpu"),
                          torch.float32)
@@ -230,10 +258,13 @@ class Engine:
     def arrive(self) -> None:
         for r in self.requests:
             if r.state == "new" and r.arrival <= self.stats.steps:
+                self.stats.prompt_tokens += len(r.prompt)
                 if r.disaggregated:
                     self.prefill_remotely(r)
                 else:
                     self.kv.ingest_request(r.rid)
+                    r.hit = self.kv.match_prefix(r.rid, MAIN, r.prompt)
+                    self.stats.hit_tokens += r.hit
                     r.state = "running"
 
     def schedule(self) -> list[Work]:
@@ -259,16 +290,32 @@ class Engine:
     def step(self, work: list[Work]) -> None:
         work, step, ctx = self.admit(work)
         plan = self.kv.plan(step, ctx)[MAIN]
+        self.count_shared(plan)
         logits, rows = self.forward(self.kv, plan, {(w.req.rid, w.label): w for w in work})
         self.kv.commit(step, ctx)
         self.stats.mixed_steps += any(not w.req.out for w in work) and any(w.req.out for w in work)
         for w in work:
             self.sample(w, logits[rows[(w.req.rid, w.label)]])
+            # committed, and a verify step's rejected drafts truncated away
+            self.cache(self.kv, w.req, w.label)
         # after every sample: a fork may preempt a request sampled in this step
         for r in {w.req.rid: w.req for w in work}.values():
             if r.samples == 2 and r.out and SAMPLE not in r.out:
                 self.fork(r)
                 r.out[SAMPLE] = [r.runner_up]
+
+    def cache(self, kv: KVManager, r: Request, label: str) -> None:
+        """Name the ids the stream holds, so its full pages can be hit: the
+        prompt, then the sampled tokens fed back (the last one is not yet)."""
+        held = (r.prompt + r.out.get(label, []))[:kv.stored_len(r.rid, label)]
+        self.stats.pages_cached += kv.cache_prefix(r.rid, label, held)
+
+    def count_shared(self, plan: KVPlanOutput) -> None:
+        """Pages saved now: the step's page tables summed (each stream's pages
+        as if it held them alone) minus the pages the manager holds."""
+        tables = sum(len(v.page_idxs) for v in plan.views)
+        held = self.kv.config.max_num_pages - 1 - self.kv.num_free_pages
+        self.stats.pages_saved = max(self.stats.pages_saved, tables - held)
 
     def admit(self, work: list[Work]) -> tuple[list[Work], KVStep, StepContext]:
         """Admit the step, preempting the youngest scheduled request while the
@@ -344,20 +391,25 @@ class Engine:
         r.runner_up = top[1]  # where a second sample starts
 
     def fork(self, r: Request) -> None:
-        """Copy main onto the second sample's stream. A fork applies to every
-        padded request, so this step pads only ``r``."""
+        """Fork main onto the second sample's stream, copy-on-write: the two
+        share the full pages. A fork applies to every padded request, so this
+        step pads only ``r``."""
         step = KVStep(segments=[], pre_forks=[(MAIN, SAMPLE)])
         ctx = StepContext(padded_request_ids=[r.rid])
+        free = self.kv.num_free_pages
         outcome = self.kv.admit(step, ctx)
         while not outcome.ok:
-            others = [o for o in self.running() if o is not r]
+            # a request whose pages are all shared would free nothing
+            others = [o for o in self.running() if o is not r and self.kv.reclaimable(o.rid)]
             if not others or not isinstance(outcome.reason, AllocationFailed):
                 raise RuntimeError(f"fork of {r.rid} refused: {outcome.reason}")
             self.preempt(others[-1])
+            free = self.kv.num_free_pages
             outcome = self.kv.admit(step, ctx)
         self.kv.plan(step, ctx)
         self.kv.commit(step, ctx)
         self.stats.forks += 1
+        self.stats.fork_pages += free - self.kv.num_free_pages
 
     def propose(self, r: Request, label: str) -> list[int]:
         """Drafted tokens for ``r``'s next verify step; none for a plain decode."""
@@ -402,15 +454,18 @@ class Engine:
         manager starts copying it (ready once it landed)."""
         pkv = self.prefill_kv
         pkv.ingest_request(r.rid)
-        step = KVStep(segments=[Segment(r.rid, MAIN, len(r.prompt))])
+        hit = r.hit = pkv.match_prefix(r.rid, MAIN, r.prompt)  # the worker caches too
+        self.stats.hit_tokens += hit
+        step = KVStep(segments=[Segment(r.rid, MAIN, len(r.prompt) - hit)])
         ctx = StepContext(padded_request_ids=[r.rid])
         outcome = pkv.admit(step, ctx)
         if not outcome.ok:
             raise RuntimeError(f"prefill worker refused {r.rid}: {outcome.reason}")
         plan = pkv.plan(step, ctx)[MAIN]
-        logits, _ = self.forward(pkv, plan, {(r.rid, MAIN): Work(r, MAIN, r.prompt)})
+        logits, _ = self.forward(pkv, plan, {(r.rid, MAIN): Work(r, MAIN, r.prompt[hit:])})
         pkv.commit(step, ctx)
         r.out[MAIN] = [int(logits[-1].argmax())]
+        self.cache(pkv, r, MAIN)
         published = pkv.publish(r.rid)  # leased: the worker keeps these pages until released
         if isinstance(published, PublishRefused):
             raise RuntimeError(f"publish of {r.rid} refused: {published.reason}")
@@ -457,12 +512,16 @@ def demo_requests(max_new: int = 10, seed: int = 1) -> list[Request]:
     def prompt(n: int) -> list[int]:
         return torch.randint(1, VOCAB, (n,), generator=gen).tolist()
 
+    # a system prompt of three pages (page size 4) that three requests open with
+    system = prompt(SYSTEM_LEN)
     return [
-        Request("long", prompt(17), max_new, arrival=0),  # prefilled in chunks
-        Request("pair", prompt(5), max_new, arrival=0, samples=2),
+        # prefilled in chunks; its system prompt is cached once it is in (step 2)
+        Request("long", system + prompt(5), max_new, arrival=0),
         Request("spec", prompt(11), max_new, arrival=1, speculative=True),
         Request("remote", prompt(8), max_new, arrival=2, disaggregated=True),
-        Request("late", prompt(13), max_new, arrival=4),
+        # both hit the system prompt, and compute only what follows it
+        Request("pair", system + prompt(3), max_new, arrival=3, samples=2),
+        Request("late", system + prompt(4), max_new, arrival=4),
     ]
 
 
@@ -477,12 +536,15 @@ def main() -> None:
     s = stats
     print(f"{s.steps} steps, {s.mixed_steps} of them a prefill chunk beside decodes; "
           f"{s.preemptions} preemptions ({s.pages_offloaded} pages offloaded), "
-          f"{s.reloads} reloads; {s.forks} fork")
+          f"{s.reloads} reloads; {s.forks} fork (copy-on-write: {s.fork_pages} page copied)")
+    print(f"prefix cache: {s.hit_tokens} of {s.prompt_tokens} prompt tokens hit "
+          f"(hit rate {s.hit_rate:.0%}), {s.pages_cached} pages cached; "
+          f"sharing saved up to {s.pages_saved} device pages in one step")
     print(f"{s.verify_steps} speculative verify steps: {s.accepted} of {s.drafted} drafted "
           f"tokens accepted, truncate freed {s.pages_truncated} pages")
     print(f"{s.transfers} disaggregated prefill, {s.leases_released} lease released; "
           f"device pages free at the end: {engine.kv.num_free_pages} of "
-          f"{engine.kv.config.max_num_pages - 1}")
+          f"{engine.kv.config.max_num_pages - 1} ({engine.kv.num_cached_pages} of them cached)")
 
 if __name__ == "__main__":
     main()

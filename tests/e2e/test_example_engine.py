@@ -1,8 +1,11 @@
 """examples/engine.py generates, token for token, what transformers' greedy
 ``generate`` does: every request, both samples of the forked one, through
-chunked prefill, preemption, a fork, speculative verify steps and a
-disaggregated prefill. Each of those must have happened (the run's `Stats`),
-so a change to the example that stopped exercising one fails here too."""
+chunked prefill, prefix-cache hits (a prompt whose system prompt was served
+from another request's pages), preemption, a copy-on-write fork, speculative
+verify steps and a disaggregated prefill. Each of those must have happened
+(the run's `Stats`), so a change to the example that stopped exercising one
+fails here too. The prefix cache's hit rate and the pages sharing saved are
+printed (``pytest -s``) and asserted."""
 
 from __future__ import annotations
 
@@ -50,6 +53,22 @@ def test_example_engine_matches_generate() -> None:
                 want = [runner_up, *greedy(model, [*r.prompt, runner_up], r.max_new - 1)]
                 assert r.out[ex.SAMPLE] == want, r.rid
 
+    # shared pages: the requests that open with the system prompt and arrive
+    # once it is cached compute only what follows it
+    sharing = [r for r in reqs if r.prompt[:ex.SYSTEM_LEN] == reqs[0].prompt[:ex.SYSTEM_LEN]]
+    assert len(sharing) >= 3 and 2 * engine.kv.config.page_size < ex.SYSTEM_LEN
+    assert [r.hit for r in sharing] == [0] + [ex.SYSTEM_LEN] * (len(sharing) - 1)
+    assert stats.hit_tokens == sum(r.hit for r in reqs)
+    assert stats.prompt_tokens == sum(len(r.prompt) for r in reqs)
+    print(f"\nprefix cache hit rate {stats.hit_rate:.1%} ({stats.hit_tokens} of "
+          f"{stats.prompt_tokens} prompt tokens); pages saved {stats.pages_saved}")
+    assert stats.hit_rate > 0 and stats.pages_cached > 0, stats
+    assert stats.pages_saved > 0, stats
+    # the fork shared the prompt's full pages and copied only its partial last one
+    pair = next(r for r in reqs if r.samples == 2)
+    assert len(pair.prompt) // engine.kv.config.page_size >= 3
+    assert stats.fork_pages == (1 if len(pair.prompt) % engine.kv.config.page_size else 0)
+
     # each part of the engine contract ran, not only the happy path
     assert stats.mixed_steps > 0, stats
     assert stats.preemptions > 0 and stats.reloads == stats.preemptions, stats
@@ -57,6 +76,19 @@ def test_example_engine_matches_generate() -> None:
     assert stats.verify_steps > 0 and 0 < stats.accepted < stats.drafted, stats
     assert stats.pages_truncated > 0, stats
     assert stats.transfers == 1 and stats.leases_released == 1, stats
-    # nothing leaked on either manager
+    # the same run without sharing: the same tokens, no hits, nothing saved,
+    # and the fork copies the whole prompt
+    plain = ex.Engine(model, ex.build_draft(model), prefix_caching=False)
+    plain_reqs = ex.demo_requests()
+    plain_stats = plain.run(plain_reqs)
+    assert [r.out for r in plain_reqs] == [r.out for r in reqs]
+    assert plain_stats.hit_tokens == plain_stats.pages_cached == plain_stats.pages_saved == 0
+    assert plain_stats.fork_pages == -(-len(pair.prompt) // engine.kv.config.page_size)
+
+    # nothing leaked on either manager: every page is free, cached or blank,
+    # and with nothing held the cache can be reset to all blank
     for kv in (engine.kv, engine.prefill_kv):
         assert kv.num_free_pages == kv.config.max_num_pages - 1
+        cached = kv.num_cached_pages
+        assert kv.reset_prefix_cache() == cached
+        assert kv.num_cached_pages == 0 and kv.num_free_pages == kv.config.max_num_pages - 1
