@@ -226,6 +226,10 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
                     # a retrieve started between the drain and the lock
                     continue
                 offloading = self._offloads.get(rid)
+                # what was private when reset was called (R62), not after a
+                # sibling stream let its share of a page go
+                private = {label: self._pages.private_pages((rid, label), s.page_indices)
+                           for label, s in streams.items()} if not free else {}
                 for label, stream in streams.items():
                     claimed = offloading is not None and label in offloading.labels
                     if stream.offloaded and not claimed:
@@ -239,7 +243,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
                     # generation fails its commit and the abandon clears it
                     stream.reset(freed=free)
                     # kept pages become spare: only those no one else reads
-                    self._table.release_shared((rid, label), stream)
+                    self._table.release_shared((rid, label), stream, private.get(label))
                 return
 
     def remove_request(self, rid: str) -> None:
@@ -371,7 +375,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         token is always computed (S8); only pages cached under the request's
         ``KVReqConfig.cache_salt`` (S7). The pages are shared: a later write
         past them lands in the stream's own pages. Creates the stream if the
-        request lacks it and something was attached. 0 with the cache off.
+        request lacks it, as an admit naming it would. 0 with the cache off.
         Raises, changing nothing: `InvalidArgumentError` for a stream that is
         not empty or ids that are not 64-bit integers; `StepInFlightError`
         while a step names the stream; `StreamUnavailableError` while it is

@@ -63,6 +63,9 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
                 "attaches a prompt's first pages, so only to an empty stream",
                 request_id=rid, label=label)
     table.leases.refuse(rid, "match_prefix")
+    if stream is None:
+        # as an admit naming it would (R16): the engine's next call names it
+        stream = streams[label] = CacheStream()
     if not table.sharing or len(tokens) < 2:
         return 0
     key = (rid, label)
@@ -70,8 +73,6 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
     n = hit.num_tokens
     if not n:
         return 0
-    if stream is None:
-        stream = streams[label] = CacheStream()
     # an empty stream's pages are spare and private to it: they follow the hit
     stream.page_indices = list(hit.pages) + stream.page_indices
     stream.stored_len = n

@@ -68,14 +68,19 @@ class StreamTable:
         Tail first, so a cached prefix is evicted after its own suffix (S6)."""
         return self.pages.release(key, pages[::-1]) if pages else 0
 
-    def release_shared(self, key: Key, stream: CacheStream) -> None:
+    def release_shared(self, key: Key, stream: CacheStream,
+                       private: list[bool] | None = None) -> None:
         """Keep only the pages private to the stream, in order: what a stream
         emptied but keeping its pages (a reset, a failed fork) may hold as
-        spare without a later write landing in a page someone else reads."""
+        spare without a later write landing in a page someone else reads.
+        ``private``: the pages' privacy as it was before a call that empties
+        several streams at once (a reset: each stream keeps what was its own
+        when the call was made, whichever of them lets go first, R62)."""
         pages = stream.page_indices
         if not pages or not self.sharing:
             return
-        private = self.pages.private_pages(key, pages)
+        if private is None:
+            private = self.pages.private_pages(key, pages)
         if all(private):
             return
         self.give_back(key, [p for p, mine in zip(pages, private, strict=True) if not mine])
