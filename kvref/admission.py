@@ -265,10 +265,11 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
     that step leaves once committed (R41).
 
     With ``sharing``, a fork target shares its source's full pages and
-    writes only into pages private to it (R51): it needs its whole length
-    in private pages, less those it holds privately now; none count if a
-    fork in this step may share them before its
-    own fork runs: a cycle, a second fork onto it). A segment whose partial
+    writes only into pages private to it (R51): it needs the rest of its
+    length in private pages, less those it holds privately now. Where that
+    count may shrink before its fork runs (a fork in this step shares its
+    pages first: a cycle, a second fork onto it) it reserves its whole
+    length, as a copying fork. A segment whose partial
     last page is shared or registered needs a private copy (R52)."""
     # made by this admit, and not yet written by a fork
     unfilled = {k for k in keys if k[1] not in table[k[0]]}
@@ -287,6 +288,9 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
         if n > want.get(key, -1):
             want[key] = n
 
+    # a fork target's full pages, shared from its source when the fork runs
+    shared_full: dict[Key, int] = {}
+
     def fork(forks: tuple[tuple[str, str], ...]) -> None:
         for from_label, to_label in forks:
             for rid in padded:
@@ -296,6 +300,7 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
                     continue  # R20: no source to copy (a padded request without it)
                 unfilled.discard((rid, to_label))
                 length[(rid, to_label)] = n
+                shared_full[(rid, to_label)] = n // page_size
                 ask((rid, to_label), n)
 
     fork(tuple(step.pre_forks))
@@ -332,14 +337,18 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
         streams = table[rid]
         stream = streams.get(label)
         key = (rid, label)
-        if stream is None:
-            held = 0
-        elif sharing is None or key not in targets:
-            held = len(stream.page_indices)
-        else:
-            # or changed by the running step first (a preplan)
-            held = 0 if key in unsure or key in (settled or {}) else (
+        if sharing is None or key not in targets:
+            held = len(stream.page_indices) if stream is not None else 0
+        elif key in unsure or key in (settled or {}) or key in writes:
+            # its private pages may be fewer when its fork runs (or changed by
+            # the running step first, a preplan); or a segment also grows it
+            # before a post-fork: every page of its length, as a copying fork
+            held = 0 if stream is None or key in unsure or key in (settled or {}) else (
                 sharing.private_count(key, stream))
+        else:
+            # the fork shares the source's full pages: only the rest is private
+            held = shared_full.get(key, 0) + (
+                sharing.private_count(key, stream) if stream is not None else 0)
         short = n - held
         if (sharing is not None and stream is not None and key in writes
                 and key not in pre_targets and key not in (settled or {})

@@ -49,10 +49,14 @@ class Forks:
         """Each fork for each padded request, in order; a failed copy empties its
         target and the rest still run, then the first failure is raised."""
         failed: list[tuple[Key, BaseException]] = []
+        pre = forks is running.step.pre_forks
+        # a segment on a pre-fork target grows it from the forked length (R9)
+        spans = {(g.request_id, g.label): g.span for g in running.step.segments} if pre else {}
         for from_label, to_label in forks:
             for rid in running.padded:
                 try:
-                    self.apply(rid, from_label, to_label, running.created)
+                    self.apply(rid, from_label, to_label, running.created,
+                               spans.get((rid, to_label), 0))
                 except ForkFailed as err:
                     failed.append(((rid, to_label), err.__cause__ or err))
         if failed:
@@ -82,7 +86,8 @@ class Forks:
                 lengths[(rid, to_label)] = n
         return lengths
 
-    def apply(self, rid: str, from_label: str, to_label: str, created: set[Key]) -> None:
+    def apply(self, rid: str, from_label: str, to_label: str, created: set[Key],
+              span: int = 0) -> None:
         """Copy a stream onto its fork target, over pages admit reserved."""
         streams = self._table.streams[rid]
         src = streams[from_label]  # admit made both ends (R16)
@@ -96,7 +101,7 @@ class Forks:
         # sized off the source's length, not either side's page count: both
         # may hold spare pages, and copying those made the copy lopsided
         n = pages_for(src.stored_len, self._table.page_size)
-        if len(dst.page_indices) < n:
+        if not self._table.sharing and len(dst.page_indices) < n:
             raise KVRefError(
                 f"fork target holds {len(dst.page_indices)} pages, source "
                 f"{from_label!r} needs {n}: the step was not admitted with this fork",
@@ -104,7 +109,7 @@ class Forks:
                 label=to_label,
             )
         if self._table.sharing:
-            self._share(rid, from_label, to_label)
+            self._share(rid, from_label, to_label, span)
         elif n:
             try:
                 self._kv_cache.copy_pages(src.page_indices[:n], dst.page_indices[:n])
@@ -122,11 +127,13 @@ class Forks:
         dst.received = src.received
         dst.generation += 1
 
-    def _share(self, rid: str, from_label: str, to_label: str) -> None:
-        """The copy-on-write fork (R51): the target keeps the pages private to
-        it (admit reserved enough: its whole length), takes references on the
-        source's full pages in place of the first of them, copies the
-        source's partial page into the next, and lets the surplus go."""
+    def _share(self, rid: str, from_label: str, to_label: str, span: int = 0) -> None:
+        """The copy-on-write fork (R51): the target takes references on the
+        source's full pages, keeps the pages private to it after them (admit
+        reserved what its length past the full pages needs, ``span`` tokens of
+        a segment after a pre-fork included), copies the source's partial page
+        into the first of them, and lets go of its surplus beyond its old
+        high-water mark."""
         table = self._table
         src = table.streams[rid][from_label]
         dst = table.streams[rid][to_label]
@@ -135,11 +142,12 @@ class Forks:
         private = table.pages.private_pages(dkey, dst.page_indices)
         keep = [p for p, mine in zip(dst.page_indices, private, strict=True) if mine]
         drop = [p for p, mine in zip(dst.page_indices, private, strict=True) if not mine]
-        if len(keep) < full + (1 if partial else 0):
+        need = pages_for(src.stored_len + span, table.page_size) - full
+        if len(keep) < need:
             raise KVRefError(
-                f"fork target holds {len(keep)} private pages, source {from_label!r} needs "
-                f"{full} shared and {1 if partial else 0} copied: the step was not admitted "
-                "with this fork", request_id=rid, label=to_label)
+                f"fork target holds {len(keep)} private pages, needs {need} past the "
+                f"{full} it shares from {from_label!r}: the step was not admitted with "
+                "this fork", request_id=rid, label=to_label)
         if partial:
             try:
                 self._kv_cache.copy_pages([src.page_indices[full]], [keep[0]])
@@ -149,7 +157,8 @@ class Forks:
         table.give_back(dkey, drop)
         shared = src.page_indices[:full]
         table.pages.share(dkey, shared)
-        tail = len(keep) - full  # the table keeps its length: spare pages stay spare
+        # the table keeps its length where it can: spare pages stay spare
+        tail = max(need, len(keep) - full)
         table.give_back(dkey, keep[tail:])
         dst.page_indices = shared + keep[:tail]
 

@@ -223,11 +223,13 @@ class SharingModel:
     RESET_KEEPS_ONLY_PRIVATE = True  # S21: a spare page is private
     RECLAIM_COUNTS_LAST_REFERENCE = True  # S26, SGLang 35270 at the stream level
     MATCH_NEEDS_EMPTY_STREAM = True  # S24: a hit only onto an empty stream
-    # not a rule but a choice (S19): True, a fork first holds as many private
-    # pages as the source's length, as today's copying fork reserves at admit, and
-    # frees the surplus; False, only the one the part page's copy needs.  Both
-    # end with the same table; they differ in refusals, evictions and free order.
-    FORK_RESERVES_TARGET_LENGTH = True
+    # not a rule but a choice (S19): False (kvref's), a fork takes only the page
+    # the part page's copy needs, so forking a long stream under memory pressure
+    # needs one free page, not its length; True, it first holds as many private
+    # pages as the source's length, as a copying fork reserves at admit, and frees
+    # the surplus.  Both end with the same table; they differ in refusals,
+    # evictions and free order.
+    FORK_RESERVES_TARGET_LENGTH = False
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope

@@ -42,16 +42,16 @@ def fork_shares_the_partial_page(mp: pytest.MonkeyPatch) -> None:
     next write of either stream lands in the other's page."""
     orig = Forks._share
 
-    def bad(self: Forks, rid: str, from_label: str, to_label: str) -> None:
+    def bad(self: Forks, rid: str, from_label: str, to_label: str, span: int = 0) -> None:
         src = self._table.streams[rid][from_label]
         ps = self._table.page_size
         if src.stored_len % ps == 0:
-            return orig(self, rid, from_label, to_label)
+            return orig(self, rid, from_label, to_label, span)
         # round the source up to whole pages: the part page is shared as if full
         n = src.stored_len
         src.stored_len = -(-n // ps) * ps
         try:
-            orig(self, rid, from_label, to_label)
+            orig(self, rid, from_label, to_label, span)
         finally:
             src.stored_len = n
 
@@ -134,10 +134,10 @@ def fork_keeps_the_targets_key_chain(mp: pytest.MonkeyPatch) -> None:
     orig = Forks.apply
 
     def bad(self: Forks, rid: str, from_label: str, to_label: str,
-            created: set[tuple[str, str]]) -> None:
+            created: set[tuple[str, str]], span: int = 0) -> None:
         dst: CacheStream = self._table.streams[rid][to_label]
         keys, raw = list(dst.keys), bytearray(dst.key_tokens)
-        orig(self, rid, from_label, to_label, created)
+        orig(self, rid, from_label, to_label, created, span)
         if keys:
             dst.keys, dst.key_tokens = keys, raw
 

@@ -157,37 +157,40 @@ def test_fork_of_whole_pages_holds_no_new_page() -> None:
     assert r == Ok() and n.table(1) == n.table(0) and M.num_free(n) == M.num_free(s)
 
 
-class NeedOnly(SharingModel):
-    FORK_RESERVES_TARGET_LENGTH = False
+class Reserving(SharingModel):
+    """A fork that first holds private pages for the source's whole length,
+    as a copying fork's admission reserves, then frees the surplus."""
+
+    FORK_RESERVES_TARGET_LENGTH = True
 
 
 def test_fork_reserves_the_targets_length_first_or_only_the_copy() -> None:
     # every page held: the source's three full pages, another request's one
     acts = (Append(0, 0, (0,) * 6), Append(1, 0, (1,)), Fork(0, 0, 1))
-    _, s = run(M, *acts[:2])
-    unchanged(M, s, acts[2], AllocationFailed(3))  # as a copying fork's admission
-    need_only = NeedOnly(SMALL)
-    rs, n = run(need_only, *acts)
+    reserving = Reserving(SMALL)
+    _, s = run(reserving, *acts[:2])
+    unchanged(reserving, s, acts[2], AllocationFailed(3))  # as a copying fork's admission
+    rs, n = run(M, *acts)
     assert rs[-1] == Ok() and n.table(1) == n.table(0)
     # the same table either way, where both succeed; the reserved pages come back
     # blank, and a cached page among them lost its key
     acts = (Append(0, 0, (0, 1)), CachePrefix(0, 0, (0, 1)), Remove(0),
             Append(0, 0, (1, 1, 0)), Fork(0, 0, 1))
-    (*_, r1), a = run(M, *acts)
-    (*_, r2), b = run(need_only, *acts)
+    (*_, r1), a = run(reserving, *acts)
+    (*_, r2), b = run(M, *acts)
     assert r1 == r2 == Ok() and a.table(1) == b.table(1)
     assert not a.pool.lru and len(b.pool.lru) == 1
 
 
-def test_the_checker_passes_with_forks_that_take_only_the_copy() -> None:
-    rep = check(NeedOnly(replace(SCOPE, depth=4)))
+def test_the_checker_passes_with_forks_that_reserve_the_whole_length() -> None:
+    rep = check(Reserving(replace(SCOPE, depth=4)))
     assert rep.complete and not rep.violations, rep.violations
 
 
 def test_fork_short_of_pages_is_refused() -> None:
     _, s = run(M, Append(0, 0, (0,) * 7))  # every page held, a part page last
-    unchanged(M, s, Fork(0, 0, 1), AllocationFailed(4))  # the target's whole length
-    unchanged(NeedOnly(SMALL), s, Fork(0, 0, 1), AllocationFailed(1))  # the copy's page
+    unchanged(Reserving(SMALL), s, Fork(0, 0, 1), AllocationFailed(4))  # whole length
+    unchanged(M, s, Fork(0, 0, 1), AllocationFailed(1))  # only the copy's page
 
 
 def test_fork_reuses_the_targets_private_pages_and_drops_its_shared_ones() -> None:

@@ -95,7 +95,7 @@ def test_commit_false_clears_marks_keeps_no_tokens() -> None:
 
 
 def test_refused_admit_allocation_changes_nothing() -> None:
-    mgr = make_manager(pages=8, page_size=4, cpu_pages=8)  # 7 usable
+    mgr = make_manager(pages=8, page_size=4, cpu_pages=8, sharing=False)  # 7 usable; forks copy
     drv = Driver(mgr)
     drv.ingest("a", "b")
     fill(drv, "a", 9)  # 3 pages

@@ -216,8 +216,9 @@ def test_truncate_during_and_after_a_failed_retrieve_names_the_stream(
 
 
 def _forked_request() -> Driver:
-    """Request ``a``: ``main`` 6 tokens (2 pages), ``cfg`` 3 tokens over three steps."""
-    d = Driver(make_manager(pages=32, page_size=4))
+    """Request ``a``: ``main`` 6 tokens (2 pages), ``cfg`` 3 tokens over three
+    steps; forks copy (the copying fork's defences are what these kill)."""
+    d = Driver(make_manager(sharing=False, pages=32, page_size=4))
     d.ingest("a")
     fill(d, "a", 6)
     fill(d, "a", 3, "cfg", chunk=1)
@@ -1075,7 +1076,7 @@ def test_a_fork_target_reserves_the_most_it_reaches_in_the_step() -> None:
 def test_an_absent_fork_source_reserves_exactly_what_the_step_needs() -> None:
     # R20: q lacks the source, so its target keeps its 8 tokens (2 pages) and
     # its segment needs one more page; r's fork copies 4 tokens (1 page)
-    d = Driver(make_manager(pages=32, page_size=4))
+    d = Driver(make_manager(sharing=False, pages=32, page_size=4))
     d.ingest("q", "r")
     fill(d, "q", 8, "cfg")
     fill(d, "r", 4, "src")

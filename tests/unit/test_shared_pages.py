@@ -395,3 +395,21 @@ def test_a_stream_offloaded_or_unknown_is_refused_by_the_cache_calls() -> None:
         mgr.cache_prefix("a", "main", PROMPT)
     with pytest.raises(StreamUnavailableError):
         mgr.match_prefix("a", "main", PROMPT)
+
+
+def test_a_fork_under_memory_pressure_takes_one_page_not_its_length() -> None:
+    mgr, drv = _mgr(pages=8)  # 7 usable
+    drv.ingest("a")
+    _fill(drv, "a", 22)  # 6 pages: 5 full and a partial one
+    assert mgr.num_free_pages == 1
+    step, ctx = KVStep([Segment("a", "main", 0)], pre_forks=[("main", "s1")]), StepContext(("a",))
+    assert mgr.pages_needed(step, ctx) == 1  # the partial page's copy
+    drv.step([("a", "main", 0)], pre_forks=[("main", "s1")])
+    assert mgr.num_free_pages == 0
+    drv.check("a", "s1")
+    # and with the cache off, the same fork needs the whole length
+    off, offdrv = _mgr(pages=8, sharing=False)
+    offdrv.ingest("a")
+    _fill(offdrv, "a", 22)
+    out = off.admit(step, ctx)
+    assert isinstance(out.reason, AllocationFailed) and out.reason.pages_short == 5
