@@ -413,3 +413,43 @@ def test_a_fork_under_memory_pressure_takes_one_page_not_its_length() -> None:
     _fill(offdrv, "a", 22)
     out = off.admit(step, ctx)
     assert isinstance(out.reason, AllocationFailed) and out.reason.pages_short == 5
+
+
+def _retrieved(monkeypatch: pytest.MonkeyPatch | None = None) -> tuple[KVManager, KVManager]:
+    """``dst`` holds request ``r``'s 10 tokens, copied from ``src`` by a retrieve."""
+    src, drv = _mgr(pages=16)
+    drv.ingest("r")
+    _fill(drv, "r", 10)
+    dst, _ = _mgr(pages=16)
+    pub = src.publish("r")
+    dst.ingest_request("r")
+    assert dst.admit_retrieve("r", None, None, pub).ok
+    for s in dst._streams["r"].values():
+        if s.read_future is not None:
+            s.read_future.result(timeout=10)
+    assert dst.admit_retrieve("r", None, None, pub).ready
+    src.release_published("r")
+    return src, dst
+
+
+def test_retrieved_kv_is_never_cached() -> None:
+    """R55 (vllm-ascend PR 2083: blocks received over P/D were registered)."""
+    src, dst = _retrieved()
+    ids = list(range(10))
+    assert dst.cache_prefix("r", "main", ids) == 0
+    assert dst.num_cached_pages == 0 and not dst._streams["r"]["main"].keys
+    dst.remove_request("r")
+    dst.ingest_request("q")
+    assert dst.match_prefix("q", "main", ids + [1]) == 0
+    src.cleanup()
+    dst.cleanup()
+
+
+def test_the_retrieved_guard_is_what_keeps_peer_kv_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plant: without the guard the peer's pages are registered, and the
+    test above would fail on its first assertion."""
+    src, dst = _retrieved()
+    dst._streams["r"]["main"].received = False  # the guard, removed
+    assert dst.cache_prefix("r", "main", list(range(10))) == 2
+    src.cleanup()
+    dst.cleanup()
