@@ -440,7 +440,7 @@ def test_retrieved_kv_is_never_cached() -> None:
     assert dst.num_cached_pages == 0 and not dst._streams["r"]["main"].keys
     dst.remove_request("r")
     dst.ingest_request("q")
-    assert dst.match_prefix("q", "main", ids + [1]) == 0
+    assert dst.match_prefix("q", "main", [*ids, 1]) == 0
     src.cleanup()
     dst.cleanup()
 
