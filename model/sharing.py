@@ -370,7 +370,12 @@ class SharingModel:
         hs, hd = self.holder(a.rid, a.src), self.holder(a.rid, a.dst)
         src = s.streams[hs]
         if src is None:
-            return Misuse(UNKNOWN), s
+            # R20: a request without the source label has nothing to give: the
+            # fork copies nothing, and the step that names both ends made them
+            made = list(s.streams)
+            made[hs] = Stream()
+            made[hd] = made[hd] or Stream()
+            return Ok(), replace(s, streams=tuple(made))
         ps, src_table, dst_table = self.scope.page_size, s.table(hs), s.table(hd)
         want = _ceil(src.n, ps)
         shared_n = src.n // ps if self.FORK_COPIES_PART_PAGE else want

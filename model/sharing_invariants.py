@@ -159,10 +159,11 @@ def transition_violations(m: SharingModel, s: State, a: object, r: object,
         table = n.table(h)
         out += _write_checks(m, s, h, {table[i // ps] for i in
                                        range(start, start + len(a.tokens))}, n, "append")
-    if isinstance(a, Fork) and isinstance(r, Ok):
+    src_of = s.streams[m.holder(a.rid, a.src)] if isinstance(a, Fork) else None
+    # (a fork from a label the request lacks gives nothing, R20: no checks)
+    if isinstance(a, Fork) and isinstance(r, Ok) and src_of is not None:
         hs, hd = m.holder(a.rid, a.src), m.holder(a.rid, a.dst)
-        src = s.streams[hs]
-        assert src is not None
+        src = src_of
         full, dst = src.n // ps, n.table(hd)
         if dst[:full] != s.table(hs)[:full]:
             out.append(("Q8", f"fork target's table {dst} does not start with the "

@@ -91,12 +91,13 @@ SYSTEM = (1, 0, 1, 1, 0)
 class SharingLockstep(RuleBasedStateMachine):
     seen: ClassVar[set[str]] = set()
 
-    def __init__(self) -> None:
+    def __init__(self, scope: S.Scope = SCOPE) -> None:
         super().__init__()
-        self.model = S.SharingModel(SCOPE)
+        self.scope = scope
+        self.model = S.SharingModel(scope)
         self.state = self.model.init()
         cfg = KVConfig(num_layers=LAYERS, num_kv_heads=1, head_dim=1, max_seq_len=64,
-                       max_num_pages=SCOPE.pages + 1, page_size=SCOPE.page_size,
+                       max_num_pages=scope.pages + 1, page_size=scope.page_size,
                        num_qo_heads=1)
         self.kv = KVManager(cfg, "kv", None, TransferEngineInfo(), "cpu",
                             dtype=torch.float32)
@@ -139,7 +140,7 @@ class SharingLockstep(RuleBasedStateMachine):
     def ingest(self, rid: int) -> None:
         name = rid_name(rid)
         if not self.kv.has_request(name):
-            self.kv.ingest_request(name, KVReqConfig(cache_salt=SCOPE.salts[rid]))
+            self.kv.ingest_request(name, KVReqConfig(cache_salt=self.scope.salts[rid]))
 
     def stream(self, rid: int, label: int) -> S.Stream | None:
         return self.state.streams[self.model.holder(rid, label)]
@@ -301,7 +302,7 @@ class SharingLockstep(RuleBasedStateMachine):
         assert kv.num_free_pages == self.model.num_free(s), (
             f"free: kvref {kv.num_free_pages}, model {self.model.num_free(s)}")
         snap = kv._pages.snapshot()
-        for p in range(1, SCOPE.pages + 1):
+        for p in range(1, self.scope.pages + 1):
             pg = s.pool.page(p)
             owners = {(rid_name(self.model.rid_of(h)), LABELS[h % 2]) for h in pg.holders}
             assert snap.holders[p - 1] == owners, (
@@ -309,7 +310,7 @@ class SharingLockstep(RuleBasedStateMachine):
             assert snap.keys[p - 1] == self.digest(pg.key), f"page {p}: keys differ"
         assert snap.lru == s.pool.lru, f"LRU: kvref {snap.lru}, model {s.pool.lru}"
         assert snap.blank == s.pool.blank, f"blank: kvref {snap.blank}, model {s.pool.blank}"
-        for rid in range(SCOPE.requests):
+        for rid in range(self.scope.requests):
             name = rid_name(rid)
             for label in range(2):
                 st_ = self.stream(rid, label)

@@ -35,6 +35,7 @@ from model.sharing import (
     Scope,
     SharingModel,
     State,
+    Stream,
     Truncate,
 )
 from model.sharing_check import SALTED, SCOPE, Canon, calls, check, make_spec
@@ -218,7 +219,9 @@ def test_fork_keeps_the_targets_high_water_mark_and_frees_the_surplus() -> None:
 
 
 def test_fork_misuses() -> None:
-    unchanged(M, M.init(), Fork(0, 0, 1), Misuse(UNKNOWN))  # no source
+    # no source (R20): nothing copied; the step named both ends, so both exist
+    r, n = last(M, Fork(0, 0, 1), s=M.init())
+    assert r == Ok() and n.streams[0] == n.streams[1] == Stream() and not n.table(1)
     _, s = run(M, Append(0, 0, (0,)))
     unchanged(M, s, Fork(0, 0, 0), Misuse(STEP))
     unchanged(M, s, Fork(0, 0, 9), Misuse(UNKNOWN))
