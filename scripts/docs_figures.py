@@ -3,7 +3,8 @@
 Two steps, so that no page is edited by hand with numbers:
 
     python -m benchmarks --json docs/performance/data/benchmarks.json            # 1: measure
-    python -m benchmarks.attention --json docs/performance/data/attention.json   #    (both)
+    python -m benchmarks.attention --json docs/performance/data/attention.json   #    (all
+    python -m benchmarks.shared_pages --json docs/performance/data/shared_pages.json #  three)
     python scripts/docs_figures.py                                               # 2: render
 
 Step 2 reads the JSON only (it measures nothing) and writes
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import attention, control_plane, data_plane
+from benchmarks import attention, control_plane, data_plane, shared_pages
 from benchmarks.__main__ import control_tables, data_tables
 
 DATA = ROOT / "docs" / "performance" / "data"
@@ -47,6 +48,10 @@ def rebuild(cls: type[T], data: dict[str, Any]) -> T:
             value = rebuild(kind, value)
         elif typing.get_origin(kind) is tuple:
             value = tuple(value)
+        elif typing.get_origin(kind) is list:
+            (item,) = typing.get_args(kind)
+            if dataclasses.is_dataclass(item) and isinstance(item, type):
+                value = [rebuild(item, v) for v in value]
         kwargs[f.name] = value
     return cls(**kwargs)
 
@@ -138,6 +143,13 @@ def render(data: Path = DATA) -> str:
         command = "python -m benchmarks.attention" + (" --quick" if run["quick"] else "")
         out += ["", "## Attention on CPU", "", conditions(run, command), ""]
         out += [*attention_section(run), ""]
+    shared = data / "shared_pages.json"
+    if shared.exists():
+        run = json.loads(shared.read_text())
+        results = rebuild(shared_pages.Results, run["results"])
+        command = "python -m benchmarks.shared_pages" + (" --quick" if results.quick else "")
+        out += ["", "## Shared pages", "", conditions(run, command), "",
+                shared_pages.tables(results), ""]
     return "\n".join(out).rstrip("\n") + "\n"
 
 
