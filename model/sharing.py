@@ -47,6 +47,11 @@ from model.pages import (
 __all__ = [
     "ACTIONS",
     "ARG",
+    "OFFLOADING",
+    "UNAVAILABLE",
+    "Offload",
+    "Refused",
+    "Reload",
     "RULES",
     "STEP",
     "TOKENS",
@@ -98,6 +103,7 @@ class Scope:
 class Stream:
     tokens: Tokens = ()  # its committed tokens; its length n is len(tokens)
     chain: tuple[Key, ...] = ()  # keys of its first k full pages (registered or hit)
+    offloaded: bool = False  # its tokens are on the host; it holds no page
 
     @property
     def n(self) -> int:
@@ -193,17 +199,43 @@ class Reclaimable:
     rid: int
 
 
+@dataclass(frozen=True)
+class Offload:
+    """offload_outcome(rid), the host pool with room: every stream holding
+    pages goes to the host; only pages whose last holder it was are freed."""
+
+    rid: int
+
+
+@dataclass(frozen=True)
+class Reload:
+    """reload_outcome(rid): each offloaded stream back into fresh pages."""
+
+    rid: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A refusal value that is not about pages: an offload or reload reason
+    (``UNKNOWN_REQUEST``, ``NOTHING_ON_DEVICE``, ``NOTHING_ON_HOST``), an
+    admit's ``RequestOffloading``."""
+
+    reason: str
+
+
 Action = (Append | Fork | Truncate | Reset | Remove | CachePrefix | MatchPrefix
-          | ResetPrefixCache | NumFree | Reclaimable)
+          | ResetPrefixCache | NumFree | Reclaimable | Offload | Reload)
 ACTIONS: tuple[type, ...] = (Append, Fork, Truncate, Reset, Remove, CachePrefix, MatchPrefix,
-                             ResetPrefixCache, NumFree, Reclaimable)
+                             ResetPrefixCache, NumFree, Reclaimable, Offload, Reload)
 
 # results: model.pages' classes.  Ok (append, fork, reset, remove); Count (truncate:
 # pages freed; cache_prefix: keys added; match_prefix: tokens attached; num_free;
 # reclaimable; reset_prefix_cache: cached pages dropped); AllocationFailed
 # (append, fork); ResetRefused (reset_prefix_cache); Misuse (kind below, or a pool kind)
-Result = Ok | Count | AllocationFailed | ResetRefused | Misuse
+Result = Ok | Count | AllocationFailed | ResetRefused | Misuse | Refused
 
+OFFLOADING = Refused("RequestOffloading")  # an admit naming an offloaded stream
+UNAVAILABLE = "StreamUnavailableError"  # a call that needs the stream's pages resident
 ARG, UNKNOWN, STEP, TOKENS = ("InvalidArgumentError", "UnknownRequestError",
                               "InvalidStepError", "TokenMismatchError")
 
@@ -333,6 +365,8 @@ class SharingModel:
             return Misuse(ARG), s  # not a token id of the scope
         ps, h = self.scope.page_size, self.holder(a.rid, a.label)
         st = s.streams[h] or Stream()
+        if st.offloaded:
+            return OFFLOADING, s  # R2: reload first
         table, n = s.table(h), st.n
         need = [i for i in range(n // ps, _ceil(n + len(a.tokens), ps))
                 if i >= len(table) or (self.APPEND_COPIES_ON_WRITE
@@ -369,6 +403,8 @@ class SharingModel:
             return Misuse(STEP), s  # a fork onto itself
         hs, hd = self.holder(a.rid, a.src), self.holder(a.rid, a.dst)
         src = s.streams[hs]
+        if any(x is not None and x.offloaded for x in (src, s.streams[hd])):
+            return OFFLOADING, s
         if src is None:
             # R20: a request without the source label has nothing to give: the
             # fork copies nothing, and the step that names both ends made them
@@ -417,6 +453,8 @@ class SharingModel:
         st = s.streams[h]
         if st is None:
             return Misuse(UNKNOWN), s
+        if st.offloaded:
+            return Misuse(UNAVAILABLE), s
         if a.new_len > st.n:
             return Misuse(ARG), s
         if a.new_len == st.n:
@@ -462,6 +500,8 @@ class SharingModel:
         st = s.streams[h]
         if st is None:
             return Misuse(UNKNOWN), s
+        if st.offloaded:
+            return Misuse(UNAVAILABLE), s
         if len(a.tokens) > st.n:
             return Misuse(ARG), s  # names tokens not committed
         ps, keys = self.scope.page_size, self.keys(a.rid, a.tokens)
@@ -487,6 +527,8 @@ class SharingModel:
             return Misuse(UNKNOWN), s
         h = self.holder(a.rid, a.label)
         st = s.streams[h] or Stream()
+        if st.offloaded:
+            return Misuse(UNAVAILABLE), s
         if st.n and self.MATCH_NEEDS_EMPTY_STREAM:
             return Misuse(ARG), s  # a hit onto a stream that is not empty
         r, pool = self._pool(s.pool, pages.Match(h, a.tokens, self.extras(a.rid)))
@@ -518,6 +560,52 @@ class SharingModel:
         r, _ = self._pool(s.pool, pages.Reclaimable(released))
         assert isinstance(r, Count)  # its own pages, each once: never refused
         return r, s
+
+
+    def _Offload(self, s: State, a: Offload) -> tuple[Result, State]:
+        if not self._known(s, a.rid):
+            return Refused("UNKNOWN_REQUEST"), s
+        claim = [h for h in self.holders_of(a.rid)
+                 if (st := s.streams[h]) is not None and not st.offloaded and s.table(h)]
+        if not claim:
+            return Refused("NOTHING_ON_DEVICE"), s
+        pool, streams, freed = s.pool, list(s.streams), 0
+        for h in claim:  # the host copy holds the tokens; the pages go (R53)
+            n, pool = self._release(pool, h, s.table(h)[::-1])
+            freed += n
+            pool = self._with_table(pool, h, ())
+            st = streams[h]
+            assert st is not None
+            streams[h] = Stream(st.tokens, (), offloaded=True)
+        return Count(freed), self._settle(pool, tuple(streams), list(s.slots))
+
+    def _Reload(self, s: State, a: Reload) -> tuple[Result, State]:
+        if not self._known(s, a.rid):
+            return Refused("UNKNOWN_REQUEST"), s
+        back = [h for h in self.holders_of(a.rid)
+                if (st := s.streams[h]) is not None and st.offloaded]
+        if not back:
+            return Refused("NOTHING_ON_HOST"), s
+        ps = self.scope.page_size
+        need = sum(_ceil(st.n, ps) for h in back if (st := s.streams[h]) is not None)
+        free = self.num_free(s)
+        if need > free:
+            return AllocationFailed(need - free), s
+        pool, streams, slots = s.pool, list(s.streams), list(s.slots)
+        for h in back:  # into fresh pages, private and unregistered
+            st = streams[h]
+            assert st is not None
+            got: tuple[int, ...] = ()
+            if st.n:
+                r, pool = self._pool(pool, pages.Allocate(h, _ceil(st.n, ps)))
+                assert isinstance(r, pages.Pages)
+                got = r.pages
+            for k, t in enumerate(st.tokens):
+                p = got[k // ps]
+                slots[p - 1] = (*slots[p - 1][:k % ps], t, *slots[p - 1][k % ps + 1:])
+            pool = self._with_table(pool, h, got)
+            streams[h] = Stream(st.tokens)
+        return Count(need), self._settle(pool, tuple(streams), slots)
 
 
 RULES = ("APPEND_COPIES_ON_WRITE", "FORK_COPIES_PART_PAGE", "TRUNCATE_CUTS_CHAIN",

@@ -43,7 +43,9 @@ from model.sharing import (
     Key,
     MatchPrefix,
     NumFree,
+    Offload,
     Reclaimable,
+    Reload,
     Remove,
     Reset,
     ResetPrefixCache,
@@ -122,6 +124,8 @@ def calls(m: SharingModel, s: State) -> Iterator[Action]:
         yield Reset(r, True)
         yield Remove(r)
         yield Reclaimable(r)
+        yield Offload(r)
+        yield Reload(r)
     yield NumFree()
     yield ResetPrefixCache()
 
@@ -161,7 +165,8 @@ class Canon:
                 return tuple(rename[t] for t in ts)
 
             streams = [(-1,) if st is None else
-                       (*tok(st.tokens), -2, len(st.chain), -2, len(pool.tables[h]))
+                       (*tok(st.tokens), -2, len(st.chain), -2, len(pool.tables[h]),
+                        -3 if st.offloaded else -4)
                        for h, st in enumerate(s.streams)]
             heads += [(tuple(streams[h] for h in perm), rename, perm) for perm in self.perms]
         least = min(h[0] for h in heads)

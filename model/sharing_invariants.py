@@ -59,7 +59,8 @@ INVARIANTS: dict[str, str] = {
     "Q10": "reclaimable counts only pages whose last reference would go: what removing "
            "the request frees",
     "Q11": "results: truncate returns the pages that became free; a refusal or misuse "
-           "changes nothing; a truthful cache_prefix is not refused; a hit attaches "
+           "changes nothing; a truthful cache_prefix of a resident stream is not "
+           "refused; a hit attaches "
            "whole pages, at most len(tokens) - 1 tokens",
 }
 
@@ -85,6 +86,10 @@ def state_violations(m: SharingModel, s: State) -> list[Check]:
         if st is None:
             if table:
                 out.append(("Q5", f"stream {h} does not exist and holds {table}"))
+            continue
+        if st.offloaded:
+            if table:
+                out.append(("Q5", f"stream {h} is offloaded and holds {table}"))
             continue
         if len(table) < _ceil(st.n, ps):
             out.append(("Q1", f"stream {h}: {st.n} tokens in {len(table)} pages"))
@@ -141,7 +146,7 @@ def transition_violations(m: SharingModel, s: State, a: object, r: object,
             out.append(("Q10", f"reclaimable says {r.n}, removing the request frees {freed}"))
     if isinstance(a, CachePrefix) and isinstance(r, Misuse) and m.in_scope(a.rid, a.label):
         st = s.streams[m.holder(a.rid, a.label)]
-        if st is not None and a.tokens == st.tokens[:len(a.tokens)]:
+        if st is not None and not st.offloaded and a.tokens == st.tokens[:len(a.tokens)]:
             out.append(("Q11", f"a truthful cache_prefix of {a.tokens} refused: {r}"))
     if n is s:
         return out

@@ -48,13 +48,16 @@ from kvref import (
     KVManager,
     KVRefError,
     KVStep,
+    OffloadOutcome,
+    ReloadOutcome,
+    ReloadReason,
     ResetRefused,
     Segment,
     StepContext,
     prefix_hash,
 )
 from kvref.config import KVReqConfig
-from kvref.step import AllocationFailed
+from kvref.step import AllocationFailed, RequestOffloading
 from kvref.testing.page_checks import check_device_pages
 from kvref.transfer import TransferEngineInfo
 from model import sharing as S
@@ -98,6 +101,8 @@ class SharingLockstep(RuleBasedStateMachine):
         self.state = self.model.init()
         cfg = KVConfig(num_layers=LAYERS, num_kv_heads=1, head_dim=1, max_seq_len=64,
                        max_num_pages=scope.pages + 1, page_size=scope.page_size,
+                       # room for every stream on the host: an offload moves all
+                       cpu_offload_pages=scope.requests * scope.labels * scope.max_len,
                        num_qo_heads=1)
         self.kv = KVManager(cfg, "kv", None, TransferEngineInfo(), "cpu",
                             dtype=torch.float32)
@@ -134,6 +139,15 @@ class SharingLockstep(RuleBasedStateMachine):
             return S.AllocationFailed(got.pages_short)
         if isinstance(got, ResetRefused):
             return S.ResetRefused(got.pages_held)
+        if isinstance(got, RequestOffloading):
+            return S.OFFLOADING
+        if isinstance(got, OffloadOutcome | ReloadOutcome):
+            if got.reason is None:
+                return S.Count(got.pages_freed if isinstance(got, OffloadOutcome)
+                               else got.pages_taken)
+            if got.reason is ReloadReason.DEVICE_FULL:
+                return S.AllocationFailed(got.pages_short)
+            return S.Refused(got.reason.name)
         assert isinstance(got, int) and not isinstance(got, bool), got
         return S.Count(got)
 
@@ -215,6 +229,13 @@ class SharingLockstep(RuleBasedStateMachine):
         self.step(S.Fork(rid, src, dst), lambda: self.run_step(
             rid, src, (), pre_forks=((LABELS[src], LABELS[dst]),)))
 
+    @precondition(lambda self: self.model.num_free(self.state) == 0)
+    @rule(rid=st.integers(0, SCOPE.requests - 1), src=st.integers(0, 1))
+    def fork_on_a_full_cache(self, rid: int, src: int) -> None:
+        """Parallel sampling under memory pressure: the copy of the source's
+        partial page needs a page, and none is free."""
+        self.fork(rid, src)
+
     @rule(rid=st.integers(0, SCOPE.requests - 1), label=st.integers(0, 1),
           back=st.integers(-1, SCOPE.max_len))
     def truncate(self, rid: int, label: int, back: int) -> None:
@@ -282,6 +303,16 @@ class SharingLockstep(RuleBasedStateMachine):
         self.step(S.MatchPrefix(rid, label, prompt),
                   lambda: self.kv.match_prefix(rid_name(rid), LABELS[label], list(prompt)))
 
+    @rule(rid=st.integers(0, SCOPE.requests - 1))
+    def offload(self, rid: int) -> None:
+        """A victim under memory pressure: its shared pages stay with their
+        other holders, and only what it alone held goes free (R53)."""
+        self.step(S.Offload(rid), lambda: self.kv.offload_outcome(rid_name(rid)))
+
+    @rule(rid=st.integers(0, SCOPE.requests - 1))
+    def reload(self, rid: int) -> None:
+        self.step(S.Reload(rid), lambda: self.kv.reload_outcome(rid_name(rid)))
+
     @rule()
     def reset_prefix_cache(self) -> None:
         self.step(S.ResetPrefixCache(), self.kv.reset_prefix_cache)
@@ -322,12 +353,14 @@ class SharingLockstep(RuleBasedStateMachine):
                     assert n == 0 and not table, f"{name}/{LABELS[label]}: kvref has none"
                     continue
                 assert stream.stored_len == n, (name, label, stream, st_)
+                assert stream.offloaded == (st_ is not None and st_.offloaded), (
+                    f"{name}/{LABELS[label]}: offloaded {stream.offloaded}, model {st_}")
                 assert tuple(stream.page_indices) == table, (
                     f"{name}/{LABELS[label]}: kvref pages {stream.page_indices}, "
                     f"model {table}")
                 chain = [self.digest(k) for k in st_.chain] if st_ is not None else []
                 assert stream.keys == chain, f"{name}/{LABELS[label]}: key chains differ"
-                if n:
+                if st_ is not None and n and not stream.offloaded:
                     got = kv.read_stream(name, LABELS[label])
                     want = torch.tensor([[value(t, i, layer) for i, t in enumerate(st_.tokens)]
                                          for layer in range(LAYERS)])

@@ -27,6 +27,7 @@ from model.sharing import (
     NumFree,
     Ok,
     Reclaimable,
+    Refused,
     Remove,
     Reset,
     ResetPrefixCache,
@@ -371,7 +372,8 @@ def test_num_free_and_reclaimable() -> None:
 
 
 def test_bounded_check_finds_no_violation_and_covers_everything() -> None:
-    rep = check(SharingModel(SCOPE))
+    # depth 5 here (16,800 states, 7 s); the CLI's default, depth 6, is 77,001
+    rep = check(SharingModel(replace(SCOPE, depth=5)))
     assert rep.complete and not rep.violations, rep.violations
     assert rep.states > 10_000
     assert all(rep.fired[cls.__name__] for cls in ACTIONS), rep.fired
@@ -412,7 +414,7 @@ def test_every_call_has_a_result_and_a_refusal_changes_nothing() -> None:
         s = loads(data)
         for a in calls(m, s):
             r, n = m.step(s, a)
-            assert isinstance(r, Ok | Count | AllocationFailed | ResetRefused | Misuse)
+            assert isinstance(r, Ok | Count | AllocationFailed | ResetRefused | Misuse | Refused)
             if isinstance(r, Misuse | AllocationFailed | ResetRefused):
                 assert n == s, (a, r)
 
