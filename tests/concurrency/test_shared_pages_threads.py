@@ -31,7 +31,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvref import KVConfig, KVManager, KVRefError, KVStep, Segment, StepContext
+from kvref import KVConfig, KVManager, KVRefError, KVStep, Segment, StepContext, prefix_cache
 from kvref.config import KVReqConfig
 from kvref.runtime import Runtime, ThreadingRuntime
 from kvref.testing.page_checks import check_device_pages
@@ -199,10 +199,37 @@ def test_hits_race_offloads_removals_and_evictions() -> None:
     assert counts["streams read"] and counts["removals"], counts
 
 
-@pytest.mark.nightly
-def test_hits_race_with_the_race_detector_on() -> None:
+def _detect(seconds: float) -> tuple[dict[str, int], Detector]:
     detector = Detector()
-    counts = run_threads(TracedRuntime(detector), max(SECONDS, 20.0), detector)
+    counts = run_threads(TracedRuntime(detector), seconds, detector)
     counts["races"] = len(detector.reports)
+    return counts, detector
+
+
+def test_hits_race_with_the_race_detector_on() -> None:
+    counts, detector = _detect(SECONDS)
     _report("shared pages, threads, race detector on", counts)
     assert not detector.reports, detector.report_text()
+
+
+@pytest.mark.nightly
+def test_hits_race_with_the_race_detector_on_for_longer() -> None:
+    counts, detector = _detect(max(SECONDS, 20.0))
+    _report("shared pages, threads, race detector on", counts)
+    assert not detector.reports, detector.report_text()
+
+
+def test_the_detector_finds_a_hit_taken_without_the_lock(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plant: `match_prefix` with the manager's lock dropped. The same
+    budget as the clean run above finds it (or the page check does)."""
+    def unlocked(self: KVManager, rid: str, label: str, token_ids: list[int]) -> int:
+        return prefix_cache.match_prefix(self._table, rid, label, token_ids)
+
+    monkeypatch.setattr(KVManager, "match_prefix", unlocked)
+    try:
+        counts, detector = _detect(SECONDS)
+    except AssertionError:
+        return  # a checker thread saw the torn state first
+    assert detector.reports, f"no race reported: {counts}"
+    assert any("match_prefix" in str(r) for r in detector.reports), detector.report_text()
