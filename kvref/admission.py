@@ -175,14 +175,19 @@ class Grant:
     claims: list[Claim]
     new_pages: int
     cow: list[Key] = field(default_factory=list)
+    # fork targets of a preplanned step: every page they share or that is
+    # cached is copied into one of their own at admit, so the copying forks
+    # its promotion runs write only into private pages (R57)
+    privatise: list[tuple[Key, int]] = field(default_factory=list)
 
 
 def settle(claims: list[Claim], new_pages: int, first_short: Key | None,
-           free: int, cow: list[Key] | None = None) -> Grant | AllocationFailed:
+           free: int, cow: list[Key] | None = None,
+           privatise: list[tuple[Key, int]] | None = None) -> Grant | AllocationFailed:
     """The page count decides last: a grant, or the pages it is short."""
     if new_pages > free:
         return allocation_failed(new_pages, free, first_short)
-    return Grant(claims, new_pages, cow or [])
+    return Grant(claims, new_pages, cow or [], privatise or [])
 
 
 def plain_grant(table: Table, step: KVStep, page_size: int, free: int, max_seq_len: int,
@@ -257,7 +262,8 @@ def misuse(table: Table, step: KVStep, padded: tuple[str, ...], max_seq_len: int
 
 def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[Key, None],
             page_size: int, free: int, settled: Mapping[Key, int] | None = None,
-            sharing: Sharing | None = None) -> Grant | AllocationFailed:
+            sharing: Sharing | None = None, copy_forks: bool = False
+            ) -> Grant | AllocationFailed:
     """Pages per stream: the most its length reaches while the step runs, the
     forks applied in list order (a chain a->b, b->c copies a's tokens onward;
     a segment on a pre-fork target grows from the source's length, R9).
@@ -270,7 +276,10 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
     count may shrink before its fork runs (a fork in this step shares its
     pages first: a cycle, a second fork onto it) it reserves its whole
     length, as a copying fork. A segment whose partial
-    last page is shared or registered needs a private copy (R52)."""
+    last page is shared or registered needs a private copy (R52).
+    ``copy_forks`` (a preplan, whose views are built before its forks run):
+    its forks copy, as without sharing, into targets whose every page is
+    made private at admit (R57)."""
     # made by this admit, and not yet written by a fork
     unfilled = {k for k in keys if k[1] not in table[k[0]]}
     length: dict[Key, int] = dict(settled or {})
@@ -331,13 +340,14 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
     writes = {(g.request_id, g.label) for g in step.segments if g.span}
     claims: list[Claim] = []
     cow: list[Key] = []
+    privatise: list[tuple[Key, int]] = []
     new_pages = 0
     first_short: Key | None = None
     for (rid, label), n in want.items():
         streams = table[rid]
         stream = streams.get(label)
         key = (rid, label)
-        if sharing is None or key not in targets:
+        if sharing is None or key not in targets or copy_forks:
             held = len(stream.page_indices) if stream is not None else 0
         elif key in unsure or key in (settled or {}) or key in writes:
             # its private pages may be fewer when its fork runs (or changed by
@@ -358,12 +368,19 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
             new_pages += 1
             if first_short is None:
                 first_short = key
+        if copy_forks and sharing is not None and stream is not None and key in targets:
+            shared = len(stream.page_indices) - sharing.private_count(key, stream)
+            if shared:
+                privatise.append((key, shared))
+                new_pages += shared
+                if first_short is None:
+                    first_short = key
         if short > 0:
             new_pages += short
             if first_short is None:
                 first_short = key
         claims.append((rid, streams, label, stream, short))
-    return settle(claims, new_pages, first_short, free, cow)
+    return settle(claims, new_pages, first_short, free, cow, privatise)
 
 
 def allocation_failed(new_pages: int, free: int, first_short: Key | None) -> AllocationFailed:

@@ -56,7 +56,7 @@ class Forks:
             for rid in running.padded:
                 try:
                     self.apply(rid, from_label, to_label, running.created,
-                               spans.get((rid, to_label), 0))
+                               spans.get((rid, to_label), 0), copy=running.copy_forks)
                 except ForkFailed as err:
                     failed.append(((rid, to_label), err.__cause__ or err))
         if failed:
@@ -87,7 +87,7 @@ class Forks:
         return lengths
 
     def apply(self, rid: str, from_label: str, to_label: str, created: set[Key],
-              span: int = 0) -> None:
+              span: int = 0, copy: bool = False) -> None:
         """Copy a stream onto its fork target, over pages admit reserved."""
         streams = self._table.streams[rid]
         src = streams[from_label]  # admit made both ends (R16)
@@ -101,14 +101,15 @@ class Forks:
         # sized off the source's length, not either side's page count: both
         # may hold spare pages, and copying those made the copy lopsided
         n = pages_for(src.stored_len, self._table.page_size)
-        if not self._table.sharing and len(dst.page_indices) < n:
+        sharing = self._table.sharing and not copy
+        if not sharing and len(dst.page_indices) < n:
             raise KVRefError(
                 f"fork target holds {len(dst.page_indices)} pages, source "
                 f"{from_label!r} needs {n}: the step was not admitted with this fork",
                 request_id=rid,
                 label=to_label,
             )
-        if self._table.sharing:
+        if sharing:
             self._share(rid, from_label, to_label, span)
         elif n:
             try:
@@ -125,6 +126,7 @@ class Forks:
         # the partial page was copied into one of its own (or every page was)
         dst.tail_maybe_shared = False
         dst.received = src.received
+        dst.space = src.space or from_label
         dst.generation += 1
 
     def _share(self, rid: str, from_label: str, to_label: str, span: int = 0) -> None:
@@ -169,6 +171,35 @@ class Forks:
         dst.key_tokens = bytearray()
         dst.generation += 1
         self._table.release_shared((rid, label), dst)
+
+    def privatise(self, rid: str, label: str) -> None:
+        """Copy every page of the stream that another holds or the cache names
+        into a fresh one of its own (admit reserved them), in place in its
+        table: a preplanned fork will copy into these pages (R57). A copy that
+        raises gives back what this call took and changes nothing."""
+        table = self._table
+        key = (rid, label)
+        stream = table.streams[rid][label]
+        pages = list(stream.page_indices)
+        private = table.pages.private_pages(key, pages)
+        shared = [i for i, mine in enumerate(private) if not mine]
+        if not shared:
+            return
+        fresh = table.take(key, len(shared))
+        try:
+            self._kv_cache.copy_pages([pages[i] for i in shared], fresh)
+        except Exception as err:
+            table.give_back(key, fresh)
+            raise KVRefError(f"copying shared pages into private ones failed "
+                             f"({type(err).__name__}: {err}); nothing changed",
+                             request_id=rid, label=label) from err
+        old = [pages[i] for i in shared]
+        for i, p in zip(shared, fresh, strict=True):
+            pages[i] = p
+        table.give_back(key, old)
+        stream.page_indices = pages
+        stream.tail_maybe_shared = False
+        stream.generation += 1
 
     def copy_on_write(self, rid: str, label: str) -> None:
         """Give the stream a private copy of its partial last page, which it

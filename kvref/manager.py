@@ -405,11 +405,16 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         that is not a page boundary at or before the keyed pages' end, or ids
         that disagree with those named before for a keyed page;
         `StreamUnavailableError` while offloaded or receiving a retrieve;
+        `StepInFlightError` while a preplanned fork will copy into it (R57);
         `UnknownRequestError`.
         """
         validate.request_id(rid, "cache_prefix")
         validate.label(label, "cache_prefix", rid)
         with self._lock:
+            if self._table.sharing and self._stepping.copies_into(rid, label):
+                raise StepInFlightError(
+                    "cache_prefix of a stream a preplanned fork will copy into; commit "
+                    "that step first (R57)", request_id=rid, label=label)
             return prefix_cache.cache_prefix(self._table, rid, label, token_ids, start)
 
     def cached_tokens(self, rid: str, label: str = "main") -> int:

@@ -23,11 +23,15 @@ from kvref.stream_table import StreamTable
 from kvref.streams import CacheStream
 
 
-def extras_for(table: StreamTable, rid: str) -> ExtraKeys:
-    """The extra keys every page of ``rid`` is hashed with: its cache salt."""
+def extras_for(table: StreamTable, rid: str, space: str) -> ExtraKeys:
+    """The extra keys every page of a stream is hashed with: its request's
+    cache salt, and the label whose KV it holds (its own, or for a fork
+    target its source's). Two labels may hold different KV for the same
+    token ids (a draft model's stream beside the target's), so a hit never
+    crosses them; a forked sample holds its source's KV and keys like it."""
     cfg = table.overrides.get(rid)
     salt = cfg.cache_salt if cfg is not None else None
-    return (("salt", salt),) if salt is not None else ()
+    return ((("salt", salt),) if salt is not None else ()) + (("label", space),)
 
 
 def _settled(stream: CacheStream, rid: str, label: str, call: str) -> None:
@@ -69,7 +73,7 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
     if not table.sharing or len(tokens) < 2:
         return 0
     key = (rid, label)
-    hit = table.pages.match(key, tokens, extras_for(table, rid))
+    hit = table.pages.match(key, tokens, extras_for(table, rid, stream.space or label))
     n = hit.num_tokens
     if not n:
         return 0
@@ -117,7 +121,7 @@ def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
     full = end // ps
     if full <= len(stream.keys):
         return 0
-    extras = extras_for(table, rid)
+    extras = extras_for(table, rid, stream.space or label)
     fresh = tokens[keyed - start:(full * ps) - start]
     parent = stream.keys[-1] if stream.keys else None
     added = 0

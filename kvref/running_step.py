@@ -52,6 +52,9 @@ class RunningStep:
     planned: bool = False
     # its pre-forks ran (perhaps at a plan that failed): never twice
     forked: bool = False
+    # with shared pages, the pre-forks of a promoted preplan copy into the
+    # target's own pages: the views handed out name them (R57)
+    copy_forks: bool = False
     # what the step held at admit (a promoted preplan's: at its admit)
     shape: StepShape | None = None
 

@@ -145,7 +145,8 @@ class Stepping:
         if refused is not None:
             return AdmitOutcome(ok=False, reason=refused)
         grant = admission.reserve(all_streams, step, padded, keys,
-                                  self._table.page_size, free, settled, sharing)
+                                  self._table.page_size, free, settled, sharing,
+                                  copy_forks=ctx.is_preplan)
         if isinstance(grant, AdmitFailedReason):
             return AdmitOutcome(ok=False, reason=grant)
         created = self._apply(grant)
@@ -164,8 +165,13 @@ class Stepping:
         would address pages the stream no longer holds."""
         running = self.running
         why = None
-        if step.pre_forks:
-            why = "its pre-forks would give their targets other pages after it is planned"
+        targets = {(rid, to) for _, to in (*step.pre_forks, *step.post_forks)
+                   for rid in padded}
+        busy = admission.named_keys(running.step, running.padded) if running else {}
+        if targets & busy.keys():
+            # its forks' targets are made private (copied) at this admit, which
+            # would move pages the running step's own views name
+            why = "a stream its forks copy into is one the running step names"
         elif running is not None and (running.step.post_forks or (
                 running.step.pre_forks and not running.forked)):
             why = "the running step's forks would give their targets other pages"
@@ -182,6 +188,17 @@ class Stepping:
             return None
         return PreplanRefused(message=f"not preplanned with shared pages: {why}; admit it "
                                       "once the running step committed")
+
+    def copies_into(self, rid: str, label: str) -> bool:
+        """Whether a fork still to run copies into this stream's own pages (a
+        preplanned step's, R57): nothing may register them meanwhile, or the
+        copy would write into a page the prefix cache names."""
+        staged, running = self.preplan, self.running
+        steps = [(staged.step, staged.ctx.padded_request_ids)] if staged else []
+        if running is not None and running.copy_forks:
+            steps.append((running.step, running.padded))
+        return any(to == label and rid in padded
+                   for step, padded in steps for _, to in (*step.pre_forks, *step.post_forks))
 
     def forks_pending(self, rid: str) -> bool:
         """Whether the running or the staged step still has forks to apply to
@@ -205,6 +222,8 @@ class Stepping:
         # streams as they were, each copied one private and as it read
         for rid, label in grant.cow:
             self._forks.copy_on_write(rid, label)
+        for (rid, label), _ in grant.privatise:
+            self._forks.privatise(rid, label)
         take = self._table.take
         for rid, streams, label, stream, short in grant.claims:
             if stream is None:
@@ -272,6 +291,7 @@ class Stepping:
                 staged.step, tuple(staged.ctx.padded_request_ids), set(staged.created),
                 shape=staged.shape)
             if staged.outputs is not None:
+                running.copy_forks = True
                 self._forks.run_pre(running)
                 # the views were built before the forks ran: what they
                 # report now is what the step runs against

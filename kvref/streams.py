@@ -29,6 +29,7 @@ class CacheStream:
         "read_pending",
         "received",
         "released",
+        "space",
         "step_in_flight",
         "stored_len",
         "tail_maybe_shared",
@@ -66,6 +67,10 @@ class CacheStream:
         # the admit of every decode step skips the pool; only a truncate into
         # a shared page sets it (R52), and a check of the pool answers then
         self.tail_maybe_shared = False
+        # the label whose KV this stream holds, for the prefix cache's keys
+        # (None: its own). A fork target holds its source's KV, so it takes
+        # the source's: a sample forked from ``main`` keys its pages as main's
+        self.space: str | None = None
         # filled by a retrieve: its pages are never registered (a peer's KV,
         # whose tokens this manager never saw computed; vllm-ascend PR 2083)
         self.received = False
@@ -84,6 +89,7 @@ class CacheStream:
         self.keys = []
         self.key_tokens = bytearray()
         self.tail_maybe_shared = False
+        self.space = None
         self.received = False
         if freed:
             self.page_indices = []

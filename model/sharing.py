@@ -104,6 +104,7 @@ class Stream:
     tokens: Tokens = ()  # its committed tokens; its length n is len(tokens)
     chain: tuple[Key, ...] = ()  # keys of its first k full pages (registered or hit)
     offloaded: bool = False  # its tokens are on the host; it holds no page
+    space: int | None = None  # the label whose KV it holds (a fork's source's); None: own
 
     @property
     def n(self) -> int:
@@ -265,7 +266,8 @@ class SharingModel:
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
-        extras = tuple(dict.fromkeys(self.extras(r) for r in range(scope.requests)))
+        extras = tuple(dict.fromkeys(self.extras(r, lb) for r in range(scope.requests)
+                                     for lb in range(scope.labels)))
         self.pool = PagesModel(pages.Scope(
             pages=scope.pages, holders=scope.requests * scope.labels,
             page_size=scope.page_size, alphabet=scope.alphabet, extras=extras))
@@ -286,14 +288,23 @@ class SharingModel:
     def rid_of(self, h: int) -> int:
         return h // self.scope.labels
 
-    def extras(self, rid: int) -> pages.Extras:
-        return (("salt", self.scope.salts[rid]),)
+    def extras(self, rid: int, label: int) -> pages.Extras:
+        """A page's extra keys: its request's salt, and its label (S25): two
+        labels may hold different KV for the same tokens (a draft model's
+        stream beside the target's), so a hit never crosses labels."""
+        return (("salt", self.scope.salts[rid]), ("label", str(label)))
 
-    def keys(self, rid: int, tokens: Tokens) -> tuple[Key, ...]:
-        """The chained keys of the full pages of `tokens` under `rid`'s salt."""
+    @staticmethod
+    def space(st: Stream | None, label: int) -> int:
+        """The label whose KV the stream holds: its own, or its fork source's."""
+        return st.space if st is not None and st.space is not None else label
+
+    def keys(self, rid: int, label: int, tokens: Tokens) -> tuple[Key, ...]:
+        """The chained keys of the full pages of `tokens` under the stream's extras."""
         ps, out, parent = self.scope.page_size, [], None
+        extras = self.extras(rid, label)
         for i in range(len(tokens) // ps):
-            parent = self.pool.key_of(parent, tokens[i * ps:(i + 1) * ps], self.extras(rid))
+            parent = self.pool.key_of(parent, tokens[i * ps:(i + 1) * ps], extras)
             out.append(parent)
         return tuple(out)
 
@@ -393,7 +404,8 @@ class SharingModel:
             slots[p - 1] = (*slots[p - 1][:k % ps], t, *slots[p - 1][k % ps + 1:])
         pool = self._with_table(pool, h, new)
         _, pool = self._release(pool, h, old[::-1])
-        streams = self._set_stream(s, h, Stream(st.tokens + a.tokens, st.chain))
+        streams = self._set_stream(s, h, Stream(st.tokens + a.tokens, st.chain,
+                                                space=st.space))
         return Ok(), self._settle(pool, streams, slots)
 
     def _Fork(self, s: State, a: Fork) -> tuple[Result, State]:
@@ -441,7 +453,9 @@ class SharingModel:
             slots[keep[0] - 1] = slots[src_table[shared_n] - 1]
         _, pool = self._release(pool, hd, keep[stay:][::-1])  # (4) surplus: free-blank
         pool = self._with_table(pool, hd, (*shared, *keep[:stay]))
-        streams = self._set_stream(s, hd, Stream(src.tokens, src.chain[:src.n // ps]))
+        space = src.space if src.space is not None else a.src
+        streams = self._set_stream(s, hd, Stream(src.tokens, src.chain[:src.n // ps],
+                                                 space=space))
         return Ok(), self._settle(pool, streams, slots)
 
     def _Truncate(self, s: State, a: Truncate) -> tuple[Result, State]:
@@ -463,7 +477,8 @@ class SharingModel:
         keep = _ceil(a.new_len, ps)
         freed, pool = self._release(s.pool, h, table[keep:][::-1])
         chain = st.chain[:a.new_len // ps] if self.TRUNCATE_CUTS_CHAIN else st.chain
-        streams = self._set_stream(s, h, Stream(st.tokens[:a.new_len], chain))
+        streams = self._set_stream(s, h, Stream(st.tokens[:a.new_len], chain,
+                                                space=st.space))
         return Count(freed), self._settle(pool, streams, list(s.slots))
 
     def _Reset(self, s: State, a: Reset) -> tuple[Result, State]:
@@ -504,7 +519,7 @@ class SharingModel:
             return Misuse(UNAVAILABLE), s
         if len(a.tokens) > st.n:
             return Misuse(ARG), s  # names tokens not committed
-        ps, keys = self.scope.page_size, self.keys(a.rid, a.tokens)
+        ps, keys = self.scope.page_size, self.keys(a.rid, self.space(st, a.label), a.tokens)
         named = tuple(t for k in st.chain for t in k.tokens)  # the tokens its chain names
         if a.tokens[:len(named)] != named[:len(a.tokens)] or any(
                 k != c for k, c in zip(keys, st.chain, strict=False)):
@@ -513,13 +528,13 @@ class SharingModel:
         for i in range(len(st.chain), len(keys)):
             r, pool = self._pool(pool, pages.Register(
                 table[i], keys[i - 1] if i else None, a.tokens[i * ps:(i + 1) * ps],
-                self.extras(a.rid)))
+                self.extras(a.rid, self.space(st, a.label))))
             if isinstance(r, Misuse):
                 return r, s
         added = max(0, len(keys) - len(st.chain))
         if not added:
             return Count(0), s
-        streams = self._set_stream(s, h, Stream(st.tokens, st.chain + keys[len(st.chain):]))
+        streams = self._set_stream(s, h, replace(st, chain=st.chain + keys[len(st.chain):]))
         return Count(added), self._settle(pool, streams, list(s.slots))
 
     def _MatchPrefix(self, s: State, a: MatchPrefix) -> tuple[Result, State]:
@@ -531,12 +546,14 @@ class SharingModel:
             return Misuse(UNAVAILABLE), s
         if st.n and self.MATCH_NEEDS_EMPTY_STREAM:
             return Misuse(ARG), s  # a hit onto a stream that is not empty
-        r, pool = self._pool(s.pool, pages.Match(h, a.tokens, self.extras(a.rid)))
+        r, pool = self._pool(s.pool, pages.Match(h, a.tokens,
+                                                 self.extras(a.rid, self.space(st, a.label))))
         if not isinstance(r, pages.Hit):
             return (r if isinstance(r, Misuse) else Misuse(ARG)), s
         pool = self._with_table(pool, h, r.pages + s.table(h))  # its spare pages after
         chain = tuple(k for p in r.pages if (k := pool.page(p).key) is not None)
-        streams = self._set_stream(s, h, Stream(a.tokens[:r.num_tokens], chain))
+        streams = self._set_stream(s, h, replace(st, tokens=a.tokens[:r.num_tokens],
+                                                 chain=chain))
         nxt = self._settle(pool, streams, list(s.slots))
         return Count(r.num_tokens), (s if nxt == s else nxt)
 
@@ -576,7 +593,7 @@ class SharingModel:
             pool = self._with_table(pool, h, ())
             st = streams[h]
             assert st is not None
-            streams[h] = Stream(st.tokens, (), offloaded=True)
+            streams[h] = replace(st, chain=(), offloaded=True)
         return Count(freed), self._settle(pool, tuple(streams), list(s.slots))
 
     def _Reload(self, s: State, a: Reload) -> tuple[Result, State]:
@@ -604,7 +621,7 @@ class SharingModel:
                 p = got[k // ps]
                 slots[p - 1] = (*slots[p - 1][:k % ps], t, *slots[p - 1][k % ps + 1:])
             pool = self._with_table(pool, h, got)
-            streams[h] = Stream(st.tokens)
+            streams[h] = replace(st, offloaded=False)
         return Count(need), self._settle(pool, tuple(streams), slots)
 
 

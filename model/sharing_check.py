@@ -140,7 +140,8 @@ class Canon:
 
     def __init__(self, scope: Scope, tokens: bool = True) -> None:
         self.scope = scope
-        labels = list(itertools.permutations(range(scope.labels)))
+        # labels are not interchangeable: each is an extra key of its pages (S25)
+        labels = [tuple(range(scope.labels))]
         self.perms: list[tuple[int, ...]] = []
         for rperm in itertools.permutations(range(scope.requests)):
             if any(scope.salts[a] != scope.salts[b] for a, b in enumerate(rperm)):
@@ -166,7 +167,7 @@ class Canon:
 
             streams = [(-1,) if st is None else
                        (*tok(st.tokens), -2, len(st.chain), -2, len(pool.tables[h]),
-                        -3 if st.offloaded else -4)
+                        -3 if st.offloaded else -4, -5 if st.space is None else st.space)
                        for h, st in enumerate(s.streams)]
             heads += [(tuple(streams[h] for h in perm), rename, perm) for perm in self.perms]
         least = min(h[0] for h in heads)

@@ -32,6 +32,7 @@ from model.sharing import (
     ResetPrefixCache,
     SharingModel,
     State,
+    Stream,
     Truncate,
 )
 
@@ -69,11 +70,14 @@ def _ceil(n: int, d: int) -> int:
     return -(-n // d)
 
 
-def _literal_keys(m: SharingModel, rid: int, tokens: tuple[int, ...]) -> list[pages.Key]:
-    """The keys of the full pages of `tokens` (literal: not the model's helper)."""
-    ps, out, parent = m.scope.page_size, [], None
+def _literal_keys(m: SharingModel, h: int, st: Stream) -> list[pages.Key]:
+    """The keys of the full pages of the stream's tokens under its salt and
+    the label whose KV it holds (literal: not the model's helper)."""
+    ps, out, parent, tokens = m.scope.page_size, [], None, st.tokens
+    space = st.space if st.space is not None else h % m.scope.labels
+    extras = m.extras(m.rid_of(h), space)
     for i in range(len(tokens) // ps):
-        parent = pages.Key(parent, tokens[i * ps:(i + 1) * ps], m.extras(rid))
+        parent = pages.Key(parent, tokens[i * ps:(i + 1) * ps], extras)
         out.append(parent)
     return out
 
@@ -97,7 +101,7 @@ def state_violations(m: SharingModel, s: State) -> list[Check]:
             got = tuple(s.slots[table[i // ps] - 1][i % ps] for i in range(st.n))
             if got != st.tokens:
                 out.append(("Q1", f"stream {h} reads {got}, its tokens are {st.tokens}"))
-        want = _literal_keys(m, m.rid_of(h), st.tokens)
+        want = _literal_keys(m, h, st)
         if len(st.chain) > st.n // ps or list(st.chain) != want[:len(st.chain)]:
             out.append(("Q3", f"stream {h} of {st.n} tokens {st.tokens}: chain "
                               f"{[str(k) for k in st.chain]}"))
@@ -280,13 +284,16 @@ def _capped(m: SharingModel, s: State, a: object, r: object, n: State) -> bool:
     whole = len(a.tokens) // ps
     index = s.pool.index()
     return (len(a.tokens) % ps == 0 and r.n == (whole - 1) * ps
-            and all(k in index for k in m.keys(a.rid, a.tokens)))
+            and all(k in index for k in m.keys(
+                a.rid, m.space(s.streams[m.holder(a.rid, a.label)], a.label), a.tokens)))
 
 
 def _salt_miss(m: SharingModel, s: State, a: object, r: object, n: State) -> bool:
     if not isinstance(a, MatchPrefix) or not isinstance(r, Count) or r.n:
         return False
-    return any(m.pool.hits(s.pool, a.tokens, m.extras(q)) for q in range(m.scope.requests))
+    space = m.space(s.streams[m.holder(a.rid, a.label)], a.label)
+    return any(m.pool.hits(s.pool, a.tokens, m.extras(q, space))
+               for q in range(m.scope.requests))
 
 
 def _spare_append(m: SharingModel, s: State, a: object, r: object, n: State) -> bool:

@@ -73,6 +73,13 @@ def replayable(model: S.SharingModel, s: S.State, a: S.Action) -> bool:
     if isinstance(a, S.Fork | S.Reclaimable | S.Offload | S.Reload) and not model._known(
             s, a.rid):
         return False
+    # kvref's ingest made an empty "main" the model knows nothing of: a call
+    # naming it has another answer there (a truncate of 0 tokens, a fork
+    # from an empty source, which empties its target)
+    main = (a.label == 0 if isinstance(a, S.Truncate | S.CachePrefix)
+            else a.src == 0 if isinstance(a, S.Fork) else False)
+    if main and model._known(s, a.rid) and s.streams[model.holder(a.rid, 0)] is None:
+        return False
     return not (isinstance(a, S.Truncate | S.CachePrefix) and a.rid >= SCOPE.requests)
 
 

@@ -134,10 +134,10 @@ def fork_keeps_the_targets_key_chain(mp: pytest.MonkeyPatch) -> None:
     orig = Forks.apply
 
     def bad(self: Forks, rid: str, from_label: str, to_label: str,
-            created: set[tuple[str, str]], span: int = 0) -> None:
+            created: set[tuple[str, str]], span: int = 0, copy: bool = False) -> None:
         dst: CacheStream = self._table.streams[rid][to_label]
         keys, raw = list(dst.keys), bytearray(dst.key_tokens)
-        orig(self, rid, from_label, to_label, created, span)
+        orig(self, rid, from_label, to_label, created, span, copy)
         if keys:
             dst.keys, dst.key_tokens = keys, raw
 

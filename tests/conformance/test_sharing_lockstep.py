@@ -168,8 +168,10 @@ class SharingLockstep(RuleBasedStateMachine):
             return None
         d = self._digests.get(key)
         if d is None:
+            # the model's label is an index; kvref's is the stream's name
+            extras = tuple((t, LABELS[int(v)] if t == "label" else v) for t, v in key.extras)
             d = self._digests[key] = prefix_hash.page_key(
-                self.digest(key.parent), key.tokens, key.extras)
+                self.digest(key.parent), key.tokens, extras)
         return d
 
     def run_step(self, rid: int, label: int, tokens: tuple[int, ...],
@@ -257,6 +259,15 @@ class SharingLockstep(RuleBasedStateMachine):
                   lambda: self.kv.truncate(rid_name(rid), LABELS[label], n - 1))
         self.step(S.Append(rid, label, tokens), lambda: self.run_step(rid, label, tokens))
 
+    @rule(rid=st.integers(0, SCOPE.requests - 1), tokens=TOKENS)
+    def sample_then_reject_its_draft(self, rid: int, tokens: tuple[int, ...]) -> None:
+        """Parallel sampling with speculation: fork the prompt to a sample, whose
+        verify step rejects a draft inside the pages it shares with the prompt."""
+        if self.length(rid, 0) < 2:
+            return
+        self.fork(rid, 0)
+        self.speculative_rollback_then_decode(rid, 1, tokens)
+
     @rule(rid=st.integers(0, SCOPE.requests - 1), label=st.integers(0, 1))
     def cache_prefix_naming_other_ids(self, rid: int, label: int) -> None:
         """The careless call: ids that disagree with the pages the stream keyed."""
@@ -307,10 +318,14 @@ class SharingLockstep(RuleBasedStateMachine):
     def offload(self, rid: int) -> None:
         """A victim under memory pressure: its shared pages stay with their
         other holders, and only what it alone held goes free (R53)."""
+        if not self.model._known(self.state, rid):
+            return  # kvref may know it from an ingest whose step was refused
         self.step(S.Offload(rid), lambda: self.kv.offload_outcome(rid_name(rid)))
 
     @rule(rid=st.integers(0, SCOPE.requests - 1))
     def reload(self, rid: int) -> None:
+        if not self.model._known(self.state, rid):
+            return
         self.step(S.Reload(rid), lambda: self.kv.reload_outcome(rid_name(rid)))
 
     @rule()

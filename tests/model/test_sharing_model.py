@@ -197,14 +197,14 @@ def test_fork_short_of_pages_is_refused() -> None:
 
 def test_fork_reuses_the_targets_private_pages_and_drops_its_shared_ones() -> None:
     # the target holds a page it shares (a hit) and two private ones; no page free
-    _, s = run(M, Append(1, 0, (1, 1)), CachePrefix(1, 0, (1, 1)),
+    _, s = run(M, Append(1, 1, (1, 1)), CachePrefix(1, 1, (1, 1)),
                MatchPrefix(0, 1, (1, 1, 0)), Append(0, 1, (0, 0, 0)),
                Append(0, 0, (0,)))
-    cached, own = s.table(2)[0], s.table(1)[1:]
+    cached, own = s.table(3)[0], s.table(1)[1:]
     assert s.table(1)[0] == cached and M.num_free(s) == 0
     r, n = last(M, Fork(0, 0, 1), s=s)
     assert r == Ok()
-    assert n.pool.page(cached).holders == {2}  # dropped
+    assert n.pool.page(cached).holders == {3}  # dropped
     assert n.table(1) == own  # the copy lands in its first own page, the other spare
     assert reads(M, n, 0, 1) == (0,)
 
@@ -342,7 +342,9 @@ def test_another_salt_never_hits() -> None:
     r, _ = last(m, MatchPrefix(1, 0, (0, 1, 0)), s=s)
     assert r == Count(0)
     r, _ = last(m, MatchPrefix(0, 1, (0, 1, 0)), s=s)
-    assert r == Count(2)
+    assert r == Count(0)  # nor does another label (S25)
+    r, _ = last(m, Remove(0), MatchPrefix(0, 0, (0, 1, 0)), s=s)
+    assert r == Count(2)  # the same salt and label: a hit, after the request is gone
 
 
 def test_reset_prefix_cache_refused_while_held() -> None:
@@ -400,9 +402,10 @@ def test_symmetry_reduction_keeps_every_verdict_and_saves_states() -> None:
 def test_canonical_key_is_equal_exactly_up_to_renaming() -> None:
     canon = Canon(SMALL)
     _, s = run(M, Append(0, 0, (0, 1, 1)), Fork(0, 0, 1))
-    # the same with labels swapped, tokens renamed and other page ids
-    _, t = run(M, Append(0, 0, (0,)), Remove(0), Append(1, 1, (1, 0, 0)), Fork(1, 1, 0))
-    assert s.table(0) != t.table(3)
+    # the same in another request of the salt, tokens renamed, other page ids
+    # (labels are not interchangeable: each keys its pages, S25)
+    _, t = run(M, Append(0, 0, (0,)), Remove(0), Append(1, 0, (1, 0, 0)), Fork(1, 0, 1))
+    assert s.table(0) != t.table(2)
     assert canon(s) == canon(t)
     _, u = run(M, Append(0, 0, (0, 1, 1)), Fork(0, 0, 1), Truncate(0, 1, 2))
     assert canon(s) != canon(u)
@@ -428,6 +431,7 @@ def test_out_of_scope_names_are_unknown_or_ignored(a: Action) -> None:
     assert r in (Misuse(UNKNOWN), Ok()) and n == M.init()
 
 
-def test_keys_are_chained_under_the_requests_salt() -> None:
-    k = M.keys(1, (0, 1, 1))
-    assert k == (Key(None, (0, 1), (("salt", "a"),)),)
+def test_keys_are_chained_under_the_requests_salt_and_the_label() -> None:
+    k = M.keys(1, 0, (0, 1, 1))
+    assert k == (Key(None, (0, 1), (("salt", "a"), ("label", "0"))),)
+    assert M.keys(1, 1, (0, 1)) != k  # another label: another key (S25)

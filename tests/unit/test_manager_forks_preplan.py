@@ -77,7 +77,7 @@ def test_fork_target_over_reserved_copies_only_source_pages() -> None:
 
 
 def test_fork_target_left_by_refused_admit() -> None:
-    mgr = make_manager(sharing=False, pages=8, page_size=2)  # 7 usable
+    mgr = make_manager(pages=8, page_size=2)  # 7 usable
     drv = Driver(mgr)
     drv.ingest("a", "b")
     fill(drv, "a", 3)  # 2 pages
@@ -114,7 +114,7 @@ def test_post_fork_from_source_this_step_creates() -> None:
 @pytest.mark.parametrize("main_len", [4, 8, 7])
 def test_cfg_pattern_fork_then_grow(main_len: int) -> None:
     """R9: pre-fork main->cfg and a segment of 1 on both in the same step."""
-    mgr = make_manager(sharing=False, pages=32, page_size=4)
+    mgr = make_manager(pages=32, page_size=4)
     drv = Driver(mgr)
     drv.ingest("a", "b")
     fill(drv, "a", main_len)
@@ -145,7 +145,7 @@ def _tables(outs):  # type: ignore[no-untyped-def]
 
 
 def test_preplan_then_real_admit_and_plan_promotes_with_forks() -> None:
-    mgr = make_manager(sharing=False, pages=32, page_size=4)
+    mgr = make_manager(pages=32, page_size=4)
     drv = Driver(mgr)
     drv.ingest("a")
     fill(drv, "a", 8)
@@ -178,7 +178,7 @@ def test_preplan_then_real_admit_and_plan_promotes_with_forks() -> None:
 
 
 def test_clear_preplan_undoes_admit() -> None:
-    mgr = make_manager(sharing=False, pages=32, page_size=4)
+    mgr = make_manager(pages=32, page_size=4)
     drv = Driver(mgr)
     drv.ingest("a", "b")
     fill(drv, "a", 5)
@@ -214,7 +214,7 @@ def test_clear_preplan_undoes_admit() -> None:
 
 
 def test_clear_preplan_twice_and_without_preplan_is_noop() -> None:
-    mgr = make_manager(sharing=False)
+    mgr = make_manager()
     drv = Driver(mgr)
     drv.ingest("a")
     fill(drv, "a", 2)
@@ -239,7 +239,7 @@ def test_post_fork_from_created_source_with_commit_false() -> None:
     admit reserves no target (the source will be empty), and commit then
     looks the target up and raises KeyError after clearing the marks.
     """
-    mgr = make_manager(sharing=False)
+    mgr = make_manager()
     mgr.ingest_request("a")
     step = KVStep([Segment("a", "draft", 3)], commit=False, post_forks=[("draft", "spec")])
     _run(mgr, step, StepContext(("a",)))
@@ -255,7 +255,7 @@ def test_pre_fork_from_source_this_step_creates() -> None:
     plan the source exists, so _apply_fork looks up the missing target:
     KeyError, and the step is left in flight.
     """
-    mgr = make_manager(sharing=False)
+    mgr = make_manager()
     mgr.ingest_request("a")
     step = KVStep([Segment("a", "draft", 3)], pre_forks=[("draft", "spec")])
     _run(mgr, step, StepContext(("a",)))

@@ -56,7 +56,7 @@ def test_decode_overlapped_matches_sequential_across_page_boundaries() -> None:
     is in flight: the plans, once promoted, address exactly what a sequential
     run's plans address, and every token reads back."""
     rids = ["a", "b"]
-    mgr, seq = make_manager(sharing=False, page_size=4), make_manager(sharing=False, page_size=4)
+    mgr, seq = make_manager(page_size=4), make_manager(page_size=4)
     drv, sdrv = Driver(mgr), Driver(seq)
     for d in (drv, sdrv):
         d.ingest(*rids)
@@ -102,7 +102,7 @@ def test_preplan_reserves_from_the_length_the_running_step_leaves() -> None:
     """The running step brings main to 4 tokens (a page boundary at page size
     4): the preplan's +1 needs a second page, which a reservation from the
     pre-commit length (3) would not take."""
-    mgr = make_manager(sharing=False, page_size=4)
+    mgr = make_manager(page_size=4)
     drv = Driver(mgr)
     drv.ingest("a")
     fill(drv, "a", 3)
@@ -146,7 +146,7 @@ def test_preplan_over_a_running_pre_fork_plans_from_the_forked_length() -> None:
 
 
 def test_a_running_step_that_keeps_no_tokens_leaves_the_length_alone() -> None:
-    mgr = make_manager(sharing=False, page_size=4)
+    mgr = make_manager(page_size=4)
     drv = Driver(mgr)
     drv.ingest("a")
     fill(drv, "a", 3)
@@ -212,7 +212,7 @@ def test_the_engine_replans_a_stale_preplan_and_loses_nothing() -> None:
 
 
 def test_clear_preplan_over_the_running_step_keeps_its_marks() -> None:
-    mgr = make_manager(sharing=False, page_size=4, cpu_pages=8)
+    mgr = make_manager(page_size=4, cpu_pages=8)
     drv = Driver(mgr)
     drv.ingest("a")
     fill(drv, "a", 3)
@@ -233,7 +233,7 @@ def test_clear_preplan_over_the_running_step_keeps_its_marks() -> None:
 
 
 def test_the_running_steps_commit_keeps_the_preplans_marks() -> None:
-    mgr = make_manager(sharing=False, page_size=4, cpu_pages=8)
+    mgr = make_manager(page_size=4, cpu_pages=8)
     drv = Driver(mgr)
     drv.ingest("a")
     fill(drv, "a", 3)
@@ -252,7 +252,7 @@ def test_the_running_steps_commit_keeps_the_preplans_marks() -> None:
 
 def test_max_seq_len_bounds_the_length_the_preplan_starts_from() -> None:
     """7 tokens, step N adds 1 (8 = max_seq_len): N+1's +1 would end at 9."""
-    mgr = make_manager(sharing=False, page_size=4, max_seq_len=8)
+    mgr = make_manager(page_size=4, max_seq_len=8)
     drv = Driver(mgr)
     drv.ingest("a")
     fill(drv, "a", 7)

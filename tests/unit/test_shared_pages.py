@@ -141,22 +141,6 @@ def test_a_truncate_into_a_shared_page_copies_it_before_the_next_write(
     check_device_pages(mgr)
 
 
-def test_a_preplan_with_pre_forks_is_refused_with_shared_pages() -> None:
-    mgr, drv = _mgr()
-    drv.ingest("a")
-    _fill(drv, "a", 5)
-    running = KVStep([Segment("a", "main", 1)])
-    ctx = StepContext(("a",))
-    assert mgr.admit(running, ctx).ok
-    mgr.plan(running, ctx)
-    snap = (mgr.num_free_pages, mgr._preplan)
-    nxt = KVStep([Segment("a", "cfg", 1)], pre_forks=[("main", "cfg")])
-    out = mgr.admit(nxt, StepContext(("a",), is_preplan=True))
-    assert not out.ok and isinstance(out.reason, PreplanRefused)
-    assert (mgr.num_free_pages, mgr._preplan) == snap  # nothing changed
-    mgr.commit(running, ctx)
-
-
 def test_fork_misuse_is_still_refused_before_anything_moves() -> None:
     mgr, drv = _mgr()
     drv.ingest("a")
@@ -453,3 +437,84 @@ def test_the_retrieved_guard_is_what_keeps_peer_kv_out(monkeypatch: pytest.Monke
     assert dst.cache_prefix("r", "main", list(range(10))) == 2
     src.cleanup()
     dst.cleanup()
+
+
+def _write_planned(mgr: KVManager, outs: Any, seed: int) -> None:
+    """Write seeded K/V into every planned row (the same on every manager)."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = mgr.config
+    for plan_label in outs:
+        n = mgr._current_plan_states[plan_label].write_len
+        for layer in range(cfg.num_layers):
+            k = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+            mgr.write_kv(k, -k, layer_idx=layer, label=plan_label)
+
+
+def _overlapped_fork(mgr: KVManager) -> dict[str, torch.Tensor]:
+    """A prompt, a sample forked from it, then step N decoding the prompt while
+    step N+1, preplanned over it, forks the prompt onto the sample again."""
+    mgr.ingest_request("a")
+    seed = 0
+    for step in (KVStep([Segment("a", "main", 9)]),
+                 KVStep([Segment("a", "main", 0)], pre_forks=[("main", "s1")])):
+        ctx = StepContext(("a",))
+        assert mgr.admit(step, ctx).ok
+        _write_planned(mgr, mgr.plan(step, ctx), seed := seed + 1)
+        mgr.commit(step, ctx)
+    run, ctx = KVStep([Segment("a", "main", 1)]), StepContext(("a",))
+    assert mgr.admit(run, ctx).ok
+    outs = mgr.plan(run, ctx)
+    nxt = KVStep([Segment("a", "s1", 2)], pre_forks=[("main", "s1")])
+    pre = StepContext(("a",), is_preplan=True)
+    out = mgr.admit(nxt, pre)
+    assert out.ok, out.reason
+    mgr.plan(nxt, pre)
+    _write_planned(mgr, outs, 10)
+    mgr.commit(run, ctx)
+    assert mgr.admit(nxt, ctx).ok
+    _write_planned(mgr, mgr.plan(nxt, ctx), 11)
+    mgr.commit(nxt, ctx)
+    check_device_pages(mgr)
+    return {lb: mgr.read_stream("a", lb).clone() for lb in ("main", "s1")}
+
+
+def test_a_preplanned_fork_over_shared_pages_reads_back_as_a_copying_one() -> None:
+    """R57: the preplan's views name the target's pages, so its fork copies
+    into them; the shared pages it held were copied into its own at admit."""
+    shared, _ = _mgr(pages=32)
+    copying, _ = _mgr(pages=32, sharing=False)
+    got, want = _overlapped_fork(shared), _overlapped_fork(copying)
+    assert got.keys() == want.keys()
+    for lb in got:
+        assert torch.equal(got[lb], want[lb]), lb
+    assert got["s1"].shape[1] == 12  # 10 forked + 2 decoded
+
+
+def test_a_preplanned_fork_target_is_not_cached_before_its_fork() -> None:
+    mgr, drv = _mgr(pages=32)
+    drv.ingest("a")
+    _fill(drv, "a", 9)
+    drv.step([("a", "main", 0)], pre_forks=[("main", "s1")])
+    run, ctx = KVStep([Segment("a", "main", 1)]), StepContext(("a",))
+    assert mgr.admit(run, ctx).ok
+    nxt = KVStep([Segment("a", "s1", 1)], pre_forks=[("main", "s1")])
+    assert mgr.admit(nxt, StepContext(("a",), is_preplan=True)).ok
+    with pytest.raises(StepInFlightError):
+        mgr.cache_prefix("a", "s1", list(range(8)))
+    mgr.commit(run, ctx)
+    mgr.clear_preplan()
+    check_device_pages(mgr)
+
+
+def test_a_preplan_whose_fork_ends_the_running_step_names_is_refused() -> None:
+    mgr, drv = _mgr(pages=32)
+    drv.ingest("a")
+    _fill(drv, "a", 9)
+    drv.step([("a", "main", 0)], pre_forks=[("main", "s1")])
+    run, ctx = KVStep([Segment("a", "s1", 1)]), StepContext(("a",))
+    assert mgr.admit(run, ctx).ok
+    before = mgr.num_free_pages
+    out = mgr.admit(KVStep([Segment("a", "main", 1)], pre_forks=[("main", "s1")]),
+                    StepContext(("a",), is_preplan=True))
+    assert isinstance(out.reason, PreplanRefused) and mgr.num_free_pages == before
+    mgr.commit(run, ctx)
