@@ -48,7 +48,8 @@ from model.pages import (
     variant,
 )
 from model.pages_invariants import INTERESTING, INVARIANTS, state_violations, transition_violations
-from model.search import Report, Search, Spec, Trace
+from model.report import report_table, run_check
+from model.search import Report, Spec, Trace
 
 # the default scope: every action fires, every interesting case arises, in seconds
 SCOPE = Scope(pages=3, holders=2, page_size=1, alphabet=2, depth=8)
@@ -169,11 +170,7 @@ def make_spec(model: PagesModel, reduce: bool = True) -> Spec:
 
 def check(model: PagesModel, *, keep_going: bool = False, reduce: bool = True) -> Report:
     """Search every reachable state; violations (with traces) land in the report."""
-    rep = Report()
-    for _ in Search(make_spec(model, reduce), keep_going=keep_going, report=rep,
-                    want_states=False).run():
-        pass
-    return rep
+    return run_check(make_spec(model, reduce), keep_going=keep_going)
 
 
 # ------------------------------------------------------------- display
@@ -196,21 +193,7 @@ def show_trace(trace: Trace) -> str:
 
 
 def table(rep: Report, scope: Scope) -> str:
-    rows = [f"scope: {scope}",
-            f"states {rep.states}   transitions {rep.transitions}   depth {rep.depth}   "
-            f"{rep.seconds:.1f}s" + ("" if rep.complete else "   (stopped early)"),
-            "", "action              fired"]
-    for cls in ACTIONS:
-        n = rep.fired[cls.__name__]
-        rows.append(f"  {cls.__name__:18} {n:>8}" + ("" if n else "   <-- never fired"))
-    rows += ["", "interesting case                              count"]
-    rows += [f"  {name:44} {rep.interesting[name]:>6}" for name in INTERESTING]
-    rows += ["", "invariant  violated"]
-    for iid, text in INVARIANTS.items():
-        rows.append(f"  {iid:4} {'YES' if iid in rep.violations else 'no ':3}  {text}")
-    for iid, (msg, trace) in rep.violations.items():
-        rows += ["", f"{iid} violated: {msg}", "  shortest trace:", show_trace(trace)]
-    return "\n".join(rows)
+    return report_table(rep, scope, ACTIONS, INTERESTING, INVARIANTS, show_trace)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from model.pages_check import show_trace
+from model.report import report_table, run_check
 from model.retention import (
     ACTIONS,
     RULES,
@@ -52,7 +53,7 @@ from model.retention_invariants import (
     state_violations,
     transition_violations,
 )
-from model.search import Report, Search, Spec
+from model.search import Report, Spec
 
 # the default scope: every action fires and every interesting case arises, in
 # seconds: one request with two labels of window 3 (forks between them) and one
@@ -176,32 +177,14 @@ def make_spec(model: RetentionModel, reduce: bool = True) -> Spec:
 def check(model: RetentionModel, *, keep_going: bool = False, reduce: bool = True,
           workers: int = 1) -> Report:
     """Search every reachable state; violations (with traces) land in the report."""
-    rep = Report()
-    for _ in Search(make_spec(model, reduce), keep_going=keep_going, report=rep,
-                    want_states=False, workers=workers).run():
-        pass
-    return rep
+    return run_check(make_spec(model, reduce), keep_going=keep_going, workers=workers)
 
 
 # ------------------------------------------------------------- display
 
 
 def table(rep: Report, scope: Scope) -> str:
-    rows = [f"scope: {scope}",
-            f"states {rep.states}   transitions {rep.transitions}   depth {rep.depth}   "
-            f"{rep.seconds:.1f}s" + ("" if rep.complete else "   (stopped early)"),
-            "", "action              fired"]
-    for cls in ACTIONS:
-        n = rep.fired[cls.__name__]
-        rows.append(f"  {cls.__name__:18} {n:>8}" + ("" if n else "   <-- never fired"))
-    rows += ["", "interesting case                                              count"]
-    rows += [f"  {name:60} {rep.interesting[name]:>6}" for name in INTERESTING]
-    rows += ["", "invariant  violated"]
-    for iid, text in INVARIANTS.items():
-        rows.append(f"  {iid:4} {'YES' if iid in rep.violations else 'no ':3}  {text}")
-    for iid, (msg, trace) in rep.violations.items():
-        rows += ["", f"{iid} violated: {msg}", "  shortest trace:", show_trace(trace)]
-    return "\n".join(rows)
+    return report_table(rep, scope, ACTIONS, INTERESTING, INVARIANTS, show_trace)
 
 
 def _windows(text: str) -> tuple[int | None, ...]:

@@ -32,7 +32,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from model.pages_check import show_trace
-from model.search import Report, Search, Spec
+from model.report import report_table, run_check
+from model.search import Report, Spec
 from model.sharing import (
     ACTIONS,
     RULES,
@@ -232,11 +233,7 @@ def make_spec(model: SharingModel, reduce: bool = True) -> Spec:
 def check(model: SharingModel, *, keep_going: bool = False, reduce: bool = True,
           workers: int = 1) -> Report:
     """Search every reachable state; violations (with traces) land in the report."""
-    rep = Report()
-    for _ in Search(make_spec(model, reduce), keep_going=keep_going, report=rep,
-                    want_states=False, workers=workers).run():
-        pass
-    return rep
+    return run_check(make_spec(model, reduce), keep_going=keep_going, workers=workers)
 
 
 # ------------------------------------------------------------- display
@@ -244,21 +241,7 @@ def check(model: SharingModel, *, keep_going: bool = False, reduce: bool = True,
 
 
 def table(rep: Report, scope: Scope) -> str:
-    rows = [f"scope: {scope}",
-            f"states {rep.states}   transitions {rep.transitions}   depth {rep.depth}   "
-            f"{rep.seconds:.1f}s" + ("" if rep.complete else "   (stopped early)"),
-            "", "action              fired"]
-    for cls in ACTIONS:
-        n = rep.fired[cls.__name__]
-        rows.append(f"  {cls.__name__:18} {n:>8}" + ("" if n else "   <-- never fired"))
-    rows += ["", "interesting case                                     count"]
-    rows += [f"  {name:51} {rep.interesting[name]:>6}" for name in INTERESTING]
-    rows += ["", "invariant  violated"]
-    for iid, text in INVARIANTS.items():
-        rows.append(f"  {iid:4} {'YES' if iid in rep.violations else 'no ':3}  {text}")
-    for iid, (msg, trace) in rep.violations.items():
-        rows += ["", f"{iid} violated: {msg}", "  shortest trace:", show_trace(trace)]
-    return "\n".join(rows)
+    return report_table(rep, scope, ACTIONS, INTERESTING, INVARIANTS, show_trace)
 
 
 def main(argv: list[str] | None = None) -> int:
