@@ -13,7 +13,7 @@ from kvref.base import (
     Resource,
 )
 from kvref.cache import KVCache
-from kvref.config import KVConfig, KVLayout, KVReqConfig, KVSpec
+from kvref.config import KVConfig, KVLayout, KVReqConfig, KVSpec, RetentionPolicy
 from kvref.distributed import JointGroups
 from kvref.errors import (
     AsymmetricStateError,
@@ -27,12 +27,14 @@ from kvref.errors import (
     PreplanStaleError,
     PublishedInfoError,
     PublishLeasedError,
+    ReleasedPrefixError,
     ReloadCopyError,
     StepInFlightError,
     StepNotAdmittedError,
     StepOrderError,
     StreamUnavailableError,
     UnknownRequestError,
+    WindowUnsupportedError,
 )
 from kvref.host_pool import CPUPagePool
 from kvref.manager import KVManager
@@ -129,12 +131,14 @@ __all__ = [
     "PublishedInfo",
     "PublishedInfoError",
     "PublishedKVInfo",
+    "ReleasedPrefixError",
     "ReloadCopyError",
     "ReloadOutcome",
     "ReloadReason",
     "RequestOffloading",
     "ResetRefused",
     "Resource",
+    "RetentionPolicy",
     "RetrieveInProgress",
     "RetrieveStale",
     "Runtime",
@@ -151,6 +155,7 @@ __all__ = [
     "UnknownRequest",
     "UnknownRequestError",
     "ViewRows",
+    "WindowUnsupportedError",
     "build_paged_indptrs",
     "default_runtime",
     "group_by_plan_label",

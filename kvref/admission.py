@@ -226,7 +226,9 @@ def plain_grant(table: Table, step: KVStep, page_size: int, free: int, max_seq_l
                     stream.read_error is not None):
                 refusing = True
             end = stream.stored_len + span
-            short = -(-end // page_size) - len(stream.page_indices)
+            # slots, not pages: a windowed stream's released slots hold none
+            short = (-(-end // page_size) - stream.released // page_size
+                     - len(stream.page_indices))
             if sharing is not None and span and stream.tail_maybe_shared and (
                     sharing.cow_needed((rid, label), stream)):
                 cow.append((rid, label))
@@ -348,7 +350,11 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
         stream = streams.get(label)
         key = (rid, label)
         if sharing is None or key not in targets or copy_forks:
-            held = len(stream.page_indices) if stream is not None else 0
+            # in slots: a windowed stream's released slots count as held (they
+            # need no page); a fork target's own released slots do not (it
+            # takes its source's)
+            held = 0 if stream is None else len(stream.page_indices) + (
+                stream.released // page_size if key not in targets else 0)
         elif key in unsure or key in (settled or {}) or key in writes:
             # its private pages may be fewer when its fork runs (or changed by
             # the running step first, a preplan); or a segment also grows it

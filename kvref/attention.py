@@ -110,6 +110,7 @@ def _reference_run(
     layout: KVLayout,
     sm_scale: float | None,
     causal: bool,
+    window_left: int = -1,
 ) -> torch.Tensor:
     num_rows, num_qo_heads, head_dim = q.shape
     if num_rows < plan.num_tokens:
@@ -151,6 +152,8 @@ def _reference_run(
             q_pos = torch.arange(r.kv_len - q_len, r.kv_len, device=q.device)
             k_pos = torch.arange(r.kv_len, device=q.device)
             allowed = k_pos[None, :] <= q_pos[:, None]
+            if window_left >= 0:  # a sliding window: W - 1 tokens before the query
+                allowed = allowed & (k_pos[None, :] >= q_pos[:, None] - window_left)
             scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.einsum("hgqk,khd->qhgd", probs, v)
@@ -167,18 +170,23 @@ def paged_attention_reference(
     *,
     sm_scale: float | None = None,
     causal: bool = True,
+    window_left: int = -1,
 ) -> torch.Tensor:
     """Attention of ``q: [num_tokens, num_qo_heads, head_dim]`` over one layer's pages.
 
     ``kv_layer`` is `KVCache.layer_view` (``[pages, 2, ps, H, D]`` for NHD,
     ``[pages, 2, H, ps, D]`` for HND). Computed in float32, returned in
     ``q.dtype``; ``sm_scale`` defaults to ``1/sqrt(head_dim)``.
+    ``window_left`` >= 0 (causal only): a query reads at most that many
+    tokens before its own position, FlashInfer's sliding window (a windowed
+    label: `RetentionPolicy.window_left`); -1 reads every token before it.
     """
     lay = _layout_of(layout)
     ps = _page_size_of(kv_layer, lay)
     if page_size is not None and page_size != ps:
         raise KVShapeError(f"page_size {page_size} but kv_layer pages hold {ps} tokens")
-    return _reference_run(q, kv_layer, _unpack(indptrs, ps), lay, sm_scale, causal)
+    return _reference_run(q, kv_layer, _unpack(indptrs, ps), lay, sm_scale, causal,
+                          window_left)
 
 
 # ---------------------------------------------------------------------------
@@ -209,6 +217,7 @@ class PagedAttention:
         sm_scale: float | None = None,
         causal: bool = True,
         flashinfer: FlashInferPagedAttention | None = None,
+        window_left: int = -1,
     ) -> None:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"{num_qo_heads} qo heads are not a multiple of {num_kv_heads}")
@@ -222,6 +231,9 @@ class PagedAttention:
         self.backend: Backend = backend
         self.sm_scale = sm_scale
         self.causal = causal
+        # a sliding window (a windowed label's `RetentionPolicy.window_left`): a
+        # query reads at most this many tokens before its own; -1: all
+        self.window_left = window_left
         self._fi = flashinfer
         self._indptrs: PagedIndptrs | None = None
         self._torch_plan: _TorchPlan | None = None
@@ -286,13 +298,15 @@ class PagedAttention:
                 self._sdpa_plan = plan_sdpa(self._indptrs, self.page_size, q.device, heads)
             self.last_backend = "sdpa"
             return run_sdpa_plan(
-                q, kv_layer, self._sdpa_plan, self.layout, self.sm_scale, self.causal
+                q, kv_layer, self._sdpa_plan, self.layout, self.sm_scale, self.causal,
+                self.window_left,
             )
         if self._torch_plan is None:
             self._torch_plan = _unpack(self._indptrs, self.page_size)
         self.last_backend = "torch"
         return _reference_run(
-            q, kv_layer, self._torch_plan, self.layout, self.sm_scale, self.causal
+            q, kv_layer, self._torch_plan, self.layout, self.sm_scale, self.causal,
+            self.window_left,
         )
 
     def _use_flashinfer(self, device: torch.device) -> bool:
@@ -320,5 +334,6 @@ class PagedAttention:
             kv_dtype=kv_dtype,
             sm_scale=self.sm_scale,
             causal=self.causal,
+            window_left=self.window_left,
         )
         self._fi_planned_for = (q_dtype, kv_dtype)

@@ -305,8 +305,13 @@ class FlashInferPagedAttention:
         sm_scale: float | None = None,
         causal: bool = True,
         decode: bool | None = None,
+        window_left: int = -1,
     ) -> None:
         """Plan this step once; every layer's ``run`` reuses it.
+
+        ``window_left`` >= 0: a sliding window (a windowed label's
+        `RetentionPolicy.window_left`), passed to both wrappers' ``plan`` as
+        FlashInfer's own ``window_left``; -1 (their default) is not passed.
 
         Pass the host table: FlashInfer's planner reads the indptrs on the
         host, and a device table would cost it a sync per plan.
@@ -339,6 +344,8 @@ class FlashInferPagedAttention:
             "kv_data_type": kv_dtype if kv_dtype is not None else q_dtype,
             "sm_scale": scale,
         }
+        if window_left >= 0:
+            common["window_left"] = window_left
         table = (indptrs.paged_kv_indptr, indptrs.paged_kv_indices,
                  indptrs.paged_kv_last_page_len)
         heads = (num_qo_heads, num_kv_heads, head_dim, page_size)

@@ -148,8 +148,10 @@ def sdpa_run(
     max_q: int,
     sm_scale: float | None = None,
     causal: bool = True,
+    window_left: int = -1,
 ) -> torch.Tensor:
     """Attention of ``q`` over ``table``'s requests; rows no request owns are zero.
+    ``window_left`` >= 0: a sliding window, as the torch reference's.
 
     No host reads: capturable in a CUDA graph when ``table`` is static.
     ``max_q`` is the query rows per request the table was padded for.
@@ -195,6 +197,8 @@ def sdpa_run(
     if causal:
         qpos = table.kv_len[:, None] - table.q_len[:, None] + j[None, :]
         allowed = allowed & (kpos[None, None, :] <= qpos[:, :, None])
+        if window_left >= 0:
+            allowed = allowed & (kpos[None, None, :] >= qpos[:, :, None] - window_left)
     # a padded query row with nothing to read would be NaN: let it read key 0
     allowed = allowed | ((~valid)[:, :, None] & (kpos == 0)[None, None, :])
     mask = allowed.expand(batch, max_q, n_keys)[:, None].expand(batch, group, max_q, n_keys)
@@ -279,16 +283,17 @@ def run_sdpa_plan(
     layout: KVLayout,
     sm_scale: float | None = None,
     causal: bool = True,
+    window_left: int = -1,
 ) -> torch.Tensor:
     if q.shape[0] < plan.num_rows:
         raise KVShapeError(f"q has {q.shape[0]} rows, the page table needs {plan.num_rows}")
     if len(plan.groups) == 1 and q.shape[0] == plan.num_rows:
         table, max_q, _ = plan.groups[0]
-        return sdpa_run(q, kv_layer, table, layout, max_q, sm_scale, causal)
+        return sdpa_run(q, kv_layer, table, layout, max_q, sm_scale, causal, window_left)
     out = torch.zeros_like(q)
     head = q[: plan.num_rows]
     for table, max_q, owned in plan.groups:
-        part = sdpa_run(head, kv_layer, table, layout, max_q, sm_scale, causal)
+        part = sdpa_run(head, kv_layer, table, layout, max_q, sm_scale, causal, window_left)
         out[: plan.num_rows][owned] = part[owned]
     return out
 
@@ -303,12 +308,13 @@ def paged_attention_sdpa(
     sm_scale: float | None = None,
     causal: bool = True,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    window_left: int = -1,
 ) -> torch.Tensor:
     """Same contract and result as the torch reference, batched (eager mode)."""
     hkv = int(kv_layer.shape[3] if layout is KVLayout.NHD else kv_layer.shape[2])
     heads = (int(q.shape[1]), hkv, int(q.shape[2]))
     plan = plan_sdpa(indptrs, page_size, q.device, heads, chunk_bytes)
-    return run_sdpa_plan(q, kv_layer, plan, layout, sm_scale, causal)
+    return run_sdpa_plan(q, kv_layer, plan, layout, sm_scale, causal, window_left)
 
 
 class StaticDenseTable:
@@ -352,5 +358,7 @@ class StaticDenseTable:
         layout: KVLayout,
         sm_scale: float | None = None,
         causal: bool = True,
+        window_left: int = -1,
     ) -> torch.Tensor:
-        return sdpa_run(q, kv_layer, self.table, layout, self.max_q, sm_scale, causal)
+        return sdpa_run(q, kv_layer, self.table, layout, self.max_q, sm_scale, causal,
+                        window_left)

@@ -63,6 +63,34 @@ MAX_NUM_PAGES = 2**31
 DEFAULT_PUBLISH_LEASE_S = 480.0
 
 
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """FIFO retention of ``context_budget`` tokens: a sliding window (issue 19).
+
+    A label `KVConfig.retention` maps to a policy keeps only its last
+    ``context_budget`` committed tokens resident: after each commit, every
+    page lying wholly before the window's first token ``max(0, n - W)`` is
+    released (W2 of specs/retention.md). A model whose attention layer has
+    ``sliding_window = S`` (a query sees itself and ``S - 1`` tokens before
+    it) configures ``context_budget = S``; its attention masks with
+    `window_left` ``= S - 1``.
+    """
+
+    context_budget: int
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.context_budget) or self.context_budget < 1:
+            raise InvalidConfigError(
+                f"RetentionPolicy.context_budget must be an int >= 1, got "
+                f"{self.context_budget!r}")
+
+    @property
+    def window_left(self) -> int:
+        """Tokens before a query's own position that attention may read:
+        ``context_budget - 1`` (FlashInfer's ``window_left``)."""
+        return self.context_budget - 1
+
+
 @dataclass
 class KVConfig:
     """The static shape of one KV cache, and its lease timeout.
@@ -101,6 +129,9 @@ class KVConfig:
     # committed tokens. On by default, as vLLM's enable_prefix_caching; off,
     # every page has one holder and forks copy every page
     enable_prefix_caching: bool = True
+    # label -> its sliding window (issue 19, specs/retention.md); a label
+    # absent is full attention. Empty: nothing is windowed
+    retention: Mapping[str, RetentionPolicy] = field(default_factory=dict)
     # the tensor-parallel degree the head counts were divided by; 1 = unsharded
     sharded_by: int = field(default=1, init=False)
 
@@ -138,6 +169,12 @@ class KVConfig:
                 f"KVConfig.enable_prefix_caching must be a bool, got "
                 f"{type(self.enable_prefix_caching).__name__} {self.enable_prefix_caching!r}")
         _positive_int("sharded_by", self.sharded_by)
+        if not isinstance(self.retention, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, RetentionPolicy)
+                for k, v in self.retention.items()):
+            raise InvalidConfigError(
+                f"KVConfig.retention must map str labels to RetentionPolicy, got "
+                f"{self.retention!r}")
         lease = self.publish_lease_s
         if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
                                   or not lease > 0):
@@ -160,6 +197,8 @@ class KVConfig:
         # (it is not an __init__ field); every field is an immutable value
         dup = _copy.copy(self)
         dup.validate()
+        # the mapping is the one mutable field: the copy owns its own
+        dup.retention = dict(self.retention)
         return dup
 
     def sharded(self, n: int) -> KVConfig:
@@ -192,6 +231,11 @@ class KVConfig:
         self.num_qo_heads //= n
         self.sharded_by = n
         return self
+
+    def window(self, label: str) -> int | None:
+        """The label's retention window W in tokens, or None (full attention)."""
+        policy = self.retention.get(label)
+        return None if policy is None else policy.context_budget
 
     @property
     def usable_pages(self) -> int:

@@ -97,6 +97,18 @@ class KVDeviceError(KVShapeError):
     """K/V handed to `write_kv` on another device than the cache."""
 
 
+class ReleasedPrefixError(KVRefError, ValueError):
+    """A truncate of a windowed stream whose new length's window would reach
+    into tokens the window already released (W6 of specs/retention.md):
+    ``max(0, new_len - W) < released``. Nothing changed."""
+
+
+class WindowUnsupportedError(KVRefError, NotImplementedError):
+    """A mechanism kvref does not implement for a windowed label
+    (``KVConfig.retention``) yet: publish and retrieve, and a step with
+    CUDA-graph (slot-leased) addressing. Refused before anything changes."""
+
+
 class StreamUnavailableError(KVRefError):
     """A call that needs a settled, resident stream met one that is not: an
     offload claims it or holds it on the host, or a retrieve is still copying

@@ -100,7 +100,9 @@ class Forks:
         created.discard((rid, to_label))  # a fork wrote it: a source from here on
         # sized off the source's length, not either side's page count: both
         # may hold spare pages, and copying those made the copy lopsided
-        n = pages_for(src.stored_len, self._table.page_size)
+        # retained slots only: a windowed source's released ones hold no page
+        n = pages_for(src.stored_len, self._table.page_size) - (
+            src.released // self._table.page_size)
         sharing = self._table.sharing and not copy
         if not sharing and len(dst.page_indices) < n:
             raise KVRefError(
@@ -120,6 +122,10 @@ class Forks:
                 self._emptied(rid, to_label, dst)
                 raise ForkFailed() from err
         dst.stored_len = src.stored_len
+        # W5: the target inherits the window's state (its released prefix and
+        # the position the next commit's release is worked out from)
+        dst.released = src.released
+        dst.position = src.position
         full = src.stored_len // self._table.page_size
         dst.keys = src.keys[:full]
         dst.key_tokens = src.key_tokens[: full * self._table.page_size * 8]
@@ -141,6 +147,7 @@ class Forks:
         dst = table.streams[rid][to_label]
         dkey = (rid, to_label)
         full, partial = divmod(src.stored_len, table.page_size)
+        off = src.released // table.page_size  # the source's released slots
         private = table.pages.private_pages(dkey, dst.page_indices)
         keep = [p for p, mine in zip(dst.page_indices, private, strict=True) if mine]
         drop = [p for p, mine in zip(dst.page_indices, private, strict=True) if not mine]
@@ -152,12 +159,12 @@ class Forks:
                 "this fork", request_id=rid, label=to_label)
         if partial:
             try:
-                self._kv_cache.copy_pages([src.page_indices[full]], [keep[0]])
+                self._kv_cache.copy_pages([src.page_indices[full - off]], [keep[0]])
             except Exception as err:
                 self._emptied(rid, to_label, dst)
                 raise ForkFailed() from err
         table.give_back(dkey, drop)
-        shared = src.page_indices[:full]
+        shared = src.page_indices[:full - off]
         table.pages.share(dkey, shared)
         # the table keeps its length where it can: spare pages stay spare
         tail = max(need, len(keep) - full)
@@ -167,6 +174,8 @@ class Forks:
     def _emptied(self, rid: str, label: str, dst: CacheStream) -> None:
         """A target a failed copy left torn: empty, holding only private pages."""
         dst.stored_len = 0
+        dst.position = 0
+        dst.released = 0
         dst.keys = []
         dst.key_tokens = bytearray()
         dst.generation += 1
@@ -208,7 +217,7 @@ class Forks:
         table = self._table
         key = (rid, label)
         stream = table.streams[rid][label]
-        i = stream.stored_len // table.page_size
+        i = (stream.stored_len - stream.released) // table.page_size
         old = stream.page_indices[i]
         (new,) = table.take(key, 1)
         try:

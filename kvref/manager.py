@@ -119,7 +119,9 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
                                   cfg.page_size, shared(runtime, {}, "streams"),
                                   leases=LeaseTable(cfg.publish_lease_s,
                                                     lambda: monotonic(runtime)),
-                                  sharing=cfg.enable_prefix_caching)
+                                  sharing=cfg.enable_prefix_caching,
+                                  windows={label: policy.context_budget
+                                           for label, policy in cfg.retention.items()})
         # the manager's one lock, and the table every mechanism shares
         self._lock = self._table.lock
         self._streams = self._table.streams
@@ -470,13 +472,26 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
     # -- what attention layers call (the rest is `LayerIO`) -------------------
 
     def read_stream(self, rid: str, label: str = "main") -> torch.Tensor:
-        """``[layers, stored_len, 2, H, D]``: a resident stream's tokens, for checks."""
+        """``[layers, stored_len, 2, H, D]``: a resident stream's tokens, for checks.
+
+        A windowed stream (``KVConfig.retention``) answers its window only:
+        ``[layers, min(stored_len, W), 2, H, D]``, the tokens ``max(0,
+        stored_len - W) .. stored_len - 1`` (W1); what the window released,
+        and the part of its first retained page before the window, is not
+        returned.
+        """
         with self._lock:
             stream = self._stream(rid, label)
             if stream.offloaded:
                 raise KVRefError("stream is offloaded; reload it to read", request_id=rid,
                                  label=label)
-            return self.kv_cache.gather_stream(stream.page_indices, stream.stored_len)
+            got = self.kv_cache.gather_stream(stream.page_indices,
+                                              stream.stored_len - stream.released)
+            window = self._table.window(label)
+            if window is None:
+                return got
+            first = max(0, stream.stored_len - window)
+            return got[:, first - stream.released:]
 
     # -- checks and teardown ---------------------------------------------------
 

@@ -176,7 +176,10 @@ class HostOffload:
                 # copy now would only be thrown away
                 return (OffloadReason.REQUEST_REMOVED if offload.cancelled
                         else OffloadReason.REQUEST_CHANGED)
-            host_pages = pool.reserve(rid, claim.label, claim.stored_len, len(claim.pages))
+            # W8: only the retained tokens [released, n) travel; the released
+            # slots stay released through the reload
+            host_pages = pool.reserve(rid, claim.label, claim.stored_len - claim.released,
+                                      len(claim.pages))
             if host_pages is None:
                 return OffloadReason.HOST_POOL_FULL
         try:

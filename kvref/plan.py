@@ -34,10 +34,13 @@ class SequenceView:
 
     ``page_idxs`` is sliced to the pages ``length`` needs: a stream may hold
     more (high-water), and an unsliced list would report the spare pages as
-    resident context.
+    resident context. For a windowed stream (``KVConfig.retention``) the
+    view starts at its first retained page: ``length`` counts from there,
+    and ``offset`` is the released tokens before it (W1, W4).
     """
 
-    __slots__ = ("generation", "label", "length", "page_idxs", "request_id", "to_compute")
+    __slots__ = ("generation", "label", "length", "offset", "page_idxs", "request_id",
+                 "to_compute")
 
     def __init__(
         self,
@@ -47,6 +50,7 @@ class SequenceView:
         length: int,
         to_compute: int,
         generation: int,
+        offset: int = 0,
     ) -> None:
         self.request_id = request_id
         self.label = label
@@ -54,6 +58,10 @@ class SequenceView:
         self.length = length  # tokens after this step: stored + to_compute
         self.to_compute = to_compute
         self.generation = generation
+        # a windowed stream (issue 19): the tokens released before
+        # ``page_idxs[0]`` (whole pages), so token j of the view is at
+        # absolute position ``offset + j``; 0 for full attention
+        self.offset = offset
 
     def last_page_len(self, page_size: int) -> int:
         """Tokens on the last page, in ``[1, page_size]`` (0 for an empty view)."""

@@ -70,7 +70,8 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
     if stream is None:
         # as an admit naming it would (R16): the engine's next call names it
         stream = streams[label] = CacheStream()
-    if not table.sharing or len(tokens) < 2:
+    if not table.sharing or len(tokens) < 2 or table.window(label) is not None:
+        # W10: a windowed label never hits (its stream computes its prompt)
         return 0
     key = (rid, label)
     hit = table.pages.match(key, tokens, extras_for(table, rid, stream.space or label))
@@ -80,6 +81,7 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
     # an empty stream's pages are spare and private to it: they follow the hit
     stream.page_indices = list(hit.pages) + stream.page_indices
     stream.stored_len = n
+    stream.position = n  # W4: the next token's position
     stream.keys = list(hit.keys)
     stream.key_tokens = bytearray(prefix_hash.token_bytes(tokens[:n]))
     stream.generation += 1
@@ -109,7 +111,9 @@ def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
         raise InvalidArgumentError(
             f"cache_prefix from token {start}: the stream's cached pages end at {keyed}, "
             "and a page's key chains from the one before it", request_id=rid, label=label)
-    if not table.sharing or stream.received:
+    if not table.sharing or stream.received or table.window(label) is not None:
+        # W9: a windowed label registers nothing, so its window's release
+        # frees pages blank and never pushes cached prefixes out (vLLM 42948)
         return 0
     # the ids of pages already keyed must be the ones they were keyed with
     overlap = min(end, keyed)

@@ -15,7 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 from kvref import admission
-from kvref.errors import KVRefError, PublishedInfoError, StepInFlightError
+from kvref.errors import (
+    KVRefError,
+    PublishedInfoError,
+    StepInFlightError,
+    WindowUnsupportedError,
+)
 from kvref.plan import SINK_PAGE
 from kvref.published import (
     KVSequenceInfo,
@@ -86,6 +91,11 @@ class Retrieval:
                 return PublishRefused(UnknownRequest(
                     message="unknown request (never ingested, or removed): nothing to "
                     "publish", request_id=request_id))
+            windowed = [label for label in streams if self._table.window(label) is not None]
+            if windowed:
+                raise WindowUnsupportedError(
+                    "publish of a windowed label is not implemented (issue 19)",
+                    request_id=request_id, label=windowed[0])
             refused: AdmitFailedReason | None = self._publish_refusal(request_id, streams)
             if refused is None and self._forks_pending(request_id):
                 # R50: under the lease, nothing may overwrite what it names
@@ -172,6 +182,10 @@ class Retrieval:
                     return AdmitOutcome(ok=False, ready=False, reason=failed)
                 if not ready:
                     return AdmitOutcome(ok=True, ready=False)
+                if self._table.window(label) is not None:
+                    raise WindowUnsupportedError(
+                        "retrieve into a windowed label is not implemented (issue 19)",
+                        request_id=rid, label=label)
                 stream = streams.get(label)
                 old_len = stream.stored_len if stream is not None else 0
                 if info.seq_len <= old_len:
@@ -284,6 +298,7 @@ class Retrieval:
         stream.read_future = fut
         stream.read_pending = fut is not None
         stream.stored_len = info.seq_len
+        stream.position = info.seq_len
         stream.received = True  # a peer's KV: never registered (R55)
         stream.generation += 1
         return None

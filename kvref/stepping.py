@@ -17,11 +17,13 @@ import torch
 from kvref import admission, validate
 from kvref.errors import (
     ForkCopyError,
+    InvalidArgumentError,
     PreplanPendingError,
     PreplanStaleError,
     StepInFlightError,
     StepNotAdmittedError,
     StepOrderError,
+    WindowUnsupportedError,
 )
 from kvref.forks import Forks
 from kvref.graph_staging import GraphStaging
@@ -125,6 +127,31 @@ class Stepping:
             )
         all_streams = self._table.streams
         padded = tuple(ctx.padded_request_ids)
+        windows = self._table.windows
+        if windows:
+            if ctx.slot_lease is not None and any(seg.label in windows
+                                                  for seg in step.segments):
+                raise WindowUnsupportedError(
+                    "CUDA-graph (slot-leased) addressing of a windowed label is not "
+                    "implemented", label=next(seg.label for seg in step.segments
+                                              if seg.label in windows))
+            for from_label, to_label in (*step.pre_forks, *step.post_forks):
+                if windows.get(from_label) != windows.get(to_label):
+                    # W5: a fork keeps the retention; a windowed source cannot
+                    # give a full-attention target the tokens it released
+                    raise InvalidArgumentError(
+                        f"fork {from_label!r} -> {to_label!r} between labels of different "
+                        "retention windows", label=to_label)
+            if ctx.is_preplan and (
+                    any(seg.label in windows for seg in step.segments)
+                    or any(lb in windows for fk in (*step.pre_forks, *step.post_forks)
+                           for lb in fk)):
+                # the running step's commit releases window pages its views
+                # would still name: not planned ahead (issue 19, R67)
+                return AdmitOutcome(ok=False, reason=PreplanRefused(
+                    message="not preplanned: it names a windowed label, whose pages the "
+                            "running step's commit may release; admit it once that "
+                            "step committed"))
         if ctx.is_preplan and self._table.sharing:
             unplannable = self._views_would_move(step, padded, settled)
             if unplannable is not None:
@@ -351,9 +378,13 @@ class Stepping:
             if length == 0:
                 continue  # nothing to attend to and nothing to write
             # sliced to the length: the stream may hold spare pages, and an
-            # unsliced view would report them as resident context
-            pages = stream.page_indices[: -(-length // ps)]
-            append(SequenceView(rid, label, pages, length, span, stream.generation))
+            # unsliced view would report them as resident context. A windowed
+            # stream's view starts at its first retained page (W1, W4): its
+            # length is relative to that page, ``offset`` tokens in
+            off = stream.released
+            pages = stream.page_indices[: -(-(length - off) // ps)]
+            append(SequenceView(rid, label, pages, length - off, span, stream.generation,
+                                offset=off))
         return views
 
     # -- commit --------------------------------------------------------------
@@ -419,7 +450,10 @@ class Stepping:
                 )
                 continue
             stream.stored_len += span
+            stream.position = stream.stored_len  # W4: the next token's position
             stream.generation += 1
+            # W2: a windowed stream lets go of what fell out of its window
+            self._table.retire((seg.request_id, seg.label), stream)
 
 
 def _stale(key: Key, planned: int, holds: int | None) -> PreplanStale:

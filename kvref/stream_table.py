@@ -55,6 +55,35 @@ class StreamTable:
     # KVConfig.enable_prefix_caching: forks share full pages and the prefix
     # cache is on; off, every page has one holder, as before sharing
     sharing: bool = True
+    # KVConfig.retention: label -> window W in tokens (issue 19); absent: full
+    windows: dict[str, int] = field(default_factory=dict)
+
+    def window(self, label: str) -> int | None:
+        """The label's retention window W, or None (full attention)."""
+        return self.windows.get(label)
+
+    def retire(self, key: Key, stream: CacheStream) -> int:
+        """W2: release every page of a windowed stream that lies wholly before
+        its window's first token ``f = max(0, n - W)`` (n its committed
+        length, W4: from ``stored_len``, which ``position`` mirrors). Slot i
+        goes iff ``(i + 1) * ps <= f``; the page holding token f stays. The
+        released slots leave the front of ``page_indices`` (which holds slot
+        ``released // ps`` onward) and ``released`` counts their tokens.
+        Only live pages are listed, each once, tail first (W7); a page a fork
+        shares stays with its other holders. Returns the pages freed."""
+        w = self.windows.get(key[1])
+        if w is None:
+            return 0
+        ps = self.page_size
+        upto = max(0, stream.stored_len - w) // ps  # slots wholly before f
+        off = stream.released // ps
+        if upto <= off:
+            return 0
+        go = stream.page_indices[:upto - off]
+        stream.page_indices = stream.page_indices[upto - off:]
+        stream.released = upto * ps
+        stream.generation += 1
+        return self.give_back(key, go)
 
     def take(self, key: Key, n: int) -> list[int]:
         """``n`` fresh pages for the stream ``key``; the caller counted them
@@ -97,7 +126,7 @@ class StreamTable:
         if not stream.tail_maybe_shared:
             return False
         n = stream.stored_len
-        i = n // self.page_size
+        i = n // self.page_size - stream.released // self.page_size
         return (self.sharing and n % self.page_size != 0 and i < len(stream.page_indices)
                 and not self.pages.writable(key, stream.page_indices[i]))
 

@@ -10,8 +10,9 @@ from typing import Any
 class CacheStream:
     """One stream of one request: its pages, its length, and what may touch it.
 
-    ``page_indices`` is a high-water list: it may hold more pages than
-    ``stored_len`` needs (a reset that kept them, a step that was admitted
+    ``page_indices`` is a high-water list of the slots from ``released //
+    page_size`` on (all of them but for a windowed label): it may hold more
+    pages than ``stored_len`` needs (a reset that kept them, a step that was admitted
     and never committed), and those pages are reused before new ones.
     Every change to the pages or the length bumps ``generation``, which is
     how an offload's commit notices a stream changed behind its copy.
@@ -38,8 +39,11 @@ class CacheStream:
     def __init__(self) -> None:
         self.page_indices: list[int] = []
         self.stored_len = 0
-        # kept for the reference's API (sliding-window retention is not
-        # implemented: nothing is ever released from the front)
+        # the reference's counters (W4 of specs/retention.md): ``position`` is
+        # the next token's absolute position (= stored_len); ``released`` the
+        # tokens a windowed label (KVConfig.retention) let go of, whole pages
+        # from the front. ``page_indices`` holds slot ``released // page_size``
+        # onward: a released slot holds no page and is in no list
         self.position = 0
         self.released = 0
         self.read_pending = False

@@ -11,7 +11,12 @@ table's lock, which `KVManager.truncate` holds.
 from __future__ import annotations
 
 from kvref.admission import FAILED, PENDING, retrieve_state
-from kvref.errors import InvalidArgumentError, StepInFlightError, StreamUnavailableError
+from kvref.errors import (
+    InvalidArgumentError,
+    ReleasedPrefixError,
+    StepInFlightError,
+    StreamUnavailableError,
+)
 from kvref.stream_table import StreamTable, pages_for
 
 
@@ -41,10 +46,18 @@ def truncate(table: StreamTable, rid: str, label: str, new_len: int) -> int:
     if new_len > stream.stored_len:
         raise InvalidArgumentError(f"truncate to {new_len} tokens; the stream holds "
                                    f"{stream.stored_len}", request_id=rid, label=label)
+    window = table.window(label)
+    if window is not None and max(0, new_len - window) < stream.released:
+        # W6: the new length's window would reach into released tokens
+        raise ReleasedPrefixError(
+            f"truncate to {new_len} tokens: its window of {window} would start at "
+            f"{max(0, new_len - window)}, before the {stream.released} tokens already "
+            "released", request_id=rid, label=label)
     if new_len == stream.stored_len:
         # nothing to cut: the spare pages stay for the next step (R39)
         return 0
-    keep = pages_for(new_len, table.page_size)
+    # in slots: page_indices holds slot released // ps onward
+    keep = pages_for(new_len, table.page_size) - stream.released // table.page_size
     cut = stream.page_indices[keep:]
     # a new list: a slice someone took of the old one keeps what it saw
     stream.page_indices = stream.page_indices[:keep]
@@ -52,6 +65,7 @@ def truncate(table: StreamTable, rid: str, label: str, new_len: int) -> int:
     # with its other holders (R54)
     freed = table.give_back((rid, label), cut)
     stream.stored_len = new_len
+    stream.position = new_len  # W4: the next commit's window is from the new length
     # a key names a full page: the one the cut lands in no longer is
     full = new_len // table.page_size
     del stream.keys[full:]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvref.config import KVConfig, KVLayout
+from kvref.config import KVConfig, KVLayout, RetentionPolicy
 from kvref.manager import KVManager
 from kvref.plan import KVPlanOutputs
 from kvref.step import Fork, KVStep, Segment, StepContext
@@ -36,6 +36,7 @@ def make_cfg(
     cpu_pages: int = 0,
     max_seq_len: int = 256,
     sharing: bool = True,
+    retention: dict[str, RetentionPolicy] | None = None,
 ) -> KVConfig:
     return KVConfig(
         num_layers=layers,
@@ -48,6 +49,7 @@ def make_cfg(
         num_qo_heads=heads,
         layout=layout,
         cpu_offload_pages=cpu_pages,
+        retention=retention or {},
     )
 
 
@@ -95,7 +97,7 @@ def snapshot(mgr: KVManager) -> Snapshot:
             )
             if not s.offloaded:
                 contents[(rid, label)] = mgr.kv_cache.gather_stream(
-                    s.page_indices, s.stored_len).clone()
+                    s.page_indices, s.stored_len - s.released).clone()
     pool = mgr._cpu_pool
     return Snapshot(
         free=mgr.num_free_pages,

@@ -1,0 +1,321 @@
+"""kvref's KVManager with sliding-window retention, in lockstep with
+model.retention (specs/retention.md, W1-W14; issue 19).
+
+Hypothesis drives the manager (``KVConfig.retention`` windows two of its
+three labels) and the retention model through the same calls: appends
+(admit, plan, write, commit of one segment, then the window's release),
+copy-on-write forks between labels of one window (and refused ones between
+a windowed and a full label), truncates (the refused ones into the released
+prefix too), removals, offload and reload, `cache_prefix` and
+`match_prefix`. After every call it compares:
+
+- the answer (a count, a refusal with its `pages_short`, a misuse's kind);
+- every stream's length, `released` and `position`, and its page table,
+  page for page (kvref's ``page_indices`` holds the retained slots, the
+  model's table less its released ones);
+- the pool: each page's holders and key, the LRU order and the free-blank
+  queue;
+- the bytes: every resident stream reads back its window (`read_stream`)
+  as the K/V of its own tokens at their positions;
+- `check_device_pages`.
+
+The model's invariants (model/retention_invariants.py: the bound of W3
+among them) hold on every state along kvref's runs. Plants in kvref, found
+by this machine within the same budget: test_retention_kvref_plants.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvref import (
+    KVConfig,
+    KVManager,
+    KVRefError,
+    KVStep,
+    OffloadOutcome,
+    ReloadOutcome,
+    ReloadReason,
+    RetentionPolicy,
+    Segment,
+    StepContext,
+)
+from kvref.step import AllocationFailed, RequestOffloading
+from kvref.testing.page_checks import check_device_pages
+from kvref.transfer import TransferEngineInfo
+from model import retention as R
+from model.retention_invariants import violations
+
+SCOPE = R.Scope(pages=8, page_size=2, windows=(3, 3, None), requests=2, alphabet=2,
+                max_len=9)
+LAYERS = 2
+LABELS = ("w0", "w1", "full")
+NL = len(LABELS)
+
+BUDGET = settings(max_examples=500, stateful_step_count=40, derandomize=True,
+                  database=None, deadline=None, phases=[Phase.explicit, Phase.generate],
+                  suppress_health_check=[HealthCheck.too_slow], print_blob=False)
+
+
+def rid_name(rid: int) -> str:
+    return f"r{rid}"
+
+
+def value(token: int, pos: int, layer: int) -> float:
+    return float((token * 100 + pos) * 4 + layer)
+
+
+TOKENS = st.lists(st.integers(0, SCOPE.alphabet - 1), min_size=1, max_size=3).map(tuple)
+RIDS = st.integers(0, SCOPE.requests - 1)
+LBLS = st.integers(0, NL - 1)
+
+
+class RetentionLockstep(RuleBasedStateMachine):
+    seen: ClassVar[set[str]] = set()
+
+    def __init__(self, scope: R.Scope = SCOPE) -> None:
+        super().__init__()
+        self.scope = scope
+        self.model = R.RetentionModel(scope)
+        self.state = self.model.init()
+        retention = {LABELS[i]: RetentionPolicy(w)
+                     for i, w in enumerate(scope.windows) if w is not None}
+        cfg = KVConfig(num_layers=LAYERS, num_kv_heads=1, head_dim=1, max_seq_len=64,
+                       max_num_pages=scope.pages + 1, page_size=scope.page_size,
+                       cpu_offload_pages=scope.requests * NL * scope.max_len,
+                       num_qo_heads=1, retention=retention)
+        self.kv = KVManager(cfg, "kv", None, TransferEngineInfo(), "cpu",
+                            dtype=torch.float32)
+
+    # ------------------------------------------------------------ lockstep
+
+    def step(self, action: R.Action, call: Any) -> R.Result:
+        want, after = self.model.step(self.state, action)
+        try:
+            got = call()
+        except KVRefError as err:
+            got = R.Misuse(type(err).__name__)
+        got = self.as_model(got)
+        assert got == want, f"{action}: kvref {got}, model {want}"
+        self.seen.add(f"{type(action).__name__}:{type(want).__name__}")
+        broken = violations(self.model, after, action, want, self.state)
+        assert not broken, f"{action}: the model's invariants broke along kvref's run: {broken}"
+        self.state = after
+        return want
+
+    @staticmethod
+    def as_model(got: Any) -> R.Result:
+        if isinstance(got, R.Misuse):
+            return got
+        if got is None:
+            return R.Ok()
+        if isinstance(got, AllocationFailed):
+            return R.AllocationFailed(got.pages_short)
+        if isinstance(got, RequestOffloading):
+            return R.Misuse(R.UNAVAILABLE)
+        if isinstance(got, OffloadOutcome | ReloadOutcome):
+            if got.reason is None:
+                return R.Count(got.pages_freed if isinstance(got, OffloadOutcome)
+                               else got.pages_taken)
+            if got.reason is ReloadReason.DEVICE_FULL:
+                return R.AllocationFailed(got.pages_short)
+            return R.Refused(got.reason.name)
+        assert isinstance(got, int) and not isinstance(got, bool), got
+        return R.Count(got)
+
+    def ingest(self, rid: int) -> None:
+        name = rid_name(rid)
+        if not self.kv.has_request(name):
+            self.kv.ingest_request(name)
+            # every label's stream, empty, in the model's order: a removal or
+            # an offload goes through them in the order they were made, the
+            # model in label order
+            for lb in LABELS:
+                self.kv.match_prefix(name, lb, [])
+
+    def stream(self, rid: int, label: int) -> R.Stream | None:
+        return self.state.streams[self.model.holder(rid, label)]
+
+    def known(self, rid: int) -> bool:
+        return any(self.stream(rid, lb) is not None for lb in range(NL))
+
+    def blind(self, rid: int, label: int) -> bool:
+        """The model offloads a request as a whole; kvref claims only the
+        streams holding pages, so a call on an empty stream of an offloaded
+        request is refused by the model and not by kvref: not compared."""
+        st_ = self.stream(rid, label)
+        return self.model.offloaded(self.state, rid) and (st_ is None or not st_.n)
+
+    def length(self, rid: int, label: int) -> int:
+        st_ = self.stream(rid, label)
+        return st_.n if st_ is not None else 0
+
+    def run_step(self, rid: int, label: int, tokens: tuple[int, ...],
+                 pre_forks: tuple[tuple[str, str], ...] = ()) -> Any:
+        name, lb = rid_name(rid), LABELS[label]
+        step = KVStep([Segment(name, lb, len(tokens))], pre_forks=pre_forks)
+        ctx = StepContext((name,))
+        out = self.kv.admit(step, ctx)
+        if not out.ok:
+            return out.reason
+        plans = self.kv.plan(step, ctx)
+        if tokens:
+            (view,) = [v for out in plans.values() for v in out.views]
+            stream = self.kv._streams[name][lb]
+            # W1, W4: the view starts at the first retained page
+            assert view.offset == stream.released, (view, stream)
+            # the absolute position of the first token written
+            start = view.offset + view.length - view.to_compute
+            for layer in range(LAYERS):
+                k = torch.tensor([value(t, start + i, layer) for i, t in enumerate(tokens)])
+                self.kv.write_kv(k.view(-1, 1, 1), -k.view(-1, 1, 1), layer_idx=layer,
+                                 label=lb)
+        self.kv.commit(step, ctx)
+        return None
+
+    # ------------------------------------------------------------ rules
+
+    @rule(rid=RIDS, label=LBLS, tokens=TOKENS)
+    def append(self, rid: int, label: int, tokens: tuple[int, ...]) -> None:
+        if self.length(rid, label) + len(tokens) > self.scope.max_len or self.blind(
+                rid, label):
+            return
+        self.ingest(rid)
+        self.step(R.Append(rid, label, tokens), lambda: self.run_step(rid, label, tokens))
+
+    @rule(rid=RIDS, label=LBLS, n=st.integers(1, 4))
+    def decode_many(self, rid: int, label: int, n: int) -> None:
+        """Decode steps one token each: the window slides page by page."""
+        for i in range(n):
+            self.append(rid, label, (i % self.scope.alphabet,))
+
+    @rule(rid=RIDS, src=LBLS, dst=LBLS)
+    def fork(self, rid: int, src: int, dst: int) -> None:
+        if src == dst or self.stream(rid, src) is None or self.stream(rid, dst) is not None:
+            # a fork onto itself is a malformed step; kvref's fork from a label
+            # the request lacks copies nothing (R20); a target that already
+            # holds pages keeps its private ones (R51), where the model
+            # releases them: not compared
+            return
+        if self.model.offloaded(self.state, rid):
+            return  # kvref refuses at admit (RequestOffloading) only for named streams
+        self.step(R.Fork(rid, src, dst), lambda: self.run_step(
+            rid, src, (), pre_forks=((LABELS[src], LABELS[dst]),)))
+
+    @rule(rid=RIDS, label=LBLS, back=st.integers(-1, SCOPE.max_len))
+    def truncate(self, rid: int, label: int, back: int) -> None:
+        if self.stream(rid, label) is None or self.blind(rid, label):
+            return
+        n = max(0, self.length(rid, label) - back) if back >= 0 else self.length(
+            rid, label) + 1
+        self.step(R.Truncate(rid, label, n),
+                  lambda: self.kv.truncate(rid_name(rid), LABELS[label], n))
+
+    @rule(rid=RIDS)
+    def remove(self, rid: int) -> None:
+        self.step(R.Remove(rid), lambda: self.kv.remove_request(rid_name(rid)))
+
+    @rule(rid=RIDS)
+    def offload(self, rid: int) -> None:
+        if not self.known(rid):
+            return
+        self.step(R.Offload(rid), lambda: self.kv.offload_outcome(rid_name(rid)))
+
+    @rule(rid=RIDS)
+    def reload(self, rid: int) -> None:
+        if not self.known(rid):
+            return
+        self.step(R.Reload(rid), lambda: self.kv.reload_outcome(rid_name(rid)))
+
+    @rule(rid=RIDS, label=LBLS)
+    def cache_prefix(self, rid: int, label: int) -> None:
+        st_ = self.stream(rid, label)
+        if st_ is None or self.blind(rid, label):
+            return
+        tokens = list(st_.tokens)
+        self.step(R.CachePrefix(rid, label),
+                  lambda: self.kv.cache_prefix(rid_name(rid), LABELS[label], tokens))
+
+    @rule(rid=RIDS, label=LBLS, donor=st.integers(0, SCOPE.requests * NL - 1), tail=TOKENS)
+    def match_prefix(self, rid: int, label: int, donor: int, tail: tuple[int, ...]) -> None:
+        st_ = self.stream(rid, label)
+        if (st_ is not None and st_.n) or self.model.offloaded(self.state, rid):
+            return
+        d = self.state.streams[donor]
+        prompt = (d.tokens if d is not None else ()) + tail
+        self.ingest(rid)
+        self.step(R.MatchPrefix(rid, label, prompt),
+                  lambda: self.kv.match_prefix(rid_name(rid), LABELS[label], list(prompt)))
+
+    # ------------------------------------------------------------ checks
+
+    @invariant()
+    def same_pages_and_bytes(self) -> None:
+        kv, s = self.kv, self.state
+        check_device_pages(kv)
+        assert kv.num_free_pages == self.model.num_free(s), (
+            f"free: kvref {kv.num_free_pages}, model {self.model.num_free(s)}")
+        snap = kv._pages.snapshot()
+        for p in range(1, self.scope.pages + 1):
+            pg = s.pool.page(p)
+            owners = {(rid_name(h // NL), LABELS[h % NL]) for h in pg.holders}
+            assert snap.holders[p - 1] == owners, (
+                f"page {p}: kvref holders {set(snap.holders[p - 1])}, model {owners}")
+            # the model keys pages without extras, kvref with the label: with one
+            # full-attention label (windowed ones never register, W9) the same
+            # pages are keyed and found; compare which are
+            assert (snap.keys[p - 1] is None) == (pg.key is None), f"page {p}: keys differ"
+        assert snap.lru == s.pool.lru, f"LRU: kvref {snap.lru}, model {s.pool.lru}"
+        assert snap.blank == s.pool.blank, f"blank: kvref {snap.blank}, model {s.pool.blank}"
+        ps = self.scope.page_size
+        for rid in range(self.scope.requests):
+            name = rid_name(rid)
+            for label in range(NL):
+                st_ = self.stream(rid, label)
+                stream = kv._streams.get(name, {}).get(LABELS[label])
+                where = f"{name}/{LABELS[label]}"
+                if st_ is None:
+                    assert stream is None or (stream.stored_len == 0
+                                              and not stream.page_indices), where
+                    continue
+                assert stream is not None, f"{where}: kvref has none, model {st_}"
+                assert stream.stored_len == st_.n, (where, stream, st_)
+                assert stream.released == st_.released, (
+                    f"{where}: released kvref {stream.released}, model {st_.released}")
+                assert stream.position == st_.position, (
+                    f"{where}: position kvref {stream.position}, model {st_.position}")
+                # an empty stream is not claimed by kvref's offload (see `blind`)
+                assert stream.offloaded == (st_.offloaded and st_.n > 0), (where, stream, st_)
+                table = tuple(p for p in st_.table if p is not None)
+                assert tuple(stream.page_indices) == table, (
+                    f"{where}: kvref pages {stream.page_indices}, model {st_.table}")
+                if st_.n and not st_.offloaded:
+                    got = kv.read_stream(name, LABELS[label])
+                    first = self.model.window_start(self.model.holder(rid, label), st_.n)
+                    want = torch.tensor([[value(st_.tokens[i], i, layer)
+                                          for i in range(first, st_.n)]
+                                         for layer in range(LAYERS)])
+                    assert torch.equal(got[:, :, 0].flatten(1), want), (
+                        f"{where} reads back other K than its window's tokens")
+                    assert len(stream.page_indices) <= -(-(st_.n - stream.released) // ps)
+
+
+def test_retention_lockstep() -> None:
+    RetentionLockstep.seen.clear()
+    run_state_machine_as_test(RetentionLockstep, settings=BUDGET)
+    # the run reached what it claims to check
+    wanted = {"Append:Ok", "Append:AllocationFailed", "Fork:Ok", "Fork:Misuse",
+              "Truncate:Count", "Truncate:Misuse", "Offload:Count", "Reload:Count",
+              "CachePrefix:Count", "MatchPrefix:Count"}
+    missing = wanted - RetentionLockstep.seen
+    assert not missing, f"never arose: {sorted(missing)}"
