@@ -4,7 +4,8 @@ Two steps, so that no page is edited by hand with numbers:
 
     python -m benchmarks --json docs/performance/data/benchmarks.json            # 1: measure
     python -m benchmarks.attention --json docs/performance/data/attention.json   #    (all
-    python -m benchmarks.shared_pages --json docs/performance/data/shared_pages.json #  three)
+    python -m benchmarks.shared_pages --json docs/performance/data/shared_pages.json #  four)
+    python -m benchmarks.retention --json docs/performance/data/retention.json
     python scripts/docs_figures.py                                               # 2: render
 
 Step 2 reads the JSON only (it measures nothing) and writes
@@ -29,7 +30,7 @@ from typing import Any, TypeVar
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import attention, control_plane, data_plane, shared_pages
+from benchmarks import attention, control_plane, data_plane, retention, shared_pages
 from benchmarks.__main__ import control_tables, data_tables
 
 DATA = ROOT / "docs" / "performance" / "data"
@@ -116,6 +117,21 @@ def attention_section(run: dict[str, Any]) -> list[str]:
     ]
 
 
+def retention_summary(r: retention.Results) -> list[str]:
+    g, d = r.growth, r.decode
+    last = g.checkpoints[-1]
+    return [
+        f"- A stream windowed to W = {g.window} tokens (page size {g.page_size}) holds "
+        f"at most {g.max_retained_after_fill} device pages once its window has filled "
+        f"(bound {g.bound}); without retention it holds {last.full} after "
+        f"{last.generated} generated tokens.",
+        f"- A decode step of B = {d.batch} with retention costs "
+        f"{span([p.ratio.median for p in d.phases])} of the same step without, the "
+        f"requests growing from {d.phases[0].stored_min} to {d.phases[-1].stored_max} "
+        "tokens.",
+    ]
+
+
 def render(data: Path = DATA) -> str:
     """The page, from the JSON files under ``data``."""
     out = [
@@ -150,6 +166,13 @@ def render(data: Path = DATA) -> str:
         command = "python -m benchmarks.shared_pages" + (" --quick" if results.quick else "")
         out += ["", "## Shared pages", "", conditions(run, command), "",
                 shared_pages.tables(results), ""]
+    windowed = data / "retention.json"
+    if windowed.exists():
+        run = json.loads(windowed.read_text())
+        kept = rebuild(retention.Results, run["results"])
+        command = "python -m benchmarks.retention" + (" --quick" if kept.quick else "")
+        out += ["", "## Sliding-window retention", "", conditions(run, command), "",
+                *retention_summary(kept), "", retention.tables(kept), ""]
     return "\n".join(out).rstrip("\n") + "\n"
 
 
