@@ -32,19 +32,41 @@ kvref's page table keeping them apart. What it shows, each counted in
   ``admit_retrieve`` and, once the copy landed, the lease is released with
   ``release_published``.
 
+A windowed model (``--sliding-window W``, ``Engine(..., sliding_window=W)``):
+a Mistral-architecture model whose attention has ``sliding_window = W`` (a
+query sees itself and the ``W - 1`` tokens before it). Both labels are
+windowed, ``KVConfig.retention = {label: RetentionPolicy(context_budget=W)}``,
+and attention masks with ``window_left = W - 1``. A windowed stream releases
+the pages wholly before its window at every commit: its plan views start at
+``view.offset`` released tokens, so a token's position is ``offset + j``, and
+it holds at most ``ceil(W / page_size) + 1`` pages however long it runs (the
+summary prints the most any stream held). Chunked prefill, decode,
+preemption (offload/reload), the fork (both labels have the same window) and
+speculative verify steps work on windowed labels. kvref refuses the rest:
+``match_prefix`` answers 0 and ``cache_prefix`` registers nothing (W9/W10 of
+specs/retention.md), and ``publish`` raises ``WindowUnsupportedError``, so the
+windowed demo has no disaggregated request and no prefix hits. ``truncate``
+refuses (``ReleasedPrefixError``) a length whose window would reach into
+released tokens; a verify step's commit may release a page the rollback's
+window still needs, so the engine drafts only as many tokens as keep every
+rollback inside the resident window (`Engine.propose`).
+
 The summary reports the prefix cache's hit rate (prompt tokens attached from
 the cache over all prompt tokens) and the pages saved: at the step where
 sharing saves most, the pages the step's page tables name, summed per stream
 (what they would hold without sharing), minus the pages the manager holds
 (``max_num_pages - 1 - num_free_pages``).
 
-Run it: ``python examples/engine.py``. ``tests/e2e/test_example_engine.py``
-checks every sample's tokens against transformers' ``generate``.
+Run it: ``python examples/engine.py``, or ``python examples/engine.py
+--sliding-window 16`` for the windowed model. ``tests/e2e/test_example_engine.py``
+checks every sample's tokens against transformers' ``generate``, in both modes.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,7 +74,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AttentionInterface,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvref import (
@@ -61,6 +89,7 @@ from kvref import (
     KVManager,
     KVPlanOutput,
     KVStep,
+    RetentionPolicy,
     Segment,
     StepContext,
     TransferEngineInfo,
@@ -72,6 +101,8 @@ ATTN_NAME = "kvref_example_engine"
 VOCAB = 128
 MAIN, SAMPLE = "main", "s1"
 SYSTEM_LEN = 12  # the demo's shared system prompt, in tokens
+
+Model = LlamaForCausalLM | MistralForCausalLM
 
 
 # -- the model and kvref's attention inside it ------------------------------------
@@ -105,23 +136,32 @@ AttentionInterface.register(ATTN_NAME, kvref_attention)
 AttentionMaskInterface.register(ATTN_NAME, lambda *args, **kwargs: None)
 
 
-def build_model(seed: int = 0) -> LlamaForCausalLM:
+def build_model(seed: int = 0, sliding_window: int | None = None) -> Model:
+    """A random-weight Llama, or with ``sliding_window`` a Mistral (the same
+    shapes) whose every attention layer sees only that many tokens."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    shape: dict[str, Any] = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         # wider than the default: greedy picks then win by margins far above
         # float32 noise, so a paged forward and a dense one pick the same
         initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=0,
     )
-    cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg)
+    model: Model
+    if sliding_window is None:
+        llama = LlamaConfig(**shape)
+        llama._attn_implementation = "eager"
+        model = LlamaForCausalLM(llama)
+    else:
+        mistral = MistralConfig(**shape, sliding_window=sliding_window)
+        mistral._attn_implementation = "eager"
+        model = MistralForCausalLM(mistral)
     model.train(False)  # inference: no dropout
     model.generation_config.eos_token_id = None
     return model
 
 
-def build_draft(model: LlamaForCausalLM, noise: float = 0.02, seed: int = 1) -> LlamaForCausalLM:
+def build_draft(model: Model, noise: float = 0.02, seed: int = 1) -> Model:
     """A stand-in for a small draft model: the target, weights perturbed, so it
     agrees with the target often but not always."""
     draft = copy.deepcopy(model)
@@ -133,7 +173,7 @@ def build_draft(model: LlamaForCausalLM, noise: float = 0.02, seed: int = 1) -> 
 
 
 @contextmanager
-def attn_implementation(model: LlamaForCausalLM, name: str) -> Iterator[None]:
+def attn_implementation(model: Model, name: str) -> Iterator[None]:
     before = model.config._attn_implementation
     model.set_attn_implementation(name)
     try:
@@ -190,6 +230,8 @@ class Stats:
     hit_tokens: int = 0  # of them, attached from the prefix cache
     pages_cached: int = 0  # pages `cache_prefix` made findable
     pages_saved: int = 0  # at most, in one step: page tables summed minus pages held
+    window_pages: int = 0  # the most pages a windowed stream held entering a step
+    window_bound: int = 0  # ceil(W / page_size) + 1: what it may hold (0: no window)
 
     @property
     def hit_rate(self) -> float:
@@ -209,10 +251,16 @@ class Work:
 class Engine:
     """Continuous batching over a decode manager, plus a prefill worker's manager."""
 
-    def __init__(self, model: LlamaForCausalLM, draft: LlamaForCausalLM | None = None, *,
+    def __init__(self, model: Model, draft: Model | None = None, *,
                  page_size: int = 4, device_pages: int = 16, chunk: int = 4,
-                 draft_len: int = 3, prefix_caching: bool = True) -> None:
+                 draft_len: int = 3, prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        # the model's window must be the one kvref retains and masks with
+        if sliding_window != getattr(model.config, "sliding_window", None):
+            raise ValueError(f"sliding_window={sliding_window}, but the model's is "
+                             f"{getattr(model.config, 'sliding_window', None)}")
         self.model = model
+        self.window = sliding_window
         self.prefix_caching = prefix_caching  # off: no hits, and forks copy every page
         self.draft = draft
         self.chunk = chunk
@@ -220,6 +268,8 @@ class Engine:
         self.kv = self._manager("decode", page_size, device_pages)
         self.prefill_kv = self._manager("prefill", page_size, 64)
         self.stats = Stats()
+        if sliding_window is not None:
+            self.stats.window_bound = math.ceil(sliding_window / page_size) + 1
         self.requests: list[Request] = []
 
     def _manager(self, name: str, page_size: int, pages: int) -> KVManager:
@@ -231,6 +281,9 @@ class Engine:
             max_num_pages=pages + 1,  # + the sink page
             page_size=page_size, num_qo_heads=mc.num_attention_heads, cpu_offload_pages=64,
             enable_prefix_caching=self.prefix_caching,
+            # both labels: the fork's source and target must share a window (W5)
+            retention={} if self.window is None else {
+                lb: RetentionPolicy(context_budget=self.window) for lb in (MAIN, SAMPLE)},
         )
         return KVManager(cfg, name, None, TransferEngineInfo(), torch.device("cpu"),
                          torch.float32)
@@ -346,8 +399,10 @@ class Engine:
     def forward(self, kv: KVManager, plan: KVPlanOutput, work: dict[tuple[str, str], Work],
                 ) -> tuple[torch.Tensor, dict[tuple[str, str], slice]]:
         """One packed forward in the plan's row order (label-major, as planned)."""
+        policy = kv.config.retention.get(MAIN)
         attn = PagedAttention.from_config(kv.config, backend="torch",
-                                          sm_scale=self.model.model.layers[0].self_attn.scaling)
+                                          sm_scale=self.model.model.layers[0].self_attn.scaling,
+                                          window_left=-1 if policy is None else policy.window_left)
         attn.plan(plan)
         ids: list[int] = []
         pos: list[int] = []
@@ -355,10 +410,16 @@ class Engine:
         for view in plan.views:
             w = work[(view.request_id, view.label)]
             assert view.to_compute == len(w.tokens)
-            start = view.length - view.to_compute  # the stream's length before this step
+            # a windowed view starts at its first retained page, ``offset``
+            # released tokens in (0 without a window): positions are absolute
+            start = view.offset + view.length - view.to_compute  # the length before
             rows[(view.request_id, view.label)] = slice(len(ids), len(ids) + len(w.tokens))
             ids += w.tokens
-            pos += range(start, view.length)
+            pos += range(start, view.offset + view.length)
+            if kv is self.kv and self.window is not None:
+                # what the stream held entering the step: the retained pages
+                held = -(-(view.length - view.to_compute) // kv.config.page_size)
+                self.stats.window_pages = max(self.stats.window_pages, held)
         logits = self.model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
                             use_cache=False, kvref=Forward(kv, attn)).logits[0]
         return logits, rows
@@ -415,6 +476,8 @@ class Engine:
         """Drafted tokens for ``r``'s next verify step; none for a plain decode."""
         remaining = r.max_new - len(r.out[label])
         k = min(self.draft_len, remaining - 1)
+        if self.window is not None:
+            k = min(k, self.safe_draft(r, label))
         if not r.speculative or self.draft is None or k <= 0:
             return []
         context = r.prompt + r.out[label]
@@ -423,6 +486,19 @@ class Engine:
             logits = self.draft(torch.tensor([context + drafted]), use_cache=False).logits
             drafted.append(int(logits[0, -1].argmax()))
         return drafted
+
+    def safe_draft(self, r: Request, label: str) -> int:
+        """The most drafted tokens a windowed verify step may take so that any
+        rollback stays truncatable: the step commits ``n + 1 + k`` tokens,
+        releasing the pages wholly before ``n + 1 + k - W``; rejecting every
+        draft truncates to ``n + 1``, whose window starts at ``n + 1 - W``
+        and must not reach into released tokens (W6: ``ReleasedPrefixError``)."""
+        assert self.window is not None
+        ps = self.kv.config.page_size
+        first = self.kv.stored_len(r.rid, label) + 1 - self.window  # all rejected
+        if first < 0:
+            return max(0, ps - 1 - first)  # nothing released until first + k >= ps
+        return ps - 1 - first % ps  # the commit must not release first's page
 
     # -- preemption -------------------------------------------------------------
 
@@ -437,15 +513,21 @@ class Engine:
     def reload_swapped(self) -> None:
         """Bring preempted requests back, oldest first, while the device has
         room for them and a step's growth of everything running."""
-        ps = self.kv.config.page_size
         for r in sorted((r for r in self.requests if r.state == "swapped"),
                         key=lambda r: r.arrival):
-            need = sum(-(-self.kv.stored_len(r.rid, lb) // ps) + 1 for lb in r.labels())
+            need = sum(self.resident_pages(r.rid, lb) + 1 for lb in r.labels())
             headroom = sum(len(o.labels()) for o in self.running())
             if self.kv.num_free_pages < need + headroom or not self.kv.reload(r.rid):
                 return
             r.state = "running"
             self.stats.reloads += 1
+
+    def resident_pages(self, rid: str, label: str) -> int:
+        """The pages the stream holds on the device when resident: all its
+        pages, or for a windowed one those from its window's first page on."""
+        ps, n = self.kv.config.page_size, self.kv.stored_len(rid, label)
+        released = 0 if self.window is None else max(0, n - self.window) // ps
+        return -(-n // ps) - released
 
     # -- disaggregated prefill --------------------------------------------------
 
@@ -506,7 +588,9 @@ class Engine:
                 r.state = "done"
 
 
-def demo_requests(max_new: int = 10, seed: int = 1) -> list[Request]:
+def demo_requests(max_new: int = 10, seed: int = 1, windowed: bool = False) -> list[Request]:
+    """The demo's requests. ``windowed``: for a windowed model, without the
+    disaggregated one (``publish`` refuses a windowed label)."""
     gen = torch.Generator().manual_seed(seed)
 
     def prompt(n: int) -> list[int]:
@@ -514,7 +598,7 @@ def demo_requests(max_new: int = 10, seed: int = 1) -> list[Request]:
 
     # a system prompt of three pages (page size 4) that three requests open with
     system = prompt(SYSTEM_LEN)
-    return [
+    reqs = [
         # prefilled in chunks; its system prompt is cached once it is in (step 2)
         Request("long", system + prompt(5), max_new, arrival=0),
         Request("spec", prompt(11), max_new, arrival=1, speculative=True),
@@ -523,12 +607,22 @@ def demo_requests(max_new: int = 10, seed: int = 1) -> list[Request]:
         Request("pair", system + prompt(3), max_new, arrival=3, samples=2),
         Request("late", system + prompt(4), max_new, arrival=4),
     ]
+    return [r for r in reqs if not (windowed and r.disaggregated)]
 
 
-def main() -> None:
-    model = build_model()
-    engine = Engine(model, build_draft(model))
-    reqs = demo_requests()
+WINDOWED_MAX_NEW = 40  # far past a window of 16: positions outgrow what a stream holds
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sliding-window", type=int, default=None, metavar="W",
+                        help="a Mistral whose attention sees W tokens, on windowed labels")
+    args = parser.parse_args(argv)
+    window = args.sliding_window
+    model = build_model(sliding_window=window)
+    engine = Engine(model, build_draft(model), sliding_window=window)
+    reqs = (demo_requests() if window is None
+            else demo_requests(WINDOWED_MAX_NEW, windowed=True))
     stats = engine.run(reqs)
     for r in reqs:
         for label, toks in r.out.items():
@@ -545,6 +639,11 @@ def main() -> None:
     print(f"{s.transfers} disaggregated prefill, {s.leases_released} lease released; "
           f"device pages free at the end: {engine.kv.num_free_pages} of "
           f"{engine.kv.config.max_num_pages - 1} ({engine.kv.num_cached_pages} of them cached)")
+    if window is not None:
+        longest = max(len(r.prompt) + r.max_new for r in reqs)
+        print(f"sliding window {window} (page size {engine.kv.config.page_size}): a windowed "
+              f"stream held at most {s.window_pages} device pages, bound ceil(W/ps)+1 = "
+              f"{s.window_bound}, for sequences of up to {longest} tokens")
 
 if __name__ == "__main__":
     main()

@@ -11,13 +11,27 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "engine.py"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny matmuls gain nothing from intra-op threads, and on a loaded machine
+    their spinning costs these runs ~15x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def load_example() -> ModuleType:
@@ -92,3 +106,52 @@ def test_example_engine_matches_generate() -> None:
         cached = kv.num_cached_pages
         assert kv.reset_prefix_cache() == cached
         assert kv.num_cached_pages == 0 and kv.num_free_pages == kv.config.max_num_pages - 1
+
+
+def test_example_engine_windowed_matches_generate() -> None:
+    """The windowed option: a Mistral with ``sliding_window = 16`` on windowed
+    labels generates what ``generate`` (its sliding-window cache) does, for
+    every request and both samples, through chunked prefill, preemption, the
+    fork and speculative verify steps, far past several windows; no stream
+    ever holds more than ``ceil(W / ps) + 1`` pages, and one reaches that."""
+    window = 16
+    ex = load_example()
+    model = ex.build_model(sliding_window=window)
+    engine = ex.Engine(model, ex.build_draft(model), sliding_window=window)
+    reqs = ex.demo_requests(ex.WINDOWED_MAX_NEW, windowed=True)
+    assert not any(r.disaggregated for r in reqs)
+    stats = engine.run(reqs)
+
+    with torch.no_grad():
+        for r in reqs:
+            assert r.state == "done", r.rid
+            # past several windows: positions far beyond what a stream holds
+            assert len(r.prompt) + r.max_new > 3 * window, r.rid
+            assert r.out[ex.MAIN] == greedy(model, r.prompt, r.max_new), r.rid
+            if r.samples == 2:
+                runner_up = int(model(torch.tensor([r.prompt])).logits[0, -1].topk(2).indices[1])
+                want = [runner_up, *greedy(model, [*r.prompt, runner_up], r.max_new - 1)]
+                assert r.out[ex.SAMPLE] == want, r.rid
+        # the window decides the tokens: the same weights with full attention differ
+        model.config.sliding_window = None
+        try:
+            full = [greedy(model, r.prompt, r.max_new) for r in reqs]
+        finally:
+            model.config.sliding_window = window
+        assert any(f != r.out[ex.MAIN] for f, r in zip(full, reqs, strict=True))
+
+    ps = engine.kv.config.page_size
+    print(f"\nwindow {window}, page size {ps}: at most {stats.window_pages} pages held, "
+          f"bound {stats.window_bound}")
+    assert stats.window_bound == -(-window // ps) + 1
+    assert stats.window_pages == stats.window_bound  # respected, and reached
+    # kvref refuses prefix hits on windowed labels: nothing hit, nothing cached
+    assert stats.hit_tokens == stats.pages_cached == 0 and stats.transfers == 0, stats
+    assert stats.mixed_steps > 0, stats
+    assert stats.preemptions > 0 and stats.reloads == stats.preemptions, stats
+    assert stats.forks == 1, stats
+    # speculative rollbacks within the window: truncate freed pages, never refused
+    assert stats.verify_steps > 0 and 0 < stats.accepted < stats.drafted, stats
+    assert stats.pages_truncated > 0, stats
+    for kv in (engine.kv, engine.prefill_kv):
+        assert kv.num_free_pages == kv.config.max_num_pages - 1
