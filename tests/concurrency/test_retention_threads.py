@@ -13,21 +13,18 @@ a settled windowed stream keeps: ceil(W / page_size) + 1 pages.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-import sys
-import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
 
-from kvref import KVConfig, KVManager, KVRefError, KVStep, RetentionPolicy, Segment, StepContext
+from kvref import KVConfig, KVManager, KVStep, RetentionPolicy, Segment, StepContext
 from kvref.runtime import Runtime, ThreadingRuntime
 from kvref.testing.page_checks import check_device_pages
 from kvref.transfer import TransferEngineInfo
+from tests.support.free_threads import run_roles
 from tests.support.lockset import Detector, TracedRuntime
 
 PS, W, REQUESTS, LAYERS = 4, 8, 4, 2
@@ -60,19 +57,6 @@ def run_threads(runtime: Runtime, seconds: float, detector: Detector | None = No
         detector.forget()
     counts = dict.fromkeys(("steps", "offloads", "reloads", "resets", "removals",
                             "checks", "windows read", "pages released"), 0)
-    errors: list[BaseException] = []
-    stop = time.monotonic() + seconds
-
-    def loop(fn: Callable[[random.Random], None], seed: int) -> Callable[[], None]:
-        def go() -> None:
-            rng = random.Random(seed)
-            try:
-                while time.monotonic() < stop and not errors:
-                    with contextlib.suppress(KVRefError):  # raced into another's state
-                        fn(rng)
-            except BaseException as err:
-                errors.append(err)
-        return go
 
     def engine(rng: random.Random) -> None:
         rn, label = f"r{rng.randrange(REQUESTS)}", rng.choice(LABELS)
@@ -127,19 +111,7 @@ def run_threads(runtime: Runtime, seconds: float, detector: Detector | None = No
         counts["checks"] += 1
         time.sleep(0.003)
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=loop(fn, i), name=fn.__name__)
-                   for i, fn in enumerate((engine, worker, life, checker))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(seconds + 30)
-        assert not any(t.is_alive() for t in threads), "a thread hung"
-    finally:
-        sys.setswitchinterval(old)
-    assert not errors, errors
+    run_roles((engine, worker, life, checker), seconds)
     if detector is not None:
         detector.forget()
     check_device_pages(kv)

@@ -20,22 +20,19 @@ with an offload, a removal or an eviction loses a page or serves wrong KV.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-import sys
-import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
 
-from kvref import KVConfig, KVManager, KVRefError, KVStep, Segment, StepContext, prefix_cache
+from kvref import KVConfig, KVManager, KVStep, Segment, StepContext, prefix_cache
 from kvref.config import KVReqConfig
 from kvref.runtime import Runtime, ThreadingRuntime
 from kvref.testing.page_checks import check_device_pages
 from kvref.transfer import TransferEngineInfo
+from tests.support.free_threads import run_roles
 from tests.support.lockset import Detector, TracedRuntime
 
 PS = 4
@@ -78,21 +75,6 @@ def run_threads(runtime: Runtime, seconds: float, detector: Detector | None = No
         detector.forget()
     counts = dict.fromkeys(("steps", "hit tokens", "cached pages", "offloads", "reloads",
                             "resets", "removals", "checks", "streams read"), 0)
-    errors: list[BaseException] = []
-    stop = time.monotonic() + seconds
-
-    def loop(fn: Callable[[random.Random], None], seed: int) -> Callable[[], None]:
-        def go() -> None:
-            rng = random.Random(seed)
-            try:
-                while time.monotonic() < stop and not errors:
-                    # a call raced into a state another thread made (an
-                    # offloaded stream, a removed request): refused, typed
-                    with contextlib.suppress(KVRefError):
-                        fn(rng)
-            except BaseException as err:
-                errors.append(err)
-        return go
 
     def engine(rng: random.Random) -> None:
         rid = rng.randrange(REQUESTS)
@@ -158,19 +140,7 @@ def run_threads(runtime: Runtime, seconds: float, detector: Detector | None = No
         counts["checks"] += 1
         time.sleep(0.003)
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=loop(fn, i), name=fn.__name__)
-                   for i, fn in enumerate((engine, worker, life, checker))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(seconds + 30)
-        assert not any(t.is_alive() for t in threads), "a thread hung"
-    finally:
-        sys.setswitchinterval(old)
-    assert not errors, errors
+    run_roles((engine, worker, life, checker), seconds)
     if detector is not None:
         detector.forget()
     check_device_pages(kv)

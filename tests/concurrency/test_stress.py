@@ -17,22 +17,19 @@ state is recorded, and a clean tree must report no data race.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-import sys
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from kvref import KVManager, KVRefError
+from kvref import KVManager
 from kvref.runtime import ThreadingRuntime
 from kvref.testing.driver import Driver, DriverConfig, label_name, rid_name
 from kvref.testing.page_checks import check_device_pages
 from model import core as m
+from tests.support.free_threads import run_roles
 from tests.support.lockset import Detector, TracedRuntime
 from tests.support.sched_harness import SCOPE
 
@@ -61,23 +58,9 @@ def stress(runtime: ThreadingRuntime, detector: Detector | None = None) -> dict[
             infos[(rid, label)] = src.publish(rid_name(rid))
     if detector is not None:
         detector.forget()  # the set-up happens-before the threads start
-    stop = time.monotonic() + seconds
-    errors: list[BaseException] = []
     # each count is written by one thread only
     counts = dict.fromkeys(("steps", "offloads", "reloads", "retrieves", "resets",
                             "checks"), 0)
-
-    def loop(fn: Callable[[random.Random], None], seed: int) -> Callable[[], None]:
-        def go() -> None:
-            rng = random.Random(seed)
-            try:
-                while time.monotonic() < stop and not errors:
-                    # a misuse raced into (a reset of a request another removed...)
-                    with contextlib.suppress(KVRefError):
-                        fn(rng)
-            except BaseException as err:
-                errors.append(err)
-        return go
 
     def engine(rng: random.Random) -> None:
         rid = rng.randrange(SCOPE.requests)
@@ -121,19 +104,7 @@ def stress(runtime: ThreadingRuntime, detector: Detector | None = None) -> dict[
         counts["checks"] += 1
         time.sleep(0.005)
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=loop(fn, i), name=fn.__name__)
-                   for i, fn in enumerate((engine, worker, life, checker))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(seconds + 30)
-        assert not any(t.is_alive() for t in threads), "a thread hung"
-    finally:
-        sys.setswitchinterval(old)
-    assert not errors, errors
+    run_roles((engine, worker, life, checker), seconds)
     if detector is not None:
         detector.forget()  # joined: the threads' accesses happen-before the checks below
     runtime.shutdown()
