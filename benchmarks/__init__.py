@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -121,3 +121,33 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     when = datetime.now(UTC).isoformat(timespec="seconds")
     out.write_text(json.dumps(jsonable({"recorded": when, **payload}), indent=1,
                               ensure_ascii=False) + "\n")
+
+
+R = TypeVar("R")
+
+
+def run_cli(name: str, doc: str | None, argv: list[str] | None,
+            run: Callable[[bool], R], report: Callable[[R, float, tuple[float, float]], str]
+            ) -> None:
+    """``python -m benchmarks.<name> [--quick] [--json PATH]``: run on one torch
+    thread, print the report with the run's time and load, and with ``--json``
+    write the results and the run's conditions for scripts/docs_figures.py."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=doc)
+    ap.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
+    ap.add_argument("--json", metavar="PATH", default=None,
+                    help="also write the figures and the run's conditions to PATH")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # a shared box: two threads stall on each other
+    load_start = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    results = run(args.quick)
+    seconds = time.perf_counter() - t0
+    load_end = os.getloadavg()[0]
+    print(report(results, seconds, (load_start, load_end)))
+    if args.json:
+        write_json(args.json, {
+            "benchmark": name, "machine": machine(), "cpus": os.cpu_count(),
+            "load_start": load_start, "load_end": load_end, "seconds": seconds,
+            "results": results})

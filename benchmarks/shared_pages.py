@@ -32,17 +32,15 @@ here asserts a time. CPU, one torch thread, the cyclic GC held off.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from benchmarks import Spread, machine, md_table, no_gc, spread, write_json
+from benchmarks import Spread, machine, md_table, no_gc, run_cli, spread
 from benchmarks import control_plane as cp
 from benchmarks.prefix_cache import CACHED, PAGE_SIZE, PROMPT, Pair, hashing, pair
 from kvref import KVConfig, KVManager, KVStep, Segment, StepContext
@@ -414,25 +412,7 @@ def report(r: Results, seconds: float, load: tuple[float, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.shared_pages",
-                                 description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
-    ap.add_argument("--json", metavar="PATH", default=None,
-                    help="also write the figures and the run's conditions to PATH")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)  # a shared box: two threads stall on each other
-    load_start = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    results = run(args.quick)
-    seconds = time.perf_counter() - t0
-    load_end = os.getloadavg()[0]
-    print(report(results, seconds, (load_start, load_end)))
-    if args.json:
-        payload: dict[str, Any] = {
-            "benchmark": "shared_pages", "machine": machine(), "cpus": os.cpu_count(),
-            "load_start": load_start, "load_end": load_end, "seconds": seconds,
-            "results": results}
-        write_json(args.json, payload)
+    run_cli("shared_pages", __doc__, argv, run, report)
 
 
 if __name__ == "__main__":

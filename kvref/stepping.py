@@ -435,6 +435,9 @@ class Stepping:
 
     def _add_spans(self, step: KVStep) -> None:
         all_streams = self._table.streams
+        # asked once per commit, not per segment: most caches window nothing,
+        # and this loop runs for every request of every decode step
+        windows = self._table.windows
         for seg in step.segments:
             span = seg.span
             if not span:
@@ -452,8 +455,9 @@ class Stepping:
             stream.stored_len += span
             stream.position = stream.stored_len  # W4: the next token's position
             stream.generation += 1
-            # W2: a windowed stream lets go of what fell out of its window
-            self._table.retire((seg.request_id, seg.label), stream)
+            if windows and seg.label in windows:
+                # W2: a windowed stream lets go of what fell out of its window
+                self._table.retire((seg.request_id, seg.label), stream)
 
 
 def _stale(key: Key, planned: int, holds: int | None) -> PreplanStale:

@@ -7,33 +7,19 @@ is shared and noisy.
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks import retention as rt
+from tests.support.bench_smoke import check_spread
+from tests.support.bench_smoke import quick_run as run_quick
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("retention") / "retention.json"
-    capture = pytest.MonkeyPatch()
-    lines: list[str] = []
-    capture.setattr("builtins.print", lambda *a, **k: lines.append(" ".join(map(str, a))))
-    try:
-        rt.main(["--quick", "--json", str(out)])
-    finally:
-        capture.undo()
-    return "\n".join(lines), json.loads(Path(out).read_text())
-
-
-def _spread(s: dict[str, Any]) -> None:
-    assert s["n"] > 0
-    assert all(math.isfinite(s[k]) and s[k] > 0 for k in ("p10", "median", "p90"))
-    assert s["p10"] <= s["median"] <= s["p90"]
+    return run_quick(rt.main, tmp_path_factory.mktemp("retention") / "retention.json")
 
 
 def test_the_tables_have_every_row(quick_run: tuple[str, dict[str, Any]]) -> None:
@@ -62,7 +48,7 @@ def test_json_structure_and_timings_are_well_formed(
     assert (d["batch"], d["steps"], d["rounds"], len(d["phases"])) == (16, 256, 1, 2)
     for p in d["phases"]:
         for k in ("retained_us", "full_us", "ratio"):
-            _spread(p[k])
+            check_spread(p[k])
         assert p["retained_us"]["n"] == p["full_us"]["n"] == 128
 
 

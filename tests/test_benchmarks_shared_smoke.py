@@ -6,34 +6,19 @@ asserted: this box is shared and noisy.
 
 from __future__ import annotations
 
-import json
-import math
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks import shared_pages as sp
 from benchmarks.prefix_cache import PAGE_SIZE
+from tests.support.bench_smoke import check_spread
+from tests.support.bench_smoke import quick_run as run_quick
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("shared") / "shared.json"
-    capture = pytest.MonkeyPatch()
-    lines: list[str] = []
-    capture.setattr("builtins.print", lambda *a, **k: lines.append(" ".join(map(str, a))))
-    try:
-        sp.main(["--quick", "--json", str(out)])
-    finally:
-        capture.undo()
-    return "\n".join(lines), json.loads(Path(out).read_text())
-
-
-def _spread(s: dict[str, Any]) -> None:
-    assert s["n"] > 0
-    assert all(math.isfinite(s[k]) and s[k] > 0 for k in ("p10", "median", "p90"))
-    assert s["p10"] <= s["median"] <= s["p90"]
+    return run_quick(sp.main, tmp_path_factory.mktemp("shared") / "shared.json")
 
 
 def test_the_table_has_every_row(quick_run: tuple[str, dict[str, Any]]) -> None:
@@ -61,14 +46,14 @@ def test_json_structure_and_timings_are_well_formed(
     assert {"forks", "hit", "decode", "memory"} <= r.keys()
     for f in r["forks"]:
         for k in ("shared_us", "copying_us", "ratio"):
-            _spread(f[k])
+            check_spread(f[k])
     for k in ("admission", "with_cache_prefix", "hashing"):
         for side in ("ours_us", "theirs_us", "ratio"):
-            _spread(r["hit"][k][side])
+            check_spread(r["hit"][k][side])
     assert [d["batch"] for d in r["decode"]] == list(sp.DECODE_BATCHES)
     for d in r["decode"]:
         for k in ("off_us", "on_us", "named_us", "on_ratio", "named_ratio"):
-            _spread(d[k])
+            check_spread(d[k])
         assert d["cache_calls_per_step"] > 0  # the engine named tokens as pages filled
 
 

@@ -24,7 +24,7 @@ from kvref import KVConfig, KVManager, KVStep, RetentionPolicy, Segment, StepCon
 from kvref.runtime import Runtime, ThreadingRuntime
 from kvref.testing.page_checks import check_device_pages
 from kvref.transfer import TransferEngineInfo
-from tests.support.free_threads import run_roles
+from tests.support.free_threads import remove_all_and_check_nothing_leaked, run_roles
 from tests.support.lockset import Detector, TracedRuntime
 
 PS, W, REQUESTS, LAYERS = 4, 8, 4, 2
@@ -114,12 +114,7 @@ def run_threads(runtime: Runtime, seconds: float, detector: Detector | None = No
     run_roles((engine, worker, life, checker), seconds)
     if detector is not None:
         detector.forget()
-    check_device_pages(kv)
-    for r in range(REQUESTS):
-        kv.remove_request(f"r{r}")
-    assert kv.num_free_pages == cfg.max_num_pages - 1, "a device page leaked"
-    pool = kv._cpu_pool
-    assert pool is not None and pool.num_free == pool.capacity, "a host page leaked"
+    remove_all_and_check_nothing_leaked(kv, (f"r{r}" for r in range(REQUESTS)))
     return counts
 
 

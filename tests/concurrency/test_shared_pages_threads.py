@@ -32,7 +32,7 @@ from kvref.config import KVReqConfig
 from kvref.runtime import Runtime, ThreadingRuntime
 from kvref.testing.page_checks import check_device_pages
 from kvref.transfer import TransferEngineInfo
-from tests.support.free_threads import run_roles
+from tests.support.free_threads import remove_all_and_check_nothing_leaked, run_roles
 from tests.support.lockset import Detector, TracedRuntime
 
 PS = 4
@@ -143,14 +143,9 @@ def run_threads(runtime: Runtime, seconds: float, detector: Detector | None = No
     run_roles((engine, worker, life, checker), seconds)
     if detector is not None:
         detector.forget()
-    check_device_pages(kv)
-    for rid in range(REQUESTS):
-        kv.remove_request(name(rid))
-    assert kv.num_free_pages == cfg.max_num_pages - 1, "a device page leaked"
+    remove_all_and_check_nothing_leaked(kv, map(name, range(REQUESTS)))
     assert isinstance(kv.reset_prefix_cache(), int)
     assert kv.num_cached_pages == 0
-    pool = kv._cpu_pool
-    assert pool is not None and pool.num_free == pool.capacity, "a host page leaked"
     return counts
 
 

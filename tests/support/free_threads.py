@@ -2,8 +2,8 @@
 in a loop until the deadline, a typed refusal (`KVRefError`: a call raced
 into a state another thread made) is part of the run, anything else ends it
 and is raised. The switch interval is shortened so threads interleave
-densely. Used by tests/concurrency/test_stress.py and the shared-pages and
-retention thread checks."""
+densely; and the end every run checks. Used by tests/concurrency/
+test_stress.py and the shared-pages and retention thread checks."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from kvref import KVRefError
+from kvref import KVManager, KVRefError
+from kvref.testing.page_checks import check_device_pages
 
 Role = Callable[[random.Random], None]
 
@@ -49,3 +50,14 @@ def run_roles(roles: Sequence[Role], seconds: float) -> None:
     finally:
         sys.setswitchinterval(old)
     assert not errors, errors
+
+
+def remove_all_and_check_nothing_leaked(kv: KVManager, rids: Iterable[str]) -> None:
+    """After the threads joined: the page invariant, then every request removed
+    and no device or host page lost (I12)."""
+    check_device_pages(kv)
+    for rid in rids:
+        kv.remove_request(rid)
+    assert kv.num_free_pages == kv.config.max_num_pages - 1, "I12: device pages leaked"
+    pool = kv._cpu_pool
+    assert pool is not None and pool.num_free == pool.capacity, "I12: host pages leaked"
