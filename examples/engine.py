@@ -35,21 +35,24 @@ kvref's page table keeping them apart. What it shows, each counted in
 A windowed model (``--sliding-window W``, ``Engine(..., sliding_window=W)``):
 a Mistral-architecture model whose attention has ``sliding_window = W`` (a
 query sees itself and the ``W - 1`` tokens before it). Both labels are
-windowed, ``KVConfig.retention = {label: RetentionPolicy(context_budget=W)}``,
-and attention masks with ``window_left = W - 1``. A windowed stream releases
-the pages wholly before its window at every commit: its plan views start at
-``view.offset`` released tokens, so a token's position is ``offset + j``, and
-it holds at most ``ceil(W / page_size) + 1`` pages however long it runs (the
-summary prints the most any stream held). Chunked prefill, decode,
+windowed, ``KVConfig.retention = {label: RetentionPolicy(context_budget=W,
+rollback_margin=draft_len)}``, and attention masks with ``window_left = W -
+1``. A windowed stream releases, at every commit, the pages wholly before
+its window less the margin: its plan views start at ``view.offset``
+released tokens, so a token's position is ``offset + j``, and it holds at
+most ``ceil((W + draft_len) / page_size) + 1`` pages however long it runs
+(the summary prints the most any stream held). Chunked prefill, decode,
 preemption (offload/reload), the fork (both labels have the same window) and
-speculative verify steps work on windowed labels. kvref refuses the rest:
-``match_prefix`` answers 0 and ``cache_prefix`` registers nothing (W9/W10 of
-specs/retention.md), and ``publish`` raises ``WindowUnsupportedError``, so the
-windowed demo has no disaggregated request and no prefix hits. ``truncate``
-refuses (``ReleasedPrefixError``) a length whose window would reach into
-released tokens; a verify step's commit may release a page the rollback's
-window still needs, so the engine drafts only as many tokens as keep every
-rollback inside the resident window (`Engine.propose`).
+speculative verify steps work on windowed labels, and so does the
+disaggregated prefill: its prompt is longer than the window, so the prefill
+manager publishes only the retained pages with ``released`` set, and the
+decode manager's retrieve copies only those (W16, W17 of specs/retention.md).
+kvref refuses prefix sharing: ``match_prefix`` answers 0 and
+``cache_prefix`` registers nothing (W9/W10), so the windowed demo has no
+prefix hits. ``truncate`` refuses (``ReleasedPrefixError``) a length
+whose window would reach into released tokens; the margin keeps
+``draft_len`` tokens past the window, so a verify step that rejects every
+draft can always roll back (W15).
 
 The summary reports the prefix cache's hit rate (prompt tokens attached from
 the cache over all prompt tokens) and the pages saved: at the step where
@@ -269,7 +272,8 @@ class Engine:
         self.prefill_kv = self._manager("prefill", page_size, 64)
         self.stats = Stats()
         if sliding_window is not None:
-            self.stats.window_bound = math.ceil(sliding_window / page_size) + 1
+            # W15: the rollback margin holds draft_len tokens past the window
+            self.stats.window_bound = math.ceil((sliding_window + draft_len) / page_size) + 1
         self.requests: list[Request] = []
 
     def _manager(self, name: str, page_size: int, pages: int) -> KVManager:
@@ -281,9 +285,12 @@ class Engine:
             max_num_pages=pages + 1,  # + the sink page
             page_size=page_size, num_qo_heads=mc.num_attention_heads, cpu_offload_pages=64,
             enable_prefix_caching=self.prefix_caching,
-            # both labels: the fork's source and target must share a window (W5)
+            # both labels: the fork's source and target must share a window
+            # (W5); the margin keeps a verify step's rollback legal (W15)
             retention={} if self.window is None else {
-                lb: RetentionPolicy(context_budget=self.window) for lb in (MAIN, SAMPLE)},
+                lb: RetentionPolicy(context_budget=self.window,
+                                    rollback_margin=self.draft_len)
+                for lb in (MAIN, SAMPLE)},
         )
         return KVManager(cfg, name, None, TransferEngineInfo(), torch.device("cpu"),
                          torch.float32)
@@ -476,8 +483,6 @@ class Engine:
         """Drafted tokens for ``r``'s next verify step; none for a plain decode."""
         remaining = r.max_new - len(r.out[label])
         k = min(self.draft_len, remaining - 1)
-        if self.window is not None:
-            k = min(k, self.safe_draft(r, label))
         if not r.speculative or self.draft is None or k <= 0:
             return []
         context = r.prompt + r.out[label]
@@ -486,19 +491,6 @@ class Engine:
             logits = self.draft(torch.tensor([context + drafted]), use_cache=False).logits
             drafted.append(int(logits[0, -1].argmax()))
         return drafted
-
-    def safe_draft(self, r: Request, label: str) -> int:
-        """The most drafted tokens a windowed verify step may take so that any
-        rollback stays truncatable: the step commits ``n + 1 + k`` tokens,
-        releasing the pages wholly before ``n + 1 + k - W``; rejecting every
-        draft truncates to ``n + 1``, whose window starts at ``n + 1 - W``
-        and must not reach into released tokens (W6: ``ReleasedPrefixError``)."""
-        assert self.window is not None
-        ps = self.kv.config.page_size
-        first = self.kv.stored_len(r.rid, label) + 1 - self.window  # all rejected
-        if first < 0:
-            return max(0, ps - 1 - first)  # nothing released until first + k >= ps
-        return ps - 1 - first % ps  # the commit must not release first's page
 
     # -- preemption -------------------------------------------------------------
 
@@ -589,8 +581,8 @@ class Engine:
 
 
 def demo_requests(max_new: int = 10, seed: int = 1, windowed: bool = False) -> list[Request]:
-    """The demo's requests. ``windowed``: for a windowed model, without the
-    disaggregated one (``publish`` refuses a windowed label)."""
+    """The demo's requests. ``windowed``: for a windowed model, whose
+    disaggregated prompt outruns the window."""
     gen = torch.Generator().manual_seed(seed)
 
     def prompt(n: int) -> list[int]:
@@ -598,16 +590,17 @@ def demo_requests(max_new: int = 10, seed: int = 1, windowed: bool = False) -> l
 
     # a system prompt of three pages (page size 4) that three requests open with
     system = prompt(SYSTEM_LEN)
-    reqs = [
+    return [
         # prefilled in chunks; its system prompt is cached once it is in (step 2)
         Request("long", system + prompt(5), max_new, arrival=0),
         Request("spec", prompt(11), max_new, arrival=1, speculative=True),
-        Request("remote", prompt(8), max_new, arrival=2, disaggregated=True),
+        # windowed: longer than the window, so the publication has released pages
+        Request("remote", prompt(27 if windowed else 8), max_new, arrival=2,
+                disaggregated=True),
         # both hit the system prompt, and compute only what follows it
         Request("pair", system + prompt(3), max_new, arrival=3, samples=2),
         Request("late", system + prompt(4), max_new, arrival=4),
     ]
-    return [r for r in reqs if not (windowed and r.disaggregated)]
 
 
 WINDOWED_MAX_NEW = 40  # far past a window of 16: positions outgrow what a stream holds
@@ -642,7 +635,7 @@ def main(argv: list[str] | None = None) -> None:
     if window is not None:
         longest = max(len(r.prompt) + r.max_new for r in reqs)
         print(f"sliding window {window} (page size {engine.kv.config.page_size}): a windowed "
-              f"stream held at most {s.window_pages} device pages, bound ceil(W/ps)+1 = "
+              f"stream held at most {s.window_pages} device pages, bound ceil((W+k)/ps)+1 = "
               f"{s.window_bound}, for sequences of up to {longest} tokens")
 
 if __name__ == "__main__":

@@ -352,7 +352,8 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
         if sharing is None or key not in targets or copy_forks:
             # in slots: a windowed stream's released slots count as held (they
             # need no page); a fork target's own released slots do not (it
-            # takes its source's)
+            # takes its source's). A preplan's count is the running commit's
+            # too: its release turns held slots into released ones (R67)
             held = 0 if stream is None else len(stream.page_indices) + (
                 stream.released // page_size if key not in targets else 0)
         elif key in unsure or key in (settled or {}) or key in writes:

@@ -4,8 +4,8 @@ The decisions that do not need a GPU are pure functions here, so that CPU
 tests pin them down: how a table is padded to a CUDA graph's fixed batch
 (`graph_padded`), how large the graph's page-index buffers must be for that
 padding (`graph_indices_capacity`), when decode needs tensor cores
-(`decode_needs_tensor_cores`), and which kernel a graph-mode plan may use
-(`graph_plan_kind`).
+(`decode_needs_tensor_cores`), and which kernel and window a graph-mode plan
+may use (`graph_plan_kind`, `graph_window_left`).
 """
 
 from __future__ import annotations
@@ -63,6 +63,21 @@ def graph_plan_kind(fixed: Kind | None, is_decode: bool, empty: bool = False) ->
             "would replay the decode kernel; use a prefill bucket (its own wrapper)"
         )
     return fixed
+
+
+def graph_window_left(fixed: int | None, window_left: int) -> int:
+    """The ``window_left`` a graph-mode plan may use, given the first plan's.
+
+    FlashInfer picks the kernel (sliding window or not) and its window at
+    ``plan``; a captured graph replays what it recorded, so a later plan with
+    another window would silently attend over the recorded one. A windowed
+    label and a full one each need their own graph wrapper.
+    """
+    if fixed is not None and window_left != fixed:
+        raise KVShapeError(
+            f"window_left {window_left} planned on a CUDA-graph wrapper captured with "
+            f"{fixed}: the graph would replay the other window; use a wrapper per window")
+    return window_left
 
 
 def graph_indices_capacity(
@@ -238,6 +253,7 @@ class FlashInferPagedAttention:
         self._prefill: Any = None
         self._decode: dict[bool, Any] = {}
         self._graph_kind: Kind | None = None
+        self._graph_window_left: int | None = None
         self._planned: Any = None  # the wrapper `run` uses; None: an empty batch
         self._empty = False
 
@@ -327,6 +343,7 @@ class FlashInferPagedAttention:
             if kind == "prefill" and self.cuda_graph_num_rows is None:
                 raise KVShapeError("a prefill CUDA graph needs cuda_graph_num_rows")
             self._graph_kind = kind
+            self._graph_window_left = graph_window_left(self._graph_window_left, window_left)
             assert self.cuda_graph_batch_size is not None
             indptrs = graph_padded(
                 indptrs, self.cuda_graph_batch_size, decode=kind == "decode",

@@ -74,15 +74,31 @@ class RetentionPolicy:
     ``sliding_window = S`` (a query sees itself and ``S - 1`` tokens before
     it) configures ``context_budget = S``; its attention masks with
     `window_left` ``= S - 1``.
+
+    ``rollback_margin`` k keeps k tokens more than the window before
+    releasing (pages wholly before ``max(0, n - W - k)`` go), so a
+    speculative step may commit up to k draft tokens and truncate the
+    rejected ones: a truncate is checked against W alone (W6, W15). Raising W
+    instead would not do: the truncate check would grow with it.
     """
 
     context_budget: int
+    rollback_margin: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.context_budget) or self.context_budget < 1:
             raise InvalidConfigError(
                 f"RetentionPolicy.context_budget must be an int >= 1, got "
                 f"{self.context_budget!r}")
+        if not _is_int(self.rollback_margin) or self.rollback_margin < 0:
+            raise InvalidConfigError(
+                f"RetentionPolicy.rollback_margin must be an int >= 0, got "
+                f"{self.rollback_margin!r}")
+
+    @property
+    def retained(self) -> int:
+        """Tokens a commit keeps: ``context_budget + rollback_margin``."""
+        return self.context_budget + self.rollback_margin
 
     @property
     def window_left(self) -> int:

@@ -105,8 +105,10 @@ class ReleasedPrefixError(KVRefError, ValueError):
 
 class WindowUnsupportedError(KVRefError, NotImplementedError):
     """A mechanism kvref does not implement for a windowed label
-    (``KVConfig.retention``) yet: publish and retrieve, and a step with
-    CUDA-graph (slot-leased) addressing. Refused before anything changes."""
+    (``KVConfig.retention``). No call raises it today: every mechanism over a
+    windowed label is implemented (R63-R69), and a preplan whose forks name
+    one is refused as a value (``PreplanRefused``). Kept exported so that
+    callers that catch it keep importing."""
 
 
 class StreamUnavailableError(KVRefError):

@@ -121,7 +121,10 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
                                                     lambda: monotonic(runtime)),
                                   sharing=cfg.enable_prefix_caching,
                                   windows={label: policy.context_budget
-                                           for label, policy in cfg.retention.items()})
+                                           for label, policy in cfg.retention.items()},
+                                  margins={label: policy.rollback_margin
+                                           for label, policy in cfg.retention.items()
+                                           if policy.rollback_margin})
         # the manager's one lock, and the table every mechanism shares
         self._lock = self._table.lock
         self._streams = self._table.streams

@@ -17,10 +17,15 @@ class KVSequenceInfo:
     seq_len: int
     # the publishing cache's transfer descriptor (`KVTransferManager.get_kv_transfer_info`)
     latest_kv_transfer_info: Any
+    # the retained pages: page_indices[i] holds slot released // page_size + i,
+    # tokens [(released // ps + i) * ps, ...) (W17 of specs/retention.md)
     page_indices: list[int] = field(default_factory=list)
     # the stream's generation at publish: a retrieve checks the publisher still
     # holds it before and after copying (R35). None: built by hand, unchecked
     generation: int | None = None
+    # tokens a windowed stream released, whole pages from the front; they have
+    # no page here. 0 (the default, and every full-attention stream): all held
+    released: int = 0
 
 
 @dataclass

@@ -19,7 +19,6 @@ from kvref.errors import (
     KVRefError,
     PublishedInfoError,
     StepInFlightError,
-    WindowUnsupportedError,
 )
 from kvref.plan import SINK_PAGE
 from kvref.published import (
@@ -91,11 +90,6 @@ class Retrieval:
                 return PublishRefused(UnknownRequest(
                     message="unknown request (never ingested, or removed): nothing to "
                     "publish", request_id=request_id))
-            windowed = [label for label in streams if self._table.window(label) is not None]
-            if windowed:
-                raise WindowUnsupportedError(
-                    "publish of a windowed label is not implemented (issue 19)",
-                    request_id=request_id, label=windowed[0])
             refused: AdmitFailedReason | None = self._publish_refusal(request_id, streams)
             if refused is None and self._forks_pending(request_id):
                 # R50: under the lease, nothing may overwrite what it names
@@ -104,12 +98,16 @@ class Retrieval:
                             "publish once it committed", request_id=request_id)
             if refused is not None:
                 return PublishRefused(refused)
+            # W17: a windowed stream names its retained pages only, from slot
+            # released // ps, and says how much it released
             seq_info = {
                 label: KVSequenceInfo(
                     seq_len=s.stored_len,
                     latest_kv_transfer_info=transfer_info,
-                    page_indices=list(s.page_indices[: pages_for(s.stored_len, ps)]),
+                    page_indices=list(s.page_indices[
+                        : pages_for(s.stored_len, ps) - s.released // ps]),
                     generation=s.generation,
+                    released=s.released,
                 )
                 for label, s in streams.items()
             }
@@ -182,10 +180,6 @@ class Retrieval:
                     return AdmitOutcome(ok=False, ready=False, reason=failed)
                 if not ready:
                     return AdmitOutcome(ok=True, ready=False)
-                if self._table.window(label) is not None:
-                    raise WindowUnsupportedError(
-                        "retrieve into a windowed label is not implemented (issue 19)",
-                        request_id=rid, label=label)
                 stream = streams.get(label)
                 old_len = stream.stored_len if stream is not None else 0
                 if info.seq_len <= old_len:
@@ -212,9 +206,11 @@ class Retrieval:
                 if stream is not None and stream.offloaded:
                     return AdmitOutcome(ok=False, reason=admission.request_offloading(
                         rid, label))
-                held = len(stream.page_indices) if stream is not None else 0
-                new_pages += max(0, pages_for(info.seq_len, ps) - held)
-                if stream is not None and self._table.cow_needed((rid, label), stream):
+                released = self._released_after(label, stream, info)
+                kept = self._kept(stream, released)
+                new_pages += max(0, pages_for(info.seq_len, ps) - released // ps - len(kept))
+                if stream is not None and old_len >= released and self._table.cow_needed(
+                        (rid, label), stream):
                     new_pages += 1  # its shared partial page is copied first (R52)
                 todo.append((label, info, old_len))
             source = published.request_id if published is not None else None
@@ -267,27 +263,31 @@ class Retrieval:
         created = stream is None
         if stream is None:
             stream = streams[label] = CacheStream()
-        if self._table.cow_needed((rid, label), stream):
+        ps = self._table.page_size
+        released = self._released_after(label, stream, info)
+        start = max(old_len, released)  # W16: only retained tokens are copied
+        if old_len >= released and self._table.cow_needed((rid, label), stream):
             # the copy lands after the stream's last token, in its partial
             # page: made private first, as an admit's write is (R52)
             self._copy_on_write(rid, label)
-        short = pages_for(info.seq_len, self._table.page_size) - len(stream.page_indices)
+        kept = self._kept(stream, released)
+        short = pages_for(info.seq_len, ps) - released // ps - len(kept)
         got: list[int] = []
         if short > 0:
             # counted by the caller, under the same lock
             got = self._table.take((rid, label), short)
-            stream.page_indices.extend(got)
+        pages = kept + got  # slot released // ps onward
         try:
+            # both lists by position: a released slot (never read) names the sink
             fut = self._transfer.start_async_retrieve(
-                start_len=old_len, end_len=info.seq_len,
-                local_page_indices=list(stream.page_indices),
-                remote_page_indices=info.page_indices,
+                start_len=start, end_len=info.seq_len,
+                local_page_indices=[SINK_PAGE] * (released // ps) + pages,
+                remote_page_indices=self._remote_pages(info, ps),
                 kv_transfer_info=info.latest_kv_transfer_info,
                 source=(source, label, info.generation),
             )
         except Exception as err:
             if got:
-                del stream.page_indices[-len(got):]
                 self._table.give_back((rid, label), got)
             if created:
                 del streams[label]
@@ -295,6 +295,13 @@ class Retrieval:
                 f"KV retrieve could not start: {type(err).__name__}: {err}",
                 request_id=rid, label=label,
             )
+        # the pages of slots now released go (tail first, W7); the copy writes
+        # none of them. Set here, with stored_len: the copy's landing changes
+        # neither (admission.retrieve_state only clears the future)
+        gone = stream.page_indices[:len(stream.page_indices) - len(kept)]
+        stream.page_indices = pages
+        stream.released = released
+        self._table.give_back((rid, label), gone)
         stream.read_future = fut
         stream.read_pending = fut is not None
         stream.stored_len = info.seq_len
@@ -302,6 +309,31 @@ class Retrieval:
         stream.received = True  # a peer's KV: never registered (R55)
         stream.generation += 1
         return None
+
+    def _released_after(self, label: str, stream: CacheStream | None,
+                        info: KVSequenceInfo) -> int:
+        """The consumer's `released` once it holds the peer's tokens (W16): the
+        most of its own, the peer's, and what a commit to ``seq_len`` would
+        release (equal to the peer's when both share a retention config)."""
+        own = stream.released if stream is not None else 0
+        w = self._table.window(label)
+        if w is None:
+            return own
+        ps = self._table.page_size
+        k = self._table.margins.get(label, 0)  # as StreamTable.retire (W15)
+        return max(own, info.released, max(0, info.seq_len - w - k) // ps * ps)
+
+    def _kept(self, stream: CacheStream | None, released: int) -> list[int]:
+        """The stream's pages of slots still retained at `released`."""
+        if stream is None:
+            return []
+        ps = self._table.page_size
+        return list(stream.page_indices[max(0, released // ps - stream.released // ps):])
+
+    @staticmethod
+    def _remote_pages(info: KVSequenceInfo, ps: int) -> list[int]:
+        """The publisher's pages by position: its released slots name the sink."""
+        return [SINK_PAGE] * (info.released // ps) + list(info.page_indices)
 
     def _validate_published(self, rid: str, label: str, info: KVSequenceInfo,
                             old_len: int) -> None:
@@ -314,10 +346,26 @@ class Retrieval:
                 f"published page size {page_size}, local {local_page_size}",
                 request_id=rid, label=label,
             )
-        if len(info.page_indices) < pages_for(info.seq_len, page_size):
+        released = info.released
+        if (isinstance(released, bool) or not isinstance(released, int) or released < 0
+                or released % page_size or released > info.seq_len):
             raise PublishedInfoError(
-                f"published {info.seq_len} tokens over only {len(info.page_indices)} pages",
-                request_id=rid, label=label,
+                f"published released={released!r}: whole pages of {page_size}, at most "
+                f"seq_len {info.seq_len}", request_id=rid, label=label)
+        w = self._table.window(label)
+        first = 0 if w is None else max(0, info.seq_len - w)
+        if released > first:
+            # W16: the peer let go of tokens this label's window (all of them,
+            # for full attention) still reads: another retention config
+            raise PublishedInfoError(
+                f"published {info.seq_len} tokens with the first {released} released; "
+                f"this label's window starts at {first} "
+                f"({'full attention' if w is None else f'W = {w}'})",
+                request_id=rid, label=label)
+        if len(info.page_indices) < pages_for(info.seq_len, page_size) - released // page_size:
+            raise PublishedInfoError(
+                f"published {info.seq_len} tokens ({released} released) over only "
+                f"{len(info.page_indices)} pages", request_id=rid, label=label,
             )
         bad = [p for p in info.page_indices if p <= SINK_PAGE
                or (num_pages is not None and p >= num_pages)]
@@ -327,7 +375,8 @@ class Retrieval:
                 request_id=rid, label=label,
             )
         try:
-            self._transfer.check_remote(old_len, info.seq_len, info.page_indices, remote)
+            self._transfer.check_remote(max(old_len, released), info.seq_len,
+                                        self._remote_pages(info, page_size), remote)
         except KVRefError as err:
             # a misuse of this call, named as one: it changes nothing
             raise PublishedInfoError(str(err), request_id=rid, label=label) from err

@@ -83,6 +83,9 @@ class StagedPreplan:
     # lengths that step leaves once committed as admitted; what this step
     # was reserved and planned from, and what promotion checks (R42)
     basis: dict[Key, int] = field(default_factory=dict)
+    # the windowed streams of its basis: the released count the running
+    # step's commit leaves (`released_after`), where its views start (R67)
+    released: dict[Key, int] = field(default_factory=dict)
     shape: StepShape = field(init=False)
 
     def __post_init__(self) -> None:
@@ -156,12 +159,22 @@ def settled_table(streams: Table, settled: Mapping[Key, int]
                   for label, s in labels.items()} for rid, labels in streams.items()}
 
 
+def released_after(released: int, length: int, keep: int, page_size: int) -> int:
+    """`StreamTable.retire` at a commit that leaves a windowed stream ``length``
+    long, keeping ``keep`` tokens (W plus its rollback margin): the released
+    count after it, never less than ``released`` (a truncate keeps it)."""
+    return max(released, max(0, length - keep) // page_size * page_size)
+
+
 def stale(streams: Table, staged: StagedPreplan) -> Key | None:
     """The first stream the staged preplan shares with the step it was built
-    over that no longer holds the length it was built from; None when it may
-    be promoted (R42). Its marks kept every other change out (R2, R5, R14)."""
+    over that no longer holds the length (or, windowed, the released count)
+    it was built from; None when it may be promoted (R42, R67). Its marks
+    kept every other change out (R2, R5, R14)."""
+    released = staged.released
     for (rid, label), n in staged.basis.items():
         stream = streams.get(rid, {}).get(label)
-        if stream is None or stream.stored_len != n:
+        if stream is None or stream.stored_len != n or (
+                released and stream.released != released.get((rid, label), stream.released)):
             return (rid, label)
     return None

@@ -23,7 +23,6 @@ from kvref.errors import (
     StepInFlightError,
     StepNotAdmittedError,
     StepOrderError,
-    WindowUnsupportedError,
 )
 from kvref.forks import Forks
 from kvref.graph_staging import GraphStaging
@@ -38,6 +37,7 @@ from kvref.plan import (
 from kvref.running_step import (
     RunningStep,
     StagedPreplan,
+    released_after,
     same_step,
     settled_lengths,
     settled_table,
@@ -129,29 +129,19 @@ class Stepping:
         padded = tuple(ctx.padded_request_ids)
         windows = self._table.windows
         if windows:
-            if ctx.slot_lease is not None and any(seg.label in windows
-                                                  for seg in step.segments):
-                raise WindowUnsupportedError(
-                    "CUDA-graph (slot-leased) addressing of a windowed label is not "
-                    "implemented", label=next(seg.label for seg in step.segments
-                                              if seg.label in windows))
             for from_label, to_label in (*step.pre_forks, *step.post_forks):
-                if windows.get(from_label) != windows.get(to_label):
+                margins = self._table.margins
+                if (windows.get(from_label), margins.get(from_label)) != (
+                        windows.get(to_label), margins.get(to_label)):
                     # W5: a fork keeps the retention; a windowed source cannot
                     # give a full-attention target the tokens it released
                     raise InvalidArgumentError(
                         f"fork {from_label!r} -> {to_label!r} between labels of different "
-                        "retention windows", label=to_label)
-            if ctx.is_preplan and (
-                    any(seg.label in windows for seg in step.segments)
-                    or any(lb in windows for fk in (*step.pre_forks, *step.post_forks)
-                           for lb in fk)):
-                # the running step's commit releases window pages its views
-                # would still name: not planned ahead (issue 19, R67)
-                return AdmitOutcome(ok=False, reason=PreplanRefused(
-                    message="not preplanned: it names a windowed label, whose pages the "
-                            "running step's commit may release; admit it once that "
-                            "step committed"))
+                        "retention windows or rollback margins", label=to_label)
+            if ctx.is_preplan:
+                unwindowed = self._window_forks_pending(step, padded, windows)
+                if unwindowed is not None:
+                    return AdmitOutcome(ok=False, reason=unwindowed)
         if ctx.is_preplan and self._table.sharing:
             unplannable = self._views_would_move(step, padded, settled)
             if unplannable is not None:
@@ -179,7 +169,14 @@ class Stepping:
         created = self._apply(grant)
         if ctx.is_preplan:
             basis = {k: settled[k] for k in keys if k in settled}
-            self.preplan = StagedPreplan(step, ctx, created, list(keys), basis=basis)
+            # R67: a windowed stream is planned as the running step's commit
+            # leaves it, released pages gone, so no view names one of them
+            ps, margins = self._table.page_size, self._table.margins
+            released = {k: released_after(all_streams[k[0]][k[1]].released, n,
+                                          windows[k[1]] + margins.get(k[1], 0), ps)
+                        for k, n in basis.items() if k[1] in windows}
+            self.preplan = StagedPreplan(step, ctx, created, list(keys), basis=basis,
+                                         released=released)
         else:
             self.running = RunningStep(step, padded, set(created))
         return ADMIT_OK
@@ -216,6 +213,29 @@ class Stepping:
         return PreplanRefused(message=f"not preplanned with shared pages: {why}; admit it "
                                       "once the running step committed")
 
+    def _window_forks_pending(self, step: KVStep, padded: tuple[str, ...],
+                              windows: Mapping[str, int]) -> PreplanRefused | None:
+        """R67: a fork gives its target its source's released prefix and pages
+        (W5) only when it runs, after the views were built; so a preplan whose
+        forks name a windowed label, or whose windowed stream a fork of the
+        running step still has to write, is not planned ahead."""
+        why = None
+        if any(lb in windows for fk in (*step.pre_forks, *step.post_forks) for lb in fk):
+            why = "its forks name a windowed label"
+        running = self.running
+        if why is None and running is not None:
+            pending = (*running.step.post_forks,
+                       *(running.step.pre_forks if not running.forked else ()))
+            targets = {(rid, to) for _, to in pending if to in windows for rid in running.padded}
+            if any((seg.request_id, seg.label) in targets for seg in step.segments):
+                why = "a windowed stream it names is the target of a fork the running step " \
+                      "has still to apply"
+        if why is None:
+            return None
+        return PreplanRefused(message=f"not preplanned: {why}, and a fork moves the window's "
+                                      "released prefix only when it runs; admit it once the "
+                                      "running step committed")
+
     def copies_into(self, rid: str, label: str) -> bool:
         """Whether a fork still to run copies into this stream's own pages (a
         preplanned step's, R57): nothing may register them meanwhile, or the
@@ -239,6 +259,12 @@ class Stepping:
 
     def _stale_reason(self, staged: StagedPreplan, key: Key) -> PreplanStale:
         stream = self._table.streams.get(key[0], {}).get(key[1])
+        if stream is not None and stream.stored_len == staged.basis[key]:
+            return PreplanStale(
+                message=(f"the staged preplan was planned with {staged.released[key]} tokens "
+                         f"released, but the stream released {stream.released}: its views "
+                         "start elsewhere; clear_preplan and admit afresh"),
+                request_id=key[0], label=key[1])
         return _stale(key, staged.basis[key], stream.stored_len if stream else None)
 
     def _apply(self, grant: admission.Grant) -> list[Key]:
@@ -298,7 +324,8 @@ class Stepping:
             validate.padded_known(ctx.padded_request_ids, self._table.streams)
             # over a running step: from the lengths it leaves (R41)
             outputs, states = self._build_plan(step, ctx, self._forks.lengths_after_pre_forks(
-                step, staged.ctx.padded_request_ids, staged.created, staged.basis))
+                step, staged.ctx.padded_request_ids, staged.created, staged.basis),
+                staged.released)
             staged.outputs, staged.states = outputs, states
             return outputs
         running = self.running
@@ -345,7 +372,8 @@ class Stepping:
         return outputs
 
     def _build_plan(
-        self, step: KVStep, ctx: StepContext, fork_len: Mapping[Key, int]
+        self, step: KVStep, ctx: StepContext, fork_len: Mapping[Key, int],
+        starts: Mapping[Key, int] | None = None,
     ) -> tuple[KVPlanOutputs, dict[str, KVPlanState]]:
         ps = self._table.page_size
         outputs: dict[str, KVPlanOutput] = {}
@@ -353,7 +381,7 @@ class Stepping:
         for plan_label, segments in group_by_plan_label(
             step.segments, step.combined_labels
         ).items():
-            views = self._sequence_views(segments, fork_len)
+            views = self._sequence_views(segments, fork_len, starts)
             # decode and mixed steps each from one host buffer (plan.plan_tables)
             indptrs, state, cuda_indptrs = plan_tables(views, ps, self._device)
             out = KVPlanOutput(cpu_indptrs=indptrs, views=views, cuda_indptrs=cuda_indptrs)
@@ -362,8 +390,11 @@ class Stepping:
         return KVPlanOutputs(outputs, step.pre_forks, step.post_forks), states
 
     def _sequence_views(
-        self, segments: Sequence[Segment], fork_len: Mapping[Key, int]
+        self, segments: Sequence[Segment], fork_len: Mapping[Key, int],
+        starts: Mapping[Key, int] | None = None,
     ) -> list[SequenceView]:
+        """``starts``: a preplan's projected released counts (R67), which the
+        running step's commit may not have reached yet."""
         ps = self._table.page_size
         all_streams = self._table.streams
         views: list[SequenceView] = []
@@ -382,7 +413,15 @@ class Stepping:
             # stream's view starts at its first retained page (W1, W4): its
             # length is relative to that page, ``offset`` tokens in
             off = stream.released
-            pages = stream.page_indices[: -(-(length - off) // ps)]
+            first = starts.get((rid, label), off) if starts else off
+            if first != off:
+                # a preplan: the running step's commit releases the pages
+                # before ``first``; the view skips them
+                skip = (first - off) // ps
+                off = first
+                pages = stream.page_indices[skip: skip + -(-(length - off) // ps)]
+            else:
+                pages = stream.page_indices[: -(-(length - off) // ps)]
             append(SequenceView(rid, label, pages, length - off, span, stream.generation,
                                 offset=off))
         return views

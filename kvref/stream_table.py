@@ -57,6 +57,9 @@ class StreamTable:
     sharing: bool = True
     # KVConfig.retention: label -> window W in tokens (issue 19); absent: full
     windows: dict[str, int] = field(default_factory=dict)
+    # label -> RetentionPolicy.rollback_margin k, where not 0: a commit keeps
+    # W + k tokens so a truncate of k stays legal (W15)
+    margins: dict[str, int] = field(default_factory=dict)
 
     def window(self, label: str) -> int | None:
         """The label's retention window W, or None (full attention)."""
@@ -64,7 +67,7 @@ class StreamTable:
 
     def retire(self, key: Key, stream: CacheStream) -> int:
         """W2: release every page of a windowed stream that lies wholly before
-        its window's first token ``f = max(0, n - W)`` (n its committed
+        the first token it keeps ``f = max(0, n - W - k)`` (n its committed
         length, W4: from ``stored_len``, which ``position`` mirrors). Slot i
         goes iff ``(i + 1) * ps <= f``; the page holding token f stays. The
         released slots leave the front of ``page_indices`` (which holds slot
@@ -75,7 +78,8 @@ class StreamTable:
         if w is None:
             return 0
         ps = self.page_size
-        upto = max(0, stream.stored_len - w) // ps  # slots wholly before f
+        # k the rollback margin (W15)
+        upto = max(0, stream.stored_len - w - self.margins.get(key[1], 0)) // ps
         off = stream.released // ps
         if upto <= off:
             return 0

@@ -62,6 +62,7 @@ __all__ = [
     "Remove",
     "Result",
     "RetentionModel",
+    "Retrieve",
     "Scope",
     "State",
     "Stream",
@@ -79,6 +80,10 @@ class Scope:
     page_size: int = 2
     # each label's retention window W (context_budget); None: full attention
     windows: tuple[int | None, ...] = (3, 3, None)
+    # each windowed label's rollback margin k (RetentionPolicy.rollback_margin):
+    # it releases from n - W - k, so a truncate of up to k tokens stays legal
+    # (W6 checks W alone). Empty: 0 for every label
+    margins: tuple[int, ...] = ()
     requests: int = 1
     alphabet: int = 1  # token ids 0 .. alphabet - 1 (a slot also holds its position)
     max_len: int = 7  # the protocol's bound on a stream's length (the model has none)
@@ -91,6 +96,11 @@ class Scope:
     def __post_init__(self) -> None:
         if any(w is not None and w < 1 for w in self.windows):
             raise ValueError(f"a retention window is at least one token: {self.windows}")
+        if self.margins and (len(self.margins) != len(self.windows) or any(
+                k < 0 or (k and w is None) for k, w in zip(self.margins, self.windows,
+                                                           strict=True))):
+            raise ValueError(f"margins {self.margins}: one per label, >= 0, and 0 for a "
+                             f"full-attention label ({self.windows})")
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,8 @@ class Stream:
     cached: int = 0  # leading full pages registered under their keys (or hit)
     offloaded: bool = False  # its retained pages are on the host
     retired: tuple[int, ...] = ()  # only RELEASE_FROM_LIVE_SLOTS=False keeps it (vLLM 42571)
+    # filled by a retrieve: a peer's KV, never registered (R55); a fork target inherits it
+    received: bool = False
 
     @property
     def n(self) -> int:
@@ -181,9 +193,22 @@ class MatchPrefix:
     tokens: Tokens
 
 
-Action = Append | Fork | Truncate | Remove | Offload | Reload | CachePrefix | MatchPrefix
+@dataclass(frozen=True)
+class Retrieve:
+    """admit_retrieve(rid, label) of a peer's publication, copy landed (W16): a
+    peer manager of the same retention config committed `tokens` to its stream
+    in one step (so it released what W2 releases at len(tokens)) and published
+    it. Only positions past what the consumer holds are copied."""
+
+    rid: int
+    label: int
+    tokens: Tokens
+
+
+Action = (Append | Fork | Truncate | Remove | Offload | Reload | CachePrefix | MatchPrefix
+          | Retrieve)
 ACTIONS: tuple[type, ...] = (Append, Fork, Truncate, Remove, Offload, Reload, CachePrefix,
-                             MatchPrefix)
+                             MatchPrefix, Retrieve)
 
 
 @dataclass(frozen=True)
@@ -193,9 +218,9 @@ class Refused:
     reason: str
 
 
-# results: Ok (append, fork, remove); Count (truncate: pages freed; offload: pages
+# results: Ok (append, fork, remove, retrieve); Count (truncate: pages freed; offload: pages
 # freed; reload: pages allocated; cache_prefix: keys added; match_prefix: tokens
-# attached); AllocationFailed (append, fork, reload); Refused (offload, reload);
+# attached); AllocationFailed (append, fork, reload, retrieve); Refused (offload, reload);
 # Misuse (the kinds below, or a pool kind)
 Result = Ok | Count | AllocationFailed | Refused | Misuse
 
@@ -223,6 +248,7 @@ class RetentionModel:
     RELOAD_ONLY_RETAINED = True  # W8: only retained pages move
     WINDOW_NEVER_CACHED = True  # W9: vLLM 42948, window pages cached, flushing prefixes
     WINDOW_NEVER_HITS = True  # W10: a hit never attaches pages before a window
+    RETRIEVE_ONLY_RETAINED = True  # W16: a retrieve takes the peer's released prefix
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
@@ -254,10 +280,21 @@ class RetentionModel:
         w = self.window(h)
         return 0 if w is None else max(0, n - w)
 
-    def bound(self, h: int) -> int | None:
-        """Pages a settled windowed stream holds at most (W3): ceil(W / ps) + 1."""
+    def margin(self, h: int) -> int:
+        """The label's rollback margin k (W15); 0 unless the scope gives one."""
+        return self.scope.margins[self.label_of(h)] if self.scope.margins else 0
+
+    def release_start(self, h: int, n: int) -> int:
+        """The first token a commit keeps (W2, W15): max(0, n - W - k); the
+        window itself still starts at `window_start`."""
         w = self.window(h)
-        return None if w is None else _ceil(w, self.scope.page_size) + 1
+        return 0 if w is None else max(0, n - w - self.margin(h))
+
+    def bound(self, h: int) -> int | None:
+        """Pages a settled windowed stream holds at most (W3, W15):
+        ceil((W + k) / ps) + 1."""
+        w = self.window(h)
+        return None if w is None else _ceil(w + self.margin(h), self.scope.page_size) + 1
 
     def keys(self, tokens: Tokens) -> tuple[Key, ...]:
         """The chained keys of the full pages of `tokens`."""
@@ -352,11 +389,12 @@ class RetentionModel:
 
     def _retire(self, h: int, st: Stream, pool: pages.State, fault: str
                 ) -> tuple[Stream, pages.State, str]:
-        """W2: release every page wholly before the window's first token."""
-        w, ps = self.window(h), self.scope.page_size
-        if w is None:
+        """W2: release every page wholly before the first token kept (the
+        window's, less the rollback margin: W15)."""
+        ps = self.scope.page_size
+        if self.window(h) is None:
             return st, pool, fault
-        first = max(0, st.position - w)  # from the counter (W4): `position` is n
+        first = self.release_start(h, st.position)  # from the counter (W4): `position` is n
         upto = first // ps if self.RETIRE_WHOLE_PAGES_ONLY else _ceil(first, ps)
         upto = min(upto, len(st.table))
         go = [p for p in st.table[:upto] if p is not None]
@@ -423,7 +461,7 @@ class RetentionModel:
         src = s.streams[hs]
         if src is None:
             return Misuse(UNKNOWN), s
-        if self.window(hs) != self.window(hd):
+        if (self.window(hs), self.margin(hs)) != (self.window(hd), self.margin(hd)):
             return Misuse(ARG), s  # W5: a fork keeps the retention; labels must agree
         if self.offloaded(s, a.rid):
             return Misuse(UNAVAILABLE), s
@@ -455,7 +493,7 @@ class RetentionModel:
         position = src.position if self.WINDOW_TRACKS_LENGTH else (
             0 if old is None else old.position)
         dst = Stream(tokens=src.tokens, table=table, released=released, position=position,
-                     cached=src.cached)
+                     cached=src.cached, received=src.received)
         return Ok(), self._settle(pool, self._set(s.streams, hd, dst), slots, fault)
 
     def _Truncate(self, s: State, a: Truncate) -> tuple[Result, State]:
@@ -546,6 +584,8 @@ class RetentionModel:
         h, st = found
         if self.window(h) is not None and self.WINDOW_NEVER_CACHED:
             return Count(0), s  # W9: a windowed label registers nothing
+        if st.received:
+            return Count(0), s  # R55: a peer's KV is never registered
         ps, keys, pool, fault = self.scope.page_size, self.keys(st.tokens), s.pool, s.fault
         before = done = st.cached
         for i in range(st.cached, len(keys)):
@@ -581,14 +621,59 @@ class RetentionModel:
         if not r.pages:
             return Count(0), s
         st = Stream(tokens=a.tokens[:r.num_tokens], table=r.pages, position=r.num_tokens,
-                    cached=len(r.pages))
+                    cached=len(r.pages), received=st is not None and st.received)
         return Count(r.num_tokens), self._settle(pool, self._set(s.streams, h, st),
                                                  list(s.slots), s.fault)
+
+    def _Retrieve(self, s: State, a: Retrieve) -> tuple[Result, State]:
+        if not self.in_scope(a.rid, a.label):
+            return Misuse(UNKNOWN), s
+        if any(not 0 <= t < self.scope.alphabet for t in a.tokens):
+            return Misuse(ARG), s
+        ps, h, n = self.scope.page_size, self.holder(a.rid, a.label), len(a.tokens)
+        st = s.streams[h] or Stream()
+        if n <= st.n:
+            return Ok(), s  # nothing past what it holds: nothing to copy
+        if self.offloaded(s, a.rid):
+            return Misuse(UNAVAILABLE), s
+        # what the peer released committing n tokens in one step (same config);
+        # the consumer takes it, never less than its own (W16)
+        peer = self.release_start(h, n) // ps * ps
+        released = max(st.released, peer) if self.RETRIEVE_ONLY_RETAINED else st.released
+        lo, start = released // ps, max(st.n, released)
+        # a page for each retained slot it lacks, and a copy of its own partial
+        # page if shared or registered (W11): the copy writes from `start`
+        need = [i for i in range(lo, _ceil(n, ps)) if i >= len(st.table) or st.table[i] is None
+                or (i >= start // ps and not self.private(s, h, st.table[i]))]
+        free = self.num_free(s)
+        if len(need) > free:
+            return AllocationFailed(len(need) - free), s
+        got, pool = self._alloc(s.pool, h, len(need))
+        table = [None] * lo + list(st.table[lo:])
+        slots, old = list(s.slots), []
+        for i, p in zip(need, got, strict=True):
+            if i < len(table):
+                q = table[i]
+                if q is not None:  # None: a retained slot with no page, only in a variant
+                    old.append(q)
+                    slots[p - 1] = slots[q - 1]
+                table[i] = p
+            else:
+                table.append(p)
+        for j in range(start, n):
+            if j >= peer:  # the peer holds no page for what it released
+                self._write(slots, table[j // ps], j, a.tokens[j])
+        _, pool, fault = self._release(pool, h, old[::-1], s.fault)
+        go = [p for p in st.table[:lo] if p is not None]  # slots the peer's prefix released
+        _, pool, fault = self._release(pool, h, go[::-1], fault)
+        st = replace(st, tokens=st.tokens + a.tokens[st.n:], table=tuple(table),
+                     released=released, position=n, received=True)
+        return Ok(), self._settle(pool, self._set(s.streams, h, st), slots, fault)
 
 
 RULES = ("RETIRE_WHOLE_PAGES_ONLY", "WINDOW_TRACKS_LENGTH", "FORK_INHERITS_WINDOW",
          "TRUNCATE_KEEPS_WINDOW", "RELEASE_FROM_LIVE_SLOTS", "RELOAD_ONLY_RETAINED",
-         "WINDOW_NEVER_CACHED", "WINDOW_NEVER_HITS")
+         "WINDOW_NEVER_CACHED", "WINDOW_NEVER_HITS", "RETRIEVE_ONLY_RETAINED")
 
 
 def variant(rule: str) -> type[RetentionModel]:

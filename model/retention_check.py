@@ -42,6 +42,7 @@ from model.retention import (
     Reload,
     Remove,
     RetentionModel,
+    Retrieve,
     Scope,
     State,
     Truncate,
@@ -94,6 +95,17 @@ def calls(m: RetentionModel, s: State) -> Iterator[Action]:
                     yield MatchPrefix(r, label, t)
             else:  # careless: a hit onto a stream that is not empty
                 yield MatchPrefix(r, label, prompts[-1])
+            # a peer's publication one token longer, and one to max_len (past the
+            # window: every copied slot new); the consumer's own tokens before n
+            own = st.tokens if st is not None else ()
+            for k in sorted({1, sc.max_len - n}):
+                if k > 0 and n + k <= sc.max_len:
+                    tails = itertools.product(range(sc.alphabet), repeat=k) if k == 1 else [
+                        (0,) * k]
+                    for tail in tails:
+                        yield Retrieve(r, label, own + tail)
+            if n:  # careless: nothing past what it holds
+                yield Retrieve(r, label, own)
         for src, dst in itertools.permutations(range(sc.labels), 2):
             yield Fork(r, src, dst)
         yield Remove(r)
@@ -113,7 +125,9 @@ class Canon:
 
     def __init__(self, scope: Scope) -> None:
         labels = [perm for perm in itertools.permutations(range(scope.labels))
-                  if all(scope.windows[a] == scope.windows[b] for a, b in enumerate(perm))]
+                  if all(scope.windows[a] == scope.windows[b]
+                         and _margin(scope, a) == _margin(scope, b)
+                         for a, b in enumerate(perm))]
         self.perms: list[tuple[int, ...]] = []
         for rperm in itertools.permutations(range(scope.requests)):
             for lperms in itertools.product(labels, repeat=scope.requests):
@@ -121,14 +135,19 @@ class Canon:
                                         for r in range(scope.requests)
                                         for lab in range(scope.labels)))
         self.pages = range(1, scope.pages + 1)
+        self.full = [scope.windows[h % scope.labels] is None
+                     for h in range(scope.requests * scope.labels)]
 
     def __call__(self, s: State) -> bytes:
         pool = s.pool
         heads = []
         for perm in self.perms:
+            # `received` changes only a full label's cache_prefix, and a fork
+            # never joins a windowed label to a full one: forgotten elsewhere
             head = tuple((-1,) if (st := s.streams[h]) is None else
                          (*st.tokens, -2, len(st.table), st.released, st.position,
-                          st.cached, int(st.offloaded), len(st.retired))
+                          st.cached, int(st.offloaded), len(st.retired),
+                          int(st.received and self.full[h]))
                          for h in perm)
             heads.append((head, perm))
         least = min(h for h, _ in heads)
@@ -187,6 +206,10 @@ def table(rep: Report, scope: Scope) -> str:
     return report_table(rep, scope, ACTIONS, INTERESTING, INVARIANTS, show_trace)
 
 
+def _margin(scope: Scope, label: int) -> int:
+    return scope.margins[label] if scope.margins else 0
+
+
 def _windows(text: str) -> tuple[int | None, ...]:
     return tuple(None if w in ("full", "none", "") else int(w) for w in text.split(","))
 
@@ -198,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=SCOPE.page_size)
     ap.add_argument("--windows", default="3,3,full",
                     help="each label's window, comma separated; full: full attention")
+    ap.add_argument("--margins", default="",
+                    help="each label's rollback margin, comma separated (W15); empty: 0")
     ap.add_argument("--requests", type=int, default=SCOPE.requests)
     ap.add_argument("--alphabet", type=int, default=SCOPE.alphabet)
     ap.add_argument("--max-len", type=int, default=SCOPE.max_len)
@@ -211,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     scope = replace(TWO, depth=args.depth) if args.two else Scope(
         pages=args.pages, page_size=args.page_size, windows=_windows(args.windows),
+        margins=tuple(int(k) for k in args.margins.split(",")) if args.margins else (),
         requests=args.requests, alphabet=args.alphabet, max_len=args.max_len,
         depth=args.depth)
     cls = variant(args.variant) if args.variant else RetentionModel

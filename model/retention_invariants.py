@@ -31,6 +31,7 @@ from model.retention import (
     Reload,
     Remove,
     RetentionModel,
+    Retrieve,
     State,
     Stream,
     Truncate,
@@ -102,10 +103,11 @@ def _stream_checks(m: RetentionModel, s: State, h: int, st: Stream) -> list[Chec
         if st.released:
             out.append(("V4", f"full-attention stream {h} released {st.released}"))
     else:
-        early = [p for i, p in enumerate(st.table) if p is not None and (i + 1) * ps <= first]
+        keep = m.release_start(h, n)  # the window less the rollback margin (W15)
+        early = [p for i, p in enumerate(st.table) if p is not None and (i + 1) * ps <= keep]
         if early or len(held) > bound:
-            out.append(("V4", f"stream {h}: holds {held}, {early} wholly before its window "
-                              f"(first token {first}), bound {bound}"))
+            out.append(("V4", f"stream {h}: holds {held}, {early} wholly before the first "
+                              f"token it keeps ({keep}), bound {bound}"))
         regd = [p for p in held if s.pool.page(p).key is not None]
         if regd:
             out.append(("V5", f"windowed stream {h} holds registered pages {regd}"))
@@ -137,7 +139,7 @@ def state_violations(m: RetentionModel, s: State) -> list[Check]:
 
 def _targets(m: RetentionModel, a: object) -> set[int] | None:
     """The streams an action may change (None: any)."""
-    if isinstance(a, Append | Truncate | CachePrefix | MatchPrefix):
+    if isinstance(a, Append | Truncate | CachePrefix | MatchPrefix | Retrieve):
         return {m.holder(a.rid, a.label)} if m.in_scope(a.rid, a.label) else set()
     if isinstance(a, Fork):
         return {m.holder(a.rid, a.dst)} if m.in_scope(a.rid, a.dst) else set()
@@ -184,7 +186,7 @@ def transition_violations(m: RetentionModel, s: State, a: object, r: object,
         if r.n != free_before - free_after or r.n != retained:
             out.append(("V9", f"reload took {r.n} pages ({free_before - free_after} left the "
                               f"free count), {retained} slots were retained"))
-    if isinstance(a, Append) and m.in_scope(a.rid, a.label):
+    if isinstance(a, Append | Retrieve) and m.in_scope(a.rid, a.label):
         h = m.holder(a.rid, a.label)
         st, ps = n.streams[h], m.scope.page_size
         old = s.streams[h]
@@ -196,7 +198,7 @@ def transition_violations(m: RetentionModel, s: State, a: object, r: object,
                                        f"{sorted(n.pool.page(p).holders)}, key "
                                        f"{n.pool.page(p).key}"))
         if m.window(h) is not None and set(n.pool.lru) - set(s.pool.lru):
-            out.append(("V11", f"an append to windowed stream {h} made pages "
+            out.append(("V11", f"{type(a).__name__} to windowed stream {h} made pages "
                               f"{sorted(set(n.pool.lru) - set(s.pool.lru))} free-cached"))
     if isinstance(a, Fork) and m.in_scope(a.rid, a.dst):
         h, ps = m.holder(a.rid, a.dst), m.scope.page_size
@@ -272,6 +274,20 @@ def _windowed_nothing(m: RetentionModel, s: State, a: object, r: object, n: Stat
         full if isinstance(a, CachePrefix) else cached)
 
 
+def _retrieved(m: RetentionModel, s: State, a: object, r: object, n: State, *,
+               let_go: bool) -> bool:
+    """A retrieve that took a released prefix (let_go: and let the consumer's
+    own pages of it go)."""
+    if not isinstance(a, Retrieve) or not m.in_scope(a.rid, a.label) or n is s:
+        return False
+    h = m.holder(a.rid, a.label)
+    before, after = s.streams[h] or Stream(), n.streams[h]
+    if after is None or after.released <= before.released:
+        return False
+    return not let_go or any(p is not None for p in before.table[:after.released
+                                                                  // m.scope.page_size])
+
+
 # the interesting case of each mechanism: the checker reports how often it arose
 INTERESTING: dict[str, Callable[[RetentionModel, State, object, object, State], bool]] = {
     "a commit released window pages": _released_more,
@@ -291,4 +307,8 @@ INTERESTING: dict[str, Callable[[RetentionModel, State, object, object, State], 
     "a full-attention prefix hit": lambda m, s, a, r, n: isinstance(a, MatchPrefix)
         and isinstance(r, Count) and r.n > 0,
     "a windowed cache_prefix or match_prefix that did nothing": _windowed_nothing,
+    "a retrieve that took the peer's released prefix": lambda m, s, a, r, n: _retrieved(
+        m, s, a, r, n, let_go=False),
+    "a retrieve that let the consumer's pages of that prefix go": lambda m, s, a, r, n:
+        _retrieved(m, s, a, r, n, let_go=True),
 }

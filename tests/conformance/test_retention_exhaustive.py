@@ -45,6 +45,8 @@ def replay(m: RetentionLockstep, a: R.Action) -> None:
         m.reload(a.rid)
     elif isinstance(a, R.CachePrefix):
         m.cache_prefix(a.rid, a.label)
+    elif isinstance(a, R.Retrieve):
+        m.retrieve(a.rid, a.label, a.tokens)
     else:
         assert isinstance(a, R.MatchPrefix)
         st = m.stream(a.rid, a.label)

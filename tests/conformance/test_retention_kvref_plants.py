@@ -6,6 +6,12 @@ The four of specs/retention.md (issue 19's anchors, adapted to kvref):
 (a) vLLM 42948, freed window pages cached; (b) SGLang PR 27586, a stale
 window after a truncate or a fork; (c) vLLM 42571, a release list naming
 the pages the window retired; (d) an off-by-one at the window's first page.
+And the rollback margin's two (W15), found by the lockstep whose labels
+keep one (its MARGIN scope): (e) a commit that releases from n - W, the
+margin ignored; (f) a truncate checked against W + k, the margin counted
+as window. And KV transfer's two (W16, W17): (g) a retrieve that keeps its
+own released count, not the peer's; (h) a publish that names the retained
+pages but not what was released.
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvref import prefix_cache, truncation
 from kvref.forks import Forks
 from kvref.manager import KVManager
+from kvref.published import KVSequenceInfo, PublishedKVInfo
+from kvref.retrieval import Retrieval
 from kvref.stream_table import Key, StreamTable
 from kvref.streams import CacheStream
-from tests.conformance.test_retention_lockstep import BUDGET, RetentionLockstep
+from tests.conformance.test_retention_lockstep import BUDGET, RetentionLockstep, with_margin
 
 Plant = Callable[[pytest.MonkeyPatch], None]
 
@@ -144,11 +152,77 @@ def off_by_one_at_the_window(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(StreamTable, "retire", retire)
 
 
+def margin_ignored(mp: pytest.MonkeyPatch) -> None:
+    """(e) the commit releases from n - W (W15 off): a rollback of the
+    margin's tokens is then refused, and the stream holds fewer pages."""
+    orig = StreamTable.retire
+
+    def retire(self: StreamTable, key: Key, stream: CacheStream) -> int:
+        margins, self.margins = self.margins, {}
+        try:
+            return orig(self, key, stream)
+        finally:
+            self.margins = margins
+
+    mp.setattr(StreamTable, "retire", retire)
+
+
+def margin_counted_as_window(mp: pytest.MonkeyPatch) -> None:
+    """(f) the truncate's check uses W + k, as configuring a larger window
+    would (the example engine's finding): a rollback within the margin is
+    refused with ReleasedPrefixError."""
+    orig = truncation.truncate
+
+    def truncate(table: StreamTable, rid: str, label: str, new_len: int) -> int:
+        windows = table.windows
+        table.windows = {lb: w + table.margins.get(lb, 0) for lb, w in windows.items()}
+        try:
+            return orig(table, rid, label, new_len)
+        finally:
+            table.windows = windows
+
+    mp.setattr(truncation, "truncate", truncate)
+
+
+MARGIN_PLANTS: dict[str, Plant] = {
+    "(e) the rollback margin ignored at release": margin_ignored,
+    "(f) the rollback margin counted as window by truncate": margin_counted_as_window,
+}
+
+def retrieve_ignores_released(mp: pytest.MonkeyPatch) -> None:
+    """(g) the consumer keeps its own `released`, not the peer's (W16 off): it
+    gives the slots the peer released pages, holding more than the window."""
+
+    def own(self: Retrieval, label: str, stream: CacheStream | None,
+            info: KVSequenceInfo) -> int:
+        return stream.released if stream is not None else 0
+
+    mp.setattr(Retrieval, "_released_after", own)
+
+
+def publish_forgets_released(mp: pytest.MonkeyPatch) -> None:
+    """(h) publish names the retained pages but says nothing was released
+    (W17 off): read by position, each page would be taken for an earlier slot;
+    the consumer must refuse it."""
+    orig = Retrieval.publish
+
+    def publish(self: Retrieval, rid: str) -> object:
+        pub = orig(self, rid)
+        if isinstance(pub, PublishedKVInfo):
+            for info in pub.get(0).values():
+                info.released = 0
+        return pub
+
+    mp.setattr(Retrieval, "publish", publish)
+
+
 PLANTS: dict[str, Plant] = {
     "(a) window pages cached (vLLM 42948)": window_pages_cached,
     "(b) a stale window after truncate or fork (SGLang PR 27586)": stale_window,
     "(c) a release list naming retired pages (vLLM 42571)": release_lists_name_retired_pages,
     "(d) an off-by-one at the window's first page": off_by_one_at_the_window,
+    "(g) a retrieve that ignores the peer's released prefix": retrieve_ignores_released,
+    "(h) a publish that forgets its released prefix": publish_forgets_released,
 }
 
 
@@ -161,3 +235,14 @@ def test_plant_is_found(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     PLANTS[name](monkeypatch)
     with pytest.raises((AssertionError, Flaky)):
         run_state_machine_as_test(RetentionLockstep, settings=BUDGET)
+
+
+def test_the_clean_manager_passes_with_a_margin() -> None:
+    run_state_machine_as_test(with_margin, settings=BUDGET)
+
+
+@pytest.mark.parametrize("name", list(MARGIN_PLANTS))
+def test_margin_plant_is_found(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    MARGIN_PLANTS[name](monkeypatch)
+    with pytest.raises((AssertionError, Flaky)):
+        run_state_machine_as_test(with_margin, settings=BUDGET)

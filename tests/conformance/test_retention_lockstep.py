@@ -26,6 +26,7 @@ by this machine within the same budget: test_retention_kvref_plants.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -88,7 +89,8 @@ class RetentionLockstep(RuleBasedStateMachine):
         self.scope = scope
         self.model = R.RetentionModel(scope)
         self.state = self.model.init()
-        retention = {LABELS[i]: RetentionPolicy(w)
+        margins = scope.margins or (0,) * scope.labels
+        retention = {LABELS[i]: RetentionPolicy(w, rollback_margin=margins[i])
                      for i, w in enumerate(scope.windows) if w is not None}
         cfg = KVConfig(num_layers=LAYERS, num_kv_heads=1, head_dim=1, max_seq_len=64,
                        max_num_pages=scope.pages + 1, page_size=scope.page_size,
@@ -96,6 +98,8 @@ class RetentionLockstep(RuleBasedStateMachine):
                        num_qo_heads=1, retention=retention)
         self.kv = KVManager(cfg, "kv", None, TransferEngineInfo(), "cpu",
                             dtype=torch.float32)
+        self.cfg = cfg
+        self._peer: KVManager | None = None  # a retrieve's publisher, made on first use
 
     # ------------------------------------------------------------ lockstep
 
@@ -161,27 +165,58 @@ class RetentionLockstep(RuleBasedStateMachine):
         return st_.n if st_ is not None else 0
 
     def run_step(self, rid: int, label: int, tokens: tuple[int, ...],
-                 pre_forks: tuple[tuple[str, str], ...] = ()) -> Any:
-        name, lb = rid_name(rid), LABELS[label]
+                 pre_forks: tuple[tuple[str, str], ...] = (), kv: KVManager | None = None,
+                 name: str | None = None) -> Any:
+        """One admit, plan, write, commit on `kv` (this manager; or the peer)."""
+        kv = self.kv if kv is None else kv
+        name, lb = rid_name(rid) if name is None else name, LABELS[label]
         step = KVStep([Segment(name, lb, len(tokens))], pre_forks=pre_forks)
         ctx = StepContext((name,))
-        out = self.kv.admit(step, ctx)
+        out = kv.admit(step, ctx)
         if not out.ok:
             return out.reason
-        plans = self.kv.plan(step, ctx)
+        plans = kv.plan(step, ctx)
         if tokens:
             (view,) = [v for out in plans.values() for v in out.views]
-            stream = self.kv._streams[name][lb]
+            stream = kv._streams[name][lb]
             # W1, W4: the view starts at the first retained page
             assert view.offset == stream.released, (view, stream)
             # the absolute position of the first token written
             start = view.offset + view.length - view.to_compute
             for layer in range(LAYERS):
                 k = torch.tensor([value(t, start + i, layer) for i, t in enumerate(tokens)])
-                self.kv.write_kv(k.view(-1, 1, 1), -k.view(-1, 1, 1), layer_idx=layer,
-                                 label=lb)
-        self.kv.commit(step, ctx)
+                kv.write_kv(k.view(-1, 1, 1), -k.view(-1, 1, 1), layer_idx=layer, label=lb)
+        kv.commit(step, ctx)
         return None
+
+    def run_retrieve(self, rid: int, label: int, tokens: tuple[int, ...]) -> Any:
+        """A peer of this config commits `tokens` to the label in one step and
+        publishes; this manager retrieves, and the copy lands (W16, W17)."""
+        if self._peer is None:
+            self._peer = KVManager(self.cfg.copy(), "peer", None, TransferEngineInfo(), "cpu",
+                                   dtype=torch.float32)
+        peer, name, lb = self._peer, rid_name(rid), LABELS[label]
+        peer.ingest_request("p")
+        try:
+            peer.match_prefix("p", lb, [])
+            assert self.run_step(rid, label, tokens, kv=peer, name="p") is None
+            pub = peer.publish("p")
+            assert pub, pub
+            info, ps = pub.get(0)[lb], self.scope.page_size
+            # W17: the publication names the retained pages only
+            assert len(info.page_indices) == -(-len(tokens) // ps) - info.released // ps
+            out = self.kv.admit_retrieve(name, None, None, pub)
+            if not out.ok:
+                return out.reason
+            for s in self.kv._streams[name].values():
+                if s.read_future is not None:
+                    s.read_future.result(timeout=10)
+            done = self.kv.admit_retrieve(name, None, None, pub)
+            assert done.ok and done.ready, done
+            return None
+        finally:
+            peer.release_published("p")
+            peer.remove_request("p")
 
     # ------------------------------------------------------------ rules
 
@@ -218,8 +253,40 @@ class RetentionLockstep(RuleBasedStateMachine):
             return
         n = max(0, self.length(rid, label) - back) if back >= 0 else self.length(
             rid, label) + 1
-        self.step(R.Truncate(rid, label, n),
-                  lambda: self.kv.truncate(rid_name(rid), LABELS[label], n))
+        st_ = self.stream(rid, label)
+        released, old_len = (0, 0) if st_ is None else (st_.released, st_.n)
+        got = self.step(R.Truncate(rid, label, n),
+                        lambda: self.kv.truncate(rid_name(rid), LABELS[label], n))
+        if released and n < old_len and isinstance(got, R.Count):
+            # a rollback over a stream that already let pages go (W15's case)
+            self.seen.add("Truncate:Count:released")
+
+    @rule(rid=RIDS, label=LBLS, tokens=TOKENS, reject=st.integers(0, 3))
+    def speculate(self, rid: int, label: int, tokens: tuple[int, ...], reject: int) -> None:
+        """A verify step: commit the drafts, then truncate the rejected ones
+        (the rollback a margin keeps legal, W15; refused past it, W6)."""
+        if self.stream(rid, label) is None:
+            return
+        before = self.length(rid, label)
+        self.append(rid, label, tokens)
+        if self.length(rid, label) > before:
+            self.truncate(rid, label, min(reject, len(tokens)))
+
+    @rule(rid=RIDS, label=LBLS, tokens=st.lists(st.integers(0, SCOPE.alphabet - 1),
+                                                max_size=SCOPE.max_len).map(tuple))
+    def retrieve(self, rid: int, label: int, tokens: tuple[int, ...]) -> None:
+        """A peer's tokens; those up to this stream's length are not copied, so
+        a prefix unlike its own shows a copy that starts too early."""
+        if len(tokens) > self.scope.max_len or self.blind(rid, label):
+            return
+        st_ = self.stream(rid, label)
+        released = 0 if st_ is None else st_.released
+        self.ingest(rid)
+        got = self.step(R.Retrieve(rid, label, tokens),
+                        lambda: self.run_retrieve(rid, label, tokens))
+        st_ = self.stream(rid, label)
+        if isinstance(got, R.Ok) and st_ is not None and st_.released > released:
+            self.seen.add("Retrieve:Ok:released")  # it took the peer's released prefix
 
     @rule(rid=RIDS)
     def remove(self, rid: int) -> None:
@@ -316,6 +383,27 @@ def test_retention_lockstep() -> None:
     # the run reached what it claims to check
     wanted = {"Append:Ok", "Append:AllocationFailed", "Fork:Ok", "Fork:Misuse",
               "Truncate:Count", "Truncate:Misuse", "Offload:Count", "Reload:Count",
-              "CachePrefix:Count", "MatchPrefix:Count"}
+              "CachePrefix:Count", "MatchPrefix:Count", "Retrieve:Ok", "Retrieve:Ok:released",
+              "Retrieve:AllocationFailed"}
     missing = wanted - RetentionLockstep.seen
+    assert not missing, f"never arose: {sorted(missing)}"
+
+
+# W15: each windowed label keeps a rollback margin of one token
+MARGIN = replace(SCOPE, margins=(1, 1, 0), max_len=11)
+
+
+def with_margin() -> RetentionLockstep:
+    """The machine over MARGIN; one named factory, so its plants replay the
+    clean run's examples (derandomize seeds from the factory)."""
+    return RetentionLockstep(MARGIN)
+
+
+def test_retention_lockstep_with_a_rollback_margin() -> None:
+    """The same machine where commits keep W + k tokens: releases, the bound,
+    and truncates of up to k over a released prefix, all as the model says."""
+    RetentionLockstep.seen.clear()
+    run_state_machine_as_test(with_margin, settings=BUDGET)
+    missing = {"Append:Ok", "Truncate:Count:released", "Truncate:Misuse",
+               "Fork:Ok"} - RetentionLockstep.seen
     assert not missing, f"never arose: {sorted(missing)}"

@@ -65,6 +65,10 @@ PLANTS: dict[str, tuple[str, str, str]] = {
     "WINDOW_NEVER_HITS": (
         "a prefix hit on a windowed label attaches pages before its window",
         "issue 19 (prefix cache)", "V4"),
+    "RETRIEVE_ONLY_RETAINED": (
+        "a retrieve keeps the consumer's own `released`, not the peer's: it gives the "
+        "slots the peer released pages, held against the window's bound",
+        "issue 19 (publish and retrieve)", "V4"),
 }
 
 

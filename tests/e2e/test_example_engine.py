@@ -50,6 +50,30 @@ def greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     return list(out[0, len(prompt):].tolist())
 
 
+# Random weights make near-ties: at one step of one request the two best
+# logits were 3.6e-7 apart, and generate's cached decode and the engine's
+# packed forward sum in different orders, so they picked different tokens.
+# A gap this small is float noise; a wrong KV moves logits by far more.
+TIE = 1e-4
+
+
+def assert_greedy(model: Any, prompt: list[int], out: list[int], rid: str) -> None:
+    """``out`` is what greedy ``generate`` gives after ``prompt``; where the
+    two part, only at a float tie: then every token of ``out`` must be a
+    greedy pick, within `TIE`, of the model run over its own prefix."""
+    want = greedy(model, prompt, len(out))
+    if out == want:
+        return
+    first = next(i for i, (a, b) in enumerate(zip(out, want, strict=True)) if a != b)
+    # one forward over the engine's tokens: row i scores token i
+    logits = model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
+    best = logits.max(dim=-1).values
+    gaps = best - logits.gather(1, torch.tensor(out)[:, None])[:, 0]
+    at_split = float(best[first] - logits[first, want[first]])
+    assert at_split <= TIE, (rid, first, out[first], want[first], at_split)
+    assert float(gaps.max()) <= TIE, (rid, int(gaps.argmax()), float(gaps.max()))
+
+
 def test_example_engine_matches_generate() -> None:
     ex = load_example()
     model = ex.build_model()
@@ -60,12 +84,12 @@ def test_example_engine_matches_generate() -> None:
     with torch.no_grad():
         for r in reqs:
             assert r.state == "done", r.rid
-            assert r.out[ex.MAIN] == greedy(model, r.prompt, r.max_new), r.rid
+            assert_greedy(model, r.prompt, r.out[ex.MAIN], r.rid)
             if r.samples == 2:
                 # the second sample starts from the runner-up first token, then is greedy
                 runner_up = int(model(torch.tensor([r.prompt])).logits[0, -1].topk(2).indices[1])
-                want = [runner_up, *greedy(model, [*r.prompt, runner_up], r.max_new - 1)]
-                assert r.out[ex.SAMPLE] == want, r.rid
+                assert r.out[ex.SAMPLE][0] == runner_up, r.rid
+                assert_greedy(model, [*r.prompt, runner_up], r.out[ex.SAMPLE][1:], r.rid)
 
     # shared pages: the requests that open with the system prompt and arrive
     # once it is cached compute only what follows it
@@ -112,14 +136,17 @@ def test_example_engine_windowed_matches_generate() -> None:
     """The windowed option: a Mistral with ``sliding_window = 16`` on windowed
     labels generates what ``generate`` (its sliding-window cache) does, for
     every request and both samples, through chunked prefill, preemption, the
-    fork and speculative verify steps, far past several windows; no stream
-    ever holds more than ``ceil(W / ps) + 1`` pages, and one reaches that."""
+    fork, speculative verify steps and a disaggregated prefill whose prompt
+    outruns the window, far past several windows; no stream ever holds more
+    than ``ceil((W + k) / ps) + 1`` pages (k the rollback margin, W15), and
+    one reaches that."""
     window = 16
     ex = load_example()
     model = ex.build_model(sliding_window=window)
     engine = ex.Engine(model, ex.build_draft(model), sliding_window=window)
     reqs = ex.demo_requests(ex.WINDOWED_MAX_NEW, windowed=True)
-    assert not any(r.disaggregated for r in reqs)
+    # the disaggregated prompt outruns the window: its publication releases
+    assert any(r.disaggregated and len(r.prompt) > window for r in reqs)
     stats = engine.run(reqs)
 
     with torch.no_grad():
@@ -127,11 +154,11 @@ def test_example_engine_windowed_matches_generate() -> None:
             assert r.state == "done", r.rid
             # past several windows: positions far beyond what a stream holds
             assert len(r.prompt) + r.max_new > 3 * window, r.rid
-            assert r.out[ex.MAIN] == greedy(model, r.prompt, r.max_new), r.rid
+            assert_greedy(model, r.prompt, r.out[ex.MAIN], r.rid)
             if r.samples == 2:
                 runner_up = int(model(torch.tensor([r.prompt])).logits[0, -1].topk(2).indices[1])
-                want = [runner_up, *greedy(model, [*r.prompt, runner_up], r.max_new - 1)]
-                assert r.out[ex.SAMPLE] == want, r.rid
+                assert r.out[ex.SAMPLE][0] == runner_up, r.rid
+                assert_greedy(model, [*r.prompt, runner_up], r.out[ex.SAMPLE][1:], r.rid)
         # the window decides the tokens: the same weights with full attention differ
         model.config.sliding_window = None
         try:
@@ -143,10 +170,13 @@ def test_example_engine_windowed_matches_generate() -> None:
     ps = engine.kv.config.page_size
     print(f"\nwindow {window}, page size {ps}: at most {stats.window_pages} pages held, "
           f"bound {stats.window_bound}")
-    assert stats.window_bound == -(-window // ps) + 1
+    # W15: the rollback margin (the engine's draft_len) counts with the window
+    assert stats.window_bound == -(-(window + engine.draft_len) // ps) + 1
     assert stats.window_pages == stats.window_bound  # respected, and reached
     # kvref refuses prefix hits on windowed labels: nothing hit, nothing cached
-    assert stats.hit_tokens == stats.pages_cached == 0 and stats.transfers == 0, stats
+    assert stats.hit_tokens == stats.pages_cached == 0, stats
+    # publish and retrieve over the window (W16, W17), the lease given back
+    assert stats.transfers == stats.leases_released == 1, stats
     assert stats.mixed_steps > 0, stats
     assert stats.preemptions > 0 and stats.reloads == stats.preemptions, stats
     assert stats.forks == 1, stats
