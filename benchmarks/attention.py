@@ -4,7 +4,7 @@ Three ways to compute the same attention over the same tokens, timed
 interleaved (one call of each per round) in one run:
 
 - *reference*: `paged_attention_reference`, the per-request loop (the oracle);
-- *sdpa*: `kvref.attention_sdpa`, one gather of the batch's pages and one
+- *sdpa*: `kvref.attention.sdpa`, one gather of the batch's pages and one
   masked ``scaled_dot_product_attention`` (plan built once, as per step);
 - *dense*: ``scaled_dot_product_attention`` over K/V already laid out
   contiguously (``[B, H, L, D]``, the same mask; the decodes as one padded
@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import Spread, machine, md_table, no_gc, spread, time_call, write_json
-from kvref.attention import paged_attention_reference
-from kvref.attention_sdpa import plan_sdpa, run_sdpa_plan
-from kvref.config import KVLayout
-from kvref.plan import PagedIndptrs, SequenceView, build_paged_indptrs
+from kvref.attention.paged import paged_attention_reference
+from kvref.attention.sdpa import plan_sdpa, run_sdpa_plan
+from kvref.core.config import KVLayout
+from kvref.stepping.plan import PagedIndptrs, SequenceView, build_paged_indptrs
 
 HQ, HKV, D, PS = 32, 8, 128, 16  # a Llama-3-8B layer
 

@@ -25,7 +25,7 @@ import torch
 from benchmarks import Spread, no_gc, spread
 from benchmarks.reference_manager import ReferenceManager
 from kvref import KVConfig, KVManager, KVStep, Segment, StepContext
-from kvref.transfer import TransferEngineInfo
+from kvref.transfer.engine import TransferEngineInfo
 
 # both managers step through the same API
 Stepper = KVManager | ReferenceManager

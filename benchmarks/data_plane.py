@@ -10,7 +10,7 @@ Paths:
 - ``offload`` / ``reload``: `KVManager.offload(rid)` / `KVManager.reload(rid)` of
   one request holding N full pages (``cpu_offload_pages`` set), bookkeeping included.
 - ``index``: one advanced-index gather/scatter ``t[:, dst] = t[:, src]``;
-  ``runs``: `kvref.cache.copy_page_blocks`, one slice copy per run of
+  ``runs``: `kvref.core.cache.copy_page_blocks`, one slice copy per run of
   consecutive pages (what kvref does on CPU). Contiguous pages make one run;
   shuffled pages make runs of length 1.
 """
@@ -27,7 +27,7 @@ import torch
 from benchmarks import Spread, no_gc, spread
 from benchmarks.control_plane import make_manager, prefill
 from kvref import KVManager
-from kvref.cache import copy_page_blocks
+from kvref.core.cache import copy_page_blocks
 
 PAGE_SIZE = 16
 # 4 layers x (K, V) x 16 tokens x 2 heads x 64 dims x fp32 = 64 KiB a page

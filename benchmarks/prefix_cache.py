@@ -2,7 +2,7 @@
 
 - **Hashing** a 2,048-token prompt into its 128 chained page keys (page size
   16): kvref's chained SHA-256 over the token ids' bytes
-  (`kvref.prefix_hash.page_keys`) against the anchors' default, a chained
+  (`kvref.prefix.keys.page_keys`) against the anchors' default, a chained
   SHA-256 over ``pickle.dumps((parent, tuple(tokens), extra_keys))`` per page,
   written here as that default does it. The two are timed alternately in the
   same run; the ratio is the median of the per-repetition ratios.
@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from benchmarks import Spread, machine, md_table, no_gc, spread
-from kvref.page_pool import PagePool
-from kvref.prefix_hash import ExtraKeys, PageKey, page_keys
+from kvref.core.page_pool import PagePool
+from kvref.prefix.keys import ExtraKeys, PageKey, page_keys
 
 PAGE_SIZE = 16
 PROMPT = 2048

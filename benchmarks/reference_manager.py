@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvref.allocator import PageAllocator
-from kvref.plan import (
+from kvref.core.allocator import PageAllocator
+from kvref.stepping.plan import (
     KVPlanOutput,
     KVPlanOutputs,
     KVPlanState,
@@ -43,7 +43,7 @@ from kvref.plan import (
     SequenceView,
     group_by_plan_label,
 )
-from kvref.step import (
+from kvref.stepping.step import (
     ADMIT_OK,
     AdmitOutcome,
     AllocationFailed,

@@ -44,7 +44,7 @@ from benchmarks import Spread, machine, md_table, no_gc, run_cli, spread
 from benchmarks import control_plane as cp
 from benchmarks.prefix_cache import CACHED, PAGE_SIZE, PROMPT, Pair, hashing, pair
 from kvref import KVConfig, KVManager, KVStep, Segment, StepContext
-from kvref.config import KVReqConfig
+from kvref.core.config import KVReqConfig
 
 SALT = "tenant-7"  # every request here is one tenant's: its pages hit each other
 FORK_TOKENS = (2048, 2057)  # whole pages, and a partial last page

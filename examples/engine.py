@@ -97,8 +97,8 @@ from kvref import (
     StepContext,
     TransferEngineInfo,
 )
-from kvref.attention import PagedAttention
-from kvref.published import PublishRefused
+from kvref.attention.paged import PagedAttention
+from kvref.transfer.published import PublishRefused
 
 ATTN_NAME = "kvref_example_engine"
 VOCAB = 128

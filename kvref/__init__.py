@@ -4,18 +4,10 @@ The public names are the reference manager's, so engine code written
 against it ports unchanged.
 """
 
-from kvref.allocator import PageAllocator
-from kvref.base import (
-    AttentionResource,
-    CGSlotSpec,
-    EngineResourceInfo,
-    PublishedInfo,
-    Resource,
-)
-from kvref.cache import KVCache
-from kvref.config import KVConfig, KVLayout, KVReqConfig, KVSpec, RetentionPolicy
-from kvref.distributed import JointGroups
-from kvref.errors import (
+from kvref.core.allocator import PageAllocator
+from kvref.core.cache import KVCache
+from kvref.core.config import KVConfig, KVLayout, KVReqConfig, KVSpec, RetentionPolicy
+from kvref.core.errors import (
     AsymmetricStateError,
     ForkCopyError,
     InvalidStepError,
@@ -36,18 +28,27 @@ from kvref.errors import (
     UnknownRequestError,
     WindowUnsupportedError,
 )
-from kvref.host_pool import CPUPagePool
+from kvref.core.page_pool import ResetRefused
+from kvref.core.resource import (
+    AttentionResource,
+    CGSlotSpec,
+    EngineResourceInfo,
+    PublishedInfo,
+    Resource,
+)
+from kvref.core.runtime import Runtime, ThreadingRuntime, default_runtime, set_default_runtime
 from kvref.manager import KVManager
-from kvref.offload import Offload
-from kvref.outcomes import (
+from kvref.offload.handle import Offload
+from kvref.offload.host_pool import CPUPagePool
+from kvref.offload.outcomes import (
     HostPoolView,
     OffloadOutcome,
     OffloadReason,
     ReloadOutcome,
     ReloadReason,
 )
-from kvref.page_pool import ResetRefused
-from kvref.plan import (
+from kvref.parallel.groups import JointGroups
+from kvref.stepping.plan import (
     SINK_PAGE,
     KVPlanOutput,
     KVPlanOutputs,
@@ -58,15 +59,7 @@ from kvref.plan import (
     build_paged_indptrs,
     group_by_plan_label,
 )
-from kvref.published import (
-    KVSequenceInfo,
-    PublishedKVInfo,
-    PublishRefused,
-    RetrieveStale,
-    UnknownRequest,
-)
-from kvref.runtime import Runtime, ThreadingRuntime, default_runtime, set_default_runtime
-from kvref.step import (
+from kvref.stepping.step import (
     ADMIT_OK,
     AdmitFailedReason,
     AdmitOutcome,
@@ -82,7 +75,14 @@ from kvref.step import (
     SlotLease,
     StepContext,
 )
-from kvref.transfer import KVTransferManager, TransferEngineInfo
+from kvref.transfer.engine import KVTransferManager, TransferEngineInfo
+from kvref.transfer.published import (
+    KVSequenceInfo,
+    PublishedKVInfo,
+    PublishRefused,
+    RetrieveStale,
+    UnknownRequest,
+)
 
 __all__ = [
     "ADMIT_OK",

@@ -5,22 +5,22 @@ reset, remove). Each mechanism lives in its own module and works on the
 shared `StreamTable` (streams, page allocator, lock, runtime), never on the
 manager:
 
-- `kvref.admission`: a step and the streams to a grant or a refusal (pure);
-- `kvref.stepping`: admit, plan and commit, one step at a time plus one
-  preplanned; `kvref.forks` copies fork targets, `kvref.graph_staging`
+- `kvref.stepping.admission`: a step and the streams to a grant or a refusal (pure);
+- `kvref.stepping.admit_plan_commit`: admit, plan and commit, one step at a time plus one
+  preplanned; `kvref.stepping.forks` copies fork targets, `kvref.stepping.graph_staging`
   stages slot-leased addressing for CUDA graphs;
-- `kvref.offload_phases`: an offload's claim, copy, commit and abandon
-  (the `kvref.offload.Offload` handle drives them), and reload;
-- `kvref.retrieval`: publish and retrieve between managers, under a lease
-  (`kvref.lease`); `kvref.truncation` cuts a stream back to a prefix.
+- `kvref.offload.phases`: an offload's claim, copy, commit and abandon
+  (the `kvref.offload.handle.Offload` handle drives them), and reload;
+- `kvref.transfer.retrieval`: publish and retrieve between managers, under a lease
+  (`kvref.transfer.lease`); `kvref.stepping.truncation` cuts a stream back to a prefix.
 
 The public calls of three mechanisms are mixins over the same state:
-`kvref.layer_io` (what attention layers call between plan and commit),
-`kvref.eviction_calls` (offload, reload and their queries) and
-`kvref.transfer_calls` (publish, release, retrieve).
+`kvref.stepping.layer_io` (what attention layers call between plan and commit),
+`kvref.offload.calls` (offload, reload and their queries) and
+`kvref.transfer.calls` (publish, release, retrieve).
 
 Every read-modify-write of stream bookkeeping happens under ``_lock`` (from
-`kvref.runtime`, so the concurrency tests can schedule it). Blocking work —
+`kvref.core.runtime`, so the concurrency tests can schedule it). Blocking work —
 host copies, draining retrieves — happens outside it. The lifecycle and its
 invariants are in ``specs/stream-lifecycle.md``; where kvref departs from
 the reference manager, ``specs/rules.md`` says why (R1..R13 below).
@@ -33,35 +33,37 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvref import prefix_cache, truncation, validate
-from kvref.base import CGSlotSpec, EngineResourceInfo
-from kvref.cache import KVCache
-from kvref.config import KVConfig, KVReqConfig, KVSpec
-from kvref.errors import KVRefError, StepInFlightError
-from kvref.eviction_calls import EvictionCalls
-from kvref.forks import Forks
-from kvref.graph_staging import GraphStaging
-from kvref.host_pool import CPUPagePool
-from kvref.layer_io import LayerIO
-from kvref.lease import LeaseTable
-from kvref.offload import Offload
-from kvref.offload_phases import HostOffload
-from kvref.page_pool import PagePool, ResetRefused
-from kvref.plan import SINK_PAGE, KVPlanOutputs, KVPlanState
-from kvref.prefix_hash import Tokens
-from kvref.rank_check import check_free_pages_agree
-from kvref.retrieval import Retrieval
-from kvref.running_step import RunningStep, StagedPreplan
-from kvref.runtime import Runtime, default_runtime, monotonic, shared
-from kvref.step import AdmitOutcome, KVStep, StepContext
-from kvref.stepping import Stepping
-from kvref.stream_table import StreamTable
-from kvref.streams import CacheStream
-from kvref.transfer import KVTransferManager, TransferEngineInfo, allocate_cache_tensor
-from kvref.transfer_calls import TransferCalls
+from kvref import validate
+from kvref.core.cache import KVCache
+from kvref.core.config import KVConfig, KVReqConfig, KVSpec
+from kvref.core.errors import KVRefError, StepInFlightError
+from kvref.core.page_pool import PagePool, ResetRefused
+from kvref.core.resource import CGSlotSpec, EngineResourceInfo
+from kvref.core.runtime import Runtime, default_runtime, monotonic, shared
+from kvref.core.stream_table import StreamTable
+from kvref.core.streams import CacheStream
+from kvref.offload.calls import EvictionCalls
+from kvref.offload.handle import Offload
+from kvref.offload.host_pool import CPUPagePool
+from kvref.offload.phases import HostOffload
+from kvref.parallel.rank_check import check_free_pages_agree
+from kvref.prefix import cache as prefix_cache
+from kvref.prefix.keys import Tokens
+from kvref.stepping import truncation
+from kvref.stepping.admit_plan_commit import Stepping
+from kvref.stepping.forks import Forks
+from kvref.stepping.graph_staging import GraphStaging
+from kvref.stepping.layer_io import LayerIO
+from kvref.stepping.plan import SINK_PAGE, KVPlanOutputs, KVPlanState
+from kvref.stepping.running_step import RunningStep, StagedPreplan
+from kvref.stepping.step import AdmitOutcome, KVStep, StepContext
+from kvref.transfer.calls import TransferCalls
+from kvref.transfer.engine import KVTransferManager, TransferEngineInfo, allocate_cache_tensor
+from kvref.transfer.lease import LeaseTable
+from kvref.transfer.retrieval import Retrieval
 
 if TYPE_CHECKING:
-    from kvref.distributed import JointGroups
+    from kvref.parallel.groups import JointGroups
 
 class KVManager(EvictionCalls, TransferCalls, LayerIO):
     """Pages, streams and steps of one KV cache (see the module docstring).

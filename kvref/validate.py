@@ -18,9 +18,9 @@ from typing import Protocol
 
 import torch
 
-from kvref.cache import KVCache
-from kvref.config import KVConfig, KVReqConfig
-from kvref.errors import (
+from kvref.core.cache import KVCache
+from kvref.core.config import KVConfig, KVReqConfig
+from kvref.core.errors import (
     InvalidArgumentError,
     InvalidConfigError,
     InvalidStepError,
@@ -29,9 +29,9 @@ from kvref.errors import (
     PublishedInfoError,
     UnknownRequestError,
 )
-from kvref.plan import group_by_plan_label
-from kvref.published import KVSequenceInfo, PublishedKVInfo, PublishRefused
-from kvref.step import BucketKey, KVStep, Segment, SlotLease, StepContext
+from kvref.stepping.plan import group_by_plan_label
+from kvref.stepping.step import BucketKey, KVStep, Segment, SlotLease, StepContext
+from kvref.transfer.published import KVSequenceInfo, PublishedKVInfo, PublishRefused
 
 
 class _HasLength(Protocol):
@@ -446,6 +446,44 @@ def padded_known(padded: Sequence[str], streams: Mapping[str, object]) -> None:
         if rid not in streams:
             raise UnknownRequestError("padded request is unknown (never ingested, or removed)",
                                       request_id=rid)
+
+
+def step_streams(streams: Mapping[str, object], step: KVStep, padded: Sequence[str]) -> None:
+    """A step's misuse against the stream table that does not depend on what
+    the streams hold: an unknown request, a negative span, a stream named
+    twice, a padded id not ingested, forks with nothing to apply to or onto
+    their own label, bad combined labels. Under the manager's lock (admit and
+    `pages_needed`); raises, changes nothing."""
+    seen: set[tuple[str, str]] = set()
+    for seg in step.segments:
+        rid, label = seg.request_id, seg.label
+        if rid not in streams:
+            raise UnknownRequestError("unknown request (never ingested, or removed)",
+                                      request_id=rid, label=label)
+        if seg.span < 0:
+            raise InvalidStepError(f"negative span {seg.span}", request_id=rid, label=label)
+        if (rid, label) in seen:
+            # both would be planned from one length and write the same slots
+            raise InvalidStepError("stream appears twice in one step", request_id=rid,
+                                   label=label)
+        seen.add((rid, label))
+    # with or without forks: a padded id the manager does not know (R40)
+    padded_known(padded, streams)
+    forks = (*step.pre_forks, *step.post_forks)
+    if forks:
+        if not padded:
+            # R25: a fork applies to each padded request; with none it would
+            # do nothing, silently
+            raise InvalidStepError("a step with forks names no padded_request_ids to apply "
+                                   "them to")
+        for from_label, to_label in forks:
+            if from_label == to_label:
+                raise InvalidStepError(f"fork of label {from_label!r} onto itself")
+    if step.combined_labels:
+        try:
+            group_by_plan_label((), step.combined_labels)
+        except ValueError as err:
+            raise InvalidStepError(str(err)) from None
 
 
 def _pre_fork_lengths(

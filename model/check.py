@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import signal
@@ -338,10 +337,9 @@ def _count(least: int) -> Any:
     return parse
 
 
-def _parser() -> _Parser:
+def add_scope_arguments(ap: argparse.ArgumentParser) -> None:
+    """The scope options; `kvref.testing.exhaustive` takes the same ones."""
     d = Scope()
-    ap = _Parser(prog="python -m model.check", description=__doc__.split("\n\n")[0],
-                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sc = ap.add_argument_group("scope (the bounds of the search)")
     sc.add_argument("--requests", type=_count(1), default=d.requests,
                     help="request ids the engine may use")
@@ -356,6 +354,18 @@ def _parser() -> _Parser:
                     help="most tokens one segment writes")
     sc.add_argument("--depth", type=_count(0), default=d.depth,
                     help="longest trace explored; 0: until no new state")
+
+
+def scope_of(o: argparse.Namespace) -> Scope:
+    """The scope the options of `add_scope_arguments` name."""
+    return Scope(o.requests, o.labels, o.device_pages, o.host_pages, o.page_size, o.max_span,
+                 o.depth)
+
+
+def _parser() -> _Parser:
+    ap = _Parser(prog="python -m model.check", description=__doc__.split("\n\n")[0],
+                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_scope_arguments(ap)
     mo = ap.add_argument_group("model")
     mo.add_argument("--model", choices=("kvref", "reference"), default="kvref",
                     help="kvref's rules, or the reference manager's (specs/findings.md)")
@@ -382,9 +392,6 @@ def _parser() -> _Parser:
                      help="one JSON line per reachable state: its shortest trace")
     out.add_argument("--quiet", action="store_true",
                      help="no progress lines on stderr (states, states/s, depth, queue, memory)")
-    out.add_argument("--conformance", action="store_true",
-                     help="instead, replay every reachable state and every call on kvref "
-                     "(needs kvref installed with its testing extra)")
     return ap
 
 
@@ -407,24 +414,13 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _terminated)
     ap = _parser()
     o = ap.parse_args(argv)
-    scope = Scope(o.requests, o.labels, o.device_pages, o.host_pages, o.page_size, o.max_span,
-                  o.depth)
+    scope = scope_of(o)
     try:
         cls = model_class(o.model, o.without)
     except ValueError as err:
         ap.error(f"--without: {err}")
     if o.resume and not os.path.exists(o.resume):
         ap.error(f"--resume: no such file {o.resume}")
-    if o.conformance:
-        # imported by name: the model itself never depends on kvref
-        exhaustive = importlib.import_module("kvref.testing.exhaustive")
-        result = exhaustive.check_scope(scope, progress=not o.quiet)
-        print(exhaustive.summary(result))
-        for failure in result.failures:
-            print("MISMATCH", failure)
-        print(f"CONFORMANCE FAILED: {len(result.failures)} mismatches" if result.failures
-              else "CONFORMANCE PASSED: kvref agreed with the model on every call")
-        return 1 if result.failures else 0
     rep = Report()
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(open(o.emit_traces, "w")) if o.emit_traces else None

@@ -33,7 +33,7 @@ Extras = tuple[tuple[str, str], ...]  # tagged extra keys: (("lora", "a"), ("sal
 @dataclass(frozen=True)
 class Key:
     """A page's hash key: the parent page's key, its tokens, its extra keys.
-    The model keeps the whole chain; kvref.prefix_hash keeps a digest of it."""
+    The model keeps the whole chain; kvref.prefix.keys keeps a digest of it."""
 
     parent: Key | None
     tokens: Tokens
@@ -204,7 +204,7 @@ class ResetRefused:
 
 @dataclass(frozen=True)
 class Misuse:
-    kind: str  # the KVRefError subclass kvref.page_pool raises; nothing changed
+    kind: str  # the KVRefError subclass kvref.core.page_pool raises; nothing changed
 
 
 Result = Ok | Pages | Hit | Registered | Count | AllocationFailed | ResetRefused | Misuse

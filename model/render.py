@@ -102,7 +102,7 @@ def to_pytest(trace: Trace, scope: Scope, name: str = "test_model_trace") -> str
         "import pytest", "import torch", "from kvref import (KVManager, KVConfig, KVStep, Segment, "
         "StepContext, TransferEngineInfo,", "    AllocationFailed, RequestOffloading, "
         "AdmitRuntimeError, KVRefError, StepInFlightError)",
-        "from kvref.errors import *  # noqa: F403 (every misuse kind a trace may name)", "",
+        "from kvref.core.errors import *  # noqa: F403 (every misuse kind a trace may name)", "",
         "",
         "def _mgr():",
         "    cfg = KVConfig(num_layers=1, num_kv_heads=1, head_dim=4, max_seq_len=64,",
@@ -198,7 +198,7 @@ def to_pytest(trace: Trace, scope: Scope, name: str = "test_model_trace") -> str
         elif isinstance(a, OffloadCopy):
             h = f"off[{q(rname(a.rid))}]"
             if a.copy_error:
-                w("    from kvref.errors import OffloadCopyError")
+                w("    from kvref.core.errors import OffloadCopyError")
                 w("    # the conformance layer supplies the fault hook")
                 w("    with pytest.raises(OffloadCopyError):")
                 w(f"        _inject_copy_fault(mgr); {h}.copy({q(lname(a.label))})")

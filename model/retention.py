@@ -213,7 +213,8 @@ ACTIONS: tuple[type, ...] = (Append, Fork, Truncate, Remove, Offload, Reload, Ca
 
 @dataclass(frozen=True)
 class Refused:
-    """A typed refusal (kvref.outcomes' OffloadReason / ReloadReason name); nothing changed."""
+    """A typed refusal (kvref.offload.outcomes' OffloadReason / ReloadReason
+    name); nothing changed."""
 
     reason: str
 

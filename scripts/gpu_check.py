@@ -12,7 +12,7 @@ compile included; rows over a minute are named as slow at the end.
 
 Without flashinfer (a GPU machine with no network) every row but the
 FlashInfer ones runs: attention inside graphs is then the SDPA path on a
-static table (`kvref.attention_sdpa`).
+static table (`kvref.attention.sdpa`).
 """
 
 from __future__ import annotations

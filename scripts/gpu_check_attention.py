@@ -33,17 +33,17 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import torch
 from gpu_check_graphs import Skip
 
-from kvref.attention import (
+from kvref.attention.paged import (
     FlashInferPagedAttention,
     PagedAttention,
     _graph_padded,
     flashinfer_available,
     paged_attention_reference,
 )
-from kvref.cache import KVCache
-from kvref.config import KVConfig, KVLayout
-from kvref.errors import KVShapeError
-from kvref.plan import PagedIndptrs, SequenceView, build_paged_indptrs, packed_plan_state
+from kvref.core.cache import KVCache
+from kvref.core.config import KVConfig, KVLayout
+from kvref.core.errors import KVShapeError
+from kvref.stepping.plan import PagedIndptrs, SequenceView, build_paged_indptrs, packed_plan_state
 
 NUM_QO_HEADS = 8
 NUM_KV_HEADS = 2

@@ -33,11 +33,11 @@ from kvref import (
     StepContext,
     TransferEngineInfo,
 )
-from kvref.attention import paged_attention_reference
-from kvref.attention_flashinfer import FlashInferPagedAttention, flashinfer_available
-from kvref.attention_sdpa import StaticDenseTable
-from kvref.config import KVLayout
-from kvref.plan import SINK_PAGE
+from kvref.attention.flashinfer import FlashInferPagedAttention, flashinfer_available
+from kvref.attention.paged import paged_attention_reference
+from kvref.attention.sdpa import StaticDenseTable
+from kvref.core.config import KVLayout
+from kvref.stepping.plan import SINK_PAGE
 
 
 class Skip(Exception):

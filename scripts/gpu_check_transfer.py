@@ -29,9 +29,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 import torch
 
-from kvref.cache import KVCache
-from kvref.config import KVConfig, KVLayout
-from kvref.transfer import KVTransferManager, TransferEngineInfo, allocate_cache_tensor
+from kvref.core.cache import KVCache
+from kvref.core.config import KVConfig, KVLayout
+from kvref.transfer.engine import KVTransferManager, TransferEngineInfo, allocate_cache_tensor
 
 WAIT_S = 120.0
 DTYPE = torch.bfloat16

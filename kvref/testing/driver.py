@@ -41,7 +41,7 @@ from kvref import (
     StepContext,
     TransferEngineInfo,
 )
-from kvref.plan import SINK_PAGE
+from kvref.stepping.plan import SINK_PAGE
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.testing.page_checks import check_device_pages
 from model import core as m

@@ -9,22 +9,25 @@ as in the Hypothesis lockstep suite; the difference is coverage: nothing here
 is sampled.
 
 Run by ``tests/conformance/test_exhaustive.py`` (CI scope) and by
-``python -m model.check --conformance`` (any scope).
+``python -m kvref.testing.exhaustive`` (any scope, the options of
+``python -m model.check``). The entry point lives here, on kvref's side:
+the model and its checker import nothing of kvref.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import dataclass, field
 
 from kvref.testing.driver import Driver, DriverConfig
 from model import core as m
-from model.check import reachable
+from model.check import add_scope_arguments, reachable, scope_of
 from model.protocol import calls
 
 # small enough for CI (every call of the total protocol in every state is a
-# fresh replay); `python -m model.check --conformance` takes any scope
+# fresh replay); `python -m kvref.testing.exhaustive` takes any scope
 CI_SCOPE = m.Scope(requests=2, labels=2, device_pages=2, host_pages=1, page_size=1,
                    max_span=1, depth=3)
 
@@ -93,3 +96,24 @@ def summary(out: Outcome) -> str:
     return (f"exhaustive conformance: {out.states} states, {out.transitions} transitions "
             f"replayed ({out.actions_run} kvref actions, {rate:.0f}/s) in {out.seconds:.1f}s, "
             f"{len(out.failures)} mismatches")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Replay a scope; the last line is the verdict, the exit status 1 on a mismatch."""
+    ap = argparse.ArgumentParser(
+        prog="python -m kvref.testing.exhaustive", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_scope_arguments(ap)
+    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    o = ap.parse_args(argv)
+    result = check_scope(scope_of(o), progress=not o.quiet)
+    print(summary(result))
+    for failure in result.failures:
+        print("MISMATCH", failure)
+    print(f"CONFORMANCE FAILED: {len(result.failures)} mismatches" if result.failures
+          else "CONFORMANCE PASSED: kvref agreed with the model on every call")
+    return 1 if result.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

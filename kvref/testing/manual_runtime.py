@@ -1,6 +1,6 @@
 """A runtime whose background work runs only when the test says so.
 
-`kvref.runtime`'s seam, for lockstep tests: a retrieve submitted by the
+`kvref.core.runtime`'s seam, for lockstep tests: a retrieve submitted by the
 manager stays pending until the test completes it (ok or failed), which is
 what the model's ``RetrieveComplete`` action is. So a retrieve is still
 writing while admit, claims, copies, publish, reset and remove run. A

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from kvref.manager import KVManager
-from kvref.plan import SINK_PAGE
+from kvref.stepping.plan import SINK_PAGE
 
 
 def check_device_pages(kv: KVManager) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvref.transfer import KVTransferManager
+from kvref.transfer.engine import KVTransferManager
 from tests.support.sched_harness import Op, Program
 from tests.support.sched_planted import Race, dfs, dfs_count, nothing
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from kvref.lease import LeaseTable
 from kvref.manager import KVManager
-from kvref.published import PublishedKVInfo, PublishRefused
-from kvref.retrieval import Retrieval
+from kvref.transfer.lease import LeaseTable
+from kvref.transfer.published import PublishedKVInfo, PublishRefused
+from kvref.transfer.retrieval import Retrieval
 from tests.support.sched_harness import Op, Program
 from tests.support.sched_planted import Race, dfs, dfs_count, nothing
 

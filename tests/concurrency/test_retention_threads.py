@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from kvref import KVConfig, KVManager, KVStep, RetentionPolicy, Segment, StepContext
-from kvref.runtime import Runtime, ThreadingRuntime
+from kvref.core.runtime import Runtime, ThreadingRuntime
 from kvref.testing.page_checks import check_device_pages
-from kvref.transfer import TransferEngineInfo
+from kvref.transfer.engine import TransferEngineInfo
 from tests.support.free_threads import remove_all_and_check_nothing_leaked, run_roles
 from tests.support.lockset import Detector, TracedRuntime
 

@@ -27,11 +27,12 @@ import time
 import pytest
 import torch
 
-from kvref import KVConfig, KVManager, KVStep, Segment, StepContext, prefix_cache
-from kvref.config import KVReqConfig
-from kvref.runtime import Runtime, ThreadingRuntime
+from kvref import KVConfig, KVManager, KVStep, Segment, StepContext
+from kvref.core.config import KVReqConfig
+from kvref.core.runtime import Runtime, ThreadingRuntime
+from kvref.prefix import cache as prefix_cache
 from kvref.testing.page_checks import check_device_pages
-from kvref.transfer import TransferEngineInfo
+from kvref.transfer.engine import TransferEngineInfo
 from tests.support.free_threads import remove_all_and_check_nothing_leaked, run_roles
 from tests.support.lockset import Detector, TracedRuntime
 

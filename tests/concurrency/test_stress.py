@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from kvref import KVManager
-from kvref.runtime import ThreadingRuntime
+from kvref.core.runtime import ThreadingRuntime
 from kvref.testing.driver import Driver, DriverConfig, label_name, rid_name
 from kvref.testing.page_checks import check_device_pages
 from model import core as m

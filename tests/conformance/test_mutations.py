@@ -16,17 +16,17 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-import kvref.admission as admission_module
-import kvref.plan as plan_module
-import kvref.stepping as stepping_module
-import kvref.truncation as truncation_module
+import kvref.stepping.admission as admission_module
+import kvref.stepping.admit_plan_commit as stepping_module
+import kvref.stepping.plan as plan_module
+import kvref.stepping.truncation as truncation_module
 import kvref.validate as validate_module
 from kvref import Offload, ReloadCopyError
-from kvref.forks import ForkFailed, Forks
 from kvref.manager import KVManager
-from kvref.plan import KVPlanState, PagedIndptrs
+from kvref.stepping.forks import ForkFailed, Forks
+from kvref.stepping.plan import KVPlanState, PagedIndptrs
 from kvref.testing.lockstep import Lockstep
-from kvref.transfer import KVTransferManager
+from kvref.transfer.engine import KVTransferManager
 from tests.support.sched_planted import claim_ignores_marks
 
 
@@ -218,7 +218,7 @@ def _truncate_frees_one_page_off(extra: int) -> Callable[[pytest.MonkeyPatch], N
 
 def _fork_with_no_padded_request_passes(mp: pytest.MonkeyPatch) -> None:  # 7a
     # both checks dropped: the forks are stripped before validation looks
-    orig_step, orig_admission = validate_module.step, admission_module.validate_step
+    orig_step, orig_streams = validate_module.step, validate_module.step_streams
 
     def bare(step: Any) -> Any:
         return dataclasses.replace(step, pre_forks=(), post_forks=())
@@ -226,11 +226,11 @@ def _fork_with_no_padded_request_passes(mp: pytest.MonkeyPatch) -> None:  # 7a
     def bad_step(step: Any, ctx: Any) -> None:
         orig_step(step if ctx.padded_request_ids else bare(step), ctx)
 
-    def bad_admission(table: Any, step: Any, padded: tuple[str, ...]) -> None:
-        orig_admission(table, step if padded else bare(step), padded)
+    def bad_streams(table: Any, step: Any, padded: tuple[str, ...]) -> None:
+        orig_streams(table, step if padded else bare(step), padded)
 
     mp.setattr(validate_module, "step", bad_step)
-    mp.setattr(admission_module, "validate_step", bad_admission)
+    mp.setattr(validate_module, "step_streams", bad_streams)
 # -- issue 10 item 5, overlap scheduling (R41, R42)
 
 

@@ -1,4 +1,4 @@
-"""kvref.page_pool and model.pages in lockstep.
+"""kvref.core.page_pool and model.pages in lockstep.
 
 The machine plays an engine with three streams over a pool of five pages
 of two tokens: prefill (a prefix hit, then allocate, write and register
@@ -33,10 +33,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvref import prefix_hash
-from kvref.errors import KVRefError
-from kvref.page_pool import PagePool, PrefixHit, Registered, ResetRefused
-from kvref.step import AllocationFailed
+from kvref.core.errors import KVRefError
+from kvref.core.page_pool import PagePool, PrefixHit, Registered, ResetRefused
+from kvref.prefix import keys as prefix_hash
+from kvref.stepping.step import AllocationFailed
 from model import pages as M
 from model.pages_invariants import INTERESTING, state_violations, transition_violations
 

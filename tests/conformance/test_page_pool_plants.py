@@ -1,7 +1,7 @@
 """The anchors' shared-page defects, planted, and the layer that finds each.
 
 Each plant is one defect class that vLLM, SGLang or mini-sglang shipped and
-fixed (issue 18), adapted to kvref.page_pool and planted by monkeypatch.
+fixed (issue 18), adapted to kvref.core.page_pool and planted by monkeypatch.
 Two layers must find it:
 
 - the lockstep machine (tests/conformance/test_page_pool_lockstep.py),
@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvref import prefix_hash
-from kvref.page_pool import PageNotWritableError, PagePool, PageRefError, Registered
+from kvref.core.page_pool import PageNotWritableError, PagePool, PageRefError, Registered
+from kvref.prefix import keys as prefix_hash
 from model.pages import variant
 from model.pages_check import SCOPE, check
 from tests.conformance.test_page_pool_lockstep import PagePoolLockstep

@@ -51,9 +51,9 @@ from kvref import (
     Segment,
     StepContext,
 )
-from kvref.step import AllocationFailed, RequestOffloading
+from kvref.stepping.step import AllocationFailed, RequestOffloading
 from kvref.testing.page_checks import check_device_pages
-from kvref.transfer import TransferEngineInfo
+from kvref.transfer.engine import TransferEngineInfo
 from model import retention as R
 from model.retention_invariants import violations
 

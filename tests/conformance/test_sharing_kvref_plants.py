@@ -1,12 +1,12 @@
 """The anchors' shared-page defects, planted in kvref's manager, each found by
 the sharing lockstep (tests/conformance/test_sharing_lockstep.py) within the
-budget the clean manager passes (its BUDGET: derandomized, 300 runs of at
-most 40 calls).
+budget the clean manager passes (`run_lockstep`: its BUDGET, derandomized,
+300 runs of at most 40 calls, then its SCENARIOS of rare cases).
 
 The pool-level defects (an evicted page left in the index, a hit left in
 the LRU, untagged extra keys, an uncapped hit, a page released twice in one
 list, a deduplicating register that frees, two release paths) are planted
-in `kvref.page_pool` and found by the pool's lockstep
+in `kvref.core.page_pool` and found by the pool's lockstep
 (tests/conformance/test_page_pool_plants.py). These are the manager's:
 what a stream does with shared pages. Each is adapted from a reported bug,
 or is a rule of specs/rules.md (R51-R62) broken.
@@ -18,15 +18,15 @@ from collections.abc import Callable
 
 import pytest
 from hypothesis.errors import Flaky
-from hypothesis.stateful import run_state_machine_as_test
 
-from kvref import prefix_cache, truncation
-from kvref.eviction_calls import EvictionCalls
-from kvref.forks import Forks
+from kvref.core.stream_table import StreamTable
+from kvref.core.streams import CacheStream
 from kvref.manager import KVManager
-from kvref.stream_table import StreamTable
-from kvref.streams import CacheStream
-from tests.conformance.test_sharing_lockstep import BUDGET, SharingLockstep
+from kvref.offload.calls import EvictionCalls
+from kvref.prefix import cache as prefix_cache
+from kvref.stepping import truncation
+from kvref.stepping.forks import Forks
+from tests.conformance.test_sharing_lockstep import SharingLockstep, run_lockstep
 
 Plant = Callable[[pytest.MonkeyPatch], None]
 
@@ -161,4 +161,4 @@ def test_sharing_lockstep_finds_the_plant(name: str, monkeypatch: pytest.MonkeyP
     PLANTS[name](monkeypatch)
     SharingLockstep.seen.clear()
     with pytest.raises((AssertionError, Flaky)):
-        run_state_machine_as_test(SharingLockstep, settings=BUDGET)
+        run_lockstep()

@@ -30,11 +30,11 @@ import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvref.attention import PagedAttention
-from kvref.config import KVConfig, KVLayout
+from kvref.attention.paged import PagedAttention
+from kvref.core.config import KVConfig, KVLayout
 from kvref.manager import KVManager
-from kvref.step import KVStep, Segment, StepContext
-from kvref.transfer import TransferEngineInfo
+from kvref.stepping.step import KVStep, Segment, StepContext
+from kvref.transfer.engine import TransferEngineInfo
 
 ATTN_NAME = "kvref_paged"
 NEW_TOKENS = 10

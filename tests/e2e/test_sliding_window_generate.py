@@ -27,11 +27,11 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
-from kvref.attention import Backend, PagedAttention
-from kvref.config import KVConfig, KVLayout, RetentionPolicy
+from kvref.attention.paged import Backend, PagedAttention
+from kvref.core.config import KVConfig, KVLayout, RetentionPolicy
 from kvref.manager import KVManager
-from kvref.step import KVStep, Segment, StepContext
-from kvref.transfer import TransferEngineInfo
+from kvref.stepping.step import KVStep, Segment, StepContext
+from kvref.transfer.engine import TransferEngineInfo
 from tests.e2e.test_llama_generate import (
     ATTN_NAME,
     KVRefForward,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvref import KVConfig, KVManager, KVStep, Segment, StepContext, TransferEngineInfo
-from kvref.plan import host_to_device
+from kvref.stepping.plan import host_to_device
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,7 +1,7 @@
 """An Eraser-style lockset race detector for kvref's shared state (test only).
 
 kvref asks its runtime for every container of shared state
-(`kvref.runtime.shared`). The test runtimes (`CoopRuntime`, `TracedRuntime`)
+(`kvref.core.runtime.shared`). The test runtimes (`CoopRuntime`, `TracedRuntime`)
 answer with the instrumented containers below; every read and write made
 through them records the thread, the locks it holds (the runtime's locks
 report acquire and release here) and where it was made. Two threads touching
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
-from kvref.runtime import ThreadingRuntime
-from kvref.streams import CacheStream
+from kvref.core.runtime import ThreadingRuntime
+from kvref.core.streams import CacheStream
 
 # (datum kind, operation) -> why it may run without the lock. Kinds are the
 # names containers were made with, `[]` for a table's rows and `.field` for

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvref import KVManager
-from kvref.allocator import PageAllocator
-from kvref.offload import Offload
-from kvref.offload_phases import HostOffload
-from kvref.outcomes import OffloadOutcome
-from kvref.streams import ClaimedStream
+from kvref.core.allocator import PageAllocator
+from kvref.core.streams import ClaimedStream
+from kvref.offload.handle import Offload
+from kvref.offload.outcomes import OffloadOutcome
+from kvref.offload.phases import HostOffload
 from model import core as m
 from tests.support.lockset import Detector
 from tests.support.sched_harness import Op, Program, StepOp, run_once

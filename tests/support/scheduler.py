@@ -1,4 +1,4 @@
-"""A cooperative scheduler behind `kvref.runtime`: real threads, one at a time.
+"""A cooperative scheduler behind `kvref.core.runtime`: real threads, one at a time.
 
 Every actor (a test thread, or a background task the manager submitted) is a
 real `threading.Thread`, but only the actor the scheduler picked runs; the
@@ -416,7 +416,7 @@ class CoopLock(AbstractContextManager["CoopLock"]):
 
 
 class CoopRuntime:
-    """`kvref.runtime.Runtime` over a `Scheduler`: a submitted task is an actor
+    """`kvref.core.runtime.Runtime` over a `Scheduler`: a submitted task is an actor
     of its own, so a retrieve can complete at any switch point.
 
     With a ``detector`` (`tests.support.lockset.Detector`) the containers kvref

@@ -12,11 +12,11 @@ import re
 import torch
 import torch.distributed as dist
 
-from kvref.config import KVConfig
-from kvref.distributed import JointGroups
-from kvref.errors import AsymmetricStateError
-from kvref.step import KVStep, Segment, StepContext
-from kvref.transfer import TransferEngineInfo
+from kvref.core.config import KVConfig
+from kvref.core.errors import AsymmetricStateError
+from kvref.parallel.groups import JointGroups
+from kvref.stepping.step import KVStep, Segment, StepContext
+from kvref.transfer.engine import TransferEngineInfo
 
 # a rank that never reaches a collective makes the others fail, not hang
 TIMEOUT = datetime.timedelta(seconds=20)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kvref import KVConfig, KVManager, KVStep, Segment, StepContext
-from kvref.transfer import TransferEngineInfo
+from kvref.transfer.engine import TransferEngineInfo
 
 WAIT_S = 60.0
 TOKENS = 6

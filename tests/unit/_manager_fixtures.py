@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from kvref.config import KVConfig, KVLayout, RetentionPolicy
+from kvref.core.config import KVConfig, KVLayout, RetentionPolicy
 from kvref.manager import KVManager
-from kvref.plan import KVPlanOutputs
-from kvref.step import Fork, KVStep, Segment, StepContext
+from kvref.stepping.plan import KVPlanOutputs
+from kvref.stepping.step import Fork, KVStep, Segment, StepContext
 from kvref.testing.page_checks import check_device_pages
-from kvref.transfer import TransferEngineInfo
+from kvref.transfer.engine import TransferEngineInfo
 
 Key = tuple[str, str]
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from kvref.cache import KVCache
-from kvref.config import KVConfig, KVLayout
-from kvref.transfer import KVTransferManager, TransferEngineInfo, allocate_cache_tensor
+from kvref.core.cache import KVCache
+from kvref.core.config import KVConfig, KVLayout
+from kvref.transfer.engine import KVTransferManager, TransferEngineInfo, allocate_cache_tensor
 
 WAIT_S = 30.0
 

@@ -1,7 +1,7 @@
 """One admission logic: the plain-step pass against the general rules.
 
 `admission.plain_grant` is the decode fast path: `validate.step_lengths`,
-`validate_step`, `refusal` and `reserve` specialised to a step without
+`validate.step_streams`, `refusal` and `reserve` specialised to a step without
 forks, in one pass. It must answer every plain step on every table exactly
 as the general rules do: the same misuse (class and message), the same
 refusal (kind, pages short, the stream it names), or the same grant (every
@@ -20,10 +20,11 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from kvref import admission, validate
-from kvref.errors import InvalidStepError, KVRefError
-from kvref.step import AdmitFailedReason, KVStep, Segment, StepContext
-from kvref.streams import CacheStream
+from kvref import validate
+from kvref.core.errors import InvalidStepError, KVRefError
+from kvref.core.streams import CacheStream
+from kvref.stepping import admission
+from kvref.stepping.step import AdmitFailedReason, KVStep, Segment, StepContext
 from tests.unit._manager_fixtures import assert_same, make_manager, snapshot
 
 RIDS = ("r0", "r1", "r2")
@@ -114,7 +115,7 @@ def _answer(decide: Any) -> Any:
 def _general(table: dict[str, dict[str, CacheStream]], step: KVStep, page_size: int,
              free: int, max_seq_len: int = 1 << 20, padded: tuple[str, ...] = ()) -> Any:
     validate.step_lengths(step, StepContext(), table, max_seq_len)
-    admission.validate_step(table, step, padded)
+    validate.step_streams(table, step, padded)
     keys = admission.named_keys(step, ())
     refused = admission.refusal(table, keys)
     if refused is not None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from _manager_fixtures import Driver, fill, make_manager
 
-from kvref.allocator import PageAllocator
-from kvref.plan import SINK_PAGE
+from kvref.core.allocator import PageAllocator
+from kvref.stepping.plan import SINK_PAGE
 
 
 def test_fifo_from_page_zero() -> None:

@@ -1,4 +1,4 @@
-"""kvref.attention: the paged torch reference against dense attention without pages.
+"""kvref.attention.paged: the paged torch reference against dense attention without pages.
 
 Every case fills a real `KVCache` through `write_tokens`, with slots from
 `packed_plan_state` (or `decode_plan_state`) over views whose pages are
@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvref.attention import (
+from kvref.attention.paged import (
     FlashInferPagedAttention,
     PagedAttention,
     _graph_padded,
@@ -26,10 +26,10 @@ from kvref.attention import (
     flashinfer_available,
     paged_attention_reference,
 )
-from kvref.cache import KVCache
-from kvref.config import KVConfig, KVLayout
-from kvref.errors import KVShapeError
-from kvref.plan import (
+from kvref.core.cache import KVCache
+from kvref.core.config import KVConfig, KVLayout
+from kvref.core.errors import KVShapeError
+from kvref.stepping.plan import (
     SINK_PAGE,
     KVPlanOutput,
     PagedIndptrs,

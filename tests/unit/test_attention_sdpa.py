@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvref.attention import paged_attention_reference
-from kvref.attention_sdpa import StaticDenseTable, paged_attention_sdpa
-from kvref.config import KVLayout
-from kvref.errors import KVShapeError
+from kvref.attention.paged import paged_attention_reference
+from kvref.attention.sdpa import StaticDenseTable, paged_attention_sdpa
+from kvref.core.config import KVLayout
+from kvref.core.errors import KVShapeError
 from tests.unit.test_attention import Case, Req, make_case
 
 

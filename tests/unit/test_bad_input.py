@@ -18,8 +18,8 @@ import pytest
 import torch
 from _manager_fixtures import Driver, assert_same, fill, make_cfg, make_manager, snapshot
 
-from kvref.config import KVConfig, KVLayout, KVReqConfig
-from kvref.errors import (
+from kvref.core.config import KVConfig, KVLayout, KVReqConfig
+from kvref.core.errors import (
     InvalidArgumentError,
     InvalidConfigError,
     InvalidStepError,
@@ -29,9 +29,9 @@ from kvref.errors import (
     PublishedInfoError,
 )
 from kvref.manager import KVManager
-from kvref.published import PublishedKVInfo
-from kvref.step import KVStep, Segment, StepContext
-from kvref.transfer import TransferEngineInfo
+from kvref.stepping.step import KVStep, Segment, StepContext
+from kvref.transfer.engine import TransferEngineInfo
+from kvref.transfer.published import PublishedKVInfo
 
 MAX_SEQ_LEN = 32
 LAYERS = 2

@@ -7,8 +7,8 @@ import math
 import torch
 
 from benchmarks.attention import Case, bench, build, dense_rows
-from kvref.attention import paged_attention_reference
-from kvref.config import KVLayout
+from kvref.attention.paged import paged_attention_reference
+from kvref.core.config import KVLayout
 
 
 def test_dense_baseline_is_the_same_attention() -> None:

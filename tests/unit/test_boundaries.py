@@ -22,15 +22,22 @@ import pytest
 import torch
 from _manager_fixtures import Driver, assert_same, fill, make_cfg, snapshot, token_values
 
-from kvref.base import CGSlotSpec
-from kvref.config import KVConfig
-from kvref.distributed import CommGroup, JointGroups
-from kvref.errors import InvalidArgumentError, InvalidStepError, KVRefError
+from kvref.core.config import KVConfig
+from kvref.core.errors import InvalidArgumentError, InvalidStepError, KVRefError
+from kvref.core.resource import CGSlotSpec
 from kvref.manager import KVManager
-from kvref.plan import SINK_PAGE
-from kvref.published import PublishedKVInfo
-from kvref.step import AdmitRuntimeError, BucketKey, KVStep, Segment, SlotLease, StepContext
-from kvref.transfer import KVTransferInfo, TransferEngineInfo
+from kvref.parallel.groups import CommGroup, JointGroups
+from kvref.stepping.plan import SINK_PAGE
+from kvref.stepping.step import (
+    AdmitRuntimeError,
+    BucketKey,
+    KVStep,
+    Segment,
+    SlotLease,
+    StepContext,
+)
+from kvref.transfer.engine import KVTransferInfo, TransferEngineInfo
+from kvref.transfer.published import PublishedKVInfo
 
 
 def _manager(cfg: KVConfig | None = None, *, world: int = 1, rank: int = 0,

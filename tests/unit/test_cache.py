@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvref.cache import KVCache, page_runs
-from kvref.config import KVConfig, KVLayout
+from kvref.core.cache import KVCache, page_runs
+from kvref.core.config import KVConfig, KVLayout
 
 L, H, D, PS, PAGES = 3, 2, 5, 4, 6
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvref.cache import KVCache
-from kvref.config import KVConfig
-from kvref.transfer import KVTransferManager, TransferEngineInfo
+from kvref.core.cache import KVCache
+from kvref.core.config import KVConfig
+from kvref.transfer.engine import KVTransferManager, TransferEngineInfo
 
 
 @dataclass

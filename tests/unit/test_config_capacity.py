@@ -19,8 +19,8 @@ import torch
 from _manager_fixtures import Driver, fill, make_cfg
 
 from kvref import KVConfig, KVManager, TransferEngineInfo, validate
-from kvref.config import MAX_NUM_PAGES
-from kvref.errors import InvalidConfigError, PublishLeasedError
+from kvref.core.config import MAX_NUM_PAGES
+from kvref.core.errors import InvalidConfigError, PublishLeasedError
 from kvref.testing.manual_runtime import ManualRuntime
 
 # 2 layers x K and V x 4 tokens x 2 heads x 4 dims, float32: 512 bytes a page

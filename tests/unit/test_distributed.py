@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.multiprocessing.spawn import spawn
 
-from kvref.distributed import CommGroup, DistributedConfigError, JointGroups
+from kvref.parallel.groups import CommGroup, DistributedConfigError, JointGroups
 
 # spawned ranks import their body by module name; make it one name however
 # pytest imported this file

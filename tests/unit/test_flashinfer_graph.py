@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvref.attention_flashinfer import (
+from kvref.attention.flashinfer import (
     CUDA_CORE_DECODE_GROUP_SIZES,
     decode_needs_tensor_cores,
     graph_batch_size,
@@ -23,8 +23,8 @@ from kvref.attention_flashinfer import (
     graph_plan_kind,
     is_decode_table,
 )
-from kvref.errors import KVShapeError
-from kvref.plan import SINK_PAGE, PagedIndptrs, SequenceView, build_paged_indptrs
+from kvref.core.errors import KVShapeError
+from kvref.stepping.plan import SINK_PAGE, PagedIndptrs, SequenceView, build_paged_indptrs
 
 
 def _accepts(table: PagedIndptrs, batch: int, capacity: int, page_size: int) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from _manager_fixtures import Driver, assert_same, fill, make_manager, snapshot
 
-from kvref.errors import InvalidStepError
-from kvref.step import KVStep, Segment, StepContext
+from kvref.core.errors import InvalidStepError
+from kvref.stepping.step import KVStep, Segment, StepContext
 
 PRE = KVStep([Segment("r", "cfg", 1)], pre_forks=[("main", "cfg")])
 POST = KVStep([Segment("r", "main", 1)], post_forks=[("main", "cfg")])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvref import KVManager, PublishedKVInfo
-from kvref.transfer import KVTransferManager, TransferEngineInfo
+from kvref.transfer.engine import KVTransferManager, TransferEngineInfo
 from tests.unit import _lease_workers as workers
 
 

@@ -26,7 +26,7 @@ from kvref import (
     StepNotAdmittedError,
 )
 from kvref.manager import KVManager
-from kvref.step import AdmitRuntimeError
+from kvref.stepping.step import AdmitRuntimeError
 from kvref.testing.manual_runtime import ManualRuntime
 from tests.unit._manager_fixtures import (
     Driver,

@@ -6,10 +6,10 @@ import pytest
 import torch
 from _manager_fixtures import Driver, fill, make_manager, token_values
 
-from kvref.base import CGSlotSpec
-from kvref.errors import KVRefError, KVShapeError
-from kvref.plan import SINK_PAGE
-from kvref.step import BucketKey, KVStep, Segment, SlotLease, StepContext
+from kvref.core.errors import KVRefError, KVShapeError
+from kvref.core.resource import CGSlotSpec
+from kvref.stepping.plan import SINK_PAGE
+from kvref.stepping.step import BucketKey, KVStep, Segment, SlotLease, StepContext
 
 
 def _lease_step(mgr, rids, bucket, slot=0):  # type: ignore[no-untyped-def]

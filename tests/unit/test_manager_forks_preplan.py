@@ -12,7 +12,7 @@ from _manager_fixtures import (
     snapshot,
 )
 
-from kvref.step import AllocationFailed, KVStep, Segment, StepContext
+from kvref.stepping.step import AllocationFailed, KVStep, Segment, StepContext
 
 
 def test_pre_fork_copies_at_plan() -> None:

@@ -15,8 +15,8 @@ from _manager_fixtures import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvref.config import KVLayout
-from kvref.step import (
+from kvref.core.config import KVLayout
+from kvref.stepping.step import (
     AllocationFailed,
     KVStep,
     RequestOffloading,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from _manager_fixtures import Driver, assert_same, fill, make_manager, snapshot
 
-from kvref.errors import (
+from kvref.core.errors import (
     InvalidStepError,
     KVRefError,
     KVShapeError,
@@ -18,7 +18,7 @@ from kvref.errors import (
     UnknownRequestError,
 )
 from kvref.manager import KVManager
-from kvref.step import KVStep, Segment, StepContext
+from kvref.stepping.step import KVStep, Segment, StepContext
 
 
 @pytest.fixture

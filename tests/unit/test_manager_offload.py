@@ -13,10 +13,10 @@ from _manager_fixtures import (
     snapshot,
 )
 
-from kvref.config import KVLayout
-from kvref.errors import OffloadCopyError, OffloadStateError
+from kvref.core.config import KVLayout
+from kvref.core.errors import OffloadCopyError, OffloadStateError
 from kvref.manager import KVManager
-from kvref.step import KVStep, RequestOffloading, Segment, StepContext
+from kvref.stepping.step import KVStep, RequestOffloading, Segment, StepContext
 
 
 def _setup(cpu_pages: int = 16, pages: int = 16, **kw) -> tuple[KVManager, Driver]:  # type: ignore[no-untyped-def]

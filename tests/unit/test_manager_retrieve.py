@@ -16,12 +16,12 @@ from _manager_fixtures import (
     snapshot,
 )
 
-from kvref.config import KVReqConfig
-from kvref.errors import PublishedInfoError, UnknownRequestError
+from kvref.core.config import KVReqConfig
+from kvref.core.errors import PublishedInfoError, UnknownRequestError
 from kvref.manager import KVManager
-from kvref.published import PublishedKVInfo, PublishRefused, UnknownRequest
-from kvref.step import AdmitOutcome, AdmitRuntimeError, AllocationFailed
-from kvref.transfer import InjectedTransferError
+from kvref.stepping.step import AdmitOutcome, AdmitRuntimeError, AllocationFailed
+from kvref.transfer.engine import InjectedTransferError
+from kvref.transfer.published import PublishedKVInfo, PublishRefused, UnknownRequest
 
 
 @pytest.fixture
@@ -180,8 +180,8 @@ def test_retrieve_into_stream_with_step_in_flight(pair) -> None:  # type: ignore
     stored_len to 10 over position 5, the commit then made it 11, the step's
     token was overwritten and position 10 never written.
     """
-    from kvref.errors import StepInFlightError
-    from kvref.step import KVStep, Segment, StepContext
+    from kvref.core.errors import StepInFlightError
+    from kvref.stepping.step import KVStep, Segment, StepContext
 
     src, _drv, dst = pair
     ddrv = Driver(dst)

@@ -1,7 +1,7 @@
 """Behavioural checks that kill mutants the rest of the unit suite let survive.
 
 Each test asserts one observable property of the public API; specs/mutation.md
-maps every surviving mutant of kvref/plan.py and kvref/manager.py to the test
+maps every surviving mutant of kvref/stepping/plan.py and kvref/manager.py to the test
 here that kills it, or to the argument that it is equivalent.
 """
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 from _manager_fixtures import make_manager
 
-from kvref.base import CGSlotSpec
-from kvref.errors import ForkCopyError
+from kvref.core.errors import ForkCopyError
+from kvref.core.resource import CGSlotSpec
 from kvref.manager import KVManager
-from kvref.plan import (
+from kvref.stepping.plan import (
     SINK_PAGE,
     KVPlanOutputs,
     KVPlanState,
@@ -25,7 +25,7 @@ from kvref.plan import (
     group_by_plan_label,
     packed_plan_state,
 )
-from kvref.step import BucketKey, KVStep, Segment, SlotLease, StepContext
+from kvref.stepping.step import BucketKey, KVStep, Segment, SlotLease, StepContext
 
 
 def _static_state(capacity: int) -> KVPlanState:

@@ -1,10 +1,11 @@
 """Behavioural checks that kill mutants of the split modules the unit suite let survive.
 
-The modules are `kvref.admission`, `kvref.stepping`, `kvref.forks`,
-`kvref.offload_phases`, `kvref.retrieval`, `kvref.lease` and
-`kvref.truncation` (issue 17, part 6). Each test asserts one observable
-property; specs/mutation.md maps every surviving mutant to the test here that
-kills it, or to the argument that it is equivalent.
+The modules are `kvref.stepping.admission`, `kvref.stepping.admit_plan_commit`,
+`kvref.stepping.forks`, `kvref.offload.phases`, `kvref.transfer.retrieval`,
+`kvref.transfer.lease` and `kvref.stepping.truncation` (issue 17, part 6).
+Each test asserts one observable property; specs/mutation.md maps every
+surviving mutant to the test here that kills it, or to the argument that it
+is equivalent.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from _manager_fixtures import (
     snapshot,
 )
 
-from kvref.admission import validate_step
-from kvref.config import KVReqConfig
-from kvref.errors import (
+from kvref import validate
+from kvref.core.config import KVReqConfig
+from kvref.core.errors import (
     ForkCopyError,
     InvalidArgumentError,
     InvalidStepError,
@@ -43,14 +44,13 @@ from kvref.errors import (
     StreamUnavailableError,
     UnknownRequestError,
 )
-from kvref.forks import Forks
-from kvref.lease import LeaseTable
+from kvref.core.streams import CacheStream
 from kvref.manager import KVManager
-from kvref.offload import Offload
-from kvref.outcomes import OffloadReason
-from kvref.plan import group_by_plan_label
-from kvref.published import PublishedKVInfo, PublishRefused, RetrieveStale, UnknownRequest
-from kvref.step import (
+from kvref.offload.handle import Offload
+from kvref.offload.outcomes import OffloadReason
+from kvref.stepping.forks import Forks
+from kvref.stepping.plan import group_by_plan_label
+from kvref.stepping.step import (
     AdmitOutcome,
     AdmitRuntimeError,
     AllocationFailed,
@@ -63,9 +63,10 @@ from kvref.step import (
     Segment,
     StepContext,
 )
-from kvref.streams import CacheStream
 from kvref.testing.manual_runtime import ManualRuntime
-from kvref.transfer import StaleSourceError, TransferEngineInfo
+from kvref.transfer.engine import StaleSourceError, TransferEngineInfo
+from kvref.transfer.lease import LeaseTable
+from kvref.transfer.published import PublishedKVInfo, PublishRefused, RetrieveStale, UnknownRequest
 
 
 class _Clock:
@@ -78,7 +79,7 @@ class _Clock:
         return self.now
 
 
-# --- kvref.lease -------------------------------------------------------------
+# --- kvref.transfer.lease -------------------------------------------------------------
 
 
 def test_leased_lists_exactly_the_requests_whose_lease_is_live() -> None:
@@ -106,8 +107,8 @@ def test_a_leased_refusal_names_the_call_and_the_remedy() -> None:
     leases.refuse("s", "truncate")  # no lease: no refusal
 
 
-# --- kvref.truncation --------------------------------------------------------
-# KVRefError's contract (kvref/errors.py): a refusal changes nothing and its
+# --- kvref.stepping.truncation --------------------------------------------------------
+# KVRefError's contract (kvref/core/errors.py): a refusal changes nothing and its
 # message names the request and label, so the log line alone says which call
 # was wrong. Each refusal of truncate is pinned whole: text, request and label.
 
@@ -212,7 +213,7 @@ def test_truncate_during_and_after_a_failed_retrieve_names_the_stream(
                       "truncate of a stream whose retrieve failed; reset or remove the request")
 
 
-# --- kvref.forks -------------------------------------------------------------
+# --- kvref.stepping.forks -------------------------------------------------------------
 
 
 def _forked_request() -> Driver:
@@ -274,7 +275,7 @@ def test_a_fork_onto_a_target_without_its_pages_is_refused_by_name() -> None:
     assert_same(before, snapshot(mgr))
 
 
-# --- kvref.offload_phases ----------------------------------------------------
+# --- kvref.offload.phases ----------------------------------------------------
 
 
 def _offloadable(pages: int = 32, cpu_pages: int = 16,
@@ -504,7 +505,7 @@ def test_a_failed_reload_names_the_label_whose_copy_failed(
     assert d.mgr.num_free_pages == free  # all or nothing (R26)
 
 
-# --- kvref.retrieval ---------------------------------------------------------
+# --- kvref.transfer.retrieval ---------------------------------------------------------
 # An admit outcome and its reason are frozen dataclasses: each refusal is
 # pinned whole (ok, ready, the reason's type, message, request and label).
 
@@ -866,11 +867,11 @@ def test_a_self_retrieve_is_skipped_and_logged_by_name(
     pub = _pub(src)
     src.mgr.release_published("r")
     src.mgr.reset_request("r")  # shorter than published: a real retrieve would copy
-    with caplog.at_level(logging.WARNING, logger="kvref.retrieval"):
+    with caplog.at_level(logging.WARNING, logger="kvref.transfer.retrieval"):
         # no graph: every published label (R37), each skipped and logged
         assert src.mgr.admit_retrieve("r", None, None, pub) == AdmitOutcome(
             ok=True, ready=True)
-    assert [r.getMessage() for r in caplog.records if r.name == "kvref.retrieval"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "kvref.transfer.retrieval"] == [
         "KV kv: skipping self-retrieve for 'r' label 'main' (published 10, held 0)",
         "KV kv: skipping self-retrieve for 'r' label 'cfg' (published 3, held 0)",
     ]
@@ -907,8 +908,8 @@ def test_a_new_label_holds_no_pages_when_a_retrieve_counts_them() -> None:
     assert_same(before, snapshot(d.mgr))
 
 
-# --- kvref.admission ---------------------------------------------------------
-# `validate_step` is pure (a step and the stream table to an error or
+# --- kvref.stepping.admission ---------------------------------------------------------
+# `validate.step_streams` is pure (a step and the stream table to an error or
 # nothing); the manager's own validation runs first at every entry and
 # catches most of the same misuse, so it is checked here directly.
 
@@ -935,7 +936,7 @@ def test_admission_names_each_misuse_of_a_step(
         step: KVStep, padded: tuple[str, ...], err: type[KVRefError],
         where: tuple[str, str] | None, message: str) -> None:
     with pytest.raises(err) as info:
-        validate_step(_table(), step, padded)
+        validate.step_streams(_table(), step, padded)
     if where is None:
         assert str(info.value) == message
         assert (info.value.request_id, info.value.label) == (None, None)
@@ -949,7 +950,7 @@ def test_admission_refuses_a_bad_combined_group_with_its_reason() -> None:
     with pytest.raises(ValueError) as plan_err:
         group_by_plan_label((), step.combined_labels)
     with pytest.raises(InvalidStepError) as info:
-        validate_step(_table(), step, ())
+        validate.step_streams(_table(), step, ())
     assert str(info.value) == str(plan_err.value) != ""
     assert info.value.__cause__ is None
 
@@ -1104,7 +1105,7 @@ def test_a_fork_chain_through_an_empty_stream_reserves_no_spare_page() -> None:
     assert d.mgr.num_free_pages == free
 
 
-# --- kvref.stepping ----------------------------------------------------------
+# --- kvref.stepping.admit_plan_commit ----------------------------------------------------------
 
 
 def _publishes(mgr: KVManager, rid: str) -> bool:
@@ -1241,9 +1242,11 @@ def test_a_span_committed_onto_a_stream_offloaded_mid_step_is_dropped_loudly(
     mgr.plan(step, ctx)
     mgr._streams["a"]["main"].offloaded = True
     gen = mgr._streams["b"]["main"].generation
-    with caplog.at_level(logging.ERROR, logger="kvref.stepping"):
+    with caplog.at_level(logging.ERROR, logger="kvref.stepping.admit_plan_commit"):
         mgr.commit(step, ctx)
-    assert [r.getMessage() for r in caplog.records if r.name == "kvref.stepping"] == [
+    logged = [r.getMessage() for r in caplog.records
+              if r.name == "kvref.stepping.admit_plan_commit"]
+    assert logged == [
         "KV kv: dropping 2 committed tokens for request 'a' label 'main'; the stream "
         "was offloaded mid-step"]
     assert mgr.stored_len("a") == 3

@@ -18,8 +18,8 @@ from _manager_fixtures import Driver, assert_same, check_conservation, fill, mak
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvref.eviction_calls
-import kvref.offload_phases
+import kvref.offload.calls
+import kvref.offload.phases
 from kvref import (
     HostPoolView,
     InvalidStepError,
@@ -32,9 +32,9 @@ from kvref import (
     StepContext,
     UnknownRequestError,
 )
-from kvref.errors import InvalidArgumentError
-from kvref.offload_phases import HostOffload
-from kvref.step import AllocationFailed
+from kvref.core.errors import InvalidArgumentError
+from kvref.offload.phases import HostOffload
+from kvref.stepping.step import AllocationFailed
 from kvref.testing.driver import DriverConfig
 from kvref.testing.exhaustive import run_trace
 from model import core as m
@@ -410,7 +410,7 @@ def test_plant_priority_of_in_flight_is_caught() -> None:
     def bad(self: HostOffload, rid: str) -> int:
         with self.table.lock:
             streams = self.table.streams.get(rid, {})
-            return sum(len(s.page_indices) for _, s in kvref.offload_phases.claimable(streams))
+            return sum(len(s.page_indices) for _, s in kvref.offload.phases.claimable(streams))
 
     with planted(HostOffload, "priority", bad), pytest.raises(AssertionError, match="refused"):
         for _, mgr, rid in priority_cases():
@@ -419,14 +419,14 @@ def test_plant_priority_of_in_flight_is_caught() -> None:
 
 def test_plant_pages_needed_without_forks_is_caught() -> None:
     """pages_needed counting only the segments, as a plain step's admit would."""
-    orig = kvref.eviction_calls.step_pages
+    orig = kvref.offload.calls.step_pages
 
     def bad(table: object, step: KVStep, ctx: StepContext, max_seq_len: int) -> int:
         return orig(table, replace(step, pre_forks=(), post_forks=()), ctx,  # type: ignore[arg-type]
                     max_seq_len)
 
     caught = []
-    with planted(kvref.eviction_calls, "step_pages", bad):
+    with planted(kvref.offload.calls, "step_pages", bad):
         for name, step, ctx in step_cases():
             try:
                 check_pages_needed(_setup(pages=20)[0], step, ctx)
@@ -457,7 +457,7 @@ def test_plants_caught_by_the_driver_check() -> None:
     def in_flight_priority(self: HostOffload, rid: str) -> int:
         with self.table.lock:
             streams = self.table.streams.get(rid, {})
-            return sum(len(s.page_indices) for _, s in kvref.offload_phases.claimable(streams))
+            return sum(len(s.page_indices) for _, s in kvref.offload.phases.claimable(streams))
 
     # a reload mid-offload, then a step in flight
     trace = (m.OffloadClaim(0), m.Reload(0), m.OffloadAbandon(0),

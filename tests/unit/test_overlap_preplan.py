@@ -21,8 +21,8 @@ from _manager_fixtures import (
 )
 
 from kvref import KVManager, KVPlanOutputs, PreplanStale, PreplanStaleError
-from kvref.errors import ForkCopyError, InvalidStepError
-from kvref.step import KVStep, Segment, StepContext
+from kvref.core.errors import ForkCopyError, InvalidStepError
+from kvref.stepping.step import KVStep, Segment, StepContext
 
 
 def decode(rids: list[str], label: str = "main", span: int = 1) -> KVStep:

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import pytest
 from _manager_fixtures import Driver, assert_same, fill, make_manager, snapshot
 
-from kvref.errors import StepNotAdmittedError, UnknownRequestError
+from kvref.core.errors import StepNotAdmittedError, UnknownRequestError
 from kvref.manager import KVManager
-from kvref.step import KVStep, Segment, StepContext
+from kvref.stepping.step import KVStep, Segment, StepContext
 
 DECODE = KVStep([Segment("a", "main", 1)])
 COMBINED = KVStep([Segment("a", "main", 1), Segment("a", "cfg", 1)],

@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from kvref.errors import InvalidArgumentError
-from kvref.page_pool import (
+from kvref.core.errors import InvalidArgumentError
+from kvref.core.page_pool import (
     PageNotWritableError,
     PagePool,
     PagePoolCorruptedError,
@@ -18,9 +18,9 @@ from kvref.page_pool import (
     PageRegisterError,
     ResetRefused,
 )
-from kvref.prefix_hash import encode_extras, page_key, page_keys
-from kvref.runtime import ThreadingRuntime
-from kvref.step import AllocationFailed
+from kvref.core.runtime import ThreadingRuntime
+from kvref.prefix.keys import encode_extras, page_key, page_keys
+from kvref.stepping.step import AllocationFailed
 
 PS = 2
 

@@ -8,14 +8,14 @@ from _manager_fixtures import Driver, fill, make_manager
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvref.plan import (
+from kvref.stepping.plan import (
     SequenceView,
     build_paged_indptrs,
     decode_plan_state,
     group_by_plan_label,
     packed_plan_state,
 )
-from kvref.step import KVStep, Segment, StepContext
+from kvref.stepping.step import KVStep, Segment, StepContext
 
 CPU = torch.device("cpu")
 
@@ -182,7 +182,12 @@ def test_packed_addressing_positions(page_size: int, shapes: list[tuple[int, int
 def test_decode_tables_equal_the_separate_builders(lengths: list[int], page_size: int) -> None:
     """The fused decode path builds exactly the page table and slots of the two
     general builders (and so of the packed path, compared above)."""
-    from kvref.plan import SequenceView, build_paged_indptrs, decode_plan_state, decode_tables
+    from kvref.stepping.plan import (
+        SequenceView,
+        build_paged_indptrs,
+        decode_plan_state,
+        decode_tables,
+    )
 
     views, next_page = [], 1
     for i, n in enumerate(lengths):
@@ -215,7 +220,7 @@ def test_mixed_tables_equal_the_oracle_builders(
 ) -> None:
     """The fused path of any step (a decode batch plus chunks) builds exactly
     the page table of `build_paged_indptrs` and the slots of `packed_plan_state`."""
-    from kvref.plan import mixed_tables, plan_tables
+    from kvref.stepping.plan import mixed_tables, plan_tables
 
     views, next_page = [], 1
     for i, (stored, span) in enumerate(shapes):

@@ -24,15 +24,15 @@ from kvref import (
     TransferEngineInfo,
     UnknownRequest,
 )
-from kvref.config import DEFAULT_PUBLISH_LEASE_S, KVReqConfig
-from kvref.errors import (
+from kvref.core.config import DEFAULT_PUBLISH_LEASE_S, KVReqConfig
+from kvref.core.errors import (
     InvalidArgumentError,
     InvalidConfigError,
     PublishedInfoError,
     UnknownRequestError,
 )
 from kvref.testing.manual_runtime import ManualRuntime
-from kvref.transfer import StaleSourceError
+from kvref.transfer.engine import StaleSourceError
 
 LEASE_S = 30.0
 

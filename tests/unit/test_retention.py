@@ -18,10 +18,10 @@ from kvref import (
     Segment,
     StepContext,
 )
-from kvref.attention import paged_attention_reference
-from kvref.attention_sdpa import paged_attention_sdpa
-from kvref.config import KVLayout
-from kvref.errors import InvalidArgumentError, InvalidConfigError
+from kvref.attention.paged import paged_attention_reference
+from kvref.attention.sdpa import paged_attention_sdpa
+from kvref.core.config import KVLayout
+from kvref.core.errors import InvalidArgumentError, InvalidConfigError
 from kvref.manager import KVManager
 from tests.unit._manager_fixtures import check_conservation, make_cfg, make_manager
 

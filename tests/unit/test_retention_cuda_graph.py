@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from kvref import KVStep, RetentionPolicy, Segment, StepContext
-from kvref.attention_flashinfer import graph_window_left
-from kvref.base import CGSlotSpec
-from kvref.errors import KVShapeError
-from kvref.graph_staging import GraphStaging
+from kvref.attention.flashinfer import graph_window_left
+from kvref.core.errors import KVShapeError
+from kvref.core.resource import CGSlotSpec
 from kvref.manager import KVManager
-from kvref.plan import SINK_PAGE, KVPlanOutputs, KVPlanState
-from kvref.step import BucketKey, SlotLease
+from kvref.stepping.graph_staging import GraphStaging
+from kvref.stepping.plan import SINK_PAGE, KVPlanOutputs, KVPlanState
+from kvref.stepping.step import BucketKey, SlotLease
 from kvref.testing.page_checks import check_device_pages
 from tests.unit._manager_fixtures import make_manager, token_values
 

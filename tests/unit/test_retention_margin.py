@@ -18,7 +18,7 @@ from kvref import (
     Segment,
     StepContext,
 )
-from kvref.errors import InvalidArgumentError, InvalidConfigError
+from kvref.core.errors import InvalidArgumentError, InvalidConfigError
 from kvref.manager import KVManager
 from tests.unit._manager_fixtures import make_manager
 

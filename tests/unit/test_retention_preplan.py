@@ -20,10 +20,10 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from kvref import KVStep, PreplanRefused, PreplanStale, RetentionPolicy, Segment, StepContext
-from kvref import stepping as stepping_mod
 from kvref.manager import KVManager
-from kvref.plan import KVPlanOutputs
-from kvref.stepping import Stepping
+from kvref.stepping import admit_plan_commit as stepping_mod
+from kvref.stepping.admit_plan_commit import Stepping
+from kvref.stepping.plan import KVPlanOutputs
 from kvref.testing.page_checks import check_device_pages
 from tests.unit._manager_fixtures import make_manager, token_values
 
@@ -39,6 +39,22 @@ def manager(margin: int = 0, sharing: bool = True) -> KVManager:
     policy = RetentionPolicy(W, rollback_margin=margin) if margin else RetentionPolicy(W)
     return make_manager(page_size=PS, layers=LAYERS, heads=HEADS, head_dim=DIM, pages=320,
                         max_seq_len=512, sharing=sharing, retention={"w": policy})
+
+
+def seventeen_then_running() -> tuple[KVManager, StepContext, KVStep]:
+    """a.w committed at 17 tokens (slots 1-4 held, W = 10), then a running
+    step of +3 planned: its commit, at 20 tokens, releases slot 1."""
+    mgr = manager()
+    mgr.ingest_request("a")
+    ctx = StepContext(("a",))
+    fill = KVStep([Segment("a", "w", 17)])
+    assert mgr.admit(fill, ctx).ok
+    mgr.plan(fill, ctx)
+    mgr.commit(fill, ctx)
+    running = KVStep([Segment("a", "w", 3)])
+    assert mgr.admit(running, ctx).ok
+    mgr.plan(running, ctx)
+    return mgr, ctx, running
 
 
 def tag(key: Key) -> int:
@@ -304,19 +320,10 @@ def test_preplan_reserves_slots_not_the_pages_the_commit_releases() -> None:
     at 20 and releases slot 1; the preplan's +1 needs slot 5, one new page.
     The released page goes to the pool, not to the preplan, and the view
     starts at slot 2."""
-    mgr = manager()
-    mgr.ingest_request("a")
-    ctx = StepContext(("a",))
-    fill = KVStep([Segment("a", "w", 17)])
-    assert mgr.admit(fill, ctx).ok
-    mgr.plan(fill, ctx)
-    mgr.commit(fill, ctx)
+    mgr, ctx, running = seventeen_then_running()
     s = mgr._streams["a"]["w"]
     assert s.released == 4 and len(s.page_indices) == 4
     first = s.page_indices[0]
-    running = KVStep([Segment("a", "w", 3)])
-    assert mgr.admit(running, ctx).ok
-    mgr.plan(running, ctx)
     free = mgr.num_free_pages
     pre = StepContext(("a",), is_preplan=True)
     nxt = KVStep([Segment("a", "w", 1)])
@@ -382,16 +389,7 @@ def test_plant_no_projection_is_refused_stale_at_promotion() -> None:
     built from, so its promotion is refused as stale (R42)."""
     with pytest.MonkeyPatch.context() as mp:
         no_projection(mp)
-        mgr = manager()
-        mgr.ingest_request("a")
-        ctx = StepContext(("a",))
-        fill = KVStep([Segment("a", "w", 17)])
-        assert mgr.admit(fill, ctx).ok
-        mgr.plan(fill, ctx)
-        mgr.commit(fill, ctx)
-        running = KVStep([Segment("a", "w", 3)])  # releases slot 1
-        assert mgr.admit(running, ctx).ok
-        mgr.plan(running, ctx)
+        mgr, ctx, running = seventeen_then_running()
         nxt = KVStep([Segment("a", "w", 1)])
         assert mgr.admit(nxt, StepContext(("a",), is_preplan=True)).ok
         mgr.commit(running, ctx)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvref import RetentionPolicy
-from kvref.errors import PublishedInfoError
+from kvref.core.errors import PublishedInfoError
 from kvref.manager import KVManager
-from kvref.published import PublishedKVInfo
-from kvref.step import AdmitOutcome, AllocationFailed
+from kvref.stepping.step import AdmitOutcome, AllocationFailed
+from kvref.transfer.published import PublishedKVInfo
 from tests.unit._manager_fixtures import assert_same, check_conservation, snapshot
 from tests.unit.test_retention import PS, W, step, stream, window_reads_right, windowed
 

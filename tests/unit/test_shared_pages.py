@@ -25,8 +25,8 @@ from kvref import (
     StepContext,
     StepInFlightError,
 )
-from kvref.config import KVReqConfig
-from kvref.errors import InvalidArgumentError, StreamUnavailableError
+from kvref.core.config import KVReqConfig
+from kvref.core.errors import InvalidArgumentError, StreamUnavailableError
 from kvref.testing.page_checks import check_device_pages
 from tests.unit._manager_fixtures import Driver, make_manager
 

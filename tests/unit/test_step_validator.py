@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from kvref import validate
-from kvref.errors import InvalidStepError, StepInFlightError, StepNotAdmittedError
-from kvref.step import KVStep, Segment, StepContext
+from kvref.core.errors import InvalidStepError, StepInFlightError, StepNotAdmittedError
+from kvref.stepping.step import KVStep, Segment, StepContext
 from tests.unit._manager_fixtures import assert_same, make_manager, snapshot
 
 

@@ -18,9 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvref.cache import KVCache
-from kvref.config import KVConfig, KVLayout
-from kvref.transfer import (
+from kvref.core.cache import KVCache
+from kvref.core.config import KVConfig, KVLayout
+from kvref.transfer.engine import (
     InjectedTransferError,
     KVTransferInfo,
     KVTransferManager,
@@ -362,7 +362,7 @@ def test_shm_tensor_never_published_is_unlinked_when_dropped(shm_prefix: str) ->
     del tensor  # the fixture checks the segment went with it
     gc.collect()
     # and the hand-off entry with it, so no later tensor is taken for it
-    from kvref import transfer
+    from kvref.transfer import engine as transfer
 
     assert not [n for n, _ in transfer._shm_segments.values() if n.startswith(shm_prefix)]
 

@@ -22,17 +22,17 @@ from _manager_fixtures import (
     snapshot,
 )
 
-from kvref.config import KVReqConfig
-from kvref.errors import (
+from kvref.core.config import KVReqConfig
+from kvref.core.errors import (
     InvalidArgumentError,
     StepInFlightError,
     StreamUnavailableError,
     UnknownRequestError,
 )
 from kvref.manager import KVManager
-from kvref.step import KVStep, Segment, StepContext
+from kvref.stepping.step import KVStep, Segment, StepContext
 from kvref.testing.manual_runtime import ManualRuntime
-from kvref.transfer import TransferEngineInfo
+from kvref.transfer.engine import TransferEngineInfo
 
 
 def _cut(drv: Driver, rid: str, label: str, new_len: int) -> int:

@@ -1,0 +1,477 @@
+"""Reference-counted device pages with a chained-hash prefix cache (issue 18).
+
+`PagePool` is what the manager will call instead of `PageAllocator` once
+pages are shared: it hands out pages, counts who holds each, keeps full
+pages of committed tokens findable by their chained key
+(`kvref.prefix.keys`), and evicts free cached pages least recently used
+first.  Its executable spec is `model.pages`; the rules are
+specs/shared-pages.md (S1..).
+
+Holders.  A page is held by *owners*: any hashable value naming one holder
+of references, such as a stream's page table ``(rid, label)`` or a pin
+``("lease", rid)``.  An owner holds a page at most once, so a page's
+reference count is its number of owners, and a release by an owner that
+does not hold the page (a double free through a second release path) is
+refused at the call that makes it, not found pages later.
+
+Results.  A refusal is a value (`AllocationFailed`, `ResetRefused`); a
+misuse raises a `KVRefError` subclass naming what was wrong, and changes
+nothing.  Every call is one critical section under the pool's own lock,
+taken from the runtime seam (kvref.core.runtime), as `PageAllocator` does.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvref.core.errors import InvalidArgumentError, KVRefError
+from kvref.core.runtime import Runtime, default_runtime, shared
+from kvref.prefix import keys as prefix_hash
+from kvref.prefix.keys import ExtraKeys, PageKey, Tokens
+from kvref.stepping.step import AllocationFailed
+
+Owner = Hashable
+_O = TypeVar("_O", bound=Hashable)
+
+__all__ = [
+    "AllocationFailed", "Owner", "PageNotWritableError", "PagePool", "PagePoolCorruptedError",
+    "PageRefError", "PageRegisterError", "PoolSnapshot", "PrefixHit", "Registered",
+    "ResetRefused",
+]
+
+
+class PageRefError(KVRefError, ValueError):
+    """A reference call naming pages wrongly: a page out of range, listed
+    twice in one call, not held by the owner releasing it, or free (share)."""
+
+
+class PageNotWritableError(KVRefError):
+    """A write into a page the writer does not hold alone, or one registered
+    in the prefix cache: copy it into a private page first (S10)."""
+
+
+class PageRegisterError(KVRefError, ValueError):
+    """A register of a free page, of less than a full page of tokens, or of a
+    registered page under other tokens (a registered page is immutable)."""
+
+
+class PagePoolCorruptedError(KVRefError, AssertionError):
+    """`PagePool.sanity_check` found the pool's structures out of agreement."""
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Cached pages at the head of a prompt: whole pages, at most
+    ``len(tokens) - 1`` tokens, so the last token is always computed (S8).
+    ``keys[i]`` is page i's key: the parent of the next page to register."""
+
+    pages: tuple[int, ...] = ()
+    keys: tuple[PageKey, ...] = ()
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Registered:
+    """The page `key` names now: the caller's page, or (``deduplicated``) the
+    page that held the key already; the caller's page then stays its own,
+    held and unregistered (S11)."""
+
+    page: int
+    key: PageKey
+    deduplicated: bool = False
+
+
+@dataclass(frozen=True)
+class ResetRefused:
+    """`reset_prefix_cache` changes nothing while any page is held (S14)."""
+
+    pages_held: int
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """The pool as `model.pages` sees it; index ``i`` is page ``first + i``."""
+
+    first: int
+    holders: tuple[frozenset[Owner], ...]
+    keys: tuple[PageKey | None, ...]
+    lru: tuple[int, ...]  # free-cached, least recently used first
+    blank: tuple[int, ...]  # free-blank, in allocation order
+
+
+class _LRU:
+    """A doubly linked list over page ids in two arrays: O(1) append, remove
+    and pop of the oldest.  Slot ``size`` is the sentinel; ``next[p] == -1``:
+    `p` is not in the list.  (Lists, not an OrderedDict, so the race
+    detector's `shared` can trace them.)"""
+
+    def __init__(self, size: int, rt: Runtime, name: str) -> None:
+        self._head = size
+        self._prev: list[int] = shared(rt, [-1] * size + [size], f"{name}.prev")
+        self._next: list[int] = shared(rt, [-1] * size + [size], f"{name}.next")
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, p: int) -> bool:
+        return self._next[p] != -1
+
+    def push_back(self, p: int) -> None:
+        last = self._prev[self._head]
+        self._next[last] = p
+        self._prev[p] = last
+        self._next[p] = self._head
+        self._prev[self._head] = p
+        self._len += 1
+
+    def remove(self, p: int) -> None:
+        before, after = self._prev[p], self._next[p]
+        self._next[before] = after
+        self._prev[after] = before
+        self._prev[p] = self._next[p] = -1
+        self._len -= 1
+
+    def pop_front(self) -> int:
+        p = self._next[self._head]
+        self.remove(p)
+        return p
+
+    def __iter__(self) -> Iterator[int]:
+        """Oldest first; stops after len + 1 steps, so a corrupt list cannot loop."""
+        p, steps = self._next[self._head], 0
+        while p != self._head and p != -1 and steps <= self._len:
+            yield p
+            p, steps = self._next[p], steps + 1
+
+
+class PagePool:
+    """Pages ``[reserved, num_pages)`` of a device cache (page 0, the sink, is
+    reserved), shared by reference count, with a prefix cache.
+
+    Invariant (`sanity_check` runs it; model.pages_invariants P1-P5): every
+    page is exactly one of
+      *held*: ``_holders[p]`` non-empty (its reference count is its size);
+      *free-cached*: unheld, ``_key[p]`` set, in ``_lru`` exactly once;
+      *free-blank*: unheld, unregistered, in ``_blank`` exactly once.
+    ``_index[k] == p`` exactly when ``_key[p] == k``: one page per key, and
+    an evicted page leaves the index before it is handed out again.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, *, reserved: int = 1,
+                 runtime: Runtime | None = None, name: str = "pages") -> None:
+        if page_size <= 0 or not 0 <= reserved < num_pages:
+            raise InvalidArgumentError(
+                f"PagePool needs page_size > 0 and 0 <= reserved < num_pages, got "
+                f"page_size={page_size}, reserved={reserved}, num_pages={num_pages}")
+        rt = runtime if runtime is not None else default_runtime()
+        self.num_pages, self.page_size, self.first = num_pages, page_size, reserved
+        self._lock = rt.lock()
+        self._holders: list[set[Owner]] = shared(
+            rt, [set() for _ in range(num_pages)], f"{name}.holders")
+        self._key: list[PageKey | None] = shared(rt, [None] * num_pages, f"{name}.key")
+        self._index: dict[PageKey, int] = shared(rt, {}, f"{name}.index")
+        self._lru = _LRU(num_pages, rt, f"{name}.lru")
+        self._blank: deque[int] = shared(rt, deque(range(reserved, num_pages)),
+                                         f"{name}.blank")
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - self.first
+
+    @property
+    def num_free(self) -> int:
+        """Pages an allocation can take: free-blank plus free-cached."""
+        with self._lock:
+            return len(self._blank) + len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        with self._lock:
+            return len(self._lru)
+
+    def holders(self, page: int) -> frozenset[Owner]:
+        with self._lock:
+            self._check_page(page, PageRefError)
+            return frozenset(self._holders[page])
+
+    def refcount(self, page: int) -> int:
+        return len(self.holders(page))
+
+    def writable(self, owner: Owner, page: int) -> bool:
+        """Whether `owner` alone holds `page` and it is unregistered: the
+        `check_writable` test as a value, for the admit that decides whether
+        a write needs a private copy first (S10)."""
+        with self._lock:
+            return self._holders[page] == {owner} and self._key[page] is None
+
+    def private_pages(self, owner: Owner, pages: Sequence[int]) -> list[bool]:
+        """`writable` of each page, under one acquisition of the lock."""
+        with self._lock:
+            alone, key = {owner}, self._key
+            return [self._holders[p] == alone and key[p] is None for p in pages]
+
+    def key_of(self, page: int) -> PageKey | None:
+        with self._lock:
+            self._check_page(page, PageRefError)
+            return self._key[page]
+
+    def lookup(self, tokens: Tokens, extras: ExtraKeys = ()) -> PrefixHit:
+        """What `match` would attach, taking nothing."""
+        with self._lock:
+            pages, keys = self._hits(tokens, extras)
+        return PrefixHit(tuple(pages), tuple(keys), len(pages) * self.page_size)
+
+    def reclaimable(self, released: Mapping[_O, Sequence[int]]) -> int:
+        """Pages that would be free if each owner released the pages listed
+        for it: those whose every reference is among them, each counted once
+        (S13; SGLang 35270 counted shared pages twice)."""
+        with self._lock:
+            going: Counter[int] = Counter()
+            for owner, pages in released.items():
+                pages = list(pages)
+                self._check_release(owner, pages)
+                going.update(pages)
+            return sum(1 for p, k in going.items() if len(self._holders[p]) == k)
+
+    # ------------------------------------------------------------ references
+
+    def allocate(self, owner: Owner, n: int) -> list[int] | AllocationFailed:
+        """`n` pages held by `owner` alone: free-blank first, then the least
+        recently used free-cached, each unregistered before it is handed out
+        (S3, S4).  Short: `AllocationFailed`, and nothing taken."""
+        self._check_owner(owner)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidArgumentError(f"cannot allocate {n!r} pages")
+        with self._lock:
+            free = len(self._blank) + len(self._lru)
+            if n > free:
+                return AllocationFailed(pages_short=n - free,
+                                        message=f"{n} pages asked for, {free} free")
+            out = [self._blank.popleft() for _ in range(min(n, len(self._blank)))]
+            while len(out) < n:
+                out.append(self._evict())
+            for p in out:
+                self._holders[p].add(owner)
+            return out
+
+    def match(self, owner: Owner, tokens: Tokens, extras: ExtraKeys = ()) -> PrefixHit:
+        """The longest run of cached pages at the head of `tokens` under
+        `extras`, each now also held by `owner` (a free-cached one leaves the
+        LRU).  The keys are hashed under the lock, page by page, up to the
+        first miss.  `PageRefError` if `owner` holds one of them already."""
+        self._check_owner(owner)
+        with self._lock:
+            pages, keys = self._hits(tokens, extras)
+            for p in pages:
+                if owner in self._holders[p]:
+                    raise PageRefError(f"{owner!r} already holds cached page {p}: a hit "
+                                       "goes to a stream that does not hold its prefix")
+            for p in pages:
+                if not self._holders[p]:
+                    self._touch(p)
+                self._holders[p].add(owner)
+        return PrefixHit(tuple(pages), tuple(keys), len(pages) * self.page_size)
+
+    def share(self, owner: Owner, pages: Sequence[int]) -> None:
+        """`owner` takes a reference on pages others hold: a fork's full
+        pages, a lease's or an offload's pin (S2)."""
+        self._check_owner(owner)
+        pages = list(pages)
+        with self._lock:
+            self._check_distinct(pages, PageRefError, "share")
+            for p in pages:
+                if not self._holders[p]:
+                    raise PageRefError(f"share of page {p}: it is free (a cached page is "
+                                       "taken by match, a blank one by allocate)")
+                if owner in self._holders[p]:
+                    raise PageRefError(f"share of page {p}: {owner!r} holds it already")
+            for p in pages:
+                self._holders[p].add(owner)
+
+    def release(self, owner: Owner, pages: Sequence[int]) -> int:
+        """`owner` drops its reference on each page; returns how many became
+        free.  A registered page becomes free-cached at the LRU's tail in the
+        order given (pass a stream's pages tail first: its prefix is evicted
+        last), an unregistered one free-blank (S6).  Refused whole if a page
+        is listed twice or not held by `owner` (S9)."""
+        pages = list(pages)
+        with self._lock:
+            self._check_release(owner, pages)
+            return self._drop(owner, pages)
+
+    # ------------------------------------------------------------ contents
+
+    def check_writable(self, owner: Owner, page: int) -> None:
+        """Raise `PageNotWritableError` unless `owner` alone holds `page` and it
+        is not registered: no write lands in a shared or cached page (S10)."""
+        with self._lock:
+            self._check_page(page, PageNotWritableError)
+            holders = self._holders[page]
+            if owner not in holders:
+                raise PageNotWritableError(f"page {page}: {owner!r} does not hold it")
+            if len(holders) > 1:
+                raise PageNotWritableError(
+                    f"page {page} is shared by {len(holders)} holders: copy it first")
+            if self._key[page] is not None:
+                raise PageNotWritableError(
+                    f"page {page} is registered in the prefix cache: copy it first")
+
+    def register(self, page: int, parent: PageKey | None, tokens: Tokens,
+                 extras: ExtraKeys = (), *, key: PageKey | None = None) -> Registered:
+        """Make the held `page`, a full page of committed `tokens` after the
+        page keyed `parent`, findable by `match` (S7).  If another page has
+        the key, that page wins and `page` stays as it is (S11).  ``key``:
+        the page's key as the caller already computed it from these same
+        arguments (`prefix_hash.iter_page_keys` over a chain), not hashed
+        again."""
+        self._check_page(page, PageRegisterError)
+        if len(tokens) != self.page_size:
+            raise PageRegisterError(f"page {page}: {len(tokens)} tokens; only a full page "
+                                    f"({self.page_size}) is registered")
+        if key is None:
+            key = prefix_hash.page_key(parent, tokens, extras)
+        with self._lock:
+            if not self._holders[page]:
+                raise PageRegisterError(f"page {page} is free: it holds nothing committed")
+            have = self._key[page]
+            if have is not None:
+                if have == key:
+                    return Registered(page, key)
+                raise PageRegisterError(f"page {page} is registered under other tokens; "
+                                        "a registered page is immutable")
+            owner_of_key = self._index.get(key)
+            if owner_of_key is not None:
+                return Registered(owner_of_key, key, deduplicated=True)
+            self._index[key] = page
+            self._key[page] = key
+            return Registered(page, key)
+
+    def reset_prefix_cache(self) -> int | ResetRefused:
+        """Forget every cached page (after a weight update, say); returns how
+        many.  Refused, changing nothing, while any page is held: a held
+        registered page would keep its key, or lose it under a stream that
+        goes on registering pages computed before the reset (S14)."""
+        with self._lock:
+            held = self.capacity - len(self._blank) - len(self._lru)
+            if held:
+                return ResetRefused(held, f"{held} pages are still held")
+            n = len(self._lru)
+            for _ in range(n):
+                self._blank.append(self._evict())
+            return n
+
+    # ------------------------------------------------------------ checks
+
+    def snapshot(self) -> PoolSnapshot:
+        with self._lock:
+            r = range(self.first, self.num_pages)
+            return PoolSnapshot(self.first, tuple(frozenset(self._holders[p]) for p in r),
+                                tuple(self._key[p] for p in r), tuple(self._lru),
+                                tuple(self._blank))
+
+    def sanity_check(self) -> None:
+        """Raise `PagePoolCorruptedError` naming every broken part of the invariant."""
+        with self._lock:
+            bad: list[str] = []
+            lru = list(self._lru)
+            if len(lru) != len(self._lru):
+                bad.append(f"the LRU list walks {len(lru)} pages, counts {len(self._lru)}")
+            where = Counter([*lru, *self._blank])
+            for p in range(self.num_pages):
+                held, key = bool(self._holders[p]), self._key[p]
+                n = where[p] + held
+                if p < self.first and (n or key is not None):
+                    bad.append(f"reserved page {p} is in use")
+                elif p >= self.first and n != 1:
+                    bad.append(f"page {p}: {'held, ' if held else ''}{where[p]} time(s) "
+                               "free: it must be exactly one of held/cached/blank")
+                if (p in self._lru) != (p in where and key is not None and not held):
+                    bad.append(f"page {p}: LRU membership disagrees with its state")
+                if key is not None and self._index.get(key) != p:
+                    bad.append(f"page {p}'s key is not indexed to it")
+            bad += [f"free-blank page {p} is registered" for p in set(self._blank)
+                    if self._key[p] is not None]
+            bad += [f"the index names page {p} for a key it does not have"
+                    for k, p in self._index.items() if self._key[p] != k]
+            if bad:
+                raise PagePoolCorruptedError("; ".join(bad))
+
+    # ------------------------------------------------------------ internals
+
+    def _check_owner(self, owner: Owner) -> None:
+        try:
+            hash(owner)
+        except TypeError:
+            raise InvalidArgumentError(f"an owner must be hashable, got {owner!r}") from None
+        if owner is None:
+            raise InvalidArgumentError("an owner must not be None")
+
+    def _check_page(self, p: int, err: type[KVRefError]) -> None:
+        if isinstance(p, bool) or not isinstance(p, int) or not (
+                self.first <= p < self.num_pages):
+            raise err(f"no page {p!r}: pages are [{self.first}, {self.num_pages})")
+
+    def _check_distinct(self, pages: list[int], err: type[KVRefError], what: str) -> None:
+        seen: set[int] = set()
+        for p in pages:
+            self._check_page(p, err)
+            if p in seen:
+                raise err(f"{what} lists page {p} twice")
+            seen.add(p)
+
+    def _check_release(self, owner: Owner, pages: list[int]) -> None:
+        self._check_distinct(pages, PageRefError, "a release")
+        for p in pages:
+            if owner not in self._holders[p]:
+                state = "free" if not self._holders[p] else "held by others"
+                raise PageRefError(f"release of page {p}: {owner!r} does not hold it "
+                                   f"({state}); a second release of the same page?")
+
+    def _drop(self, owner: Owner, pages: list[int]) -> int:
+        freed = 0
+        for p in pages:
+            holders = self._holders[p]
+            holders.discard(owner)
+            if not holders:
+                freed += 1
+                if self._key[p] is None:
+                    self._blank.append(p)
+                else:
+                    self._lru.push_back(p)
+        return freed
+
+    def _evict(self) -> int:
+        """The least recently used free-cached page, its key dropped first (S4)."""
+        p = self._lru.pop_front()
+        key = self._key[p]
+        assert key is not None
+        del self._index[key]
+        self._key[p] = None
+        return p
+
+    def _touch(self, p: int) -> None:
+        """A hit on a free-cached page takes it out of the LRU (S5)."""
+        self._lru.remove(p)
+
+    def _cacheable_pages(self, num_tokens: int) -> int:
+        """Whole pages a hit may attach: at most num_tokens - 1 tokens (S8)."""
+        return max(num_tokens - 1, 0) // self.page_size
+
+    def _hits(self, tokens: Tokens, extras: ExtraKeys) -> tuple[list[int], list[PageKey]]:
+        pages: list[int] = []
+        keys: list[PageKey] = []
+        limit = self._cacheable_pages(len(tokens))
+        for key in prefix_hash.iter_page_keys(tokens, self.page_size, extras, pages=limit):
+            p = self._index.get(key)
+            if p is None:
+                break
+            pages.append(p)
+            keys.append(key)
+        return pages, keys

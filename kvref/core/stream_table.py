@@ -1,0 +1,148 @@
+"""The stream table: what every mechanism of a `KVManager` reads and writes.
+
+One object, built by the manager and handed to each mechanism (stepping,
+offload, retrieval), so none of them reaches back into the manager. Every
+read-modify-write of ``streams`` and every page taken from or given back
+to ``pages`` happens under ``lock``: the manager's one lock, from the
+runtime seam so the concurrency tests can schedule it.
+
+Pages are reference counted (`kvref.core.page_pool`): each stream's page table
+holds its pages as the owner ``(rid, label)``, so a page two streams share
+(a fork's full pages, a prefix hit) goes free only when the last of them
+lets it go, and a stream that releases a page it does not hold is caught
+at that call. Invariant beside the pool's: a stream's pages past its last
+token (its spare pages) are private to it, so a write past the stream's
+length never lands in a shared or registered page; only the page holding
+its last, partial page may be shared (after a truncate into it), and an
+admit copies that one first (`cow_needed`).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvref.core.config import KVReqConfig
+from kvref.core.errors import UnknownRequestError
+from kvref.core.page_pool import PagePool
+from kvref.core.runtime import Runtime
+from kvref.core.streams import CacheStream
+from kvref.transfer.lease import LeaseTable
+
+Key = tuple[str, str]  # (request id, label)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+@dataclass
+class StreamTable:
+    """Streams per request, the device page pool, and the lock over both."""
+
+    pages: PagePool
+    lock: AbstractContextManager[Any]
+    runtime: Runtime
+    page_size: int
+    # rid -> label -> stream; a request is present from ingest until removal.
+    # Passed in: the runtime seam may hand a recording container
+    streams: dict[str, dict[str, CacheStream]] = field(default_factory=dict)
+    overrides: dict[str, KVReqConfig] = field(default_factory=dict)
+    # publish leases (R33): offload, reset and remove read them under ``lock``
+    leases: LeaseTable = field(default_factory=lambda: LeaseTable(None, time.monotonic))
+    # KVConfig.enable_prefix_caching: forks share full pages and the prefix
+    # cache is on; off, every page has one holder, as before sharing
+    sharing: bool = True
+    # KVConfig.retention: label -> window W in tokens (issue 19); absent: full
+    windows: dict[str, int] = field(default_factory=dict)
+    # label -> RetentionPolicy.rollback_margin k, where not 0: a commit keeps
+    # W + k tokens so a truncate of k stays legal (W15)
+    margins: dict[str, int] = field(default_factory=dict)
+
+    def window(self, label: str) -> int | None:
+        """The label's retention window W, or None (full attention)."""
+        return self.windows.get(label)
+
+    def retire(self, key: Key, stream: CacheStream) -> int:
+        """W2: release every page of a windowed stream that lies wholly before
+        the first token it keeps ``f = max(0, n - W - k)`` (n its committed
+        length, W4: from ``stored_len``, which ``position`` mirrors). Slot i
+        goes iff ``(i + 1) * ps <= f``; the page holding token f stays. The
+        released slots leave the front of ``page_indices`` (which holds slot
+        ``released // ps`` onward) and ``released`` counts their tokens.
+        Only live pages are listed, each once, tail first (W7); a page a fork
+        shares stays with its other holders. Returns the pages freed."""
+        w = self.windows.get(key[1])
+        if w is None:
+            return 0
+        ps = self.page_size
+        # k the rollback margin (W15)
+        upto = max(0, stream.stored_len - w - self.margins.get(key[1], 0)) // ps
+        off = stream.released // ps
+        if upto <= off:
+            return 0
+        go = stream.page_indices[:upto - off]
+        stream.page_indices = stream.page_indices[upto - off:]
+        stream.released = upto * ps
+        stream.generation += 1
+        return self.give_back(key, go)
+
+    def take(self, key: Key, n: int) -> list[int]:
+        """``n`` fresh pages for the stream ``key``; the caller counted them
+        free under the same lock (an admission, a reload's check)."""
+        got = self.pages.allocate(key, n)
+        assert isinstance(got, list), f"pages counted free under the lock went missing: {got}"
+        return got
+
+    def give_back(self, key: Key, pages: list[int]) -> int:
+        """The stream ``key`` lets its pages go; returns how many became free.
+        Tail first, so a cached prefix is evicted after its own suffix (S6)."""
+        return self.pages.release(key, pages[::-1]) if pages else 0
+
+    def release_shared(self, key: Key, stream: CacheStream,
+                       private: list[bool] | None = None) -> None:
+        """Keep only the pages private to the stream, in order: what a stream
+        emptied but keeping its pages (a reset, a failed fork) may hold as
+        spare without a later write landing in a page someone else reads.
+        ``private``: the pages' privacy as it was before a call that empties
+        several streams at once (a reset: each stream keeps what was its own
+        when the call was made, whichever of them lets go first, R62)."""
+        pages = stream.page_indices
+        if not pages or not self.sharing:
+            return
+        if private is None:
+            private = self.pages.private_pages(key, pages)
+        if all(private):
+            return
+        self.give_back(key, [p for p, mine in zip(pages, private, strict=True) if not mine])
+        stream.page_indices = [p for p, mine in zip(pages, private, strict=True) if mine]
+
+    def private_count(self, key: Key, stream: CacheStream) -> int:
+        """Pages of the stream only it holds, unregistered: what a fork onto
+        it can keep writing into (R51)."""
+        return sum(self.pages.private_pages(key, stream.page_indices))
+
+    def cow_needed(self, key: Key, stream: CacheStream) -> bool:
+        """Whether the stream's next write lands in a page it may not write:
+        its partial last page, shared or registered after a truncate into it."""
+        if not stream.tail_maybe_shared:
+            return False
+        n = stream.stored_len
+        i = n // self.page_size - stream.released // self.page_size
+        return (self.sharing and n % self.page_size != 0 and i < len(stream.page_indices)
+                and not self.pages.writable(key, stream.page_indices[i]))
+
+    def request(self, rid: str) -> dict[str, CacheStream]:
+        streams = self.streams.get(rid)
+        if streams is None:
+            raise UnknownRequestError("unknown request (never ingested, or removed)",
+                                      request_id=rid)
+        return streams
+
+    def stream(self, rid: str, label: str) -> CacheStream:
+        stream = self.request(rid).get(label)
+        if stream is None:
+            raise UnknownRequestError("request has no such label", request_id=rid, label=label)
+        return stream

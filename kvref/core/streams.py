@@ -1,0 +1,127 @@
+"""Per-(request, label) bookkeeping the manager keeps under its lock."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+
+class CacheStream:
+    """One stream of one request: its pages, its length, and what may touch it.
+
+    ``page_indices`` is a high-water list of the slots from ``released //
+    page_size`` on (all of them but for a windowed label): it may hold more
+    pages than ``stored_len`` needs (a reset that kept them, a step that was admitted
+    and never committed), and those pages are reused before new ones.
+    Every change to the pages or the length bumps ``generation``, which is
+    how an offload's commit notices a stream changed behind its copy.
+    """
+
+    __slots__ = (
+        "generation",
+        "key_tokens",
+        "keys",
+        "offloaded",
+        "page_indices",
+        "position",
+        "read_error",
+        "read_future",
+        "read_pending",
+        "received",
+        "released",
+        "space",
+        "step_in_flight",
+        "stored_len",
+        "tail_maybe_shared",
+    )
+
+    def __init__(self) -> None:
+        self.page_indices: list[int] = []
+        self.stored_len = 0
+        # the reference's counters (W4 of specs/retention.md): ``position`` is
+        # the next token's absolute position (= stored_len); ``released`` the
+        # tokens a windowed label (KVConfig.retention) let go of, whole pages
+        # from the front. ``page_indices`` holds slot ``released // page_size``
+        # onward: a released slot holds no page and is in no list
+        self.position = 0
+        self.released = 0
+        self.read_pending = False
+        # declared lock-free (R31): the future itself is polled through done()
+        # outside the manager's lock (it has its own); which future the stream
+        # holds is read and written only under the manager's lock
+        self.read_future: Future[Any] | None = None
+        # a failed retrieve, latched: the future is read once, but every
+        # later readiness check has to keep reporting the stream unusable
+        self.read_error: BaseException | None = None
+        # from an offload's claim until reload: the pages are leaving (or
+        # gone), so only reload may give the stream pages again
+        self.offloaded = False
+        self.generation = 0
+        # the prefix-cache keys of the first len(keys) full pages, a chain
+        # (kvref.prefix.keys): what `cache_prefix` registered or `match_prefix`
+        # attached. A later `cache_prefix` continues the chain from its last
+        # key, and one naming other tokens for a keyed page is refused
+        self.keys: list[bytes] = []
+        # the ids of those pages' tokens (signed 64-bit little endian, as
+        # hashed): a later call naming them otherwise is caught by a compare,
+        # not by hashing the whole prefix again
+        self.key_tokens = bytearray()
+        # False guarantees the partial last page is private to the stream, so
+        # the admit of every decode step skips the pool; only a truncate into
+        # a shared page sets it (R52), and a check of the pool answers then
+        self.tail_maybe_shared = False
+        # the label whose KV this stream holds, for the prefix cache's keys
+        # (None: its own). A fork target holds its source's KV, so it takes
+        # the source's: a sample forked from ``main`` keys its pages as main's
+        self.space: str | None = None
+        # filled by a retrieve: its pages are never registered (a peer's KV,
+        # whose tokens this manager never saw computed; vllm-ascend PR 2083)
+        self.received = False
+        # from admit until commit: the step already holds addressing into
+        # these pages, so an offload must not claim them
+        self.step_in_flight = False
+
+    def reset(self, freed: bool = False) -> None:
+        self.stored_len = 0
+        self.position = 0
+        self.released = 0
+        self.generation += 1
+        self.read_error = None
+        self.read_pending = False
+        self.read_future = None
+        self.keys = []
+        self.key_tokens = bytearray()
+        self.tail_maybe_shared = False
+        self.space = None
+        self.received = False
+        if freed:
+            self.page_indices = []
+
+    def __repr__(self) -> str:
+        flags = [
+            name
+            for name, on in (
+                ("in_flight", self.step_in_flight),
+                ("offloaded", self.offloaded),
+                ("read_pending", self.read_pending),
+                ("read_error", self.read_error is not None),
+            )
+            if on
+        ]
+        return (
+            f"CacheStream(len={self.stored_len}, pages={self.page_indices}, "
+            f"gen={self.generation}{', ' if flags else ''}{', '.join(flags)})"
+        )
+
+
+@dataclass(frozen=True)
+class ClaimedStream:
+    """A stream an in-progress offload owns, and the state its host copy is made from."""
+
+    label: str
+    pages: list[int]
+    generation: int
+    stored_len: int
+    position: int
+    released: int

@@ -1,0 +1,2 @@
+"""Tensor- and sequence-parallel process groups, and the check that ranks
+agree on free pages after warmup."""

@@ -1,0 +1,146 @@
+"""The prefix cache over a manager's streams: find cached pages for a new
+prompt (`match_prefix`), keep a stream's committed full pages findable
+(`cache_prefix`), and forget them all (`reset_prefix_cache`).
+
+The engine names token ids; the manager never sees them otherwise. So the
+engine says which tokens are committed and final (`cache_prefix` after a
+commit, a speculative draft only once its verify step kept it), and the
+manager refuses what it can check: ids for tokens the stream has not
+committed, and ids that disagree with those it named before for a page it
+keyed. KV computed from other tokens than the ones named cannot be
+detected here; the engine owns that contract (specs/shared-pages.md, R56).
+
+Each function runs under the stream table's lock, which `KVManager` holds.
+"""
+
+from __future__ import annotations
+
+from kvref.core.errors import InvalidArgumentError, StepInFlightError, StreamUnavailableError
+from kvref.core.page_pool import ResetRefused
+from kvref.core.stream_table import StreamTable
+from kvref.core.streams import CacheStream
+from kvref.prefix import keys as prefix_hash
+from kvref.prefix.keys import ExtraKeys, Tokens
+
+
+def extras_for(table: StreamTable, rid: str, space: str) -> ExtraKeys:
+    """The extra keys every page of a stream is hashed with: its request's
+    cache salt, and the label whose KV it holds (its own, or for a fork
+    target its source's). Two labels may hold different KV for the same
+    token ids (a draft model's stream beside the target's), so a hit never
+    crosses them; a forked sample holds its source's KV and keys like it."""
+    cfg = table.overrides.get(rid)
+    salt = cfg.cache_salt if cfg is not None else None
+    return ((("salt", salt),) if salt is not None else ()) + (("label", space),)
+
+
+def _settled(stream: CacheStream, rid: str, label: str, call: str) -> None:
+    """Raise unless the stream's pages are resident and no copy writes them."""
+    if stream.offloaded:
+        raise StreamUnavailableError(f"{call} of a stream an offload claims or holds; "
+                                     "reload it first", request_id=rid, label=label)
+    if stream.read_future is not None or stream.read_error is not None:
+        raise StreamUnavailableError(f"{call} of a stream a retrieve copies into (or failed "
+                                     "to)", request_id=rid, label=label)
+
+
+def _token_count(tokens: Tokens, rid: str, label: str) -> int:
+    # the bytes are what is hashed: a bad id is refused before anything changes
+    return len(prefix_hash.token_bytes(tokens)) // 8
+
+
+def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> int:
+    """See `KVManager.match_prefix`."""
+    streams = table.request(rid)
+    _token_count(tokens, rid, label)
+    stream = streams.get(label)
+    if stream is not None:
+        if stream.step_in_flight:
+            # the admitted step writes from the stream's length, 0, and would
+            # overwrite what the hit attached
+            raise StepInFlightError("match_prefix onto a stream a step names; commit it "
+                                    "first", request_id=rid, label=label)
+        _settled(stream, rid, label, "match_prefix")
+        if stream.stored_len:
+            raise InvalidArgumentError(
+                f"match_prefix onto a stream that holds {stream.stored_len} tokens: a hit "
+                "attaches a prompt's first pages, so only to an empty stream",
+                request_id=rid, label=label)
+    table.leases.refuse(rid, "match_prefix")
+    if stream is None:
+        # as an admit naming it would (R16): the engine's next call names it
+        stream = streams[label] = CacheStream()
+    if not table.sharing or len(tokens) < 2 or table.window(label) is not None:
+        # W10: a windowed label never hits (its stream computes its prompt)
+        return 0
+    key = (rid, label)
+    hit = table.pages.match(key, tokens, extras_for(table, rid, stream.space or label))
+    n = hit.num_tokens
+    if not n:
+        return 0
+    # an empty stream's pages are spare and private to it: they follow the hit
+    stream.page_indices = list(hit.pages) + stream.page_indices
+    stream.stored_len = n
+    stream.position = n  # W4: the next token's position
+    stream.keys = list(hit.keys)
+    stream.key_tokens = bytearray(prefix_hash.token_bytes(tokens[:n]))
+    stream.generation += 1
+    return n
+
+
+def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
+                 start: int = 0) -> int:
+    """See `KVManager.cache_prefix`."""
+    stream = table.stream(rid, label)
+    ps = table.page_size
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start % ps:
+        raise InvalidArgumentError(f"cache_prefix start={start!r}: a whole number of pages "
+                                   f"(a multiple of {ps}) at or after 0",
+                                   request_id=rid, label=label)
+    raw = prefix_hash.token_bytes(tokens)
+    end = start + len(raw) // 8
+    _settled(stream, rid, label, "cache_prefix")
+    if end > stream.stored_len:
+        # a draft not yet verified, or a step not yet committed: its KV may
+        # still change (vLLM PRs 18668, 19006 cached draft tokens)
+        raise InvalidArgumentError(
+            f"cache_prefix names tokens up to {end}; the stream has committed "
+            f"{stream.stored_len}", request_id=rid, label=label)
+    keyed = len(stream.keys) * ps
+    if start > keyed:
+        raise InvalidArgumentError(
+            f"cache_prefix from token {start}: the stream's cached pages end at {keyed}, "
+            "and a page's key chains from the one before it", request_id=rid, label=label)
+    if not table.sharing or stream.received or table.window(label) is not None:
+        # W9: a windowed label registers nothing, so its window's release
+        # frees pages blank and never pushes cached prefixes out (vLLM 42948)
+        return 0
+    # the ids of pages already keyed must be the ones they were keyed with
+    overlap = min(end, keyed)
+    if raw[: (overlap - start) * 8] != stream.key_tokens[start * 8: overlap * 8]:
+        raise InvalidArgumentError(
+            f"cache_prefix names tokens {start}..{overlap - 1} otherwise than the stream's "
+            "cached pages hold them (a hit or an earlier cache_prefix)",
+            request_id=rid, label=label)
+    full = end // ps
+    if full <= len(stream.keys):
+        return 0
+    extras = extras_for(table, rid, stream.space or label)
+    fresh = tokens[keyed - start:(full * ps) - start]
+    parent = stream.keys[-1] if stream.keys else None
+    added = 0
+    for i, key in enumerate(prefix_hash.iter_page_keys(fresh, ps, extras, parent=parent)):
+        page = len(stream.keys)
+        got = table.pages.register(stream.page_indices[page], parent,
+                                   fresh[i * ps:(i + 1) * ps], extras, key=key)
+        # deduplicated or not, the key names these tokens: the chain goes on
+        stream.keys.append(got.key)
+        parent = got.key
+        added += 1
+    stream.key_tokens += raw[(keyed - start) * 8:(full * ps - start) * 8]
+    return added
+
+
+def reset_prefix_cache(table: StreamTable) -> int | ResetRefused:
+    """See `KVManager.reset_prefix_cache`."""
+    return table.pages.reset_prefix_cache()

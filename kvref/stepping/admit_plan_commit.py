@@ -1,0 +1,508 @@
+"""Stepping: admit, plan and commit of one step at a time, plus one preplanned (R23).
+
+`admission` decides (a pure computation to a grant or a refusal); this
+module applies the decision to the stream table, builds the step's page
+tables and write addressing, and commits its spans. Forks are `kvref.stepping.forks`,
+slot-leased addressing is `kvref.stepping.graph_staging`. Every method runs under the
+stream table's lock, which `KVManager` holds around each call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvref import validate
+from kvref.core.errors import (
+    ForkCopyError,
+    InvalidArgumentError,
+    PreplanPendingError,
+    PreplanStaleError,
+    StepInFlightError,
+    StepNotAdmittedError,
+    StepOrderError,
+)
+from kvref.core.stream_table import Key, StreamTable
+from kvref.core.streams import CacheStream
+from kvref.stepping import admission
+from kvref.stepping.forks import Forks
+from kvref.stepping.graph_staging import GraphStaging
+from kvref.stepping.plan import (
+    KVPlanOutput,
+    KVPlanOutputs,
+    KVPlanState,
+    SequenceView,
+    group_by_plan_label,
+    plan_tables,
+)
+from kvref.stepping.running_step import (
+    RunningStep,
+    StagedPreplan,
+    released_after,
+    same_step,
+    settled_lengths,
+    settled_table,
+    stale,
+    where,
+)
+from kvref.stepping.step import (
+    ADMIT_OK,
+    AdmitFailedReason,
+    AdmitOutcome,
+    KVStep,
+    PreplanRefused,
+    PreplanStale,
+    Segment,
+    StepContext,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Stepping:
+    """The running step, the staged preplan, and the plan states attention reads."""
+
+    def __init__(self, table: StreamTable, forks: Forks, staging: GraphStaging,
+                 device: torch.device, name: str, max_seq_len: int) -> None:
+        self._table = table
+        self._forks = forks
+        self._staging = staging
+        self._device = device
+        self._name = name  # the manager's, for the log
+        self._max_seq_len = max_seq_len
+        self.running: RunningStep | None = None
+        self.preplan: StagedPreplan | None = None
+        # plan label -> this step's write addressing, from plan until commit (R27)
+        self.current_plan_states: dict[str, KVPlanState] = {}
+
+    # -- admit ---------------------------------------------------------------
+
+    def admit(self, step: KVStep, ctx: StepContext) -> AdmitOutcome:
+        """See `KVManager.admit`."""
+        staged = self.preplan
+        running = self.running
+        # a plain step (no forks, no preplan: every decode step) with nothing
+        # admitted or staged goes to admission.plain_grant, which checks the
+        # lengths in its one pass
+        plain = staged is None and running is None and not (
+            ctx.is_preplan or step.pre_forks or step.post_forks or step.combined_labels)
+        settled: dict[Key, int] = {}
+        if ctx.is_preplan and running is not None:
+            # R41: step N+1 is planned while step N runs, from the lengths N
+            # leaves once committed (bounded by max_seq_len from there too);
+            # promotion checks it did (R42)
+            settled = settled_lengths(self._table.streams, running)
+        if not plain:
+            # malformed input first, whatever the lifecycle state: it is the
+            # caller's bug in any state
+            validate.step_lengths(
+                step, ctx, settled_table(self._table.streams, settled) if settled
+                else self._table.streams, self._max_seq_len)
+        if staged is not None:
+            if ctx.is_preplan:
+                raise PreplanPendingError(
+                    "a preplan is already staged; clear_preplan before preplanning again"
+                )
+            if not same_step(step, ctx, staged, tuple(staged.ctx.padded_request_ids)):
+                raise PreplanPendingError(
+                    "admit of a different step than the staged preplan; "
+                    "clear_preplan first"
+                )
+            validate.padded_known(ctx.padded_request_ids, self._table.streams)
+            if self.running is None:
+                moved = stale(self._table.streams, staged)
+                if moved is not None:
+                    return AdmitOutcome(ok=False, reason=self._stale_reason(staged, moved))
+            return ADMIT_OK  # the preplan pass already reserved and marked
+        if running is not None and not ctx.is_preplan:
+            if same_step(step, ctx, running, running.padded):
+                validate.padded_known(ctx.padded_request_ids, self._table.streams)
+                return ADMIT_OK  # admitted again: everything is reserved already
+            # R23: a second step would be planned against lengths the
+            # first has not committed, and its commit would clear the
+            # first one's marks
+            raise StepInFlightError(
+                "a step is already admitted; commit it before admitting another"
+            )
+        all_streams = self._table.streams
+        padded = tuple(ctx.padded_request_ids)
+        windows = self._table.windows
+        if windows:
+            for from_label, to_label in (*step.pre_forks, *step.post_forks):
+                margins = self._table.margins
+                if (windows.get(from_label), margins.get(from_label)) != (
+                        windows.get(to_label), margins.get(to_label)):
+                    # W5: a fork keeps the retention; a windowed source cannot
+                    # give a full-attention target the tokens it released
+                    raise InvalidArgumentError(
+                        f"fork {from_label!r} -> {to_label!r} between labels of different "
+                        "retention windows or rollback margins", label=to_label)
+            if ctx.is_preplan:
+                unwindowed = self._window_forks_pending(step, padded, windows)
+                if unwindowed is not None:
+                    return AdmitOutcome(ok=False, reason=unwindowed)
+        if ctx.is_preplan and self._table.sharing:
+            unplannable = self._views_would_move(step, padded, settled)
+            if unplannable is not None:
+                return AdmitOutcome(ok=False, reason=unplannable)
+        free = self._table.pages.num_free
+        sharing = self._table if self._table.sharing else None
+        if plain:
+            grant = admission.plain_grant(all_streams, step, self._table.page_size, free,
+                                          self._max_seq_len, padded=padded, sharing=sharing)
+            if isinstance(grant, AdmitFailedReason):
+                return AdmitOutcome(ok=False, reason=grant)
+            self.running = RunningStep(step, padded, set(self._apply(grant)))
+            return ADMIT_OK
+        validate.step_streams(all_streams, step, padded)
+        keys = admission.named_keys(step, padded)
+        refused = admission.refusal(all_streams, keys) or admission.leased_fork_target(
+            step, padded, self._table.leases.held)
+        if refused is not None:
+            return AdmitOutcome(ok=False, reason=refused)
+        grant = admission.reserve(all_streams, step, padded, keys,
+                                  self._table.page_size, free, settled, sharing,
+                                  copy_forks=ctx.is_preplan)
+        if isinstance(grant, AdmitFailedReason):
+            return AdmitOutcome(ok=False, reason=grant)
+        created = self._apply(grant)
+        if ctx.is_preplan:
+            basis = {k: settled[k] for k in keys if k in settled}
+            # R67: a windowed stream is planned as the running step's commit
+            # leaves it, released pages gone, so no view names one of them
+            ps, margins = self._table.page_size, self._table.margins
+            released = {k: released_after(all_streams[k[0]][k[1]].released, n,
+                                          windows[k[1]] + margins.get(k[1], 0), ps)
+                        for k, n in basis.items() if k[1] in windows}
+            self.preplan = StagedPreplan(step, ctx, created, list(keys), basis=basis,
+                                         released=released)
+        else:
+            self.running = RunningStep(step, padded, set(created))
+        return ADMIT_OK
+
+    def _views_would_move(self, step: KVStep, padded: tuple[str, ...],
+                          settled: Mapping[Key, int]) -> PreplanRefused | None:
+        """R57: a preplan's views are built before it runs, from the page
+        tables then; with shared pages a fork (or a copy-on-write the running
+        step cannot see) gives a stream other pages in between, and the views
+        would address pages the stream no longer holds."""
+        running = self.running
+        why = None
+        targets = {(rid, to) for _, to in (*step.pre_forks, *step.post_forks)
+                   for rid in padded}
+        busy = admission.named_keys(running.step, running.padded) if running else {}
+        if targets & busy.keys():
+            # its forks' targets are made private (copied) at this admit, which
+            # would move pages the running step's own views name
+            why = "a stream its forks copy into is one the running step names"
+        elif running is not None and (running.step.post_forks or (
+                running.step.pre_forks and not running.forked)):
+            why = "the running step's forks would give their targets other pages"
+        else:
+            for seg in step.segments:
+                key = (seg.request_id, seg.label)
+                stream = self._table.streams.get(key[0], {}).get(key[1])
+                if (seg.span and key in settled and stream is not None
+                        and self._table.cow_needed(key, stream)):
+                    why = (f"{key[0]!r}/{key[1]!r} writes into a shared page the running "
+                           "step still reads")
+                    break
+        if why is None:
+            return None
+        return PreplanRefused(message=f"not preplanned with shared pages: {why}; admit it "
+                                      "once the running step committed")
+
+    def _window_forks_pending(self, step: KVStep, padded: tuple[str, ...],
+                              windows: Mapping[str, int]) -> PreplanRefused | None:
+        """R67: a fork gives its target its source's released prefix and pages
+        (W5) only when it runs, after the views were built; so a preplan whose
+        forks name a windowed label, or whose windowed stream a fork of the
+        running step still has to write, is not planned ahead."""
+        why = None
+        if any(lb in windows for fk in (*step.pre_forks, *step.post_forks) for lb in fk):
+            why = "its forks name a windowed label"
+        running = self.running
+        if why is None and running is not None:
+            pending = (*running.step.post_forks,
+                       *(running.step.pre_forks if not running.forked else ()))
+            targets = {(rid, to) for _, to in pending if to in windows for rid in running.padded}
+            if any((seg.request_id, seg.label) in targets for seg in step.segments):
+                why = "a windowed stream it names is the target of a fork the running step " \
+                      "has still to apply"
+        if why is None:
+            return None
+        return PreplanRefused(message=f"not preplanned: {why}, and a fork moves the window's "
+                                      "released prefix only when it runs; admit it once the "
+                                      "running step committed")
+
+    def copies_into(self, rid: str, label: str) -> bool:
+        """Whether a fork still to run copies into this stream's own pages (a
+        preplanned step's, R57): nothing may register them meanwhile, or the
+        copy would write into a page the prefix cache names."""
+        staged, running = self.preplan, self.running
+        steps = [(staged.step, staged.ctx.padded_request_ids)] if staged else []
+        if running is not None and running.copy_forks:
+            steps.append((running.step, running.padded))
+        return any(to == label and rid in padded
+                   for step, padded in steps for _, to in (*step.pre_forks, *step.post_forks))
+
+    def forks_pending(self, rid: str) -> bool:
+        """Whether the running or the staged step still has forks to apply to
+        ``rid``: `publish` waits for them (R50). Called under the table's lock."""
+        running, staged = self.running, self.preplan
+        if running is not None and rid in running.padded and (
+                running.step.post_forks or (running.step.pre_forks and not running.forked)):
+            return True
+        return staged is not None and rid in staged.ctx.padded_request_ids and bool(
+            staged.step.pre_forks or staged.step.post_forks)
+
+    def _stale_reason(self, staged: StagedPreplan, key: Key) -> PreplanStale:
+        stream = self._table.streams.get(key[0], {}).get(key[1])
+        if stream is not None and stream.stored_len == staged.basis[key]:
+            return PreplanStale(
+                message=(f"the staged preplan was planned with {staged.released[key]} tokens "
+                         f"released, but the stream released {stream.released}: its views "
+                         "start elsewhere; clear_preplan and admit afresh"),
+                request_id=key[0], label=key[1])
+        return _stale(key, staged.basis[key], stream.stored_len if stream else None)
+
+    def _apply(self, grant: admission.Grant) -> list[Key]:
+        """Make a grant real: create each named stream that is missing, give it
+        the pages it is short, and mark it in flight. Returns the created keys."""
+        created: list[Key] = []
+        # first, while nothing else changed: a copy that raises leaves the
+        # streams as they were, each copied one private and as it read
+        for rid, label in grant.cow:
+            self._forks.copy_on_write(rid, label)
+        for (rid, label), _ in grant.privatise:
+            self._forks.privatise(rid, label)
+        take = self._table.take
+        for rid, streams, label, stream, short in grant.claims:
+            if stream is None:
+                stream = streams[label] = CacheStream()
+                created.append((rid, label))
+            if short > 0:
+                # admission counted these under the same lock
+                stream.page_indices += take((rid, label), short)
+                stream.generation += 1
+            stream.step_in_flight = True
+        return created
+
+    def clear_preplan(self) -> None:
+        """See `KVManager.clear_preplan`."""
+        staged, self.preplan = self.preplan, None
+        if staged is None:
+            return
+        all_streams = self._table.streams
+        # labels the staged step invented are removed with their pages:
+        # a stream at length 0 that nothing asked for still holds them
+        for rid, label in reversed(staged.created):
+            stream = all_streams.get(rid, {}).pop(label, None)
+            if stream is not None:
+                self._table.give_back((rid, label), stream.page_indices)
+        # or the request stays unevictable for a step that never runs; a mark
+        # the running step also owns stays until it commits (R43)
+        running = self.running
+        owned = admission.named_keys(running.step, running.padded) if running else {}
+        for rid, label in staged.marked:
+            stream = all_streams.get(rid, {}).get(label)
+            if stream is not None and (rid, label) not in owned:
+                stream.step_in_flight = False
+
+    # -- plan ----------------------------------------------------------------
+
+    def plan(self, step: KVStep, ctx: StepContext) -> KVPlanOutputs:
+        """See `KVManager.plan`."""
+        staged = self.preplan
+        if ctx.is_preplan:
+            if staged is None or not staged.matches(step):
+                raise StepNotAdmittedError("preplan of a step that was not preplan-admitted",
+                                           **where(step))
+            if staged.outputs is not None:
+                raise PreplanPendingError("the staged preplan was already planned")
+            validate.padded_known(ctx.padded_request_ids, self._table.streams)
+            # over a running step: from the lengths it leaves (R41)
+            outputs, states = self._build_plan(step, ctx, self._forks.lengths_after_pre_forks(
+                step, staged.ctx.padded_request_ids, staged.created, staged.basis),
+                staged.released)
+            staged.outputs, staged.states = outputs, states
+            return outputs
+        running = self.running
+        if running is None:
+            if staged is None or not staged.matches(step):
+                raise StepNotAdmittedError("plan of a step that was not admitted (or was "
+                                           "changed in place since)",
+                                           **where(step))
+            validate.padded_known(ctx.padded_request_ids, self._table.streams)
+            moved = stale(self._table.streams, staged)
+            if moved is not None:
+                reason = self._stale_reason(staged, moved)
+                raise PreplanStaleError(reason.message, request_id=moved[0], label=moved[1])
+            # promotion, not abandonment: its reservations and marks stay
+            self.preplan = None
+            running = self.running = RunningStep(
+                staged.step, tuple(staged.ctx.padded_request_ids), set(staged.created),
+                shape=staged.shape)
+            if staged.outputs is not None:
+                running.copy_forks = True
+                self._forks.run_pre(running)
+                # the views were built before the forks ran: what they
+                # report now is what the step runs against
+                for out in staged.outputs.values():
+                    for view in out.views:
+                        stream = self._table.streams[view.request_id][view.label]
+                        view.generation = stream.generation
+                running.planned = True
+                self.current_plan_states = staged.states
+                return staged.outputs
+        elif not running.matches(step):
+            raise StepNotAdmittedError("plan of a step other than the admitted one (or the "
+                                       "admitted step changed in place since its admit)",
+                                       **where(step, running.step))
+        elif running.planned:
+            raise StepOrderError("the admitted step was already planned; commit it",
+                                 **where(step))
+        else:
+            validate.padded_known(ctx.padded_request_ids, self._table.streams)
+        self._forks.run_pre(running)
+        outputs, states = self._build_plan(step, ctx, {})
+        running.planned = True
+        self.current_plan_states = states
+        return outputs
+
+    def _build_plan(
+        self, step: KVStep, ctx: StepContext, fork_len: Mapping[Key, int],
+        starts: Mapping[Key, int] | None = None,
+    ) -> tuple[KVPlanOutputs, dict[str, KVPlanState]]:
+        ps = self._table.page_size
+        outputs: dict[str, KVPlanOutput] = {}
+        states: dict[str, KVPlanState] = {}
+        for plan_label, segments in group_by_plan_label(
+            step.segments, step.combined_labels
+        ).items():
+            views = self._sequence_views(segments, fork_len, starts)
+            # decode and mixed steps each from one host buffer (plan.plan_tables)
+            indptrs, state, cuda_indptrs = plan_tables(views, ps, self._device)
+            out = KVPlanOutput(cpu_indptrs=indptrs, views=views, cuda_indptrs=cuda_indptrs)
+            outputs[plan_label] = out
+            states[plan_label] = self._staging.leased(state, ctx.slot_lease, plan_label)
+        return KVPlanOutputs(outputs, step.pre_forks, step.post_forks), states
+
+    def _sequence_views(
+        self, segments: Sequence[Segment], fork_len: Mapping[Key, int],
+        starts: Mapping[Key, int] | None = None,
+    ) -> list[SequenceView]:
+        """``starts``: a preplan's projected released counts (R67), which the
+        running step's commit may not have reached yet."""
+        ps = self._table.page_size
+        all_streams = self._table.streams
+        views: list[SequenceView] = []
+        append = views.append
+        for seg in segments:
+            rid, label, span = seg.request_id, seg.label, seg.span
+            stream = all_streams[rid][label]  # admit made every named stream (R16)
+            if fork_len:
+                length = fork_len.get((rid, label), stream.stored_len) + span
+            else:
+                length = stream.stored_len + span
+            if length == 0:
+                continue  # nothing to attend to and nothing to write
+            # sliced to the length: the stream may hold spare pages, and an
+            # unsliced view would report them as resident context. A windowed
+            # stream's view starts at its first retained page (W1, W4): its
+            # length is relative to that page, ``offset`` tokens in
+            off = stream.released
+            first = starts.get((rid, label), off) if starts else off
+            if first != off:
+                # a preplan: the running step's commit releases the pages
+                # before ``first``; the view skips them
+                skip = (first - off) // ps
+                off = first
+                pages = stream.page_indices[skip: skip + -(-(length - off) // ps)]
+            else:
+                pages = stream.page_indices[: -(-(length - off) // ps)]
+            append(SequenceView(rid, label, pages, length - off, span, stream.generation,
+                                offset=off))
+        return views
+
+    # -- commit --------------------------------------------------------------
+
+    def commit(self, step: KVStep, ctx: StepContext) -> None:
+        """See `KVManager.commit`."""
+        running = self.running
+        if running is None or not running.matches(step):
+            staged = self.preplan
+            if staged is not None and staged.matches(step):
+                raise StepNotAdmittedError("commit of a step that is only preplanned",
+                                           **where(step))
+            raise StepNotAdmittedError(
+                "commit of a step that was not admitted (or was changed in place since)",
+                **where(step, running.step if running is not None else None))
+        validate.padded_known(ctx.padded_request_ids, self._table.streams)
+        fault: ForkCopyError | None = None
+        try:
+            self._forks.run_pre(running)
+        except ForkCopyError as err:
+            fault = err
+        self.running = None
+        self.current_plan_states = {}
+        all_streams = self._table.streams
+        # a staged preplan may own a mark this step also set (a stream
+        # both name): it stays until the preplan is promoted or cleared
+        staged_marks = (
+            {all_streams[r][lb] for r, lb in self.preplan.marked
+             if lb in all_streams.get(r, {})}
+            if self.preplan is not None else None
+        )
+        for rid, label in admission.named_keys(step, running.padded):
+            stream = all_streams[rid][label]
+            # cleared whether or not the step keeps its tokens: a step
+            # with commit=False still read these pages, and a mark left
+            # set would make the request unevictable
+            if staged_marks is None or stream not in staged_marks:
+                stream.step_in_flight = False
+        if step.commit:
+            self._add_spans(step)
+        # post-forks copy what this step just wrote, so after the spans land
+        try:
+            self._forks.run(running, step.post_forks)
+        except ForkCopyError as err:
+            fault = fault or err
+        if fault is not None:
+            raise fault
+
+    def _add_spans(self, step: KVStep) -> None:
+        all_streams = self._table.streams
+        # asked once per commit, not per segment: most caches window nothing,
+        # and this loop runs for every request of every decode step
+        windows = self._table.windows
+        for seg in step.segments:
+            span = seg.span
+            if not span:
+                continue
+            stream = all_streams[seg.request_id][seg.label]
+            if stream.offloaded:
+                # unreachable under R2-R5; kept as the last defence,
+                # loudly, because it drops a committed span (I15)
+                logger.error(
+                    "KV %s: dropping %d committed tokens for request %r label %r; "
+                    "the stream was offloaded mid-step",
+                    self._name, span, seg.request_id, seg.label,
+                )
+                continue
+            stream.stored_len += span
+            stream.position = stream.stored_len  # W4: the next token's position
+            stream.generation += 1
+            if windows and seg.label in windows:
+                # W2: a windowed stream lets go of what fell out of its window
+                self._table.retire((seg.request_id, seg.label), stream)
+
+
+def _stale(key: Key, planned: int, holds: int | None) -> PreplanStale:
+    return PreplanStale(
+        message=(f"the staged preplan was planned over length {planned}, but the stream "
+                 f"holds {holds}: the step running under it committed otherwise; "
+                 "clear_preplan and admit afresh"),
+        request_id=key[0], label=key[1])

@@ -1,0 +1,482 @@
+"""From a step's segments to FlashInfer page tables and per-token write slots."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvref.stepping.step import Fork, Segment
+
+# Page 0 never belongs to a stream. Padded slots of a captured graph write
+# here, so the scatter the graph recorded cannot land in a live request's KV.
+SINK_PAGE = 0
+
+
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``, without blocking the host when that is CUDA.
+
+    A non_blocking copy from pageable memory is staged by the driver and
+    waits for it; from pinned memory it is a plain async DMA. torch's
+    caching host allocator keeps a pinned block alive until the copy that
+    read it finished, so each plan may take a fresh one.
+    """
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class SequenceView:
+    """One segment's stream as attention sees it this step.
+
+    ``page_idxs`` is sliced to the pages ``length`` needs: a stream may hold
+    more (high-water), and an unsliced list would report the spare pages as
+    resident context. For a windowed stream (``KVConfig.retention``) the
+    view starts at its first retained page: ``length`` counts from there,
+    and ``offset`` is the released tokens before it (W1, W4).
+    """
+
+    __slots__ = ("generation", "label", "length", "offset", "page_idxs", "request_id",
+                 "to_compute")
+
+    def __init__(
+        self,
+        request_id: str,
+        label: str,
+        page_idxs: list[int],
+        length: int,
+        to_compute: int,
+        generation: int,
+        offset: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.label = label
+        self.page_idxs = page_idxs
+        self.length = length  # tokens after this step: stored + to_compute
+        self.to_compute = to_compute
+        self.generation = generation
+        # a windowed stream (issue 19): the tokens released before
+        # ``page_idxs[0]`` (whole pages), so token j of the view is at
+        # absolute position ``offset + j``; 0 for full attention
+        self.offset = offset
+
+    def last_page_len(self, page_size: int) -> int:
+        """Tokens on the last page, in ``[1, page_size]`` (0 for an empty view)."""
+        return (self.length - 1) % page_size + 1 if self.length else 0
+
+    def __repr__(self) -> str:
+        return (
+            f"SequenceView({self.request_id!r}, {self.label!r}, pages={self.page_idxs}, "
+            f"length={self.length}, to_compute={self.to_compute})"
+        )
+
+
+@dataclass
+class PagedIndptrs:
+    """FlashInfer's paged-KV page table in CSR form, int32.
+
+    Request ``i`` attends to pages ``paged_kv_indices[paged_kv_indptr[i]:
+    paged_kv_indptr[i+1]]``, all full but the last, which holds
+    ``paged_kv_last_page_len[i]`` tokens; its queries are rows
+    ``qo_indptr[i]:qo_indptr[i+1]``.
+    """
+
+    qo_indptr: torch.Tensor
+    paged_kv_indptr: torch.Tensor
+    paged_kv_indices: torch.Tensor
+    paged_kv_last_page_len: torch.Tensor
+
+    def to_device(self, device: torch.device) -> PagedIndptrs:
+        return PagedIndptrs(
+            *(host_to_device(t, device) for t in (
+                self.qo_indptr,
+                self.paged_kv_indptr,
+                self.paged_kv_indices,
+                self.paged_kv_last_page_len,
+            ))
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.qo_indptr.shape[0]) - 1
+
+
+def _int32_tensors(values: list[int], bounds: Sequence[int]) -> list[torch.Tensor]:
+    """Split one host int32 buffer into tensors at ``bounds``.
+
+    One numpy array and zero-copy views cost a fraction of one
+    ``torch.tensor`` call per field, which is most of a batch-1 decode plan.
+    """
+    buf = np.array(values, dtype=np.int32)
+    out: list[torch.Tensor] = []
+    start = 0
+    for end in bounds:
+        out.append(torch.from_numpy(buf[start:end]))
+        start = end
+    return out
+
+
+def build_paged_indptrs(views: Sequence[SequenceView], page_size: int) -> PagedIndptrs:
+    """FlashInfer's CSR page table (int32, on the host) for ``views``, in their order.
+
+    Per view: ``to_compute`` query rows, its pages, and how many tokens its
+    last page holds (0 for an empty view).
+    """
+    n = len(views)
+    qo = [0] * (n + 1)
+    kv = [0] * (n + 1)
+    last = [0] * n
+    indices: list[int] = []
+    q = 0
+    for i, v in enumerate(views):
+        q += v.to_compute
+        qo[i + 1] = q
+        indices += v.page_idxs
+        kv[i + 1] = len(indices)
+        last[i] = (v.length - 1) % page_size + 1 if v.length else 0
+    b = (n + 1, 2 * n + 2, 3 * n + 2, 3 * n + 2 + len(indices))
+    t = _int32_tensors(qo + kv + last + indices, b)
+    return PagedIndptrs(
+        qo_indptr=t[0], paged_kv_indptr=t[1], paged_kv_last_page_len=t[2], paged_kv_indices=t[3]
+    )
+
+
+@dataclass
+class KVPlanOutput:
+    """One plan label's page table, on the host and (after plan) on device."""
+
+    cpu_indptrs: PagedIndptrs
+    views: list[SequenceView]
+    cuda_indptrs: PagedIndptrs | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(self.views) and all(v.to_compute == 1 for v in self.views)
+
+    def get_total_len(self) -> int:
+        return sum(v.to_compute for v in self.views)
+
+
+class ViewRows(NamedTuple):
+    """Where one segment sits in a plan: ``outputs[plan_label].views[view_index]``,
+    and the query rows ``[row_start, row_stop)`` of that plan label's batch
+    (``qo_indptr[view_index]:qo_indptr[view_index + 1]``: the rows `write_kv`
+    and attention take for it; empty for a zero-span segment)."""
+
+    plan_label: str
+    view_index: int
+    row_start: int
+    row_stop: int
+
+
+class KVPlanOutputs(dict[str, KVPlanOutput]):
+    """Plan label -> its output, plus the forks the step applies around it.
+
+    The views are not in the step's segment order: each plan label's are
+    label-major within a combined group (every ``main`` segment, then every
+    ``cfg`` one) and a segment whose stream is empty after the step (length
+    0) has no view. `locate` maps a segment to its view and rows (R47).
+    """
+
+    def __init__(
+        self,
+        outputs: dict[str, KVPlanOutput],
+        pre_forks: Sequence[Fork] = (),
+        post_forks: Sequence[Fork] = (),
+    ) -> None:
+        super().__init__(outputs)
+        self.pre_forks = tuple(pre_forks)
+        self.post_forks = tuple(post_forks)
+        # built on the first `locate`: most steps never ask
+        self._rows: dict[tuple[str, str], ViewRows] | None = None
+
+    def locate(self, request_id: str, label: str) -> ViewRows | None:
+        """The view and query rows of segment ``(request_id, label)``; None when
+        the step has no view of it (a zero-length segment, or not in the step)."""
+        rows = self._rows
+        if rows is None:
+            rows = self._rows = {}
+            for plan_label, out in self.items():
+                row = 0
+                for i, v in enumerate(out.views):
+                    rows[(v.request_id, v.label)] = ViewRows(plan_label, i, row,
+                                                             row + v.to_compute)
+                    row += v.to_compute
+        return rows.get((request_id, label))
+
+
+def group_by_plan_label(
+    segments: Iterable[Segment], combined_labels: Sequence[Sequence[str]] = ()
+) -> dict[str, list[Segment]]:
+    """Segments per plan label; a combined group is label-major under its first label.
+
+    Label-major (every ``main`` segment, then every ``cfg`` one) is what lets
+    attention treat a combined batch as one ragged batch with one write.
+    """
+    plan_label_of: dict[str, str] = {}
+    rank_in_group: dict[str, int] = {}
+    for group in combined_labels:
+        for rank, label in enumerate(group):
+            if label in plan_label_of:
+                raise ValueError(f"label {label!r} is in two combined groups")
+            plan_label_of[label] = group[0]
+            rank_in_group[label] = rank
+    grouped: dict[str, list[Segment]] = {}
+    for s in segments:
+        grouped.setdefault(plan_label_of.get(s.label, s.label), []).append(s)
+    for plan_label, segs in grouped.items():
+        if len(segs) > 1 and plan_label in rank_in_group:
+            # stable: within a label, the batch's request order is kept
+            segs.sort(key=lambda s: rank_in_group[s.label])
+    return grouped
+
+
+@dataclass
+class KVPlanState:
+    """Per-token write slots of one plan label: ``(token_to_page, token_to_cache)``."""
+
+    token_to_page: torch.Tensor
+    token_to_cache: torch.Tensor
+    total_tokens: int
+    # rows `write_kv` takes: the real tokens, or a whole capture bucket under
+    # a slot lease (the rows past ``total_tokens`` go to the sink)
+    write_len: int = -1
+
+    def __post_init__(self) -> None:
+        if self.write_len < 0:
+            self.write_len = self.total_tokens
+
+    def copy_(self, other: KVPlanState, capture_len: int) -> None:
+        """Stage ``other`` into this static (graph-captured) state.
+
+        Slots ``[n, capture_len)`` are the padding the graph scatters past the
+        real tokens: aim them at the sink, or they overwrite whatever page the
+        previous replay left there, another request's KV.
+        """
+        n = other.total_tokens
+        if n > capture_len or capture_len > self.token_to_page.shape[0]:
+            raise ValueError(
+                f"{n} tokens do not fit a bucket of {capture_len} "
+                f"(buffers hold {self.token_to_page.shape[0]}); "
+                "build_cuda_graph_buffers with a larger max_seq_len"
+            )
+        self.token_to_page[:n].copy_(other.token_to_page, non_blocking=True)
+        self.token_to_cache[:n].copy_(other.token_to_cache, non_blocking=True)
+        self.token_to_page[n:capture_len].fill_(SINK_PAGE)
+        self.token_to_cache[n:capture_len].fill_(0)
+        self.total_tokens = n
+
+
+def decode_plan_state(
+    views: Sequence[SequenceView], page_size: int, device: torch.device
+) -> KVPlanState:
+    """Write slots for one new token per view: the end of each stream.
+
+    Built in the same host pass as the views and sent as one host-to-device
+    copy, instead of unpacking the page table per token on device.
+    """
+    n = len(views)
+    slots = [0] * (2 * n)  # pages, then offsets
+    for i, v in enumerate(views):
+        last = v.length - 1
+        slots[i] = v.page_idxs[last // page_size]
+        slots[n + i] = last % page_size
+    host = np.array(slots, dtype=np.int64)
+    if device.type == "cpu":
+        # numpy slices wrap for less than torch slices cost
+        pages, offsets = torch.from_numpy(host[:n]), torch.from_numpy(host[n:])
+    else:
+        both = host_to_device(torch.from_numpy(host), device)  # the one H2D copy
+        pages, offsets = both[:n], both[n:]
+    return KVPlanState(token_to_page=pages, token_to_cache=offsets, total_tokens=n)
+
+
+def decode_tables(
+    views: Sequence[SequenceView], page_size: int, device: torch.device
+) -> tuple[PagedIndptrs, KVPlanState]:
+    """`build_paged_indptrs` and `decode_plan_state` of a decode step, in one pass.
+
+    One host buffer for both (the int32 page table is a cast of its head):
+    at batch 1 the per-tensor overhead is most of a plan, and this halves
+    the buffers. Same results as the two functions (tests compare them).
+    """
+    n = len(views)
+    qo = list(range(n + 1))  # one query per view
+    kv = [0] * (n + 1)
+    last = [0] * n
+    indices: list[int] = []
+    slots = [0] * (2 * n)  # pages, then offsets
+    for i, v in enumerate(views):
+        pages = v.page_idxs
+        indices += pages
+        kv[i + 1] = len(indices)
+        end = v.length - 1
+        last[i] = end % page_size + 1
+        slots[i] = pages[end // page_size]
+        slots[n + i] = end % page_size
+    table_len = 3 * n + 2 + len(indices)
+    host = np.array(qo + kv + last + indices + slots, dtype=np.int64)
+    table = host[:table_len].astype(np.int32)
+    b = (0, n + 1, 2 * n + 2, 3 * n + 2, table_len)
+    indptrs = PagedIndptrs(
+        qo_indptr=torch.from_numpy(table[b[0] : b[1]]),
+        paged_kv_indptr=torch.from_numpy(table[b[1] : b[2]]),
+        paged_kv_last_page_len=torch.from_numpy(table[b[2] : b[3]]),
+        paged_kv_indices=torch.from_numpy(table[b[3] : b[4]]),
+    )
+    if device.type == "cpu":
+        page_t = torch.from_numpy(host[table_len : table_len + n])
+        offset_t = torch.from_numpy(host[table_len + n :])
+    else:
+        both = host_to_device(torch.from_numpy(host[table_len:]), device)  # one H2D
+        page_t, offset_t = both[:n], both[n:]
+    return indptrs, KVPlanState(token_to_page=page_t, token_to_cache=offset_t, total_tokens=n)
+
+
+def packed_plan_state(
+    indptrs: PagedIndptrs, page_size: int, total_tokens: int, device: torch.device
+) -> KVPlanState:
+    """Write slots for any step, vectorised over tokens from the page table.
+
+    Token ``j`` of request ``i`` lands at position ``length_i - to_compute_i + j``
+    of its stream: page ``pos // page_size`` of its page list, offset
+    ``pos % page_size``.
+    """
+    qo = indptrs.qo_indptr.long()
+    kv = indptrs.paged_kv_indptr.long()
+    n_req = qo.shape[0] - 1
+    lens = qo[1:] - qo[:-1]
+    num_pages = kv[1:] - kv[:-1]
+    length = (num_pages - 1).clamp(min=0) * page_size + indptrs.paged_kv_last_page_len.long()
+    seg = torch.repeat_interleave(torch.arange(n_req), lens, output_size=total_tokens)
+    intra = torch.arange(total_tokens) - qo[:-1][seg]
+    pos = (length - lens)[seg] + intra
+    page = indptrs.paged_kv_indices.long()[kv[:-1][seg] + pos // page_size]
+    both = torch.stack((page, pos % page_size))
+    if both.device != device:
+        both = host_to_device(both, device)
+    return KVPlanState(token_to_page=both[0], token_to_cache=both[1], total_tokens=total_tokens)
+
+
+def _chunk_slots(
+    pages: list[int], pos: int, end: int, page_size: int,
+    pages_out: list[int], offsets_out: list[int],
+) -> None:
+    """Append the page and offset of stream positions ``[pos, end)``.
+
+    One slice and one ``range`` per page the chunk touches, not per token:
+    the Python work is per page, the list fill per token runs in C.
+    """
+    while pos < end:
+        page_i, off = divmod(pos, page_size)
+        run = min(page_size - off, end - pos)
+        pages_out += [pages[page_i]] * run
+        offsets_out += range(off, off + run)
+        pos += run
+
+
+def mixed_tables(
+    views: Sequence[SequenceView], page_size: int, device: torch.device
+) -> tuple[PagedIndptrs, KVPlanState, PagedIndptrs]:
+    """`build_paged_indptrs` + `packed_plan_state` of any step, in one host pass.
+
+    A mixed step (a decode batch plus a prefill chunk) would otherwise pay
+    for a dozen small torch ops unpacking the page table per token; here the
+    slots come from the same pass as the table, in Python work linear in
+    the pages the chunk touches. One host buffer holds the table and the
+    slots, so a device gets them in one copy. Returns the host table, the
+    slots, and the table on ``device`` (what `KVPlanOutput.cuda_indptrs`
+    carries for a non-decode step). Tests compare it with the two builders.
+    """
+    n = len(views)
+    qo = [0] * (n + 1)
+    kv = [0] * (n + 1)
+    last = [0] * n
+    indices: list[int] = []
+    # the slot of each one-token row, by index as on the decode path (no
+    # appends); the other rows (chunks, span 0) are spliced in after
+    row_page = [0] * n
+    row_offset = [0] * n
+    others: list[int] = []
+    q = 0
+    for i, v in enumerate(views):
+        span = v.to_compute
+        q += span
+        qo[i + 1] = q
+        pages = v.page_idxs
+        indices += pages
+        kv[i + 1] = len(indices)
+        end = v.length - 1
+        if span == 1:
+            last[i] = end % page_size + 1
+            row_page[i] = pages[end // page_size]
+            row_offset[i] = end % page_size
+        else:
+            last[i] = end % page_size + 1 if end >= 0 else 0
+            others.append(i)
+    if others:
+        slot_pages: list[int] = []  # request-major, as the query rows
+        slot_offsets: list[int] = []
+        prev = 0
+        for i in others:
+            slot_pages += row_page[prev:i]
+            slot_offsets += row_offset[prev:i]
+            v = views[i]
+            _chunk_slots(v.page_idxs, v.length - v.to_compute, v.length, page_size,
+                         slot_pages, slot_offsets)
+            prev = i + 1
+        slot_pages += row_page[prev:]
+        slot_offsets += row_offset[prev:]
+    else:
+        slot_pages, slot_offsets = row_page, row_offset
+    table_len = 3 * n + 2 + len(indices)
+    host = np.array(qo + kv + last + indices + slot_pages + slot_offsets, dtype=np.int64)
+    b = (0, n + 1, 2 * n + 2, 3 * n + 2, table_len)
+    table = host[:table_len].astype(np.int32)
+    # numpy slices wrapped by from_numpy: cheaper than slicing a torch tensor
+    cpu_indptrs = PagedIndptrs(
+        qo_indptr=torch.from_numpy(table[b[0] : b[1]]),
+        paged_kv_indptr=torch.from_numpy(table[b[1] : b[2]]),
+        paged_kv_last_page_len=torch.from_numpy(table[b[2] : b[3]]),
+        paged_kv_indices=torch.from_numpy(table[b[3] : b[4]]),
+    )
+    q_end = table_len + q
+    if device.type == "cpu":
+        page_t = torch.from_numpy(host[table_len:q_end])
+        offset_t = torch.from_numpy(host[q_end:])
+        # its own record over the same tensors, as `to_device` gave on the host
+        device_indptrs = PagedIndptrs(
+            qo_indptr=cpu_indptrs.qo_indptr,
+            paged_kv_indptr=cpu_indptrs.paged_kv_indptr,
+            paged_kv_indices=cpu_indptrs.paged_kv_indices,
+            paged_kv_last_page_len=cpu_indptrs.paged_kv_last_page_len,
+        )
+    else:
+        whole = host_to_device(torch.from_numpy(host), device)  # the one H2D copy
+        dev_table = whole[:table_len].to(torch.int32)
+        device_indptrs = PagedIndptrs(
+            qo_indptr=dev_table[b[0] : b[1]],
+            paged_kv_indptr=dev_table[b[1] : b[2]],
+            paged_kv_last_page_len=dev_table[b[2] : b[3]],
+            paged_kv_indices=dev_table[b[3] : b[4]],
+        )
+        page_t, offset_t = whole[table_len:q_end], whole[q_end:]
+    state = KVPlanState(token_to_page=page_t, token_to_cache=offset_t, total_tokens=q)
+    return cpu_indptrs, state, device_indptrs
+
+
+def plan_tables(
+    views: Sequence[SequenceView], page_size: int, device: torch.device
+) -> tuple[PagedIndptrs, KVPlanState, PagedIndptrs | None]:
+    """Host page table, write slots, and device page table of one plan label.
+
+    A decode step's device table stays ``None``: attention reads its host
+    table (as the reference does); any other step carries it on ``device``.
+    """
+    if views and all(v.to_compute == 1 for v in views):
+        indptrs, state = decode_tables(views, page_size, device)
+        return indptrs, state, None
+    return mixed_tables(views, page_size, device)
