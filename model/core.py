@@ -819,6 +819,10 @@ class Model:
     # --- offload
 
     def do_OffloadClaim(self, s: State, a: OffloadClaim) -> tuple[Result, State]:
+        if self.scope.host_pages == 0:
+            # no host pool (cpu_offload_pages=0): nothing can be claimed, for
+            # any request (R44's NO_HOST_POOL), and no handle ever exists
+            return Claimed(()), s
         st = s.stream_map()
         mine = {k: v for k, v in st.items() if k[0] == a.rid}
         if not mine or a.rid in dict(s.offloads):

@@ -251,11 +251,16 @@ def calls(m: Model, s: State) -> Iterator[Action]:
         mine = fixed[r]
         yield mine.claim
         off = s.offload_of(r)
-        for label in range(sc.labels):
-            yield mine.copy[label]
-            if off is not None and label in dict(off.claimed):
-                yield mine.copy_error[label]
-        yield from mine.close
+        if sc.host_pages:
+            # without a host pool no claim succeeds, so no engine holds a
+            # handle to copy, commit or abandon with, not even a stale one
+            for label in range(sc.labels):
+                yield mine.copy[label]
+                if off is not None and label in dict(off.claimed):
+                    yield mine.copy_error[label]
+            yield from mine.close
+        else:
+            yield mine.close[-1]  # reload: refused, NO_HOST_POOL
         if any(k[0] == r for k, _ in s.host):
             yield mine.reload_error
         yield mine.publish

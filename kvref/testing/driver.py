@@ -352,9 +352,9 @@ class Driver:
         return m.Ok()
 
     def _Reload(self, a: m.Reload) -> m.Result:
-        pool = self.kv._cpu_pool
-        assert pool is not None
-        if a.copy_error:
+        # a copy fault is issued only where host copies exist: a host pool
+        pool = self.kv._cpu_pool if a.copy_error else None
+        if pool is not None:
             def broken(*args: Any) -> None:
                 raise InjectedCopyFault("host-to-device copy failed (injected)")
 
@@ -362,7 +362,7 @@ class Driver:
         try:
             reloaded = self.kv.reload(rid_name(a.rid))
         finally:
-            if a.copy_error:
+            if pool is not None:
                 del pool._copy_in
         if not reloaded:
             # a refused reload changes nothing, so the typed call refuses too, and why
@@ -553,7 +553,9 @@ class Driver:
             mine = [v for k, v in model_state.streams if k[0] == rid]
             open_offload = model_state.offload_of(rid) is not None
             copies = [c for k, c in model_state.host if k[0] == rid]
-            refused = open_offload or rid in model_state.leases or any(v.in_flight for v in mine)
+            # R45: 0 exactly when a claim is refused, no host pool included
+            refused = (open_offload or rid in model_state.leases or not self.scope.host_pages
+                       or any(v.in_flight for v in mine))
             claimable = 0 if refused else sum(
                 v.pages for v in mine if v.offload == m.RESIDENT)
             got = kv.get_offload_priority(rid_name(rid))
@@ -567,7 +569,8 @@ class Driver:
             self.scope.host_pages, used, self.scope.host_pages - used), f"R46: {view}"
         if self.said is not None:
             rid, reason, short = self.said
-            expected, want_short = refusal_in_model(model_state, rid, reason, ps)
+            expected, want_short = refusal_in_model(model_state, rid, reason, ps,
+                                                    self.scope.host_pages)
             assert (reason, short) == (expected, want_short), (
                 f"R44: r{rid} refused with {reason} (short {short}); "
                 f"the model's state says {expected} (short {want_short})")
@@ -575,7 +578,11 @@ class Driver:
     def check_host_lengths(self, model_state: m.State) -> None:
         """Each host copy holds exactly the tokens the model put on the host."""
         pool = self.kv._cpu_pool
-        assert pool is not None
+        if pool is None:
+            # a scope without host pages: the manager has no host pool, and
+            # the model can have put nothing on the host
+            assert not model_state.host, f"host copies without a host pool: {model_state.host}"
+            return
         for (rid, label), tokens in model_state.host:
             copy = pool.copy_of(rid_name(rid), label_name(label))
             assert copy is not None, f"no host copy of {(rid, label)}"
@@ -669,9 +676,13 @@ class Driver:
 
 
 def refusal_in_model(s: m.State, rid: int, said: OffloadReason | ReloadReason | None,
-                     page_size: int) -> tuple[OffloadReason | ReloadReason, int]:
+                     page_size: int, host_pages: int
+                     ) -> tuple[OffloadReason | ReloadReason, int]:
     """The reason (and pages short) the model's state gives for refusing what
     kvref refused: a claim when ``said`` is an `OffloadReason`, else a reload."""
+    if host_pages == 0:  # checked first, as kvref's calls do
+        return (OffloadReason.NO_HOST_POOL if isinstance(said, OffloadReason)
+                else ReloadReason.NO_HOST_POOL), 0
     mine = [v for k, v in s.streams if k[0] == rid]
     running = s.offload_of(rid) is not None
     if isinstance(said, OffloadReason):

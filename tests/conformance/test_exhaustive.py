@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from kvref.offload.calls import EvictionCalls
 from kvref.testing.driver import DriverConfig
 from kvref.testing.exhaustive import CI_SCOPE, check_scope, summary
 from model import core as m
+
+# a manager with no host pool (cpu_offload_pages=0): every claim refused,
+# NO_HOST_POOL, and priority 0 (R44, R45); the model says so since issue 20
+NO_HOST_SCOPE = replace(CI_SCOPE, host_pages=0)
 
 NIGHTLY_SCOPE = m.Scope(requests=2, labels=2, device_pages=3, host_pages=2, page_size=1,
                         max_span=2, depth=5)
@@ -23,6 +30,27 @@ def test_every_reachable_state_and_action(driver_config: DriverConfig,
     # (684 states, 35,931 calls since a preplan over the running step is issued as
     # the next decode of each of its streams, not as every shape: R41, protocol.calls)
     assert out.states > 600 and out.transitions > 30_000
+
+
+@pytest.mark.slow
+def test_every_reachable_state_and_action_without_a_host_pool(
+        driver_config: DriverConfig) -> None:
+    out = check_scope(NO_HOST_SCOPE, driver_config)
+    print(summary(out))
+    assert not out.failures, "\n".join(out.failures)
+    assert out.states > 600 and out.transitions > 30_000  # 719 states, 38,504 calls
+
+
+def test_a_priority_without_a_host_pool_is_found(driver_config: DriverConfig,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: with no host pool, the offload priority counts the pages held
+    (a victim filter would pick a request it can never evict)."""
+    def priority(self: EvictionCalls, rid: str) -> float:
+        return float(self.reclaimable(rid))  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(EvictionCalls, "get_offload_priority", priority)
+    out = check_scope(replace(NO_HOST_SCOPE, depth=2), driver_config, max_failures=1)
+    assert out.failures and "R45" in out.failures[0], out.failures
 
 
 @pytest.mark.nightly
