@@ -309,8 +309,15 @@ class RetentionModel:
         return 0 <= rid < self.scope.requests and 0 <= label < self.scope.labels
 
     def offloaded(self, s: State, rid: int) -> bool:
+        """Any stream of the request on the host."""
         return any(st is not None and st.offloaded for st in
                    (s.streams[h] for h in self.holders_of(rid)))
+
+    @staticmethod
+    def away(st: Stream | None) -> bool:
+        """The stream is on the host. An offload moves a request's streams that
+        hold pages, one by one, so a sibling that held none stays usable."""
+        return st is not None and st.offloaded
 
     @staticmethod
     def private(s: State, h: int, p: int | None) -> bool:
@@ -377,7 +384,7 @@ class RetentionModel:
         st = s.streams[self.holder(rid, label)] if self.in_scope(rid, label) else None
         if st is None:
             return Misuse(UNKNOWN)
-        if self.offloaded(s, rid):
+        if st.offloaded:
             return Misuse(UNAVAILABLE)
         return self.holder(rid, label), st
 
@@ -420,7 +427,7 @@ class RetentionModel:
             return Misuse(UNKNOWN), s
         if any(not 0 <= t < self.scope.alphabet for t in a.tokens):
             return Misuse(ARG), s
-        if self.offloaded(s, a.rid):
+        if self.away(s.streams[self.holder(a.rid, a.label)]):
             return Misuse(UNAVAILABLE), s
         if not a.tokens:
             return Ok(), s  # a zero-span segment: nothing to write or release
@@ -464,7 +471,7 @@ class RetentionModel:
             return Misuse(UNKNOWN), s
         if (self.window(hs), self.margin(hs)) != (self.window(hd), self.margin(hd)):
             return Misuse(ARG), s  # W5: a fork keeps the retention; labels must agree
-        if self.offloaded(s, a.rid):
+        if self.away(src) or self.away(s.streams[hd]):
             return Misuse(UNAVAILABLE), s
         ps, n = self.scope.page_size, src.n
         full = n // ps
@@ -535,9 +542,10 @@ class RetentionModel:
         if not 0 <= a.rid < self.scope.requests or all(
                 s.streams[h] is None for h in self.holders_of(a.rid)):
             return Refused("UNKNOWN_REQUEST"), s
-        hs = [h for h in self.holders_of(a.rid) if s.streams[h] is not None]
-        on_device = [p for h in hs for p in (s.streams[h] or Stream()).table if p is not None]
-        if self.offloaded(s, a.rid) or not on_device:
+        # the streams holding pages on the device: the others stay as they are
+        hs = [h for h in self.holders_of(a.rid) if (st := s.streams[h]) is not None
+              and not st.offloaded and any(p is not None for p in st.table)]
+        if not hs:
             return Refused("NOTHING_ON_DEVICE"), s
         pool, streams, fault, freed = s.pool, s.streams, s.fault, 0
         for h in hs:
@@ -553,10 +561,10 @@ class RetentionModel:
         if not 0 <= a.rid < self.scope.requests or all(
                 s.streams[h] is None for h in self.holders_of(a.rid)):
             return Refused("UNKNOWN_REQUEST"), s
-        if not self.offloaded(s, a.rid):
+        hs = [h for h in self.holders_of(a.rid) if self.away(s.streams[h])]
+        if not hs:
             return Refused("NOTHING_ON_HOST"), s
         ps = self.scope.page_size
-        hs = [h for h in self.holders_of(a.rid) if s.streams[h] is not None]
 
         def first_slot(st: Stream) -> int:  # W8: released slots stay released
             return st.released // ps if self.RELOAD_ONLY_RETAINED else 0
@@ -607,10 +615,10 @@ class RetentionModel:
     def _MatchPrefix(self, s: State, a: MatchPrefix) -> tuple[Result, State]:
         if not self.in_scope(a.rid, a.label):
             return Misuse(UNKNOWN), s
-        if self.offloaded(s, a.rid):
-            return Misuse(UNAVAILABLE), s
         h = self.holder(a.rid, a.label)
         st = s.streams[h]
+        if self.away(st):
+            return Misuse(UNAVAILABLE), s
         if st is not None and st.n:
             return Misuse(ARG), s  # a hit onto a stream that is not empty
         if self.window(h) is not None and self.WINDOW_NEVER_HITS:
@@ -635,7 +643,7 @@ class RetentionModel:
         st = s.streams[h] or Stream()
         if n <= st.n:
             return Ok(), s  # nothing past what it holds: nothing to copy
-        if self.offloaded(s, a.rid):
+        if st.offloaded:
             return Misuse(UNAVAILABLE), s
         # what the peer released committing n tokens in one step (same config);
         # the consumer takes it, never less than its own (W16)

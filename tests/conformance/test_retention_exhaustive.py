@@ -34,7 +34,7 @@ def replay(m: RetentionLockstep, a: R.Action) -> None:
         m.fork(a.rid, a.src, a.dst)
     elif isinstance(a, R.Truncate):
         st = m.stream(a.rid, a.label)
-        if st is None or m.blind(a.rid, a.label) or a.new_len < 0:
+        if st is None or a.new_len < 0:
             return
         m.step(a, lambda: kv.truncate(rid_name(a.rid), LABELS[a.label], a.new_len))
     elif isinstance(a, R.Remove):
@@ -50,7 +50,7 @@ def replay(m: RetentionLockstep, a: R.Action) -> None:
     else:
         assert isinstance(a, R.MatchPrefix)
         st = m.stream(a.rid, a.label)
-        if (st is not None and st.n) or m.model.offloaded(m.state, a.rid):
+        if st is not None and st.n:
             return
         m.ingest(a.rid)
         m.step(a, lambda: kv.match_prefix(rid_name(a.rid), LABELS[a.label], list(a.tokens)))

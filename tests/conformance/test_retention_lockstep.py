@@ -153,13 +153,6 @@ class RetentionLockstep(RuleBasedStateMachine):
     def known(self, rid: int) -> bool:
         return any(self.stream(rid, lb) is not None for lb in range(NL))
 
-    def blind(self, rid: int, label: int) -> bool:
-        """The model offloads a request as a whole; kvref claims only the
-        streams holding pages, so a call on an empty stream of an offloaded
-        request is refused by the model and not by kvref: not compared."""
-        st_ = self.stream(rid, label)
-        return self.model.offloaded(self.state, rid) and (st_ is None or not st_.n)
-
     def length(self, rid: int, label: int) -> int:
         st_ = self.stream(rid, label)
         return st_.n if st_ is not None else 0
@@ -222,8 +215,7 @@ class RetentionLockstep(RuleBasedStateMachine):
 
     @rule(rid=RIDS, label=LBLS, tokens=TOKENS)
     def append(self, rid: int, label: int, tokens: tuple[int, ...]) -> None:
-        if self.length(rid, label) + len(tokens) > self.scope.max_len or self.blind(
-                rid, label):
+        if self.length(rid, label) + len(tokens) > self.scope.max_len:
             return
         self.ingest(rid)
         self.step(R.Append(rid, label, tokens), lambda: self.run_step(rid, label, tokens))
@@ -242,14 +234,12 @@ class RetentionLockstep(RuleBasedStateMachine):
             # holds pages keeps its private ones (R51), where the model
             # releases them: not compared
             return
-        if self.model.offloaded(self.state, rid):
-            return  # kvref refuses at admit (RequestOffloading) only for named streams
         self.step(R.Fork(rid, src, dst), lambda: self.run_step(
             rid, src, (), pre_forks=((LABELS[src], LABELS[dst]),)))
 
     @rule(rid=RIDS, label=LBLS, back=st.integers(-1, SCOPE.max_len))
     def truncate(self, rid: int, label: int, back: int) -> None:
-        if self.stream(rid, label) is None or self.blind(rid, label):
+        if self.stream(rid, label) is None:
             return
         n = max(0, self.length(rid, label) - back) if back >= 0 else self.length(
             rid, label) + 1
@@ -277,7 +267,7 @@ class RetentionLockstep(RuleBasedStateMachine):
     def retrieve(self, rid: int, label: int, tokens: tuple[int, ...]) -> None:
         """A peer's tokens; those up to this stream's length are not copied, so
         a prefix unlike its own shows a copy that starts too early."""
-        if len(tokens) > self.scope.max_len or self.blind(rid, label):
+        if len(tokens) > self.scope.max_len:
             return
         st_ = self.stream(rid, label)
         released = 0 if st_ is None else st_.released
@@ -307,7 +297,7 @@ class RetentionLockstep(RuleBasedStateMachine):
     @rule(rid=RIDS, label=LBLS)
     def cache_prefix(self, rid: int, label: int) -> None:
         st_ = self.stream(rid, label)
-        if st_ is None or self.blind(rid, label):
+        if st_ is None:
             return
         tokens = list(st_.tokens)
         self.step(R.CachePrefix(rid, label),
@@ -316,7 +306,7 @@ class RetentionLockstep(RuleBasedStateMachine):
     @rule(rid=RIDS, label=LBLS, donor=st.integers(0, SCOPE.requests * NL - 1), tail=TOKENS)
     def match_prefix(self, rid: int, label: int, donor: int, tail: tuple[int, ...]) -> None:
         st_ = self.stream(rid, label)
-        if (st_ is not None and st_.n) or self.model.offloaded(self.state, rid):
+        if st_ is not None and st_.n:
             return
         d = self.state.streams[donor]
         prompt = (d.tokens if d is not None else ()) + tail
@@ -361,8 +351,7 @@ class RetentionLockstep(RuleBasedStateMachine):
                     f"{where}: released kvref {stream.released}, model {st_.released}")
                 assert stream.position == st_.position, (
                     f"{where}: position kvref {stream.position}, model {st_.position}")
-                # an empty stream is not claimed by kvref's offload (see `blind`)
-                assert stream.offloaded == (st_.offloaded and st_.n > 0), (where, stream, st_)
+                assert stream.offloaded == st_.offloaded, (where, stream, st_)
                 table = tuple(p for p in st_.table if p is not None)
                 assert tuple(stream.page_indices) == table, (
                     f"{where}: kvref pages {stream.page_indices}, model {st_.table}")

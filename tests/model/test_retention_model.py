@@ -224,8 +224,10 @@ def test_offload_moves_only_retained_pages_and_reload_brings_them_back() -> None
     assert st is not None and st.offloaded and st.released == 4 and set(st.table) == {None}
     unchanged(M, s, Offload(0), Refused("NOTHING_ON_DEVICE"))
     for a in (Append(0, 0, (0,)), Fork(0, 0, 1), Truncate(0, 0, 7), CachePrefix(0, 2),
-              MatchPrefix(0, 1, (0, 0, 0))):
+              MatchPrefix(0, 0, (0, 0, 0))):
         unchanged(M, s, a, Misuse(UNAVAILABLE))
+    # label 1 held no page, so it was not offloaded: usable (W10: no hit)
+    unchanged(M, s, MatchPrefix(0, 1, (0, 0, 0)), Count(0))
     r, s = last(M, Reload(0), s=s)
     assert r == Count(3)
     st = s.streams[0]
@@ -244,7 +246,10 @@ def test_offload_and_reload_refusals() -> None:
                                max_len=9))
     _, s = run(two, *grow(0, 3), Offload(0), *grow(1, 9, rid=1))  # 5 pages held
     unchanged(two, s, Reload(0), AllocationFailed(1))
-    unchanged(two, s, Append(0, 1, (0,)), Misuse(UNAVAILABLE))  # the request is away
+    unchanged(two, s, Append(0, 0, (0,)), Misuse(UNAVAILABLE))  # the stream is away
+    # its sibling held no page at the offload: it stays, and takes appends
+    r, _ = two.step(s, Append(0, 1, (0,)))
+    assert r == Ok()
 
 
 # ------------------------------------------------------------- prefix cache
