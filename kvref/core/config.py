@@ -96,11 +96,6 @@ class RetentionPolicy:
                 f"{self.rollback_margin!r}")
 
     @property
-    def retained(self) -> int:
-        """Tokens a commit keeps: ``context_budget + rollback_margin``."""
-        return self.context_budget + self.rollback_margin
-
-    @property
     def window_left(self) -> int:
         """Tokens before a query's own position that attention may read:
         ``context_budget - 1`` (FlashInfer's ``window_left``)."""

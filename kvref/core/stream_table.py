@@ -38,6 +38,16 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+
+def released_after(released: int, length: int, keep: int, page_size: int) -> int:
+    """A windowed stream's released count once a commit leaves it ``length``
+    long, keeping ``keep`` tokens (W plus its rollback margin): every page
+    wholly before ``max(0, length - keep)`` (W2, W15), and never less than
+    ``released`` (a truncate keeps it). The one statement of the rule: the
+    commit (`StreamTable.retire`), a preplan's projection of it (R67) and a
+    retrieve (W16) all ask here."""
+    return max(released, max(0, length - keep) // page_size * page_size)
+
 @dataclass
 class StreamTable:
     """Streams per request, the device page pool, and the lock over both."""
@@ -65,6 +75,12 @@ class StreamTable:
         """The label's retention window W, or None (full attention)."""
         return self.windows.get(label)
 
+    def kept(self, label: str) -> int | None:
+        """The tokens a commit keeps for the label, W plus its rollback margin
+        k (W15), or None (full attention: it keeps every token)."""
+        w = self.windows.get(label)
+        return None if w is None else w + self.margins.get(label, 0)
+
     def retire(self, key: Key, stream: CacheStream) -> int:
         """W2: release every page of a windowed stream that lies wholly before
         the first token it keeps ``f = max(0, n - W - k)`` (n its committed
@@ -74,18 +90,17 @@ class StreamTable:
         ``released // ps`` onward) and ``released`` counts their tokens.
         Only live pages are listed, each once, tail first (W7); a page a fork
         shares stays with its other holders. Returns the pages freed."""
-        w = self.windows.get(key[1])
-        if w is None:
+        keep = self.kept(key[1])
+        if keep is None:
             return 0
         ps = self.page_size
-        # k the rollback margin (W15)
-        upto = max(0, stream.stored_len - w - self.margins.get(key[1], 0)) // ps
-        off = stream.released // ps
-        if upto <= off:
+        released = released_after(stream.released, stream.stored_len, keep, ps)
+        if released == stream.released:
             return 0
-        go = stream.page_indices[:upto - off]
-        stream.page_indices = stream.page_indices[upto - off:]
-        stream.released = upto * ps
+        drop = (released - stream.released) // ps
+        go = stream.page_indices[:drop]
+        stream.page_indices = stream.page_indices[drop:]
+        stream.released = released
         stream.generation += 1
         return self.give_back(key, go)
 

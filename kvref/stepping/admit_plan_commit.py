@@ -24,7 +24,7 @@ from kvref.core.errors import (
     StepNotAdmittedError,
     StepOrderError,
 )
-from kvref.core.stream_table import Key, StreamTable
+from kvref.core.stream_table import Key, StreamTable, released_after
 from kvref.core.streams import CacheStream
 from kvref.stepping import admission
 from kvref.stepping.forks import Forks
@@ -40,7 +40,6 @@ from kvref.stepping.plan import (
 from kvref.stepping.running_step import (
     RunningStep,
     StagedPreplan,
-    released_after,
     same_step,
     settled_lengths,
     settled_table,
@@ -172,10 +171,9 @@ class Stepping:
             basis = {k: settled[k] for k in keys if k in settled}
             # R67: a windowed stream is planned as the running step's commit
             # leaves it, released pages gone, so no view names one of them
-            ps, margins = self._table.page_size, self._table.margins
-            released = {k: released_after(all_streams[k[0]][k[1]].released, n,
-                                          windows[k[1]] + margins.get(k[1], 0), ps)
-                        for k, n in basis.items() if k[1] in windows}
+            ps, kept = self._table.page_size, self._table.kept
+            released = {k: released_after(all_streams[k[0]][k[1]].released, n, keep, ps)
+                        for k, n in basis.items() if (keep := kept(k[1])) is not None}
             self.preplan = StagedPreplan(step, ctx, created, list(keys), basis=basis,
                                          released=released)
         else:
@@ -414,15 +412,11 @@ class Stepping:
             # stream's view starts at its first retained page (W1, W4): its
             # length is relative to that page, ``offset`` tokens in
             off = stream.released
-            first = starts.get((rid, label), off) if starts else off
-            if first != off:
-                # a preplan: the running step's commit releases the pages
-                # before ``first``; the view skips them
-                skip = (first - off) // ps
-                off = first
-                pages = stream.page_indices[skip: skip + -(-(length - off) // ps)]
-            else:
-                pages = stream.page_indices[: -(-(length - off) // ps)]
+            # a preplan's view starts where the running step's commit leaves
+            # the stream (``starts``): the pages before that are skipped
+            skip = (starts.get((rid, label), off) - off) // ps if starts else 0
+            off += skip * ps
+            pages = stream.page_indices[skip: skip + -(-(length - off) // ps)]
             append(SequenceView(rid, label, pages, length - off, span, stream.generation,
                                 offset=off))
         return views

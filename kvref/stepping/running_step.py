@@ -84,7 +84,7 @@ class StagedPreplan:
     # was reserved and planned from, and what promotion checks (R42)
     basis: dict[Key, int] = field(default_factory=dict)
     # the windowed streams of its basis: the released count the running
-    # step's commit leaves (`released_after`), where its views start (R67)
+    # step's commit leaves (`stream_table.released_after`), where its views start (R67)
     released: dict[Key, int] = field(default_factory=dict)
     shape: StepShape = field(init=False)
 
@@ -157,13 +157,6 @@ def settled_table(streams: Table, settled: Mapping[Key, int]
     only lengths (max_seq_len) see of a preplan over the running step."""
     return {rid: {label: SettledLength(settled.get((rid, label), s.stored_len))
                   for label, s in labels.items()} for rid, labels in streams.items()}
-
-
-def released_after(released: int, length: int, keep: int, page_size: int) -> int:
-    """`StreamTable.retire` at a commit that leaves a windowed stream ``length``
-    long, keeping ``keep`` tokens (W plus its rollback margin): the released
-    count after it, never less than ``released`` (a truncate keeps it)."""
-    return max(released, max(0, length - keep) // page_size * page_size)
 
 
 def stale(streams: Table, staged: StagedPreplan) -> Key | None:

@@ -19,7 +19,7 @@ from kvref.core.errors import (
     PublishedInfoError,
     StepInFlightError,
 )
-from kvref.core.stream_table import StreamTable, pages_for
+from kvref.core.stream_table import StreamTable, pages_for, released_after
 from kvref.core.streams import CacheStream
 from kvref.stepping import admission
 from kvref.stepping.plan import SINK_PAGE
@@ -316,12 +316,11 @@ class Retrieval:
         most of its own, the peer's, and what a commit to ``seq_len`` would
         release (equal to the peer's when both share a retention config)."""
         own = stream.released if stream is not None else 0
-        w = self._table.window(label)
-        if w is None:
+        keep = self._table.kept(label)
+        if keep is None:
             return own
-        ps = self._table.page_size
-        k = self._table.margins.get(label, 0)  # as StreamTable.retire (W15)
-        return max(own, info.released, max(0, info.seq_len - w - k) // ps * ps)
+        return released_after(max(own, info.released), info.seq_len, keep,
+                              self._table.page_size)
 
     def _kept(self, stream: CacheStream | None, released: int) -> list[int]:
         """The stream's pages of slots still retained at `released`."""

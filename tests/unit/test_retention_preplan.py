@@ -26,6 +26,7 @@ from kvref.stepping.admit_plan_commit import Stepping
 from kvref.stepping.plan import KVPlanOutputs
 from kvref.testing.page_checks import check_device_pages
 from tests.unit._manager_fixtures import make_manager, token_values
+from tests.unit.test_retention import step as run_step
 
 PS, W, LAYERS, HEADS, DIM = 4, 10, 2, 2, 4
 LABELS = ("w", "main")  # windowed beside full attention
@@ -45,12 +46,8 @@ def seventeen_then_running() -> tuple[KVManager, StepContext, KVStep]:
     """a.w committed at 17 tokens (slots 1-4 held, W = 10), then a running
     step of +3 planned: its commit, at 20 tokens, releases slot 1."""
     mgr = manager()
-    mgr.ingest_request("a")
+    run_step(mgr, "a", "w", 17)
     ctx = StepContext(("a",))
-    fill = KVStep([Segment("a", "w", 17)])
-    assert mgr.admit(fill, ctx).ok
-    mgr.plan(fill, ctx)
-    mgr.commit(fill, ctx)
     running = KVStep([Segment("a", "w", 3)])
     assert mgr.admit(running, ctx).ok
     mgr.plan(running, ctx)
@@ -289,12 +286,8 @@ def test_preplans_with_windowed_forks_are_refused() -> None:
     # without sharing: with it, R57 refuses any preplan over a running fork
     mgr = make_manager(page_size=PS, pages=64, sharing=False,
                        retention={"w": RetentionPolicy(W), "w2": RetentionPolicy(W)})
-    mgr.ingest_request("a")
+    run_step(mgr, "a", "w", 9)
     ctx = StepContext(("a",))
-    fill = KVStep([Segment("a", "w", 9)])
-    assert mgr.admit(fill, ctx).ok
-    mgr.plan(fill, ctx)
-    mgr.commit(fill, ctx)
     running = KVStep([Segment("a", "w", 1)], post_forks=[("w", "w2")])
     assert mgr.admit(running, ctx).ok
     pre = StepContext(("a",), is_preplan=True)
