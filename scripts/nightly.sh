@@ -7,7 +7,7 @@
 # is left (a part that ends early passes its time on):
 #   lockstep     HYPOTHESIS_PROFILE=nightly pytest -m nightly tests/conformance/test_lockstep.py
 #                on CUDA when there is one, else CPU                          (weight 35)
-#   exhaustive   python -m model.check --conformance at the nightly scope     (weight 25)
+#   exhaustive   python -m kvref_model.check --conformance at the nightly scope     (weight 25)
 #   concurrency  pytest -m nightly tests/concurrency, the stress test aside    (weight 20)
 #   stress       tests/concurrency/test_stress.py, KVREF_STRESS_SECONDS = share (weight 20)
 # The lockstep runs first, so it is always reached (the old nightly command
@@ -119,7 +119,7 @@ HYPOTHESIS_PROFILE=nightly KVREF_NIGHTLY_EXAMPLES="${KVREF_NIGHTLY_EXAMPLES:-100
 
 s=$(share_of 1)
 # shellcheck disable=SC2086  # the scope is a list of options
-run_part exhaustive "$s" exhaustive "$PY" -m model.check --conformance $EXHAUSTIVE_SCOPE
+run_part exhaustive "$s" exhaustive "$PY" -m kvref_model.check --conformance $EXHAUSTIVE_SCOPE
 
 s=$(share_of 2)
 HYPOTHESIS_PROFILE=nightly run_part concurrency "$s" fuzz "${PYTEST[@]}" tests/concurrency \

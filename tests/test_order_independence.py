@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from model import core as m
+from kvref_model import core as m
 from tests.support.preload import EXAMPLES, local_module_names
 
 TINY = m.Scope(requests=1, labels=1, device_pages=1, host_pages=1, page_size=1,
@@ -55,7 +55,7 @@ def test_what_the_exhaustive_replay_imports_changes_no_draw() -> None:
     pool = _constant_pool()
     before = {kind: set(pool().set_for_type(kind))
               for kind in ("integer", "float", "bytes", "string")}
-    from model.check import reachable  # what test_exhaustive.py imports lazily
+    from kvref_model.check import reachable  # what test_exhaustive.py imports lazily
 
     assert sum(1 for _ in reachable(TINY)) > 1
     after = {kind: set(pool().set_for_type(kind)) for kind in before}

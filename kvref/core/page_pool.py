@@ -4,7 +4,7 @@
 pages are shared: it hands out pages, counts who holds each, keeps full
 pages of committed tokens findable by their chained key
 (`kvref.prefix.keys`), and evicts free cached pages least recently used
-first.  Its executable spec is `model.pages`; the rules are
+first.  Its executable spec is `kvref_model.pages`; the rules are
 specs/shared-pages.md (S1..).
 
 Holders.  A page is held by *owners*: any hashable value naming one holder
@@ -94,7 +94,7 @@ class ResetRefused:
 
 @dataclass(frozen=True)
 class PoolSnapshot:
-    """The pool as `model.pages` sees it; index ``i`` is page ``first + i``."""
+    """The pool as `kvref_model.pages` sees it; index ``i`` is page ``first + i``."""
 
     first: int
     holders: tuple[frozenset[Owner], ...]
@@ -153,7 +153,7 @@ class PagePool:
     """Pages ``[reserved, num_pages)`` of a device cache (page 0, the sink, is
     reserved), shared by reference count, with a prefix cache.
 
-    Invariant (`sanity_check` runs it; model.pages_invariants P1-P5): every
+    Invariant (`sanity_check` runs it; kvref_model.pages_invariants P1-P5): every
     page is exactly one of
       *held*: ``_holders[p]`` non-empty (its reference count is its size);
       *free-cached*: unheld, ``_key[p]`` set, in ``_lru`` exactly once;

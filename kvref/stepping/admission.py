@@ -8,7 +8,7 @@ step with no forks, in one pass that holds the stream objects. Both hand
 back the same `Grant`, and any rare decision (a misuse, a refusal's kind)
 the plain pass only detects and leaves to the general rule that states it.
 
-Order of answers, as `model.core.Model.do_Admit` states it: misuse first
+Order of answers, as `kvref_model.core.Model.do_Admit` states it: misuse first
 (`validate.step_streams`), then a latched retrieve failure (terminal), a retrieve
 still copying, an offloaded stream, and last the page count.
 """

@@ -44,7 +44,7 @@ from kvref import (
 from kvref.stepping.plan import SINK_PAGE
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.testing.page_checks import check_device_pages
-from model import core as m
+from kvref_model import core as m
 
 ManagerFactory = Callable[..., KVManager]
 
@@ -71,8 +71,8 @@ class DriverConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     factory: ManagerFactory = default_factory
-    # model.core specifies a cache whose every page has one holder: forks
-    # copy, nothing is cached. Shared pages are model.sharing's, and
+    # kvref_model.core specifies a cache whose every page has one holder: forks
+    # copy, nothing is cached. Shared pages are kvref_model.sharing's, and
     # tests/conformance/test_sharing_lockstep.py drives them
     sharing: bool = False
 

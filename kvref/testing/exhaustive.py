@@ -2,7 +2,7 @@
 
 For each state the model checker reaches in a scope (one per symmetry
 class), a fresh manager replays the state's shortest trace, then each call
-of the total protocol (`model.protocol.calls`: careless calls and injected
+of the total protocol (`kvref_model.protocol.calls`: careless calls and injected
 faults included) is tried once more on a fresh replay. Results,
 abstract states, page ownership and bytes are compared after every action,
 as in the Hypothesis lockstep suite; the difference is coverage: nothing here
@@ -10,7 +10,7 @@ is sampled.
 
 Run by ``tests/conformance/test_exhaustive.py`` (CI scope) and by
 ``python -m kvref.testing.exhaustive`` (any scope, the options of
-``python -m model.check``). The entry point lives here, on kvref's side:
+``python -m kvref_model.check``). The entry point lives here, on kvref's side:
 the model and its checker import nothing of kvref.
 """
 
@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 
 from kvref.testing.driver import Driver, DriverConfig
-from model import core as m
-from model.check import add_scope_arguments, reachable, scope_of
-from model.protocol import calls
+from kvref_model import core as m
+from kvref_model.check import add_scope_arguments, reachable, scope_of
+from kvref_model.protocol import calls
 
 # small enough for CI (every call of the total protocol in every state is a
 # fresh replay); `python -m kvref.testing.exhaustive` takes any scope

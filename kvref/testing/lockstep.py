@@ -1,7 +1,7 @@
 """kvref and the model, driven together by Hypothesis.
 
 Each rule is one critical section of the manager, issued the way an engine
-issues it: the model's protocol (`model.protocol.enabled`) says which calls
+issues it: the model's protocol (`kvref_model.protocol.enabled`) says which calls
 are legal now, the rule draws one, runs it on both, and the checks after it
 compare the results, the states (kvref's read back abstractly), every model
 invariant, page ownership by id (I1, I2, I6) and the bytes of every stream
@@ -26,9 +26,9 @@ from hypothesis.stateful import (
 )
 
 from kvref.testing.driver import Driver, DriverConfig
-from model import core as m
-from model.invariants import violations
-from model.protocol import enabled
+from kvref_model import core as m
+from kvref_model.invariants import violations
+from kvref_model.protocol import enabled
 
 SCOPE = m.Scope(requests=3, labels=3, device_pages=6, host_pages=4, page_size=2, max_span=3)
 NIGHTLY_SCOPE = m.Scope(requests=4, labels=4, device_pages=12, host_pages=8, page_size=3,

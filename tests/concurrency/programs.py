@@ -15,7 +15,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from model import core as m
+from kvref_model import core as m
 from tests.support.sched_harness import SCOPE, Op, Program, StepOp
 
 RIDS = st.integers(0, SCOPE.requests - 1)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model import core as m
+from kvref_model import core as m
 from tests.concurrency.programs import choices, programs
 from tests.support.sched_harness import Op, Program, StepOp, replay, run_once
 from tests.support.sched_planted import STEP0, dfs_count

@@ -28,7 +28,7 @@ from kvref import KVManager
 from kvref.core.runtime import ThreadingRuntime
 from kvref.testing.driver import Driver, DriverConfig, label_name, rid_name
 from kvref.testing.page_checks import check_device_pages
-from model import core as m
+from kvref_model import core as m
 from tests.support.free_threads import run_roles
 from tests.support.lockset import Detector, TracedRuntime
 from tests.support.sched_harness import SCOPE

@@ -9,7 +9,7 @@ import pytest
 from kvref.offload.calls import EvictionCalls
 from kvref.testing.driver import DriverConfig
 from kvref.testing.exhaustive import CI_SCOPE, check_scope, summary
-from model import core as m
+from kvref_model import core as m
 
 # a manager with no host pool (cpu_offload_pages=0): every claim refused,
 # NO_HOST_POOL, and priority 0 (R44, R45); the model says so since issue 20

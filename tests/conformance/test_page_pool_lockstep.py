@@ -1,4 +1,4 @@
-"""kvref.core.page_pool and model.pages in lockstep.
+"""kvref.core.page_pool and kvref_model.pages in lockstep.
 
 The machine plays an engine with three streams over a pool of five pages
 of two tokens: prefill (a prefix hit, then allocate, write and register
@@ -12,7 +12,7 @@ for a stream that is not empty, another salt, a prompt that diverges.
 Every pool call is one model action: the results must be equal, and after
 it the pool's state (holders, keys, LRU order, free-blank order) must be
 the model's, `sanity_check` must pass, every invariant of
-model.pages_invariants must hold, and every stream must read back, from
+kvref_model.pages_invariants must hold, and every stream must read back, from
 the pages it holds, the bytes it wrote or was given (the machine keeps its
 own copy of what each page holds, written only when the pool allowed it).
 """
@@ -37,8 +37,8 @@ from kvref.core.errors import KVRefError
 from kvref.core.page_pool import PagePool, PrefixHit, Registered, ResetRefused
 from kvref.prefix import keys as prefix_hash
 from kvref.stepping.step import AllocationFailed
-from model import pages as M
-from model.pages_invariants import INTERESTING, state_violations, transition_violations
+from kvref_model import pages as M
+from kvref_model.pages_invariants import INTERESTING, state_violations, transition_violations
 
 PS = 2
 PAGES = 5

@@ -7,7 +7,7 @@ Two layers must find it:
 - the lockstep machine (tests/conformance/test_page_pool_lockstep.py),
   with a fixed budget: derandomized, no database, no shrinking, 200
   examples of at most 50 steps; the clean pool passes the same budget;
-- the model checker (model.pages_check, at its default scope), on the
+- the model checker (kvref_model.pages_check, at its default scope), on the
   model with the rule that prevents the defect switched off (the model with
   every rule passes that scope: tests/model/test_pages_model.py).
 """
@@ -22,8 +22,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvref.core.page_pool import PageNotWritableError, PagePool, PageRefError, Registered
 from kvref.prefix import keys as prefix_hash
-from model.pages import variant
-from model.pages_check import SCOPE, check
+from kvref_model.pages import variant
+from kvref_model.pages_check import SCOPE, check
 from tests.conformance.test_page_pool_lockstep import PagePoolLockstep
 
 BUDGET = settings(max_examples=200, stateful_step_count=50, derandomize=True,

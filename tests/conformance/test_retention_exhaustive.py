@@ -1,9 +1,9 @@
-"""Every call of model.retention's protocol, in every state it reaches to a
+"""Every call of kvref_model.retention's protocol, in every state it reaches to a
 bounded depth, replayed on kvref's manager (issue 19: the exhaustive layer
 for sliding-window retention).
 
 Breadth first over the model's states, canonicalised as its checker does
-(`model.retention_check.Canon`). Each (state, call) is replayed on a fresh
+(`kvref_model.retention_check.Canon`). Each (state, call) is replayed on a fresh
 manager along the shortest trace to the state, then the call, through the
 retention lockstep's rules, so every answer, released count, position,
 table, pool structure and window byte is compared as the lockstep compares
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 
-from model import retention as R
-from model.retention_check import SCOPE, Canon, calls
+from kvref_model import retention as R
+from kvref_model.retention_check import SCOPE, Canon, calls
 from tests.conformance.test_retention_lockstep import LABELS, RetentionLockstep, rid_name
 
 # 5 in CI (about 11 s); KVREF_RETENTION_DEPTH sets more

@@ -1,5 +1,5 @@
 """kvref's KVManager with sliding-window retention, in lockstep with
-model.retention (specs/retention.md, W1-W14; issue 19).
+kvref_model.retention (specs/retention.md, W1-W14; issue 19).
 
 Hypothesis drives the manager (``KVConfig.retention`` windows two of its
 three labels) and the retention model through the same calls: appends
@@ -19,7 +19,7 @@ prefix too), removals, offload and reload, `cache_prefix` and
   as the K/V of its own tokens at their positions;
 - `check_device_pages`.
 
-The model's invariants (model/retention_invariants.py: the bound of W3
+The model's invariants (kvref_model/retention_invariants.py: the bound of W3
 among them) hold on every state along kvref's runs. Plants in kvref, found
 by this machine within the same budget: test_retention_kvref_plants.py.
 """
@@ -54,8 +54,8 @@ from kvref import (
 from kvref.stepping.step import AllocationFailed, RequestOffloading
 from kvref.testing.page_checks import check_device_pages
 from kvref.transfer.engine import TransferEngineInfo
-from model import retention as R
-from model.retention_invariants import violations
+from kvref_model import retention as R
+from kvref_model.retention_invariants import violations
 
 SCOPE = R.Scope(pages=8, page_size=2, windows=(3, 3, None), requests=2, alphabet=2,
                 max_len=9)

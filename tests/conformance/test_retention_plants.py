@@ -1,11 +1,11 @@
 """Sliding-window retention defects, planted in the model, and the check that
 finds each.
 
-Each plant is the retention model (model.retention) with one of its rules
-switched off (`model.retention.variant`): the defect class the rule
+Each plant is the retention model (kvref_model.retention) with one of its rules
+switched off (`kvref_model.retention.variant`): the defect class the rule
 prevents (specs/retention.md, W1..).  Four are the anchors' (issue 19),
 adapted to kvref's design; the others are the careless versions of the
-remaining rules.  The bounded checker (model.retention_check) must find
+remaining rules.  The bounded checker (kvref_model.retention_check) must find
 every one, at its default scope (it stops at the first violation) and, with
 every violation kept, at the default scope cut to depth 6, through the
 invariant named here: the symptom, not only a counter that went wrong on
@@ -21,8 +21,8 @@ from dataclasses import replace
 
 import pytest
 
-from model.pages_check import show_trace
-from model.retention import (
+from kvref_model.pages_check import show_trace
+from kvref_model.retention import (
     RULES,
     Action,
     Append,
@@ -31,8 +31,8 @@ from model.retention import (
     Scope,
     variant,
 )
-from model.retention_check import SCOPE, check
-from model.retention_invariants import violations
+from kvref_model.retention_check import SCOPE, check
+from kvref_model.retention_invariants import violations
 
 DEEP = replace(SCOPE, depth=6)  # every violation kept: each finishes in seconds
 

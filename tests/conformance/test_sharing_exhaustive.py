@@ -1,9 +1,9 @@
-"""Every call of model.sharing's protocol, in every state it reaches to a
+"""Every call of kvref_model.sharing's protocol, in every state it reaches to a
 bounded depth, replayed on kvref's manager (issue 18: the exhaustive layer
 for shared pages).
 
 Breadth first over the model's states, canonicalised as the checker does
-(`model.sharing_check.Canon`: page ids, labels of a request, requests of
+(`kvref_model.sharing_check.Canon`: page ids, labels of a request, requests of
 one salt). Each (state, call) is replayed on a fresh manager along the
 shortest trace to the state, then the call, through the lockstep machine,
 so every answer, table, key, pool structure and byte is compared as the
@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from model import sharing as S
-from model.sharing_check import Canon, calls
+from kvref_model import sharing as S
+from kvref_model.sharing_check import Canon, calls
 from tests.conformance.test_sharing_lockstep import LABELS, SharingLockstep, rid_name
 
 SCOPE = S.Scope(pages=3, page_size=2, alphabet=2, labels=2, salts=("a", "a"), max_len=4)

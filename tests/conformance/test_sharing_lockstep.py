@@ -1,4 +1,4 @@
-"""kvref's KVManager with shared pages, in lockstep with model.sharing.
+"""kvref's KVManager with shared pages, in lockstep with kvref_model.sharing.
 
 Hypothesis drives the manager (enable_prefix_caching on) and the stream
 model of shared pages through the same calls: appends (admit, plan, write,
@@ -22,7 +22,7 @@ After every call it compares:
 - `check_device_pages` (reference counts equal the tables naming a page,
   spare pages private).
 
-The model's invariants (model/sharing_invariants.py) hold on every state it
+The model's invariants (kvref_model/sharing_invariants.py) hold on every state it
 reaches, so this layer also checks them along kvref's runs. Plants of the
 anchors' defects in kvref, found by this machine within the CI budget, are
 tests/conformance/test_sharing_plants.py's kvref half.
@@ -61,9 +61,9 @@ from kvref.prefix import keys
 from kvref.stepping.step import AllocationFailed, RequestOffloading
 from kvref.testing.page_checks import check_device_pages
 from kvref.transfer.engine import TransferEngineInfo
-from model import sharing as S
-from model.pages import Key
-from model.sharing_invariants import INTERESTING, violations
+from kvref_model import sharing as S
+from kvref_model.pages import Key
+from kvref_model.sharing_invariants import INTERESTING, violations
 
 SCOPE = S.Scope(pages=6, page_size=2, alphabet=2, labels=2, salts=("a", "a", "b"),
                 max_len=7)

@@ -1,10 +1,10 @@
 """Stream-level shared-page defects, planted in the model, and the check that
 finds each.
 
-Each plant is the stream model (model.sharing) with one of its rules
-switched off (`model.sharing.variant`): the defect class the rule
+Each plant is the stream model (kvref_model.sharing) with one of its rules
+switched off (`kvref_model.sharing.variant`): the defect class the rule
 prevents (specs/shared-pages.md, S17..).  The bounded checker
-(model.sharing_check, at its default scope) must find every one, with a
+(kvref_model.sharing_check, at its default scope) must find every one, with a
 counterexample trace, through the invariant named here; the model with every
 rule passes the same scope (tests/model/test_sharing_model.py).  The kvref
 plants of the same classes are the lockstep's to find, once KVManager
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from model.sharing import RULES, SharingModel, variant
-from model.sharing_check import SCOPE, check, show_trace
+from kvref_model.sharing import RULES, SharingModel, variant
+from kvref_model.sharing_check import SCOPE, check, show_trace
 
 # rule switched off -> (the defect, where it was reported, the invariant that finds it)
 PLANTS: dict[str, tuple[str, str, str]] = {

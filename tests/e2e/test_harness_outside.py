@@ -91,7 +91,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     src = tmp / "src"
     src.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for pkg in ("kvref", "model"):
+    for pkg in ("kvref", "kvref_model"):
         shutil.copytree(ROOT / pkg, src / pkg, ignore=ignore)
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
@@ -106,32 +106,49 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     (project / "myengine").mkdir(parents=True)
     (project / "myengine" / "__init__.py").write_text("")
     (project / "myengine" / "kv.py").write_text(textwrap.dedent(USER_MODULE))
+    # an engine's own top-level `model` package, as engines often have: the
+    # wheel must not install one of that name (it would shadow or be shadowed)
+    (project / "model").mkdir()
+    (project / "model" / "__init__.py").write_text("ENGINE_MODEL = True\n")
     return Installed(site, project)
 
 
 def test_imports_come_from_the_wheel(installed: Installed) -> None:
     out = installed.run(sys.executable, "-c",
-                        "import kvref, model, kvref.testing.plugin; "
-                        "print(kvref.__file__); print(model.__file__)")
+                        "import kvref, kvref_model, kvref.testing.plugin; "
+                        "print(kvref.__file__); print(kvref_model.__file__)")
     assert out.returncode == 0, out.stderr
     for line in out.stdout.split():
         assert Path(line).is_relative_to(installed.site), line
+
+
+def test_wheel_leaves_the_name_model_to_the_engine(installed: Installed) -> None:
+    # the wheel installs no top-level `model`: an engine's own `model` package
+    # imports beside kvref and its harness, and is the engine's
+    assert not (installed.site / "model").exists()
+    out = installed.run(sys.executable, "-c",
+                        "import kvref, kvref_model, kvref.testing.lockstep, model; "
+                        "print(model.ENGINE_MODEL); print(model.__file__)")
+    assert out.returncode == 0, out.stderr
+    flag, where = out.stdout.split()
+    assert flag == "True"
+    assert Path(where).is_relative_to(installed.project), where
 
 
 def test_model_check_runs_outside_the_checkout(installed: Installed) -> None:
     script = installed.run(str(installed.site / "bin" / "kvref-model-check"), "--help")
     assert script.returncode == 0, script.stderr
     assert "--page-size" in script.stdout and "(default: 1)" in script.stdout
-    bad = installed.run(sys.executable, "-m", "model.check", "--page-size", "0")
+    bad = installed.run(sys.executable, "-m", "kvref_model.check", "--page-size", "0")
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0, bad.stderr  # one line, no traceback
     assert "--page-size" in bad.stderr
-    small = installed.run(sys.executable, "-m", "model.check", "--depth", "2", "--workers", "1",
-                          "--quiet")
+    small = installed.run(sys.executable, "-m", "kvref_model.check", "--depth", "2",
+                          "--workers", "1", "--quiet")
     assert small.returncode == 0, small.stdout + small.stderr
     assert small.stdout.splitlines()[-1].startswith("CHECK PASSED: "), small.stdout[-500:]
     # the reference manager's rules break an invariant within four calls
-    broken = installed.run(sys.executable, "-m", "model.check", "--depth", "4", "--workers",
+    broken = installed.run(sys.executable, "-m", "kvref_model.check", "--depth", "4", "--workers",
                            "1", "--quiet", "--model", "reference")
     assert broken.returncode == 1, broken.stdout[-2000:] + broken.stderr
     assert broken.stdout.splitlines()[-1].startswith("CHECK FAILED: invariant ")

@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from model import invariants as inv
-from model.core import (
+from kvref_model import invariants as inv
+from kvref_model.core import (
     CLAIMED,
     FAILED,
     OFFLOADED,

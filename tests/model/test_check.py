@@ -2,9 +2,9 @@
 
 import ast
 
-from model.check import Report, explore, main, reachable, to_pytest
-from model.core import Model, Scope
-from model.invariants import violations
+from kvref_model.check import Report, explore, main, reachable, to_pytest
+from kvref_model.core import Model, Scope
+from kvref_model.invariants import violations
 
 SMALL = Scope(requests=2, labels=2, device_pages=2, host_pages=1, page_size=2, max_span=1,
               depth=4)

@@ -1,4 +1,4 @@
-"""`python -m model.check` as a command: help, errors, the JSON report, packaging."""
+"""`python -m kvref_model.check` as a command: help, errors, the JSON report, packaging."""
 
 import json
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from model.check import _parser, main
+from kvref_model.check import _parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--device-pages", "2", "--host-pages", "1", "--max-span", "1", "--depth", "3",
@@ -71,12 +71,15 @@ def test_json_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 
 def test_installed_as_a_console_script() -> None:
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert meta["project"]["scripts"]["kvref-model-check"] == "model.check:main"
-    assert "model*" in meta["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert meta["project"]["scripts"]["kvref-model-check"] == "kvref_model.check:main"
+    # kvref* takes kvref_model too; no pattern may take a bare `model`
+    include = meta["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert include == ["kvref*"]
 
 
 def test_model_imports_neither_torch_nor_kvref() -> None:
-    code = ("import sys, model.check, model.search, model.symmetry, model.render; "
+    code = ("import sys, kvref_model.check, kvref_model.search, kvref_model.symmetry, "
+            "kvref_model.render; "
             "bad = {'torch', 'kvref', 'numpy'} & set(sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
@@ -86,7 +89,7 @@ def test_sigterm_stops_the_workers_and_keeps_the_checkpoint(tmp_path: Path, grou
     # group: as `timeout` and CI runners send it, to the workers as well
     ck = tmp_path / "ck"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "model.check", "--depth", "9", "--workers", "2", "--quiet",
+        [sys.executable, "-m", "kvref_model.check", "--depth", "9", "--workers", "2", "--quiet",
          "--checkpoint", str(ck), "--checkpoint-every", "1"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     children: set[str] = set()

@@ -1,7 +1,7 @@
 """The checker's fast path (issue 17, part 3) answers as the plain one does.
 
-`model.check.Observer` calls a transition check or an interesting case only
-where `model.invariants` says it can fail or hold (ON_ACTIONS, ON_RESULTS,
+`kvref_model.check.Observer` calls a transition check or an interesting case only
+where `kvref_model.invariants` says it can fail or hold (ON_ACTIONS, ON_RESULTS,
 WHEN, UNCHANGED_*, INTERESTING_*).  Here those limits are held to account
 twice: every transition of small scopes, of kvref's model, the reference's,
 every rule switched off and the planted mutants, gets the same checks and
@@ -20,10 +20,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from model import core
-from model import invariants as inv
-from model.check import Observer, make_spec
-from model.core import (
+from kvref_model import core
+from kvref_model import invariants as inv
+from kvref_model.check import Observer, make_spec
+from kvref_model.core import (
     Claimed,
     Fault,
     Flag,
@@ -40,10 +40,10 @@ from model.core import (
     State,
     Stream,
 )
-from model.protocol import calls
-from model.reference import ReferenceModel, without
-from model.search import Report, Search, dumps, loads
-from model.symmetry import Canonicaliser
+from kvref_model.protocol import calls
+from kvref_model.reference import ReferenceModel, without
+from kvref_model.search import Report, Search, dumps, loads
+from kvref_model.symmetry import Canonicaliser
 
 from .test_mutations import AbandonKeepsHostCopy, ClaimIgnoresMarks, ClearForgetsForkUndo
 
@@ -247,7 +247,7 @@ def test_the_key_is_a_function_of_the_value_alone() -> None:
 
 def test_the_report_says_what_was_skipped(capsys: pytest.CaptureFixture[str],
                                           tmp_path: object) -> None:
-    from model.check import main
+    from kvref_model.check import main
     out_json = f"{tmp_path}/r.json"
     assert main(["--depth", "3", "--quiet", "--workers", "1", "--json", out_json]) == 0
     out = capsys.readouterr().out

@@ -1,10 +1,10 @@
-"""model/ is the spec made executable: it must not import torch or kvref,
+"""kvref_model/ is the spec made executable: it must not import torch or kvref,
 or the lockstep check would be checking kvref against itself."""
 
 import ast
 from pathlib import Path
 
-MODEL = Path(__file__).resolve().parents[2] / "model"
+MODEL = Path(__file__).resolve().parents[2] / "kvref_model"
 
 
 def test_model_imports_neither_torch_nor_kvref() -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from model import core as m
-from model.invariants import violations
-from model.reference import without
+from kvref_model import core as m
+from kvref_model.invariants import violations
+from kvref_model.reference import without
 
 INTENT = Path(__file__).resolve().parents[2] / "specs" / "intent.md"
 SCOPE = m.Scope(requests=3, labels=4, device_pages=16, host_pages=16, page_size=2,

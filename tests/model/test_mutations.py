@@ -6,8 +6,8 @@ argued in the comments; BFS must find exactly that, never longer.
 
 from dataclasses import replace
 
-from model.check import Report, explore
-from model.core import (
+from kvref_model.check import Report, explore
+from kvref_model.core import (
     ClearPreplan,
     Model,
     OffloadAbandon,
@@ -16,7 +16,7 @@ from model.core import (
     Scope,
     State,
 )
-from model.reference import without
+from kvref_model.reference import without
 
 SCOPE = Scope(requests=2, labels=2, device_pages=3, host_pages=2, page_size=2, max_span=1,
               depth=7)
@@ -55,7 +55,7 @@ def first_violation(model: Model) -> tuple[str, int, str]:
         pass
     assert rep.violations, f"{type(model).__name__}: no violation found"
     (i, (_msg, trace)), *_ = sorted(rep.violations.items(), key=lambda x: len(x[1][1]))
-    from model.check import render
+    from kvref_model.check import render
     return i, len(trace), render(trace)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from model.pages import (
+from kvref_model.pages import (
     ACTIONS,
     AllocationFailed,
     Misuse,
@@ -16,9 +16,9 @@ from model.pages import (
     Scope,
     State,
 )
-from model.pages_check import SCOPE, Canon, calls, check, make_spec
-from model.pages_invariants import INTERESTING
-from model.search import Search, loads
+from kvref_model.pages_check import SCOPE, Canon, calls, check, make_spec
+from kvref_model.pages_invariants import INTERESTING
+from kvref_model.search import Search, loads
 
 
 def test_bounded_check_finds_no_violation_and_covers_everything() -> None:

@@ -1,4 +1,4 @@
-"""The sliding-window retention model (model.retention): each action's result,
+"""The sliding-window retention model (kvref_model.retention): each action's result,
 refusal and misuse in hand-made states, the bounded checker at its default
 scope, and the symmetry reduction."""
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from model.retention import (
+from kvref_model.retention import (
     ACTIONS,
     ARG,
     RELEASED,
@@ -35,8 +35,8 @@ from model.retention import (
     Truncate,
     variant,
 )
-from model.retention_check import SCOPE, TWO, check
-from model.retention_invariants import INTERESTING, violations
+from kvref_model.retention_check import SCOPE, TWO, check
+from kvref_model.retention_invariants import INTERESTING, violations
 
 # labels: 0 and 1 windowed (W = 3, forks between them), 2 full attention
 M = RetentionModel(Scope(pages=6, page_size=2, windows=(3, 3, None), max_len=9))

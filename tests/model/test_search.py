@@ -5,11 +5,11 @@ from dataclasses import replace
 
 import pytest
 
-from model.check import Report, explore, make_spec
-from model.core import Model, Scope
-from model.fingerprint import FingerprintSet, collision_odds, fingerprint
-from model.reference import ReferenceModel
-from model.search import CheckpointMismatch, Search
+from kvref_model.check import Report, explore, make_spec
+from kvref_model.core import Model, Scope
+from kvref_model.fingerprint import FingerprintSet, collision_odds, fingerprint
+from kvref_model.reference import ReferenceModel
+from kvref_model.search import CheckpointMismatch, Search
 
 SCOPE = Scope(requests=2, labels=2, device_pages=2, host_pages=1, page_size=1, max_span=1,
               depth=4)

@@ -1,4 +1,4 @@
-"""The stream-level shared-pages model (model.sharing): each action's result,
+"""The stream-level shared-pages model (kvref_model.sharing): each action's result,
 refusal and misuse in hand-made states, the bounded checker at its default
 scope, and the symmetry reduction."""
 
@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from model.pages import Key
-from model.search import Search, loads
-from model.sharing import (
+from kvref_model.pages import Key
+from kvref_model.search import Search, loads
+from kvref_model.sharing import (
     ACTIONS,
     ARG,
     STEP,
@@ -39,8 +39,8 @@ from model.sharing import (
     Stream,
     Truncate,
 )
-from model.sharing_check import SALTED, SCOPE, Canon, calls, check, make_spec
-from model.sharing_invariants import INTERESTING, NEEDS_TWO_SALTS, violations
+from kvref_model.sharing_check import SALTED, SCOPE, Canon, calls, check, make_spec
+from kvref_model.sharing_invariants import INTERESTING, NEEDS_TWO_SALTS, violations
 
 SMALL = Scope(pages=4, page_size=2, alphabet=2, labels=2, salts=("a", "a"), max_len=8)
 

@@ -1,10 +1,10 @@
-"""specs/ and model/ name the same actions and invariants."""
+"""specs/ and kvref_model/ name the same actions and invariants."""
 
 import re
 from pathlib import Path
 
-from model.core import ACTIONS
-from model.invariants import INTERESTING, INVARIANT_IDS, NOT_IN_MODEL, STATE, TRANSITION
+from kvref_model.core import ACTIONS
+from kvref_model.invariants import INTERESTING, INVARIANT_IDS, NOT_IN_MODEL, STATE, TRANSITION
 
 SPEC = Path(__file__).resolve().parents[2] / "specs" / "stream-lifecycle.md"
 

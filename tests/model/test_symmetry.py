@@ -5,11 +5,11 @@ from dataclasses import replace
 
 import pytest
 
-from model import symmetry
-from model.check import Report, explore
-from model.core import Ingest, Model, RetrieveStart, Scope, State
-from model.protocol import enabled
-from model.symmetry import Canonicaliser, rename
+from kvref_model import symmetry
+from kvref_model.check import Report, explore
+from kvref_model.core import Ingest, Model, RetrieveStart, Scope, State
+from kvref_model.protocol import enabled
+from kvref_model.symmetry import Canonicaliser, rename
 
 # depth 2: under the total protocol three labels give 61 fork shapes a step
 THREE_LABELS = Scope(requests=2, labels=3, device_pages=2, host_pages=1, page_size=1,

@@ -10,7 +10,7 @@ search) changed what every later lockstep run drew: after
 found within its budget (issue 17); which test files a run collected, or the
 script that ran the machine, did the same.
 
-`preload` imports every library module (kvref, model, tests.support,
+`preload` imports every library module (kvref, kvref_model, tests.support,
 benchmarks, the example engine) and pins Hypothesis's pool of local
 constants to theirs: not the test modules', not a script's. The pool is then
 the same in any order, for any selection of tests, in one process or per
@@ -28,7 +28,7 @@ from pathlib import Path
 from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("kvref", "model", "tests.support", "benchmarks")
+PACKAGES = ("kvref", "kvref_model", "tests.support", "benchmarks")
 # loaded by file by the e2e tests; the same module name they use
 EXAMPLES = {"kvref_example_engine": ROOT / "examples" / "engine.py"}
 

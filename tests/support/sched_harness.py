@@ -34,8 +34,8 @@ from kvref.testing.driver import (
     retrieve_state,
     rid_name,
 )
-from model import core as m
-from model.invariants import violations
+from kvref_model import core as m
+from kvref_model.invariants import violations
 from tests.support.lockset import Detector
 from tests.support.scheduler import (
     CoopLock,

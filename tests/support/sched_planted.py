@@ -25,7 +25,7 @@ from kvref.core.streams import ClaimedStream
 from kvref.offload.handle import Offload
 from kvref.offload.outcomes import OffloadOutcome
 from kvref.offload.phases import HostOffload
-from model import core as m
+from kvref_model import core as m
 from tests.support.lockset import Detector
 from tests.support.sched_harness import Op, Program, StepOp, run_once
 from tests.support.scheduler import (

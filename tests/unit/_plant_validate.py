@@ -4,7 +4,7 @@ catch, and check that the tests named for it fail; the clean tree passes them.
     python tests/unit/_plant_validate.py [WORD]   # from the repository root; WORD: only
                                                   # the plants whose name holds it
 
-Each plant runs in a scratch copy of kvref/, model/ and tests/ (the tree is not touched).
+Each plant runs in a scratch copy of kvref/, kvref_model/ and tests/ (the tree is not touched).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def main() -> int:
                 continue
             tree = Path(tmp) / "tree"
             shutil.rmtree(tree, ignore_errors=True)
-            for part in ("kvref", "model", "tests", "pyproject.toml"):
+            for part in ("kvref", "kvref_model", "tests", "pyproject.toml"):
                 src = ROOT / part
                 if src.is_dir():
                     shutil.copytree(src, tree / part)

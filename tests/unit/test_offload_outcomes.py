@@ -37,7 +37,7 @@ from kvref.offload.phases import HostOffload
 from kvref.stepping.step import AllocationFailed
 from kvref.testing.driver import DriverConfig
 from kvref.testing.exhaustive import run_trace
-from model import core as m
+from kvref_model import core as m
 
 R = OffloadReason
 

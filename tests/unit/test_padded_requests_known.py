@@ -8,7 +8,7 @@ preplan, a re-admit), `pages_needed`, plan (of the running step, of a
 preplan, at promotion) and commit, and nothing changes. Plan and commit
 first identify the step (a step that was not admitted is
 `StepNotAdmittedError` whatever its context names), as admit's R23 checks
-come first; the model (`model.core.Model._misused`) ranks them so too.
+come first; the model (`kvref_model.core.Model._misused`) ranks them so too.
 """
 
 from __future__ import annotations

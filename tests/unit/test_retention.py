@@ -1,6 +1,6 @@
 """Sliding-window retention in KVManager (issue 19; specs/retention.md W1-W14,
 rules R63-R68): each mechanism on a windowed label, with the bytes read
-back. The lockstep against model.retention is
+back. The lockstep against kvref_model.retention is
 tests/conformance/test_retention_lockstep.py."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """publish and retrieve over windowed labels (W16, W17 of specs/retention.md;
 R69): two managers of one process, the local transfer engine. The lockstep
-against model.retention's Retrieve is tests/conformance/test_retention_lockstep.py."""
+against kvref_model.retention's Retrieve is tests/conformance/test_retention_lockstep.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ identities.  Each action is one critical section of the manager, and its
 result is what the manager must return.
 
 The rules kvref departs from the reference by (specs/rules.md)
-are class attributes, so `model.reference` can switch them off and the
+are class attributes, so `kvref_model.reference` can switch them off and the
 checker can show what each one prevents.
 """
 
@@ -435,7 +435,7 @@ _HANDLERS: dict[tuple[type, type], Any] = {}  # Model.step's: (model class, acti
 
 
 class Model:
-    # kvref's rules (specs/rules.md); model.reference switches them off
+    # kvref's rules (specs/rules.md); kvref_model.reference switches them off
     R1_atomic_admit = True
     R2_mark_everything_named = True
     R3_offloaded_refuses = True

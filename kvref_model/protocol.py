@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from model.core import (
+from kvref_model.core import (
     ADMITTED,
     CLAIMED,
     IDLE,

@@ -1,15 +1,15 @@
 """Exhaustive bounded model checking of kvref's stream lifecycle model.
 
-Breadth-first over every state the engine protocol (model.protocol) can
+Breadth-first over every state the engine protocol (kvref_model.protocol) can
 reach in a bounded scope, one state per symmetry class (request ids, and
-labels other than main, are interchangeable: model.symmetry).  Every
+labels other than main, are interchangeable: kvref_model.symmetry).  Every
 invariant is checked on every state and transition; the first violation
 prints its shortest trace, readable and as a pytest test against kvref's
 public API, and exits 1.  At the end a table shows the state count, the
 per-action fire counts (an action that never fired is a coverage hole) and,
 per invariant, whether its interesting case arose.
 
-The search (model.search) keeps 64-bit fingerprints, not states, keeps the
+The search (kvref_model.search) keeps 64-bit fingerprints, not states, keeps the
 frontier on disk, and spreads each level over worker processes; the counts
 do not depend on the number of workers.
 """
@@ -26,12 +26,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
-from model import invariants as inv
-from model.core import ACTIONS, Action, Model, Result, Scope, State
-from model.protocol import calls
-from model.render import describe, lname, render, rname, show, to_pytest
-from model.search import CheckpointMismatch, Report, Search, Spec, Trace, loads
-from model.symmetry import Canonicaliser, symmetries
+from kvref_model import invariants as inv
+from kvref_model.core import ACTIONS, Action, Model, Result, Scope, State
+from kvref_model.protocol import calls
+from kvref_model.render import describe, lname, render, rname, show, to_pytest
+from kvref_model.search import CheckpointMismatch, Report, Search, Spec, Trace, loads
+from kvref_model.symmetry import Canonicaliser, symmetries
 
 __all__ = [
     "Report", "Trace", "canonical", "describe", "explore", "lname", "main", "make_spec",
@@ -56,7 +56,7 @@ class Observer:
     the `counts` it is handed) and the checks of `inv.TRANSITION` (returned:
     the same as `inv.violations(m, n, a, r, prev, states=False)`, in the same
     order).  It calls only the predicates that can hold (an interesting case)
-    or fail (a check) on the transition, as `model.invariants` states them:
+    or fail (a check) on the transition, as `kvref_model.invariants` states them:
 
     - those the action's type, the result's type and the state it leaves do
       not rule out (`ON_ACTIONS`, `ON_RESULTS`, `WHEN`; `INTERESTING_ON`,
@@ -276,14 +276,14 @@ def _skipped(rep: Report) -> list[str]:
     """What the fast path left out, said: every transition was stepped,
     counted, fired and had its interesting cases looked at; the state checks
     ran on every new state; a transition check was skipped only where
-    `model.invariants` says it cannot fail (or, on a transition that changed
+    `kvref_model.invariants` says it cannot fail (or, on a transition that changed
     nothing, where its verdict is the state's and was taken once already)."""
     if not rep.checks:
         return []
     t = max(rep.transitions, 1)
     rows = ["", f"transitions that changed nothing: {rep.unchanged} of {rep.transitions} "
             f"({100 * rep.unchanged / t:.0f}%: the state they left, no successor)",
-            "transition check  ran on     skipped where it cannot fail (model.invariants)"]
+            "transition check  ran on     skipped where it cannot fail (kvref_model.invariants)"]
     for i in inv.TRANSITION:
         n = rep.checks[i]
         rows.append(f"  {i:8} {n:>13} {rep.transitions - n:>13} ({100 * (t - n) / t:.0f}%)")
@@ -363,7 +363,7 @@ def scope_of(o: argparse.Namespace) -> Scope:
 
 
 def _parser() -> _Parser:
-    ap = _Parser(prog="python -m model.check", description=__doc__.split("\n\n")[0],
+    ap = _Parser(prog="python -m kvref_model.check", description=__doc__.split("\n\n")[0],
                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_scope_arguments(ap)
     mo = ap.add_argument_group("model")
@@ -396,8 +396,8 @@ def _parser() -> _Parser:
 
 
 def model_class(name: str, without: str) -> type[Model]:
-    from model.reference import ReferenceModel
-    from model.reference import without as ablate
+    from kvref_model.reference import ReferenceModel
+    from kvref_model.reference import without as ablate
     if without:
         return ablate(*[r.strip() for r in without.split(",")])
     return ReferenceModel if name == "reference" else Model

@@ -1,13 +1,13 @@
 """The bounded checkers' shared ends: run a search to its report, and print
-the report as a table (model.pages_check, model.sharing_check,
-model.retention_check). model.check, the lifecycle's checker, prints its own."""
+the report as a table (kvref_model.pages_check, kvref_model.sharing_check,
+kvref_model.retention_check). kvref_model.check, the lifecycle's checker, prints its own."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from model.search import Report, Search, Spec
+from kvref_model.search import Report, Search, Spec
 
 
 def run_check(spec: Spec, *, keep_going: bool = False, workers: int = 1) -> Report:

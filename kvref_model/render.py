@@ -6,7 +6,7 @@ the rest of `model`, imports neither kvref nor torch.
 
 from __future__ import annotations
 
-from model.core import (
+from kvref_model.core import (
     LABEL_NAMES,
     Action,
     Admit,

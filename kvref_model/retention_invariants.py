@@ -1,7 +1,7 @@
-"""The invariants of the sliding-window retention model (model.retention),
+"""The invariants of the sliding-window retention model (kvref_model.retention),
 checked on every state and every transition the checker reaches.
 
-The pool's own invariants (model.pages_invariants P1, P2, P3, P5) are
+The pool's own invariants (kvref_model.pages_invariants P1, P2, P3, P5) are
 checked on the pool inside each state; P1 there is "reference counts =
 tables naming the page", since the pool's tables are the streams' slot
 tables less their released slots.  IDs V1..V10 are this model's;
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from model.pages_invariants import INVARIANTS as POOL_INVARIANTS
-from model.pages_invariants import state_violations as pool_state_violations
-from model.retention import (
+from kvref_model.pages_invariants import INVARIANTS as POOL_INVARIANTS
+from kvref_model.pages_invariants import state_violations as pool_state_violations
+from kvref_model.retention import (
     RELEASED,
     AllocationFailed,
     Append,
@@ -40,7 +40,7 @@ from model.retention import (
 
 Check = tuple[str, str]
 
-POOL = ("P1", "P2", "P3", "P5")  # model.pages_invariants, on the pool
+POOL = ("P1", "P2", "P3", "P5")  # kvref_model.pages_invariants, on the pool
 
 INVARIANTS: dict[str, str] = {
     **{iid: POOL_INVARIANTS[iid] for iid in POOL},

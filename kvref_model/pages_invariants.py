@@ -1,4 +1,4 @@
-"""The invariants of the shared-pages model (model.pages), checked on every
+"""The invariants of the shared-pages model (kvref_model.pages), checked on every
 state and every transition the checker reaches.  IDs P1..P10; each names
 the rule of specs/shared-pages.md it holds the model to.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from model.pages import (
+from kvref_model.pages import (
     Allocate,
     Count,
     Hit,

@@ -1,7 +1,7 @@
 """Bounded breadth-first check of the sliding-window retention model
-(model.retention).
+(kvref_model.retention).
 
-``python -m model.retention_check [--pages 5 --page-size 2 --windows 3,3,full
+``python -m kvref_model.retention_check [--pages 5 --page-size 2 --windows 3,3,full
 --requests 1 ...] [--variant RULE]``
 
 The protocol (`calls`) is what an engine may do in each state, careless
@@ -11,7 +11,7 @@ other windows, a cache_prefix or a hit on a windowed label, a hit onto a
 stream that is not empty, an offload of what is on the host, a reload of
 what is on the device, any call on an offloaded request.
 
-The search is model.search's generic BFS; states are canonicalised under
+The search is kvref_model.search's generic BFS; states are canonicalised under
 the symmetry of page ids (numbered by first appearance: the streams' tables
 in stream order, then the LRU, then the free-blank queue), of the labels of
 a request that have one window, and of the requests.  Prints the state
@@ -27,9 +27,9 @@ import sys
 from collections.abc import Iterator
 from dataclasses import replace
 
-from model.pages_check import show_trace
-from model.report import report_table, run_check
-from model.retention import (
+from kvref_model.pages_check import show_trace
+from kvref_model.report import report_table, run_check
+from kvref_model.retention import (
     ACTIONS,
     RULES,
     Action,
@@ -48,13 +48,13 @@ from model.retention import (
     Truncate,
     variant,
 )
-from model.retention_invariants import (
+from kvref_model.retention_invariants import (
     INTERESTING,
     INVARIANTS,
     state_violations,
     transition_violations,
 )
-from model.search import Report, Spec
+from kvref_model.search import Report, Spec
 
 # the default scope: every action fires and every interesting case arises, in
 # seconds: one request with two labels of window 3 (forks between them) and one
@@ -215,7 +215,7 @@ def _windows(text: str) -> tuple[int | None, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m model.retention_check", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kvref_model.retention_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pages", type=int, default=SCOPE.pages)
     ap.add_argument("--page-size", type=int, default=SCOPE.page_size)

@@ -1,7 +1,7 @@
 """The abstract model of shared device pages: reference counts, a chained-hash
 prefix cache and an LRU of free cached pages (issue 18, first layer).
 
-Porcupine style, as model.core: `PagesModel(scope).init()` is the first
+Porcupine style, as kvref_model.core: `PagesModel(scope).init()` is the first
 state and `PagesModel.step(state, action)` is a pure function to
 `(result, next_state)`.  Every action has a result in every state: a value,
 a typed refusal (`AllocationFailed`, `ResetRefused`) that changes nothing,
@@ -14,10 +14,10 @@ each page's contents (the chain of tokens its bytes were written from).  A
 holder is a stream's page table or a pin (a lease, an offload claim); it
 holds a page at most once, so a page's reference count is its holder count.
 
-Pages are interchangeable up to renaming; `model.pages_check` encodes a
+Pages are interchangeable up to renaming; `kvref_model.pages_check` encodes a
 state under the renaming that numbers pages by first appearance.
 
-The rules are class attributes, as in model.core: a variant with one of
+The rules are class attributes, as in kvref_model.core: a variant with one of
 them off is the planted defect it prevents (tests/conformance/
 test_page_pool_plants.py runs the checker on each).
 """

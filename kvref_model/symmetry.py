@@ -20,7 +20,7 @@ import sys
 from dataclasses import fields, is_dataclass, replace
 from typing import Any
 
-from model.core import UNWRITTEN, Offload, Pending, Scope, Seg, State, Step, Stream
+from kvref_model.core import UNWRITTEN, Offload, Pending, Scope, Seg, State, Step, Stream
 
 Perm = tuple[int, ...]
 Symmetry = tuple[Perm, Perm]  # (request permutation, label permutation)
@@ -125,7 +125,7 @@ class Canonicaliser:
     def __init__(self, scope: Scope, reduce: bool = True) -> None:
         self.unknown = unknown_fields()
         if reduce and self.unknown:
-            print(f"model.symmetry: no symmetry reduction: the renaming does not know "
+            print(f"kvref_model.symmetry: no symmetry reduction: the renaming does not know "
                   f"{', '.join(self.unknown)}", file=sys.stderr)
         self.reduce = reduce and not self.unknown
         self.n_labels = scope.labels

@@ -1,7 +1,7 @@
-"""The invariants of the stream-level shared-pages model (model.sharing),
+"""The invariants of the stream-level shared-pages model (kvref_model.sharing),
 checked on every state and every transition the checker reaches.
 
-The pool's own invariants (model.pages_invariants P1, P2, P3, P5, P8) are
+The pool's own invariants (kvref_model.pages_invariants P1, P2, P3, P5, P8) are
 checked on the pool inside each state; P4 is replaced by Q2, since here a
 page's contents are its slots, not the pool model's `content` chain.  IDs
 Q1..Q11 are this model's; specs/shared-pages.md (S17..) says which rule
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from model import pages
-from model.pages_invariants import INVARIANTS as POOL_INVARIANTS
-from model.pages_invariants import state_violations as pool_state_violations
-from model.sharing import (
+from kvref_model import pages
+from kvref_model.pages_invariants import INVARIANTS as POOL_INVARIANTS
+from kvref_model.pages_invariants import state_violations as pool_state_violations
+from kvref_model.sharing import (
     Append,
     CachePrefix,
     Count,
@@ -38,7 +38,7 @@ from model.sharing import (
 
 Check = tuple[str, str]
 
-POOL = ("P1", "P2", "P3", "P5", "P8")  # model.pages_invariants, on the pool
+POOL = ("P1", "P2", "P3", "P5", "P8")  # kvref_model.pages_invariants, on the pool
 
 INVARIANTS: dict[str, str] = {
     **{iid: POOL_INVARIANTS[iid] for iid in POOL},

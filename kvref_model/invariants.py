@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from model.core import (
+from kvref_model.core import (
     ADMITTED,
     CLAIMED,
     FAILED,
@@ -449,7 +449,7 @@ INTERESTING: dict[str, tuple[str, Callable[[Model, State, Action, Result, State]
 
 # ---------------------------------------------------------------------------
 # Where each transition predicate and interesting case can fail or hold, for
-# the checker's fast path (model.check.TransitionChecks): it skips a predicate
+# the checker's fast path (kvref_model.check.TransitionChecks): it skips a predicate
 # only where the predicate returns None (an interesting case: False) whatever
 # else holds, as its first lines say.  An ID absent from a table is not
 # limited by it.  tests/model/test_fast_path.py calls every predicate outside

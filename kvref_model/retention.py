@@ -1,7 +1,7 @@
 """The model of sliding-window retention over (possibly shared) pages
 (issue 19, first layer): the executable form of specs/retention.md, W1-W14.
 
-Porcupine style, as model.pages and model.sharing: `RetentionModel(scope)
+Porcupine style, as kvref_model.pages and kvref_model.sharing: `RetentionModel(scope)
 .init()` is the first state and `RetentionModel.step(state, action)` is a
 pure function to `(result, next_state)`.  Every action has a result in every
 state: a value, a typed refusal (`Refused`, `AllocationFailed`) that changes
@@ -14,7 +14,7 @@ reference's `RetentionPolicy(context_budget=W)`; None: full attention) says
 how many of its last committed tokens stay resident.  Its page table keeps
 positions: slot i covers positions [i * ps, (i + 1) * ps), and a released
 slot holds no page (None).  Every pool operation (allocate, share, release,
-register, match) is `model.pages.PagesModel.step`, so reference counts, the
+register, match) is `kvref_model.pages.PagesModel.step`, so reference counts, the
 free-cached LRU and the free-blank queue are the pool model's; a pool call
 the manager makes that the pool refuses (a page released twice, or by a
 stream that does not hold it) is recorded in `State.fault`, which an
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from model import pages
-from model.pages import AllocationFailed, Count, Key, Misuse, Ok, PagesModel, Tokens
+from kvref_model import pages
+from kvref_model.pages import AllocationFailed, Count, Key, Misuse, Ok, PagesModel, Tokens
 
 __all__ = [
     "ACTIONS",

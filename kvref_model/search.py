@@ -6,18 +6,18 @@ coverage predicates and the canonical encoding (symmetry).  Nothing here
 knows the shape of a state.
 
 - The visited set holds 64-bit fingerprints of canonical encodings
-  (model.fingerprint), not states.
+  (kvref_model.fingerprint), not states.
 - Each state keeps a parent id and the index of the action (in `enabled`
   order) that reached it; a trace is rebuilt by replaying those from
   `init()`, which gives back the very concrete states the search expanded.
-- Each level of the BFS lives on disk (model.frontier) and is cut into
+- Each level of the BFS lives on disk (kvref_model.frontier) and is cut into
   fixed chunks; workers expand chunks, the main process merges their
   results in chunk order.  So the counts, the states and the traces do not
   depend on the number of workers.
 - A transition whose next state is the very object it left (a refusal, a
   misuse, a no-op: most of them) has no successor to compare, encode or
   check; a spec's `observe` may also skip, per transition, the checks and
-  coverage predicates that cannot fail or hold there (model.check does).
+  coverage predicates that cannot fail or hold there (kvref_model.check does).
 - A successor is encoded once per chunk, and its state checks run only if
   its fingerprint is new to the chunk and to what the worker knows the
   merge took (each task carries the fingerprints accepted since that
@@ -43,9 +43,9 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Se
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from model.fingerprint import BITS, FingerprintSet, collision_odds, fingerprint
-from model.frontier import Entry, LevelReader, LevelWriter, level_from
-from model.memory import peak_rss, rss
+from kvref_model.fingerprint import BITS, FingerprintSet, collision_odds, fingerprint
+from kvref_model.frontier import Entry, LevelReader, LevelWriter, level_from
+from kvref_model.memory import peak_rss, rss
 
 NO_ACTION = 0xFFFF  # the root's action index
 CHECKPOINT_VERSION = 2  # 2: the report counts unchanged transitions and checks
@@ -56,7 +56,7 @@ Trace = tuple[tuple[Any, Any], ...]  # ((action, result), ...)
 
 @dataclass(frozen=True)
 class Spec:
-    """What to search.  Functions take the model first, as model.invariants does."""
+    """What to search.  Functions take the model first, as kvref_model.invariants does."""
 
     model: Any
     enabled: Callable[[Any, Any], Iterable[Any]]

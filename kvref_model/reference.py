@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from model.core import (
+from kvref_model.core import (
     RESIDENT,
     Admit,
     Key,

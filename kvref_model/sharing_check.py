@@ -1,7 +1,7 @@
 """Bounded breadth-first check of the stream-level shared-pages model
-(model.sharing).
+(kvref_model.sharing).
 
-``python -m model.sharing_check [--pages 4 --page-size 2 ...] [--salts a,b]
+``python -m kvref_model.sharing_check [--pages 4 --page-size 2 ...] [--salts a,b]
 [--variant RULE]``
 
 The protocol (`calls`) is what an engine may do in each state, careless
@@ -14,7 +14,7 @@ can see it: a cache_prefix whose ids disagree with the KV the stream
 computed but not with its chain (Q2 is what catches a manager that
 registers such ids; specs/shared-pages.md, S23).
 
-The search is model.search's generic BFS; states are canonicalised under
+The search is kvref_model.search's generic BFS; states are canonicalised under
 the symmetry of page ids (numbered by first appearance: the streams'
 tables in stream order, then the LRU, then the free-blank queue), of the
 labels of a request, and of the requests that share a salt.  Prints the
@@ -31,10 +31,10 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from model.pages_check import show_trace
-from model.report import report_table, run_check
-from model.search import Report, Spec
-from model.sharing import (
+from kvref_model.pages_check import show_trace
+from kvref_model.report import report_table, run_check
+from kvref_model.search import Report, Spec
+from kvref_model.sharing import (
     ACTIONS,
     RULES,
     Action,
@@ -56,7 +56,7 @@ from model.sharing import (
     Truncate,
     variant,
 )
-from model.sharing_invariants import (
+from kvref_model.sharing_invariants import (
     CASE_ACTION,
     INTERESTING,
     INVARIANTS,
@@ -238,7 +238,7 @@ def check(model: SharingModel, *, keep_going: bool = False, reduce: bool = True,
 
 
 # ------------------------------------------------------------- display
-# (the trace is model.pages_check's rendering: keys as their tokens per page)
+# (the trace is kvref_model.pages_check's rendering: keys as their tokens per page)
 
 
 def table(rep: Report, scope: Scope) -> str:
@@ -246,7 +246,7 @@ def table(rep: Report, scope: Scope) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m model.sharing_check", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kvref_model.sharing_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pages", type=int, default=SCOPE.pages)
     ap.add_argument("--page-size", type=int, default=SCOPE.page_size)

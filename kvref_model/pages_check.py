@@ -1,6 +1,6 @@
-"""Bounded breadth-first check of the shared-pages model (model.pages).
+"""Bounded breadth-first check of the shared-pages model (kvref_model.pages).
 
-``python -m model.pages_check [--pages 3 --holders 2 ...] [--variant RULE]``
+``python -m kvref_model.pages_check [--pages 3 --holders 2 ...] [--variant RULE]``
 
 The protocol (`calls`) is what an engine may do in each state, careless
 calls included: double releases, releases of pages it does not hold,
@@ -11,7 +11,7 @@ registering a page under tokens other than those written into it (the
 manager registers from its committed tokens; P4 is what catches one that
 does not).
 
-The search is model.search's generic BFS; states are canonicalised under
+The search is kvref_model.search's generic BFS; states are canonicalised under
 the symmetry of page ids (numbered by first appearance: holders' tables in
 holder order, then the LRU, then the free-blank queue) and of holder ids.
 Prints the state count, the fire counts, each invariant's interesting case
@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from model.pages import (
+from kvref_model.pages import (
     ACTIONS,
     RULES,
     Action,
@@ -47,9 +47,14 @@ from model.pages import (
     Write,
     variant,
 )
-from model.pages_invariants import INTERESTING, INVARIANTS, state_violations, transition_violations
-from model.report import report_table, run_check
-from model.search import Report, Spec, Trace
+from kvref_model.pages_invariants import (
+    INTERESTING,
+    INVARIANTS,
+    state_violations,
+    transition_violations,
+)
+from kvref_model.report import report_table, run_check
+from kvref_model.search import Report, Spec, Trace
 
 # the default scope: every action fires, every interesting case arises, in seconds
 SCOPE = Scope(pages=3, holders=2, page_size=1, alphabet=2, depth=8)
@@ -197,7 +202,7 @@ def table(rep: Report, scope: Scope) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m model.pages_check", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kvref_model.pages_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pages", type=int, default=SCOPE.pages)
     ap.add_argument("--holders", type=int, default=SCOPE.holders)

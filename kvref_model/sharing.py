@@ -1,7 +1,7 @@
 """The stream-level model of shared pages: copy-on-write forks, prefix hits
 and registration (issue 18, second layer), composed over the pool model.
 
-Porcupine style, as model.pages: `SharingModel(scope).init()` is the first
+Porcupine style, as kvref_model.pages: `SharingModel(scope).init()` is the first
 state and `SharingModel.step(state, action)` is a pure function to
 `(result, next_state)`.  Every action has a result in every state: a value,
 a typed refusal (`AllocationFailed`, `ResetRefused`) that changes nothing,
@@ -9,11 +9,11 @@ or a `Misuse` (the kvref error the manager raises) that changes nothing.
 
 Each action stands for one KVManager call; the pool operations it makes
 (allocate, share, release, register, match, reclaimable, reset) are
-`model.pages.PagesModel.step`, so the pool's own rules (S1-S16) hold here
+`kvref_model.pages.PagesModel.step`, so the pool's own rules (S1-S16) hold here
 by construction, and this model only says what a *stream* does with them
 (specs/shared-pages.md, S17-S29).
 
-The state is the pool (`model.pages.State`, whose `tables[h]` is stream h's
+The state is the pool (`kvref_model.pages.State`, whose `tables[h]` is stream h's
 page table in stream order), each stream's tokens and prefix-cache chain,
 and, as the environment, each page's slot contents: which token each of
 its `page_size` slots holds.  A stream `h = (request, label)` is the pool
@@ -22,8 +22,8 @@ names holds nothing (`None`): what a page held before is garbage, and
 forgetting it keeps equal situations one state.
 
 Page ids are interchangeable up to renaming, and so are the labels of a
-request and the requests of one salt; `model.sharing_check` encodes a state
-under those renamings.  The rules are class attributes, as in model.pages:
+request and the requests of one salt; `kvref_model.sharing_check` encodes a state
+under those renamings.  The rules are class attributes, as in kvref_model.pages:
 a variant with one of them off is the planted defect it prevents
 (tests/conformance/test_sharing_plants.py runs the checker on each).
 """
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from model import pages
-from model.pages import (
+from kvref_model import pages
+from kvref_model.pages import (
     AllocationFailed,
     Count,
     Key,
@@ -229,7 +229,7 @@ Action = (Append | Fork | Truncate | Reset | Remove | CachePrefix | MatchPrefix
 ACTIONS: tuple[type, ...] = (Append, Fork, Truncate, Reset, Remove, CachePrefix, MatchPrefix,
                              ResetPrefixCache, NumFree, Reclaimable, Offload, Reload)
 
-# results: model.pages' classes.  Ok (append, fork, reset, remove); Count (truncate:
+# results: kvref_model.pages' classes.  Ok (append, fork, reset, remove); Count (truncate:
 # pages freed; cache_prefix: keys added; match_prefix: tokens attached; num_free;
 # reclaimable; reset_prefix_cache: cached pages dropped); AllocationFailed
 # (append, fork); ResetRefused (reset_prefix_cache); Misuse (kind below, or a pool kind)
