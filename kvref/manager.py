@@ -435,7 +435,10 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
 
         Refused with `ResetRefused`, changing nothing, while any stream holds
         a page (S14): a partial reset would leave stale KV findable, or let
-        streams go on keying pages computed before it. Drain, then retry.
+        streams go on keying pages computed before it. Refused too while any
+        stream is offloaded or claimed for offload (S30,
+        ``streams_offloaded``): a reload would bring back KV computed before
+        the reset for `cache_prefix` to key. Drain, then retry.
         """
         with self._lock:
             return prefix_cache.reset_prefix_cache(self._table)

@@ -200,6 +200,8 @@ class AllocationFailed:
 @dataclass(frozen=True)
 class ResetRefused:
     pages_held: int
+    # streams on the host (the stream-level model, S30); the pool knows none
+    streams_offloaded: int = 0
 
 
 @dataclass(frozen=True)

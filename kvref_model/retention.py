@@ -88,6 +88,10 @@ class Scope:
     alphabet: int = 1  # token ids 0 .. alphabet - 1 (a slot also holds its position)
     max_len: int = 7  # the protocol's bound on a stream's length (the model has none)
     depth: int = 0  # 0: explore until no new state
+    # KVConfig.enable_prefix_caching. False: a fork copies the source's retained
+    # slots into the target's own pages (no page is shared), and nothing is
+    # registered or hit; the windows hold as with sharing (issue 27, defects 1-2)
+    sharing: bool = True
 
     @property
     def labels(self) -> int:
@@ -473,6 +477,8 @@ class RetentionModel:
             return Misuse(ARG), s  # W5: a fork keeps the retention; labels must agree
         if self.away(src) or self.away(s.streams[hd]):
             return Misuse(UNAVAILABLE), s
+        if not self.scope.sharing:
+            return self._copy_fork(s, hs, hd, src)
         ps, n = self.scope.page_size, src.n
         full = n // ps
         part = _ceil(n, ps) - full  # 1: the source's part page, copied
@@ -495,13 +501,47 @@ class RetentionModel:
             q = src.table[full]  # never released (W >= 1), but in a variant
             slots[got[0] - 1] = (None,) * ps if q is None else slots[q - 1]
             table += got
+        released, position = self._inherited(src, old)
+        dst = Stream(tokens=src.tokens, table=table, released=released, position=position,
+                     cached=src.cached, received=src.received)
+        return Ok(), self._settle(pool, self._set(s.streams, hd, dst), slots, fault)
+
+    def _inherited(self, src: Stream, old: Stream | None) -> tuple[int, int]:
+        """The target's released count and position after a fork (W5, W4)."""
         released = src.released
         if not self.FORK_INHERITS_WINDOW:  # dst keeps its own count: holes it does not know
             released = 0 if old is None else min(old.released, src.released)
         position = src.position if self.WINDOW_TRACKS_LENGTH else (
             0 if old is None else old.position)
-        dst = Stream(tokens=src.tokens, table=table, released=released, position=position,
-                     cached=src.cached, received=src.received)
+        return released, position
+
+    def _copy_fork(self, s: State, hs: int, hd: int, src: Stream) -> tuple[Result, State]:
+        """A fork without sharing: the source's retained slots are copied into
+        pages of the target's own, its live pages first (in table order), then
+        fresh ones; its released slots hold none (W5), so the fork needs only
+        what the window retains, never a page per slot from token 0. kvref
+        keeps a target's pages past those as spares, which slot tables (V1)
+        cannot hold: here they are released, and the lockstep compares only
+        forks that leave a target none."""
+        ps, n = self.scope.page_size, src.n
+        lo = src.released // ps
+        retained = src.table[lo:]
+        old = s.streams[hd]
+        live: list[int] = [] if old is None else [p for p in old.table if p is not None]
+        short = len(retained) - len(live)
+        free = self.num_free(s)
+        if short > free:
+            return AllocationFailed(short - free), s
+        got, pool = self._alloc(s.pool, hd, max(0, short))
+        own = (live + list(got))[:len(retained)]
+        _, pool, fault = self._release(pool, hd, live[len(retained):][::-1], s.fault)
+        slots = list(s.slots)
+        for p, q in zip(own, retained, strict=True):
+            slots[p - 1] = (None,) * ps if q is None else slots[q - 1]
+        released, position = self._inherited(src, old)
+        dst = Stream(tokens=src.tokens, table=(None,) * lo + tuple(own), released=released,
+                     position=position, received=src.received)
+        assert len(dst.table) == _ceil(n, ps)
         return Ok(), self._settle(pool, self._set(s.streams, hd, dst), slots, fault)
 
     def _Truncate(self, s: State, a: Truncate) -> tuple[Result, State]:
@@ -591,6 +631,8 @@ class RetentionModel:
         if isinstance(found, Misuse):
             return found, s
         h, st = found
+        if not self.scope.sharing:
+            return Count(0), s  # the cache is off: nothing is registered
         if self.window(h) is not None and self.WINDOW_NEVER_CACHED:
             return Count(0), s  # W9: a windowed label registers nothing
         if st.received:
@@ -621,6 +663,8 @@ class RetentionModel:
             return Misuse(UNAVAILABLE), s
         if st is not None and st.n:
             return Misuse(ARG), s  # a hit onto a stream that is not empty
+        if not self.scope.sharing:
+            return Count(0), s  # the cache is off: nothing is found
         if self.window(h) is not None and self.WINDOW_NEVER_HITS:
             return Count(0), s  # W10: a windowed label never hits
         r, pool = self.pool.step(s.pool, pages.Match(h, a.tokens, ()))

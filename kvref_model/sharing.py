@@ -256,6 +256,9 @@ class SharingModel:
     RESET_KEEPS_ONLY_PRIVATE = True  # S21: a spare page is private
     RECLAIM_COUNTS_LAST_REFERENCE = True  # S26, SGLang 35270 at the stream level
     MATCH_NEEDS_EMPTY_STREAM = True  # S24: a hit only onto an empty stream
+    # S30: no reset while a stream is on the host: its copy holds KV computed
+    # before the reset, which a reload brings back and cache_prefix keys again
+    RESET_REFUSED_WHILE_OFFLOADED = True
     # not a rule but a choice (S19): False (kvref's), a fork takes only the page
     # the part page's copy needs, so forking a long stream under memory pressure
     # needs one free page, not its length; True, it first holds as many private
@@ -560,6 +563,9 @@ class SharingModel:
     def _ResetPrefixCache(self, s: State, a: ResetPrefixCache) -> tuple[Result, State]:
         r, pool = self._pool(s.pool, pages.ResetPrefixCache())
         assert isinstance(r, Count | ResetRefused)
+        away = sum(1 for st in s.streams if st is not None and st.offloaded)
+        if away and self.RESET_REFUSED_WHILE_OFFLOADED:  # S30: the pool's answer unused
+            return ResetRefused(r.pages_held if isinstance(r, ResetRefused) else 0, away), s
         if pool is s.pool:
             return r, s
         return r, self._settle(pool, s.streams, list(s.slots))
@@ -627,7 +633,7 @@ class SharingModel:
 
 RULES = ("APPEND_COPIES_ON_WRITE", "FORK_COPIES_PART_PAGE", "TRUNCATE_CUTS_CHAIN",
          "RESET_KEEPS_ONLY_PRIVATE", "RECLAIM_COUNTS_LAST_REFERENCE",
-         "MATCH_NEEDS_EMPTY_STREAM")
+         "MATCH_NEEDS_EMPTY_STREAM", "RESET_REFUSED_WHILE_OFFLOADED")
 
 
 def variant(rule: str) -> type[SharingModel]:

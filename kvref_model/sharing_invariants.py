@@ -4,7 +4,7 @@ checked on every state and every transition the checker reaches.
 The pool's own invariants (kvref_model.pages_invariants P1, P2, P3, P5, P8) are
 checked on the pool inside each state; P4 is replaced by Q2, since here a
 page's contents are its slots, not the pool model's `content` chain.  IDs
-Q1..Q11 are this model's; specs/shared-pages.md (S17..) says which rule
+Q1..Q12 are this model's; specs/shared-pages.md (S17..) says which rule
 each holds the model to.
 
 State checks take `(model, state)`; transition checks take `(model, before,
@@ -63,6 +63,8 @@ INVARIANTS: dict[str, str] = {
            "changes nothing; a truthful cache_prefix of a resident stream is not "
            "refused; a hit attaches "
            "whole pages, at most len(tokens) - 1 tokens",
+    "Q12": "no KV from before a prefix-cache reset is found after it: a reset that "
+           "forgets the cache leaves no stream holding tokens, on the device or the host",
 }
 
 
@@ -148,6 +150,13 @@ def transition_violations(m: SharingModel, s: State, a: object, r: object,
         freed = m.num_free(t) - m.num_free(s)
         if r.n != freed:
             out.append(("Q10", f"reclaimable says {r.n}, removing the request frees {freed}"))
+    if isinstance(a, ResetPrefixCache) and isinstance(r, Count):
+        # an offloaded stream's host copy would come back with a reload, and a
+        # cache_prefix would key its pre-reset KV for the next match (S30)
+        kept = [h for h, st in enumerate(n.streams) if st is not None and st.n]
+        if kept:
+            out.append(("Q12", f"reset_prefix_cache forgot the cache while streams {kept} "
+                               "still hold tokens computed before it"))
     if isinstance(a, CachePrefix) and isinstance(r, Misuse) and m.in_scope(a.rid, a.label):
         st = s.streams[m.holder(a.rid, a.label)]
         if st is not None and not st.offloaded and a.tokens == st.tokens[:len(a.tokens)]:
@@ -346,6 +355,9 @@ INTERESTING: dict[str, Pred] = {
     "reclaimable below the pages the request holds": _reclaim_shared,
     "reset_prefix_cache refused while held": lambda m, s, a, r, n: isinstance(
         a, ResetPrefixCache) and isinstance(r, pages.ResetRefused),
+    "reset_prefix_cache refused: a stream on the host": lambda m, s, a, r, n: isinstance(
+        a, ResetPrefixCache) and isinstance(r, pages.ResetRefused)
+        and r.streams_offloaded > 0,
     "reset_prefix_cache dropped cached pages": lambda m, s, a, r, n: isinstance(
         a, ResetPrefixCache) and isinstance(r, Count) and r.n > 0,
     "remove leaves a cached prefix": lambda m, s, a, r, n: isinstance(a, Remove)

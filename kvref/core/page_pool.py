@@ -86,10 +86,13 @@ class Registered:
 
 @dataclass(frozen=True)
 class ResetRefused:
-    """`reset_prefix_cache` changes nothing while any page is held (S14)."""
+    """`reset_prefix_cache` changes nothing while any page is held (S14), or,
+    at the manager, while any stream is offloaded or claimed for offload
+    (S30): ``streams_offloaded`` counts those."""
 
     pages_held: int
     message: str = ""
+    streams_offloaded: int = 0
 
 
 @dataclass(frozen=True)

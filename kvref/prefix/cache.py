@@ -142,5 +142,14 @@ def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
 
 
 def reset_prefix_cache(table: StreamTable) -> int | ResetRefused:
-    """See `KVManager.reset_prefix_cache`."""
+    """See `KVManager.reset_prefix_cache`. Refused while a stream is offloaded
+    or claimed for offload (S30): its host copy holds KV computed before the
+    reset, which a reload brings back and `cache_prefix` would key again,
+    so a later match would find it. An offload claim marks its streams
+    ``offloaded``, so one flag covers both."""
+    away = sum(s.offloaded for streams in table.streams.values() for s in streams.values())
+    if away:
+        held = table.pages.capacity - table.pages.num_free
+        return ResetRefused(held, f"{away} streams are offloaded or being offloaded; "
+                                  "reload or remove them first", streams_offloaded=away)
     return table.pages.reset_prefix_cache()

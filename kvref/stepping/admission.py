@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn, Protocol
 
 from kvref import validate
+from kvref.core.stream_table import released_after
 from kvref.core.streams import CacheStream
 from kvref.stepping.step import (
     AdmitFailedReason,
@@ -228,7 +229,8 @@ def misuse(table: Table, step: KVStep, padded: tuple[str, ...], max_seq_len: int
 
 def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[Key, None],
             page_size: int, free: int, settled: Mapping[Key, int] | None = None,
-            sharing: Sharing | None = None, copy_forks: bool = False
+            sharing: Sharing | None = None, copy_forks: bool = False,
+            kept: Callable[[str], int | None] | None = None
             ) -> Grant | AllocationFailed:
     """Pages per stream: the most its length reaches while the step runs, the
     forks applied in list order (a chain a->b, b->c copies a's tokens onward;
@@ -245,7 +247,18 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
     last page is shared or registered needs a private copy (R52).
     ``copy_forks`` (a preplan, whose views are built before its forks run):
     its forks copy, as without sharing, into targets whose every page is
-    made private at admit (R57)."""
+    made private at admit (R57).
+
+    Pages, not slots: a windowed stream's released slots hold none (W1), so
+    each length is counted past the released prefix the stream has when it
+    reaches it: its own, or a fork target's from its source (W5), which a
+    copy or a share fills and no more. ``kept`` (`StreamTable.kept`) says
+    what a commit's release leaves a windowed source before its post-forks
+    run (W2); without it the count is the larger one from before the
+    release. A fork target's own released slots are no pages it holds, in
+    either sharing setting (issue 27: a fork of a W=7 stream at 400 tokens
+    reserved 101 pages, and a post-fork onto a target that had released
+    more than its source held reserved none)."""
     # made by this admit, and not yet written by a fork
     unfilled = {k for k in keys if k[1] not in table[k[0]]}
     length: dict[Key, int] = dict(settled or {})
@@ -256,10 +269,20 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
         stream = table[key[0]].get(key[1])
         return stream.stored_len if stream is not None else 0
 
+    # released slots per stream as the step runs: a fork target's become its
+    # source's, a windowed writer's grow at the commit
+    off: dict[Key, int] = {}
+
+    def off_of(key: Key) -> int:
+        if key in off:
+            return off[key]
+        stream = table[key[0]].get(key[1])
+        return stream.released // page_size if stream is not None else 0
+
     want: dict[Key, int] = {}
 
     def ask(key: Key, tokens: int) -> None:
-        n = pages_for(tokens, page_size)
+        n = pages_for(tokens, page_size) - off_of(key)
         if n > want.get(key, -1):
             want[key] = n
 
@@ -275,7 +298,8 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
                     continue  # R20: no source to copy (a padded request without it)
                 unfilled.discard((rid, to_label))
                 length[(rid, to_label)] = n
-                shared_full[(rid, to_label)] = n // page_size
+                off[(rid, to_label)] = off_of(src)
+                shared_full[(rid, to_label)] = n // page_size - off_of(src)
                 ask((rid, to_label), n)
 
     fork(tuple(step.pre_forks))
@@ -286,6 +310,12 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
         grown = {(g.request_id, g.label): length_of((g.request_id, g.label)) + g.span
                  for g in step.segments}
         length.update(grown)
+        for g in step.segments:
+            keep = kept(g.label) if kept is not None and g.span else None
+            if keep is not None:  # the commit's release (W2), before post-forks copy
+                key = (g.request_id, g.label)
+                off[key] = released_after(off_of(key) * page_size, length[key], keep,
+                                          page_size) // page_size
     fork(tuple(step.post_forks))
     for key in keys:
         want.setdefault(key, 0)
@@ -314,12 +344,10 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
         stream = streams.get(label)
         key = (rid, label)
         if sharing is None or key not in targets or copy_forks:
-            # in slots: a windowed stream's released slots count as held (they
-            # need no page); a fork target's own released slots do not (it
-            # takes its source's). A preplan's count is the running commit's
-            # too: its release turns held slots into released ones (R67)
-            held = 0 if stream is None else len(stream.page_indices) + (
-                stream.released // page_size if key not in targets else 0)
+            # its own pages, each reused (a copying fork writes into them). A
+            # preplan's count is the running commit's too: its release takes
+            # as many pages as it adds released slots (R67)
+            held = 0 if stream is None else len(stream.page_indices)
         elif key in unsure or key in (settled or {}) or key in writes:
             # its private pages may be fewer when its fork runs (or changed by
             # the running step first, a preplan); or a segment also grows it

@@ -163,7 +163,8 @@ class Stepping:
             return AdmitOutcome(ok=False, reason=refused)
         grant = admission.reserve(all_streams, step, padded, keys,
                                   self._table.page_size, free, settled, sharing,
-                                  copy_forks=ctx.is_preplan)
+                                  copy_forks=ctx.is_preplan,
+                                  kept=self._table.kept if windows else None)
         if isinstance(grant, AdmitFailedReason):
             return AdmitOutcome(ok=False, reason=grant)
         created = self._apply(grant)

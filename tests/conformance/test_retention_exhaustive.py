@@ -16,6 +16,7 @@ not replayed here either.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from kvref_model import retention as R
 from kvref_model.retention_check import SCOPE, Canon, calls
@@ -70,9 +71,9 @@ def _count_calls(m: RetentionLockstep) -> list[object]:
     return done
 
 
-def explore(depth: int) -> tuple[int, int]:
-    model = R.RetentionModel(SCOPE)
-    canon = Canon(SCOPE)
+def explore(depth: int, scope: R.Scope = SCOPE) -> tuple[int, int]:
+    model = R.RetentionModel(scope)
+    canon = Canon(scope)
     init = model.init()
     seen = {canon(init)}
     frontier: list[tuple[tuple[R.Action, ...], R.State]] = [((), init)]
@@ -81,7 +82,7 @@ def explore(depth: int) -> tuple[int, int]:
         nxt: list[tuple[tuple[R.Action, ...], R.State]] = []
         for trace, s in frontier:
             for a in calls(model, s):
-                m = RetentionLockstep(SCOPE)
+                m = RetentionLockstep(scope)
                 for past in trace:
                     replay(m, past)
                 done = _count_calls(m)
@@ -105,3 +106,13 @@ def test_every_call_in_every_state_to_a_bounded_depth() -> None:
     print(f"\nretention, exhaustive to depth {DEPTH}: {states} states, {replayed} calls "
           "replayed on kvref")
     assert states > 50 and replayed > 500, (states, replayed)  # the scope is what it claims
+
+
+def test_every_call_in_every_state_without_sharing() -> None:
+    """The same with KVConfig(enable_prefix_caching=False): forks copy the
+    retained slots (a fork onto a target that exists included, where it
+    leaves no spare page), and nothing is cached (issue 27)."""
+    states, replayed = explore(DEPTH, replace(SCOPE, sharing=False))
+    print(f"\nretention without sharing, exhaustive to depth {DEPTH}: {states} states, "
+          f"{replayed} calls replayed on kvref")
+    assert states > 50 and replayed > 500, (states, replayed)

@@ -95,7 +95,8 @@ class RetentionLockstep(RuleBasedStateMachine):
         cfg = KVConfig(num_layers=LAYERS, num_kv_heads=1, head_dim=1, max_seq_len=64,
                        max_num_pages=scope.pages + 1, page_size=scope.page_size,
                        cpu_offload_pages=scope.requests * NL * scope.max_len,
-                       num_qo_heads=1, retention=retention)
+                       num_qo_heads=1, retention=retention,
+                       enable_prefix_caching=scope.sharing)
         self.kv = KVManager(cfg, "kv", None, TransferEngineInfo(), "cpu",
                             dtype=torch.float32)
         self.cfg = cfg
@@ -116,6 +117,52 @@ class RetentionLockstep(RuleBasedStateMachine):
         assert not broken, f"{action}: the model's invariants broke along kvref's run: {broken}"
         self.state = after
         return want
+
+    def live(self, s: R.State, rid: int, label: int) -> set[int]:
+        st_ = s.streams[self.model.holder(rid, label)]
+        return set() if st_ is None else {p for p in st_.table if p is not None}
+
+    def leaves_spares(self, before: R.State, after: R.State, fork: R.Fork) -> bool:
+        """Whether a copying fork (sharing off) let go of target pages past the
+        source's retained slots: kvref keeps them as spares, the model's slot
+        tables (V1) cannot, so such a fork is not compared."""
+        return bool(self.live(before, fork.rid, fork.dst) - self.live(after, fork.rid, fork.dst))
+
+    def step_many(self, actions: tuple[R.Append | R.Fork, ...], call: Any) -> None:
+        """One kvref step that is several model actions in order (a write and a
+        post-fork, a pre-fork and a write onto its target), sharing off. kvref
+        admits the whole step before its commit releases anything (R1): it
+        needs every page the actions allocate, and with fewer free it refuses
+        the step, changing nothing. Not compared where the model refuses one
+        of the actions (kvref answers for the whole step) or a fork leaves
+        spares (`leaves_spares`)."""
+        path, s, need = [], self.state, 0
+        for a in actions:
+            want, after = self.model.step(s, a)
+            if not isinstance(want, R.Ok):
+                return
+            if isinstance(a, R.Fork) and self.leaves_spares(s, after, a):
+                return
+            # the stream the action gives pages: the writer, or the fork's target
+            rid, label = (a.rid, a.dst) if isinstance(a, R.Fork) else (a.rid, a.label)
+            need += len(self.live(after, rid, label) - self.live(s, rid, label))
+            path.append((s, a, want, after))
+            s = after
+        free = self.model.num_free(self.state)
+        result: R.Result = R.Ok() if need <= free else R.AllocationFailed(need - free)
+        try:
+            got = call()
+        except KVRefError as err:
+            got = R.Misuse(type(err).__name__)
+        got = self.as_model(got)
+        assert got == result, f"{actions}: kvref {got}, model {result}"
+        name = "+".join(type(a).__name__ for a in actions)
+        self.seen.add(f"{name}:{type(result).__name__}")
+        if isinstance(result, R.Ok):
+            for before, a, want, after in path:
+                broken = violations(self.model, after, a, want, before)
+                assert not broken, f"{a}: the model's invariants broke along kvref's run: {broken}"
+            self.state = s
 
     @staticmethod
     def as_model(got: Any) -> R.Result:
@@ -159,11 +206,13 @@ class RetentionLockstep(RuleBasedStateMachine):
 
     def run_step(self, rid: int, label: int, tokens: tuple[int, ...],
                  pre_forks: tuple[tuple[str, str], ...] = (), kv: KVManager | None = None,
-                 name: str | None = None) -> Any:
+                 name: str | None = None, post_forks: tuple[tuple[str, str], ...] = ()
+                 ) -> Any:
         """One admit, plan, write, commit on `kv` (this manager; or the peer)."""
         kv = self.kv if kv is None else kv
         name, lb = rid_name(rid) if name is None else name, LABELS[label]
-        step = KVStep([Segment(name, lb, len(tokens))], pre_forks=pre_forks)
+        step = KVStep([Segment(name, lb, len(tokens))], pre_forks=pre_forks,
+                      post_forks=post_forks)
         ctx = StepContext((name,))
         out = kv.admit(step, ctx)
         if not out.ok:
@@ -228,14 +277,53 @@ class RetentionLockstep(RuleBasedStateMachine):
 
     @rule(rid=RIDS, src=LBLS, dst=LBLS)
     def fork(self, rid: int, src: int, dst: int) -> None:
-        if src == dst or self.stream(rid, src) is None or self.stream(rid, dst) is not None:
+        if src == dst or self.stream(rid, src) is None:
             # a fork onto itself is a malformed step; kvref's fork from a label
-            # the request lacks copies nothing (R20); a target that already
-            # holds pages keeps its private ones (R51), where the model
-            # releases them: not compared
+            # the request lacks copies nothing (R20)
             return
-        self.step(R.Fork(rid, src, dst), lambda: self.run_step(
+        action = R.Fork(rid, src, dst)
+        if self.stream(rid, dst) is not None:
+            # with sharing, a target that already holds pages keeps its private
+            # ones (R51), where the model releases them; without, kvref keeps
+            # a copy target's surplus as spares: neither compared
+            if self.scope.sharing:
+                return
+            _, after = self.model.step(self.state, action)
+            if self.leaves_spares(self.state, after, action):
+                return
+        self.step(action, lambda: self.run_step(
             rid, src, (), pre_forks=((LABELS[src], LABELS[dst]),)))
+
+    def same_retention(self, src: int, dst: int) -> bool:
+        sc = self.scope
+        margins = sc.margins or (0,) * sc.labels
+        return src != dst and (sc.windows[src], margins[src]) == (sc.windows[dst], margins[dst])
+
+    @rule(rid=RIDS, src=LBLS, dst=LBLS, tokens=TOKENS)
+    def write_then_fork(self, rid: int, src: int, dst: int, tokens: tuple[int, ...]) -> None:
+        """Sharing off: one step writes `tokens` to `src` and post-forks it onto
+        `dst`, which may have released more than the source holds (issue 27,
+        defect 2: admit reserved nothing and commit failed after the span)."""
+        if self.scope.sharing or not self.same_retention(src, dst) or (
+                self.length(rid, src) + len(tokens) > self.scope.max_len):
+            return
+        self.ingest(rid)
+        self.step_many((R.Append(rid, src, tokens), R.Fork(rid, src, dst)),
+                       lambda: self.run_step(rid, src, tokens,
+                                             post_forks=((LABELS[src], LABELS[dst]),)))
+
+    @rule(rid=RIDS, src=LBLS, dst=LBLS, tokens=TOKENS)
+    def fork_then_write(self, rid: int, src: int, dst: int, tokens: tuple[int, ...]) -> None:
+        """Sharing off: one step pre-forks `src` onto `dst` and writes `tokens`
+        to the target (issue 27, defect 1: the fork reserved a page for every
+        slot from token 0, the released ones too)."""
+        if self.scope.sharing or not self.same_retention(src, dst) or (
+                self.stream(rid, src) is None or not self.length(rid, src)
+                or self.length(rid, src) + len(tokens) > self.scope.max_len):
+            return
+        self.step_many((R.Fork(rid, src, dst), R.Append(rid, dst, tokens)),
+                       lambda: self.run_step(rid, dst, tokens,
+                                             pre_forks=((LABELS[src], LABELS[dst]),)))
 
     @rule(rid=RIDS, label=LBLS, back=st.integers(-1, SCOPE.max_len))
     def truncate(self, rid: int, label: int, back: int) -> None:
@@ -395,4 +483,41 @@ def test_retention_lockstep_with_a_rollback_margin() -> None:
     run_state_machine_as_test(with_margin, settings=BUDGET)
     missing = {"Append:Ok", "Truncate:Count:released", "Truncate:Misuse",
                "Fork:Ok"} - RetentionLockstep.seen
+    assert not missing, f"never arose: {sorted(missing)}"
+
+
+# KVConfig(enable_prefix_caching=False): a fork copies, nothing is cached; the
+# windows hold as with sharing (issue 27: each mechanism's lockstep with the
+# other's setting changed)
+UNSHARED = replace(SCOPE, sharing=False)
+UNSHARED_MARGIN = replace(MARGIN, sharing=False)
+
+
+def unshared() -> RetentionLockstep:
+    return RetentionLockstep(UNSHARED)
+
+
+def unshared_with_margin() -> RetentionLockstep:
+    return RetentionLockstep(UNSHARED_MARGIN)
+
+
+def test_retention_lockstep_without_sharing() -> None:
+    """Forks of windowed streams reserve and copy only the retained slots:
+    a fork of a stream that released pages, onto a fresh target or one that
+    released more than the source holds, in one step with a write."""
+    RetentionLockstep.seen.clear()
+    run_state_machine_as_test(unshared, settings=BUDGET)
+    missing = {"Append:Ok", "Fork:Ok", "Append+Fork:Ok", "Fork+Append:Ok", "Offload:Count",
+               "Reload:Count", "Retrieve:Ok", "CachePrefix:Count"} - RetentionLockstep.seen
+    assert not missing, f"never arose: {sorted(missing)}"
+
+
+def test_retention_lockstep_without_sharing_with_a_rollback_margin() -> None:
+    """The same with a rollback margin: a truncated target holds fewer pages
+    than the slots it released, the case of issue 27's defect 2."""
+    RetentionLockstep.seen.clear()
+    run_state_machine_as_test(unshared_with_margin, settings=BUDGET)
+    missing = {"Append:Ok", "Truncate:Count:released", "Fork:Ok", "Fork:AllocationFailed",
+               "Append+Fork:Ok", "Append+Fork:AllocationFailed",
+               "Fork+Append:Ok"} - RetentionLockstep.seen
     assert not missing, f"never arose: {sorted(missing)}"

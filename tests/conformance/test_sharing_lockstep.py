@@ -139,7 +139,7 @@ class SharingLockstep(RuleBasedStateMachine):
         if isinstance(got, AllocationFailed):
             return S.AllocationFailed(got.pages_short)
         if isinstance(got, ResetRefused):
-            return S.ResetRefused(got.pages_held)
+            return S.ResetRefused(got.pages_held, got.streams_offloaded)
         if isinstance(got, RequestOffloading):
             return S.OFFLOADING
         if isinstance(got, OffloadOutcome | ReloadOutcome):
@@ -401,6 +401,15 @@ SCENARIOS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("prefill_the_shared_prompt", {"rid": 2, "label": 0, "k": 6}),
         ("prefill_the_shared_prompt", {"rid": 1, "label": 1, "k": 5}),
         ("fork", {"rid": 2, "src": 0}),
+    ],
+    # issue 27, defect 3: the only request is on the host, no page is held,
+    # and its host copy holds KV from before the reset (S30)
+    "reset_prefix_cache refused: a stream on the host": [
+        ("prefill_the_shared_prompt", {"rid": 0, "label": 0, "k": 5}),
+        ("offload", {"rid": 0}),
+        ("reset_prefix_cache", {}),
+        ("reload", {"rid": 0}),
+        ("cache_prefix", {"rid": 0, "label": 0, "extra": 0, "flip": False}),
     ],
 }
 

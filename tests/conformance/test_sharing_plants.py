@@ -39,6 +39,10 @@ PLANTS: dict[str, tuple[str, str, str]] = {
     "MATCH_NEEDS_EMPTY_STREAM": (
         "a prefix hit onto a stream that is not empty: its pages become spare while "
         "shared", "issue 18 (careless call)", "Q4"),
+    "RESET_REFUSED_WHILE_OFFLOADED": (
+        "reset_prefix_cache accepted while a stream is on the host: a reload brings "
+        "its pre-reset KV back and cache_prefix keys it for the next match",
+        "issue 27 (defect 3)", "Q12"),
 }
 
 

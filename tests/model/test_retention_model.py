@@ -180,6 +180,47 @@ def test_fork_onto_an_existing_target_releases_what_it_held() -> None:
     assert free(s) == 6 - 1  # the shared full page only
 
 
+UNSHARED = RetentionModel(replace(M.scope, sharing=False))
+
+
+def test_a_fork_without_sharing_copies_only_the_retained_slots() -> None:
+    """Issue 27, defect 1 in the model: the copy needs a page per retained
+    slot, none for the released ones."""
+    m = UNSHARED
+    _, s = run(m, *grow(0, 7))  # released 4: slots None, None, [4, 5], [6]
+    before = free(s)
+    r, s = last(m, Fork(0, 0, 1), s=s)
+    src, dst = s.streams[0], s.streams[1]
+    assert r == Ok() and src is not None and dst is not None
+    assert (dst.released, dst.position, dst.tokens) == (4, 7, src.tokens)
+    assert dst.table[:2] == (None, None) and before - free(s) == 2
+    assert not set(dst.table[2:]) & set(src.table[2:])  # copies: nothing shared
+    assert reads(m, s, 1)[4:] == [(4, 0), (5, 0), (6, 0)]
+    _, s2 = run(m, *grow(0, 7), *grow(2, 8))  # 2 + 4 pages held: none free
+    unchanged(m, s2, Fork(0, 0, 1), AllocationFailed(2))
+
+
+def test_a_fork_without_sharing_reuses_the_targets_pages() -> None:
+    """Defect 2's shape: a target that released more than its source holds
+    keeps its pages for the copy and takes only the ones it lacks."""
+    m = UNSHARED
+    _, s = run(m, *grow(1, 9), *grow(0, 3))  # target: slots 3, 4; source: 0, 1
+    held = [p for p in s.streams[1].table if p is not None]  # type: ignore[union-attr]
+    before = free(s)
+    r, s = last(m, Fork(0, 0, 1), s=s)
+    dst = s.streams[1]
+    assert r == Ok() and dst is not None and dst.released == 0
+    assert list(dst.table) == held and free(s) == before  # its own two pages, reused
+    assert reads(m, s, 1) == [(0, 0), (1, 0), (2, 0)]
+
+
+def test_without_sharing_nothing_is_cached_or_hit() -> None:
+    m = UNSHARED
+    _, s = run(m, *grow(2, 4))
+    unchanged(m, s, CachePrefix(0, 2), Count(0))
+    unchanged(m, s, MatchPrefix(0, 1, (0, 0, 0)), Count(0))
+
+
 # ------------------------------------------------------------- truncate
 
 

@@ -25,9 +25,11 @@ from kvref_model.sharing import (
     MatchPrefix,
     Misuse,
     NumFree,
+    Offload,
     Ok,
     Reclaimable,
     Refused,
+    Reload,
     Remove,
     Reset,
     ResetPrefixCache,
@@ -38,6 +40,7 @@ from kvref_model.sharing import (
     State,
     Stream,
     Truncate,
+    variant,
 )
 from kvref_model.sharing_check import SALTED, SCOPE, Canon, calls, check, make_spec
 from kvref_model.sharing_invariants import INTERESTING, NEEDS_TWO_SALTS, violations
@@ -345,6 +348,21 @@ def test_another_salt_never_hits() -> None:
     assert r == Count(0)  # nor does another label (S25)
     r, _ = last(m, Remove(0), MatchPrefix(0, 0, (0, 1, 0)), s=s)
     assert r == Count(2)  # the same salt and label: a hit, after the request is gone
+
+
+def test_reset_prefix_cache_refused_while_a_stream_is_on_the_host() -> None:
+    """S30 (issue 27, defect 3): no page is held, but the host copy holds KV
+    from before the reset, which a reload and a cache_prefix would key."""
+    _, s = run(M, Append(0, 0, (0, 1, 0)), Offload(0))
+    assert not any(pg.holders for pg in s.pool.pages)
+    unchanged(M, s, ResetPrefixCache(), ResetRefused(0, 1))
+    r, n = last(M, Reload(0), Remove(0), ResetPrefixCache(), s=s)
+    assert r == Count(0) and not n.pool.lru
+    # the rule off: the reset is accepted, and Q12 flags the host copy it leaves
+    bad = variant("RESET_REFUSED_WHILE_OFFLOADED")(M.scope)
+    r, n = bad.step(s, ResetPrefixCache())
+    assert r == Count(0) and "Q12" in {i for i, _ in violations(bad, n, ResetPrefixCache(),
+                                                                  r, s)}
 
 
 def test_reset_prefix_cache_refused_while_held() -> None:

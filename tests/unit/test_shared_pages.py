@@ -518,3 +518,48 @@ def test_a_preplan_whose_fork_ends_the_running_step_names_is_refused() -> None:
                     StepContext(("a",), is_preplan=True))
     assert isinstance(out.reason, PreplanRefused) and mgr.num_free_pages == before
     mgr.commit(run, ctx)
+
+
+def test_reset_prefix_cache_is_refused_while_a_request_is_offloaded() -> None:
+    """Issue 27, defect 3 (S30): prefill A, offload it, reset. The reset was
+    accepted (it answered 0), then a reload and a cache_prefix of A let a new
+    request's match find 8 tokens computed before the reset. Now it is
+    refused, changing nothing, and KV from before it is never found after."""
+    mgr, drv = _mgr(cpu_pages=16)
+    drv.ingest("a")
+    _fill(drv, "a", 10)
+    assert mgr.offload_outcome("a").reason is None
+    assert mgr.num_free_pages == mgr.config.max_num_pages - 1  # no device page held
+    got = mgr.reset_prefix_cache()
+    assert isinstance(got, ResetRefused), got
+    assert (got.pages_held, got.streams_offloaded) == (0, 1) and "offloaded" in got.message
+    assert mgr.is_offloaded("a")  # the refusal changed nothing
+    assert mgr.reload_outcome("a").reason is None
+    assert mgr.cache_prefix("a", "main", PROMPT[:10]) == 2
+    # A's pages are held now: refused as S14 says, until A is let go
+    assert isinstance(mgr.reset_prefix_cache(), ResetRefused)
+    mgr.remove_request("a")
+    assert mgr.reset_prefix_cache() == 2
+    drv.ingest("b")
+    assert mgr.match_prefix("b", "main", PROMPT[:10]) == 0  # nothing from before the reset
+    check_device_pages(mgr)
+
+
+def test_reset_prefix_cache_is_refused_while_an_offload_claims_a_request() -> None:
+    """Between an offload's claim and its commit the stream is on its way to
+    the host: refused too, and once the claim is abandoned the reset waits
+    only for the pages (S14)."""
+    mgr, drv = _mgr(cpu_pages=16)
+    drv.ingest("a")
+    _fill(drv, "a", 10)
+    off = mgr.begin_offload("a")
+    assert off is not None
+    got = mgr.reset_prefix_cache()
+    assert isinstance(got, ResetRefused) and got.streams_offloaded == 1, got
+    assert got.pages_held == 3
+    off.abandon()
+    got = mgr.reset_prefix_cache()
+    assert isinstance(got, ResetRefused) and got.streams_offloaded == 0, got
+    mgr.remove_request("a")
+    assert mgr.reset_prefix_cache() == 0
+    check_device_pages(mgr)
