@@ -205,7 +205,8 @@ def take(table: StreamTable, pool: PagePool, offloads: Mapping[str, Offload],
         pages.append(PageObservation(page, state, holders, key))
     return KVObservation(
         page_size=table.page_size, num_pages=pool.num_pages, sharing=table.sharing,
-        free_pages=len(snap.lru) + len(snap.blank), cached_pages=len(snap.lru),
+        # the pool's counts, not the lists' lengths: a check compares the two
+        free_pages=pool.num_free, cached_pages=pool.num_cached,
         requests=MappingProxyType(requests), pages=tuple(pages),
         free_cached=snap.lru, free_blank=snap.blank,
         offloads=MappingProxyType({
