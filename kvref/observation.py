@@ -118,6 +118,10 @@ class HostPoolObservation:
     pending_free: int
     copies: tuple[HostCopyObservation, ...]
 
+    def used_by(self, rid: str) -> int:
+        """Host pages the request's copies hold."""
+        return sum(len(c.pages) for c in self.copies if c.request_id == rid)
+
 
 @dataclass(frozen=True, slots=True)
 class KVObservation:

@@ -165,6 +165,7 @@ def test_it_agrees_with_the_public_calls() -> None:
     copy = seen.host_copy("c", "main")
     assert copy is not None and copy.stored_len == 6 and len(copy.pages) == 2
     assert seen.host_copy("c", "draft") is None
+    assert seen.host.used_by("c") == 2 and seen.host.used_by("a") == 0
     # every page exactly once: held, cached or blank; the free ones listed
     states = {s: [p.page for p in seen.pages if p.state is s] for s in PageState}
     assert states[PageState.LOST] == []
