@@ -541,12 +541,13 @@ class Driver:
 
     def observe(self) -> KVObservation:
         """The manager's state, through its one read-only call. Read between
-        calls, as every check here is."""
+        calls, as every check here is; each check takes a fresh one unless
+        handed the one its caller took after the same call (``seen``)."""
         seen = self.kv.observe()
         assert isinstance(seen, KVObservation), f"observe() answered {type(seen).__name__}"
         return seen
 
-    def abstract(self, model_state: m.State) -> m.State:
+    def abstract(self, model_state: m.State, seen: KVObservation | None = None) -> m.State:
         """kvref's state in the model's terms.
 
         Contents are taken from the model (the cache bytes are checked against
@@ -554,7 +555,7 @@ class Driver:
         test's own bookkeeping, so they are taken from the model as well.
         """
         kv = self.kv
-        seen = self.observe()
+        seen = seen if seen is not None else self.observe()
         contents = model_state.stream_map()
         streams: dict[m.Key, m.Stream] = {}
         for s in seen.streams():
@@ -616,9 +617,10 @@ class Driver:
                 f"R44: r{rid} refused with {reason} (short {short}); "
                 f"the model's state says {expected} (short {want_short})")
 
-    def check_host_lengths(self, model_state: m.State) -> None:
+    def check_host_lengths(self, model_state: m.State,
+                           seen: KVObservation | None = None) -> None:
         """Each host copy holds exactly the tokens the model put on the host."""
-        seen = self.observe()
+        seen = seen if seen is not None else self.observe()
         if seen.host is None:
             # a scope without host pages: the manager has no host pool, and
             # the model can have put nothing on the host
@@ -629,10 +631,12 @@ class Driver:
             assert copy is not None, f"no host copy of {(rid, label)}"
             assert copy.stored_len == len(tokens), (rid, label, copy.stored_len, tokens)
 
-    def generations(self) -> dict[tuple[str, str], tuple[int, int, tuple[int, ...]]]:
+    def generations(self, seen: KVObservation | None = None
+                    ) -> dict[tuple[str, str], tuple[int, int, tuple[int, ...]]]:
         """(generation, stored_len, pages) per stream, for the I14 check."""
+        seen = seen if seen is not None else self.observe()
         return {(s.request_id, s.label): (s.generation, s.stored_len, s.pages)
-                for s in self.observe().streams()}
+                for s in seen.streams()}
 
     @staticmethod
     def check_generations(
@@ -648,9 +652,9 @@ class Driver:
             if (length, pages) != (old_length, old_pages):
                 assert gen > old_gen, f"I14: {key} changed without a generation bump"
 
-    def check_pages(self) -> None:
+    def check_pages(self, seen: KVObservation | None = None) -> None:
         """I1 and I2 on page ids: every page exactly once in free list, sink or a stream."""
-        seen = self.observe()
+        seen = seen if seen is not None else self.observe()
         check_device_pages(self.kv, seen)
         pool = seen.host
         if pool is not None:
@@ -680,9 +684,10 @@ class Driver:
                     f"{got[tuple(bad)].item()} (contents {s.contents})"
                 )
 
-    def page_owners(self) -> dict[int, tuple[str, str]]:
+    def page_owners(self, seen: KVObservation | None = None) -> dict[int, tuple[str, str]]:
         """Device page -> the stream holding it (I10 compares it across a refusal)."""
-        return {p: (s.request_id, s.label) for s in self.observe().streams() for p in s.pages}
+        seen = seen if seen is not None else self.observe()
+        return {p: (s.request_id, s.label) for s in seen.streams() for p in s.pages}
 
     def check_views(self) -> None:
         """What plan handed the engine is state too: each view says what the

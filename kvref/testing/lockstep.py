@@ -140,10 +140,12 @@ class Lockstep(RuleBasedStateMachine):
             RULES[fault] += 1
         want, nxt = self.model.step(self.state, action)
         before = self.driver.cache_bytes()
-        owners = self.driver.page_owners()
-        generations = self.driver.generations()
+        seen = self.driver.observe()
+        owners = self.driver.page_owners(seen)
+        generations = self.driver.generations(seen)
         got = self.driver.apply(action)
-        self.driver.check_generations(generations, self.driver.generations())
+        after = self.driver.observe()
+        self.driver.check_generations(generations, self.driver.generations(after))
         OUTCOMES[f"{type(action).__name__} -> {type(got).__name__}"
                  + (f"({got.kind})" if isinstance(got, (m.Refused, m.Misuse, m.Fault))
                     else "")] += 1
@@ -153,7 +155,7 @@ class Lockstep(RuleBasedStateMachine):
         prev, self.state = self.state, nxt
         if isinstance(got, (m.Misuse, m.Refused)):
             # I10 on kvref itself: not a byte, not a page owner moved
-            assert self.driver.page_owners() == owners, f"I10: {action} moved pages"
+            assert self.driver.page_owners(after) == owners, f"I10: {action} moved pages"
             assert torch.equal(self.driver.cache_bytes(), before), (
                 f"I10: {action} was refused ({got}) but changed cache bytes")
         if isinstance(action, m.Write):
@@ -598,10 +600,11 @@ class Lockstep(RuleBasedStateMachine):
 
     @invariant()
     def agrees_with_model(self) -> None:
-        got = self.driver.abstract(self.state)
+        seen = self.driver.observe()
+        got = self.driver.abstract(self.state, seen)
         assert got == self.state, f"kvref state\n  {got}\nmodel state\n  {self.state}"
-        self.driver.check_pages()
-        self.driver.check_host_lengths(self.state)
+        self.driver.check_pages(seen)
+        self.driver.check_host_lengths(self.state, seen)
         self.driver.check_bytes(self.state)
         self.driver.check_queries(self.state)
         LARGEST["streams"] = max(LARGEST["streams"], len(self.state.streams))
