@@ -42,7 +42,6 @@ from kvref.core.resource import CGSlotSpec, EngineResourceInfo
 from kvref.core.runtime import Runtime, default_runtime, monotonic, shared
 from kvref.core.stream_table import StreamTable
 from kvref.core.streams import CacheStream
-from kvref.observation import KVObservation
 from kvref.offload.calls import EvictionCalls
 from kvref.offload.handle import Offload
 from kvref.offload.host_pool import CPUPagePool
@@ -501,7 +500,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
 
     # -- checks and teardown ---------------------------------------------------
 
-    def observe(self) -> KVObservation:
+    def observe(self) -> observation.KVObservation:
         """A read-only snapshot of the manager's state (`kvref.observation.KVObservation`).
 
         Every stream (length, page table, generation, in-flight mark, offload
