@@ -23,11 +23,12 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from kvref import (
+    SINK_PAGE,
     AdmitOutcome,
     HostPoolView,
     KVConfig,
@@ -51,11 +52,12 @@ from kvref import (
     StepContext,
     TransferEngineInfo,
 )
-from kvref.core.streams import ClaimedStream
-from kvref.stepping.plan import SINK_PAGE
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.testing.page_checks import check_device_pages
 from kvref_model import core as m
+
+if TYPE_CHECKING:  # the offload handle's protocol names it; kvref exports none
+    from kvref.core.streams import ClaimedStream
 
 
 class ManagerUnderTest(Protocol):

@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Protocol
 
-from kvref.observation import KVObservation
-from kvref.stepping.plan import SINK_PAGE
+from kvref import SINK_PAGE, KVObservation
 
 
 class Observed(Protocol):
