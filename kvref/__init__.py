@@ -38,6 +38,17 @@ from kvref.core.resource import (
 )
 from kvref.core.runtime import Runtime, ThreadingRuntime, default_runtime, set_default_runtime
 from kvref.manager import KVManager
+from kvref.observation import (
+    HostCopyObservation,
+    HostPoolObservation,
+    KVObservation,
+    OffloadObservation,
+    OffloadState,
+    PageObservation,
+    PageState,
+    RetrieveState,
+    StreamObservation,
+)
 from kvref.offload.handle import Offload
 from kvref.offload.host_pool import CPUPagePool
 from kvref.offload.outcomes import (
@@ -98,6 +109,8 @@ __all__ = [
     "CPUPagePool",
     "EngineResourceInfo",
     "ForkCopyError",
+    "HostCopyObservation",
+    "HostPoolObservation",
     "HostPoolView",
     "InvalidStepError",
     "JointGroups",
@@ -105,6 +118,7 @@ __all__ = [
     "KVConfig",
     "KVLayout",
     "KVManager",
+    "KVObservation",
     "KVPlanOutput",
     "KVPlanOutputs",
     "KVPlanState",
@@ -117,10 +131,14 @@ __all__ = [
     "KVTransferManager",
     "Offload",
     "OffloadCopyError",
+    "OffloadObservation",
     "OffloadOutcome",
     "OffloadReason",
+    "OffloadState",
     "OffloadStateError",
     "PageAllocator",
+    "PageObservation",
+    "PageState",
     "PagedIndptrs",
     "PreplanPendingError",
     "PreplanRefused",
@@ -141,6 +159,7 @@ __all__ = [
     "RetentionPolicy",
     "RetrieveInProgress",
     "RetrieveStale",
+    "RetrieveState",
     "Runtime",
     "Segment",
     "SequenceView",
@@ -149,6 +168,7 @@ __all__ = [
     "StepInFlightError",
     "StepNotAdmittedError",
     "StepOrderError",
+    "StreamObservation",
     "StreamUnavailableError",
     "ThreadingRuntime",
     "TransferEngineInfo",

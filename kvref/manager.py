@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvref import validate
+from kvref import observation, validate
 from kvref.core.cache import KVCache
 from kvref.core.config import KVConfig, KVReqConfig, KVSpec
 from kvref.core.errors import KVRefError, StepInFlightError
@@ -109,7 +109,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         tensor = allocate_cache_tensor(
             info, KVCache.shape_for(cfg, cfg.max_num_pages), dtype, self._device
         )
-        self.kv_cache = KVCache(cfg, self._device, dtype, tensor=tensor)
+        self.kv_cache = KVCache(cfg, self._device, dtype, tensor=tensor, runtime=self._runtime)
         # page 0, the sink, is reserved: never handed out, never shared
         self._pages = PagePool(cfg.max_num_pages, cfg.page_size, reserved=SINK_PAGE + 1,
                                runtime=self._runtime, name="device pages")
@@ -502,6 +502,22 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
             return got[:, first - stream.released:]
 
     # -- checks and teardown ---------------------------------------------------
+
+    def observe(self) -> observation.KVObservation:
+        """A read-only snapshot of the manager's state (`kvref.observation.KVObservation`).
+
+        Every stream (length, page table, generation, in-flight mark, offload
+        and retrieve state, tokens a window released), every device page (its
+        holders, its prefix-cache key, held / free-cached / free-blank), the
+        offloads open, the leases held and the host pool's copies. Taken under
+        the manager's lock, so it is one consistent state; frozen, and sharing
+        no mutable object with the manager, so later calls do not change it.
+        Costs a walk of every stream and page: for checks and debugging, not
+        for every step. Changes nothing (an expired lease is dropped, as any
+        call that reads the leases does).
+        """
+        with self._lock:
+            return observation.take(self._table, self._pages, self._offloads, self._cpu_pool)
 
     @property
     def num_free_pages(self) -> int:

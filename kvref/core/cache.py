@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from kvref.core.config import KVConfig, KVLayout
+from kvref.core.runtime import Runtime, fault_hook
 
 
 def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -86,8 +87,11 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
         tensor: torch.Tensor | None = None,
+        runtime: Runtime | None = None,
     ) -> None:
         self.config = cfg
+        # the runtime's fault hook, if it has one: a test fails a page copy here
+        self._fault = fault_hook(runtime) if runtime is not None else None
         self.page_size = cfg.page_size
         self.layout = cfg.layout
         self.device = torch.device(device)
@@ -185,6 +189,8 @@ class KVCache:
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages, every layer, K and V."""
+        if self._fault is not None:
+            self._fault("fork.copy")
         copy_page_blocks(self.tensor, dst, self.tensor, src)
 
     def gather_stream(self, pages: list[int], length: int) -> torch.Tensor:

@@ -44,7 +44,8 @@ class Runtime(Protocol):
         """A named point between critical sections where another thread may run."""
         ...
 
-    # optional: ``shared(value, name) -> value`` (see `shared` below)
+    # optional: ``shared(value, name) -> value`` (see `shared` below),
+    # ``monotonic() -> float`` (`monotonic`) and ``fault(site)`` (`fault_hook`)
 
 
 class ThreadingRuntime:
@@ -101,6 +102,23 @@ def monotonic(runtime: Runtime) -> float:
     moves); the others get `time.monotonic`. Lease deadlines read it."""
     hook = getattr(runtime, "monotonic", None)
     return time.monotonic() if hook is None else float(hook())
+
+
+# where kvref calls a runtime's ``fault(site)``: just before each copy that
+# can fail, so a test fails exactly that copy
+FAULT_SITES = ("fork.copy", "offload.copy", "reload.copy", "retrieve.start")
+
+
+def fault_hook(runtime: Runtime) -> Callable[[str], None] | None:
+    """``runtime``'s ``fault(site)`` method, or None: an optional extension, as
+    `shared`. kvref calls it just before the copy at each of `FAULT_SITES` (a
+    fork's page copy, an offload's copy to the host, a reload's copy back, the
+    start of a retrieve); whatever it raises fails that copy as a real fault
+    would. The conformance harness injects its faults this way, through the
+    runtime it hands the manager and nothing else. Looked up once, when the
+    owner is built: the default runtime has none, and production pays a None
+    test per copy."""
+    return getattr(runtime, "fault", None)
 
 
 _default: Runtime = ThreadingRuntime()

@@ -11,7 +11,8 @@ import torch
 
 from kvref.core.allocator import PageAllocator
 from kvref.core.cache import KVCache, copy_page_blocks, page_runs
-from kvref.core.runtime import Runtime, default_runtime, shared
+from kvref.core.runtime import Runtime, default_runtime, fault_hook, shared
+from kvref.observation import HostCopyObservation, HostPoolObservation
 from kvref.offload.outcomes import HostPoolView
 
 
@@ -66,6 +67,7 @@ class CPUPagePool:
         self._copies: dict[str, dict[str, HostCopy]] = shared(rt, {}, "host.copies")
         self._pending_free: list[int] = shared(rt, [], "host.pending_free")
         self._stream = torch.cuda.Stream(kv_cache.device) if on_cuda else None  # type: ignore[no-untyped-call]
+        self._fault = fault_hook(rt)  # a test fails a host copy here
 
     @property
     def num_free(self) -> int:
@@ -79,6 +81,15 @@ class CPUPagePool:
         """What `KVManager.host_pool` reports: one read of the free count."""
         free = self.num_free
         return HostPoolView(self.capacity, free, self.capacity - free)
+
+    def observe(self) -> HostPoolObservation:
+        """The pool for `KVManager.observe`: copies of every list, under its lock."""
+        with self._lock:
+            copies = tuple(
+                HostCopyObservation(rid, label, tuple(c.pages), c.stored_len, c.released)
+                for rid, labels in self._copies.items() for label, c in labels.items())
+            return HostPoolObservation(self.capacity, self.num_free, len(self._pending_free),
+                                       copies)
 
     def is_offloaded(self, rid: str) -> bool:
         return bool(self._copies.get(rid))
@@ -136,6 +147,8 @@ class CPUPagePool:
     def copy_out(
         self, gpu_kv_cache: torch.Tensor, gpu_page_indices: list[int], host_pages: list[int]
     ) -> None:
+        if self._fault is not None:
+            self._fault("offload.copy")
         self._copy_out(gpu_kv_cache, gpu_page_indices[: len(host_pages)], host_pages)
 
     def record(
@@ -174,6 +187,8 @@ class CPUPagePool:
                 f"reload of {rid!r}/{label!r} onto {len(gpu_page_indices)} pages; "
                 f"it needs {len(copy.pages)}"
             )
+        if self._fault is not None:
+            self._fault("reload.copy")
         self._copy_in(gpu_kv_cache, gpu_page_indices[: len(copy.pages)], copy.pages)
         return copy
 

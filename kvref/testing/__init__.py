@@ -7,4 +7,8 @@ exhaustive replay (`exhaustive.check_scope`), a pytest plugin for the
     pytest -p kvref.testing.plugin --pyargs kvref.testing.suite \\
         --kvref-factory mypkg.mod:make_manager
 
+The harness reads the manager only through its public calls and
+`KVManager.observe` (`driver.ManagerUnderTest` lists them), so a manager
+that wraps `KVManager` rather than subclassing it is driven as well.
+
 Needs the ``testing`` extra (``pip install 'kvref[testing]'``)."""

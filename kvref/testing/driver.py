@@ -1,7 +1,11 @@
 """Runs a model action on a real `KVManager`, and reads the manager back abstractly.
 
 The driver is the one place that knows how a model action maps onto kvref's
-API (`apply`) and how kvref's state maps onto the model's (`abstract`).
+API (`apply`) and how kvref's state maps onto the model's (`abstract`). It
+reads the manager only through its public calls and `KVManager.observe`,
+and injects faults only through the runtime it builds the manager with
+(`ManualRuntime.failing`), so a manager that wraps `KVManager` rather than
+subclassing it is driven as well.
 Everything the lockstep tests compare goes through these two functions, so
 a disagreement is either a kvref bug, a model bug, or a bug here — and the
 failing rule sequence says which action it was.
@@ -16,37 +20,85 @@ the request id is in the value, isolation between requests (I8).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from kvref import (
+    SINK_PAGE,
     AdmitOutcome,
+    HostPoolView,
     KVConfig,
     KVManager,
+    KVObservation,
     KVPlanOutputs,
     KVRefError,
     KVReqConfig,
     KVStep,
     Offload,
+    OffloadOutcome,
     OffloadReason,
+    OffloadState,
     PreplanStaleError,
     PublishedKVInfo,
     PublishRefused,
+    ReloadOutcome,
     ReloadReason,
+    RetrieveState,
     Segment,
     StepContext,
     TransferEngineInfo,
 )
-from kvref.stepping.plan import SINK_PAGE
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.testing.page_checks import check_device_pages
 from kvref_model import core as m
 
-ManagerFactory = Callable[..., KVManager]
+if TYPE_CHECKING:  # the offload handle's protocol names it; kvref exports none
+    from kvref.core.streams import ClaimedStream
+
+
+class ManagerUnderTest(Protocol):
+    """What the harness calls on the manager it tests: `KVManager`'s public
+    calls that the driver issues, and `KVManager.observe`, its one read of
+    state. A manager that subclasses `KVManager`, or wraps one and forwards
+    these, can be driven; nothing private is read."""
+
+    def ingest_request(self, rid: str, overrides: KVReqConfig | None = None) -> None: ...
+    def has_request(self, rid: str) -> bool: ...
+    def admit(self, step: KVStep, ctx: StepContext) -> AdmitOutcome: ...
+    def plan(self, step: KVStep, ctx: StepContext) -> KVPlanOutputs: ...
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int | None = None,
+                 label: str | None = None, return_tensor: bool = False) -> Any: ...
+    def read_kv(self, layer_idx: int | None = None,
+                plan_label: str | None = None) -> torch.Tensor: ...
+    def commit(self, step: KVStep, ctx: StepContext) -> None: ...
+    def clear_preplan(self) -> None: ...
+    def begin_offload(self, rid: str) -> Offload | None: ...
+    def offload_outcome(self, rid: str) -> OffloadOutcome: ...
+    def reload(self, rid: str) -> bool: ...
+    def reload_outcome(self, rid: str) -> ReloadOutcome: ...
+    def reload_pages_needed(self, rid: str) -> int: ...
+    def get_offload_priority(self, rid: str) -> float: ...
+    def host_pool(self) -> HostPoolView: ...
+    def publish(self, request_id: str) -> PublishedKVInfo | PublishRefused: ...
+    def release_published(self, request_id: str) -> None: ...
+    def admit_retrieve(self, rid: str, node_name: str | None = None,
+                       graph_walk: str | None = None,
+                       published: PublishedKVInfo | None = None) -> AdmitOutcome: ...
+    def reset_request(self, rid: str, free: bool = False) -> None: ...
+    def remove_request(self, rid: str) -> None: ...
+    def truncate(self, rid: str, label: str, new_len: int) -> int: ...
+    def read_stream(self, rid: str, label: str = "main") -> torch.Tensor: ...
+    def layer_view(self, layer_idx: int | None = None) -> torch.Tensor: ...
+    @property
+    def num_free_pages(self) -> int: ...
+    def observe(self) -> KVObservation: ...
+
+
+ManagerFactory = Callable[..., ManagerUnderTest]
 
 
 def label_name(label: int) -> str:
@@ -62,7 +114,7 @@ def value(rid: int, token: int, position: int) -> float:
     return float(rid * 4096 + token * 256 + position + 1)
 
 
-def default_factory(**kwargs: Any) -> KVManager:
+def default_factory(**kwargs: Any) -> ManagerUnderTest:
     return KVManager(**kwargs)
 
 
@@ -85,8 +137,28 @@ LATCHED = frozenset({"RetrieveStale"})
 LEASE_S = 60.0
 
 
-class InjectedCopyFault(OSError):
-    """The failure an injected copy fault raises."""
+OFFLOAD_STATE = {OffloadState.RESIDENT: m.RESIDENT, OffloadState.CLAIMED: m.CLAIMED,
+                 OffloadState.OFFLOADED: m.OFFLOADED}
+RETRIEVE_STATE = {RetrieveState.IDLE: m.IDLE, RetrieveState.PENDING: m.PENDING,
+                  RetrieveState.FAILED: m.FAILED}
+
+
+class NeverOpened:
+    """The phases of an `Offload` handle the manager never opened: a closed
+    handle refuses every phase itself, so none of these is ever reached."""
+
+    def wait(self, futures: Sequence[Future[Any]]) -> None:
+        raise AssertionError("a closed offload handle waited")
+
+    def copy_to_host(self, offload: Offload, claim: ClaimedStream) -> OffloadReason | None:
+        raise AssertionError("a closed offload handle copied")
+
+    def commit(self, offload: Offload, claims: Mapping[str, ClaimedStream],
+               copied: Sequence[str]) -> OffloadOutcome:
+        raise AssertionError("a closed offload handle committed")
+
+    def abandon(self, offload: Offload, labels: Sequence[str]) -> None:
+        assert not labels, "a handle that claimed nothing abandoned a claim"
 
 
 class Driver:
@@ -129,6 +201,9 @@ class Driver:
         # the typed reason kvref gave for the last action's refusal (a claim or a
         # reload), checked against the model's state by `check_queries`
         self.said: tuple[int, OffloadReason | ReloadReason | None, int] | None = None
+        # (rid, label) -> the future of the last retrieve started into it: the
+        # task the manager submitted to our runtime (RetrieveComplete runs it)
+        self.retrieves: dict[tuple[int, int], Future[Any]] = {}
 
     # -- model action -> kvref call -> model result ------------------------------
 
@@ -278,27 +353,15 @@ class Driver:
         if not on:
             yield
             return
-        cache = self.kv.kv_cache
-        real = cache.copy_pages
-
-        def broken(*args: Any, **kwargs: Any) -> Any:
-            cache.copy_pages = real  # type: ignore[method-assign]
-            raise InjectedCopyFault("page copy failed (injected)")
-
-        cache.copy_pages = broken  # type: ignore[method-assign]
-        try:
+        with self.runtime.failing("fork.copy", once=True):
             yield
-        finally:
-            cache.copy_pages = real  # type: ignore[method-assign]
 
     def handle(self, rid: int) -> Offload:
         """The request's open offload handle, else its last closed one (a careless
         engine's stale handle), else a handle that was never open."""
         off = self.offloads.get(rid) or self.closed.get(rid)
         if off is None:
-            phases = self.kv._host_offload
-            assert phases is not None, "offload actions need a host pool"
-            off = self.closed[rid] = Offload(phases, rid_name(rid), [], {})
+            off = self.closed[rid] = Offload(NeverOpened(), rid_name(rid), [], {})
             off.abandon()
         return off
 
@@ -321,22 +384,14 @@ class Driver:
     def _OffloadCopy(self, a: m.OffloadCopy) -> m.Result:
         off = self.handle(a.rid)
         if a.copy_error:
-            pool = self.kv._cpu_pool
-            assert pool is not None
-
-            def broken(*args: Any) -> None:
-                raise InjectedCopyFault("host copy failed (injected)")
-
-            pool._copy_out = broken  # type: ignore[method-assign,assignment]
             try:
                 # no copy runs when the host is full, and then nothing can fail
-                copied = off.copy(label_name(a.label))
+                with self.runtime.failing("offload.copy"):
+                    copied = off.copy(label_name(a.label))
             except KVRefError as err:
                 if type(err).__name__ in FAULTS:
                     self.close(a.rid)
                 raise
-            finally:
-                del pool._copy_out
             return m.Flag(copied)
         return m.Flag(off.copy(label_name(a.label)))
 
@@ -352,18 +407,11 @@ class Driver:
         return m.Ok()
 
     def _Reload(self, a: m.Reload) -> m.Result:
-        # a copy fault is issued only where host copies exist: a host pool
-        pool = self.kv._cpu_pool if a.copy_error else None
-        if pool is not None:
-            def broken(*args: Any) -> None:
-                raise InjectedCopyFault("host-to-device copy failed (injected)")
-
-            pool._copy_in = broken  # type: ignore[method-assign,assignment]
-        try:
+        # a copy fault is issued only where host copies exist (a host pool);
+        # without one no copy runs, so none fails
+        with (self.runtime.failing("reload.copy") if a.copy_error
+              else contextlib.nullcontext()):
             reloaded = self.kv.reload(rid_name(a.rid))
-        finally:
-            if pool is not None:
-                del pool._copy_in
         if not reloaded:
             # a refused reload changes nothing, so the typed call refuses too, and why
             out = self.kv.reload_outcome(rid_name(a.rid))
@@ -407,19 +455,16 @@ class Driver:
         rid, label = rid_name(a.rid), label_name(a.label)
         self.last_source = None
         info = self.published(a)
-        transfer = self.kv._transfer
-        if a.start_error:
-            def broken(**kwargs: Any) -> None:
-                raise InjectedCopyFault("transfer engine failed to start the copy (injected)")
-
-            transfer.start_async_retrieve = broken  # type: ignore[method-assign,assignment]
-        try:
+        # the copy the manager starts is a task submitted to our runtime
+        before = {id(t.future) for t in self.runtime.pending}
+        with (self.runtime.failing("retrieve.start") if a.start_error
+              else contextlib.nullcontext()):
             out = outcome(self.kv.admit_retrieve(rid, "node", label, info))
-        finally:
-            if a.start_error:
-                del transfer.start_async_retrieve
-        stream = self.kv._streams.get(rid, {}).get(label)
-        future = stream.read_future if stream is not None else None
+        started = [t.future for t in self.runtime.pending if id(t.future) not in before]
+        assert len(started) <= 1, f"one retrieve into {rid}/{label} started {len(started)} copies"
+        future = started[0] if started else None
+        if future is not None:
+            self.retrieves[(a.rid, a.label)] = future
         if future is not None and future not in self.source_of and self.last_source:
             self.source_of[future] = self.last_source  # this call started that copy
         return out
@@ -451,28 +496,25 @@ class Driver:
         return src
 
     def _RetrieveComplete(self, a: m.RetrieveComplete) -> m.Result:
-        stream = self.kv._streams[rid_name(a.rid)][label_name(a.label)]
-        assert stream.read_future is not None
+        # the model issues this only while its retrieve is pending, and
+        # `abstract` has checked that kvref's stream says pending too
+        future = self.retrieves[(a.rid, a.label)]
         if not a.moved:
-            self.runtime.complete(stream.read_future, ok=a.ok)
+            self.runtime.complete(future, ok=a.ok)
             return m.Ok()
         # the publisher moves between the copy's two reads of its generation:
         # its lease released (a buggy peer, or expired), then reset, as a reuse
-        # of its pages would; only the read after the copy can see it (R35)
-        transfer, rid = self.kv._transfer, rid_name(a.rid)
-        src = self.source_of.pop(stream.read_future)
-        copy = transfer._copy
+        # of its pages would; only the read after the copy can see it (R35).
+        # The transfer passes the "retrieve.copied" checkpoint right there
+        rid = rid_name(a.rid)
+        src = self.source_of.pop(future)
 
-        def copy_then_move(*args: Any) -> None:
-            copy(*args)
+        def move() -> None:
             src.release_published(rid)
             src.reset_request(rid)
 
-        transfer._copy = copy_then_move  # type: ignore[method-assign,assignment]
-        try:
-            self.runtime.complete(stream.read_future, ok=a.ok)
-        finally:
-            del transfer._copy
+        with self.runtime.at_checkpoint("retrieve.copied", move):
+            self.runtime.complete(future, ok=a.ok)
         return m.Ok()
 
     def _Reset(self, a: m.Reset) -> m.Result:
@@ -482,7 +524,7 @@ class Driver:
     def _Remove(self, a: m.Remove) -> m.Result:
         self.kv.remove_request(rid_name(a.rid))
         off = self.offloads.get(a.rid)
-        if off is not None and rid_name(a.rid) not in self.kv._streams:
+        if off is not None and not self.kv.has_request(rid_name(a.rid)):
             # the model forgets an offload whose request was removed; kvref's
             # handle is still open and finds nothing left to undo
             off.abandon()
@@ -494,7 +536,20 @@ class Driver:
 
     # -- kvref state -> model state ---------------------------------------------
 
-    def abstract(self, model_state: m.State) -> m.State:
+    def cache_bytes(self) -> torch.Tensor:
+        """A copy of the whole cache, ``[layers, pages, ...]``, read through
+        `layer_view` (what attention reads): what I8 and I10 compare."""
+        return torch.stack([self.kv.layer_view(i) for i in range(self.cfg.num_layers)])
+
+    def observe(self) -> KVObservation:
+        """The manager's state, through its one read-only call. Read between
+        calls, as every check here is; each check takes a fresh one unless
+        handed the one its caller took after the same call (``seen``)."""
+        seen = self.kv.observe()
+        assert isinstance(seen, KVObservation), f"observe() answered {type(seen).__name__}"
+        return seen
+
+    def abstract(self, model_state: m.State, seen: KVObservation | None = None) -> m.State:
         """kvref's state in the model's terms.
 
         Contents are taken from the model (the cache bytes are checked against
@@ -502,39 +557,28 @@ class Driver:
         test's own bookkeeping, so they are taken from the model as well.
         """
         kv = self.kv
+        seen = seen if seen is not None else self.observe()
         contents = model_state.stream_map()
         streams: dict[m.Key, m.Stream] = {}
-        for rname, labels in kv._streams.items():
-            rid = int(rname[1:])
-            claimed = kv._offloads.get(rname)
-            for lname, s in labels.items():
-                key = (rid, m.LABEL_NAMES.index(lname))
-                if not s.offloaded:
-                    off = m.RESIDENT
-                elif claimed is not None and lname in claimed.labels:
-                    off = m.CLAIMED
-                else:
-                    off = m.OFFLOADED
-                known = contents.get(key)
-                streams[key] = m.Stream(
-                    pages=len(s.page_indices), stored_len=s.stored_len,
-                    contents=known.contents if known is not None else (),
-                    in_flight=s.step_in_flight, offload=off, retrieve=retrieve_state(s),
-                )
+        for s in seen.streams():
+            key = (int(s.request_id[1:]), m.LABEL_NAMES.index(s.label))
+            known = contents.get(key)
+            streams[key] = m.Stream(
+                pages=len(s.pages), stored_len=s.stored_len,
+                contents=known.contents if known is not None else (),
+                in_flight=s.in_flight, offload=OFFLOAD_STATE[s.offload],
+                retrieve=RETRIEVE_STATE[s.retrieve],
+            )
         host = []
-        pool = kv._cpu_pool
-        if pool is not None:
-            for rname, copies in pool._copies.items():
-                for lname in copies:
-                    key = (int(rname[1:]), m.LABEL_NAMES.index(lname))
-                    host.append((key, dict(model_state.host).get(key, ())))
+        for c in seen.host.copies if seen.host is not None else ():
+            key = (int(c.request_id[1:]), m.LABEL_NAMES.index(c.label))
+            host.append((key, dict(model_state.host).get(key, ())))
         offloads = []
-        for rname in kv._offloads:
+        for rname in seen.offloads:
             rid = int(rname[1:])
             mine = model_state.offload_of(rid)
             offloads.append((rid, mine if mine is not None else m.Offload(())))
-        # read as the rest of this read-back is: the checks run between calls
-        leases = tuple(sorted(int(r[1:]) for r in kv._table.leases.leased()))
+        leases = tuple(sorted(int(r[1:]) for r in seen.leases))
         return m.State(
             free=kv.num_free_pages, streams=tuple(sorted(streams.items())),
             host=tuple(sorted(host)), current=model_state.current, staged=model_state.staged,
@@ -575,25 +619,26 @@ class Driver:
                 f"R44: r{rid} refused with {reason} (short {short}); "
                 f"the model's state says {expected} (short {want_short})")
 
-    def check_host_lengths(self, model_state: m.State) -> None:
+    def check_host_lengths(self, model_state: m.State,
+                           seen: KVObservation | None = None) -> None:
         """Each host copy holds exactly the tokens the model put on the host."""
-        pool = self.kv._cpu_pool
-        if pool is None:
+        seen = seen if seen is not None else self.observe()
+        if seen.host is None:
             # a scope without host pages: the manager has no host pool, and
             # the model can have put nothing on the host
             assert not model_state.host, f"host copies without a host pool: {model_state.host}"
             return
         for (rid, label), tokens in model_state.host:
-            copy = pool.copy_of(rid_name(rid), label_name(label))
+            copy = seen.host_copy(rid_name(rid), label_name(label))
             assert copy is not None, f"no host copy of {(rid, label)}"
             assert copy.stored_len == len(tokens), (rid, label, copy.stored_len, tokens)
 
-    def generations(self) -> dict[tuple[str, str], tuple[int, int, tuple[int, ...]]]:
+    def generations(self, seen: KVObservation | None = None
+                    ) -> dict[tuple[str, str], tuple[int, int, tuple[int, ...]]]:
         """(generation, stored_len, pages) per stream, for the I14 check."""
-        return {
-            (r, lb): (st.generation, st.stored_len, tuple(st.page_indices))
-            for r, labels in self.kv._streams.items() for lb, st in labels.items()
-        }
+        seen = seen if seen is not None else self.observe()
+        return {(s.request_id, s.label): (s.generation, s.stored_len, s.pages)
+                for s in seen.streams()}
 
     @staticmethod
     def check_generations(
@@ -609,15 +654,15 @@ class Driver:
             if (length, pages) != (old_length, old_pages):
                 assert gen > old_gen, f"I14: {key} changed without a generation bump"
 
-    def check_pages(self) -> None:
+    def check_pages(self, seen: KVObservation | None = None) -> None:
         """I1 and I2 on page ids: every page exactly once in free list, sink or a stream."""
-        kv = self.kv
-        check_device_pages(kv)
-        pool = kv._cpu_pool
+        seen = seen if seen is not None else self.observe()
+        check_device_pages(self.kv, seen)
+        pool = seen.host
         if pool is not None:
-            held = [p for c in pool._copies.values() for h in c.values() for p in h.pages]
+            held = [p for c in pool.copies for p in c.pages]
             assert len(held) == len(set(held)), "I6: a host page in two copies"
-            assert pool.num_free + len(held) + len(pool._pending_free) == pool.capacity, "I6"
+            assert pool.free + len(held) + pool.pending_free == pool.capacity, "I6"
 
     def check_bytes(self, model_state: m.State) -> None:
         """I7: every resident stream reads back, through its pages, as the model's contents."""
@@ -641,10 +686,10 @@ class Driver:
                     f"{got[tuple(bad)].item()} (contents {s.contents})"
                 )
 
-    def page_owners(self) -> dict[int, tuple[str, str]]:
+    def page_owners(self, seen: KVObservation | None = None) -> dict[int, tuple[str, str]]:
         """Device page -> the stream holding it (I10 compares it across a refusal)."""
-        return {p: (r, lb) for r, labels in self.kv._streams.items()
-                for lb, st in labels.items() for p in st.page_indices}
+        seen = seen if seen is not None else self.observe()
+        return {p: (s.request_id, s.label) for s in seen.streams() for p in s.pages}
 
     def check_views(self) -> None:
         """What plan handed the engine is state too: each view says what the
@@ -652,16 +697,17 @@ class Driver:
         assert self.outputs is not None and self.step is not None
         ps = self.cfg.page_size
         spans = {(g.request_id, g.label): g.span for g in self.step[1].segments}
+        seen = self.observe()
         for out in self.outputs.values():
             for v in out.views:
-                stream = self.kv._streams[v.request_id][v.label]
+                stream = seen.stream(v.request_id, v.label)
                 where = f"view of {v.request_id}/{v.label}"
                 assert v.to_compute == spans[(v.request_id, v.label)], where
                 assert v.length == stream.stored_len + v.to_compute, (
                     f"{where}: length {v.length}, stream holds {stream.stored_len} + "
                     f"{v.to_compute}")
-                assert list(v.page_idxs) == stream.page_indices[: -(-v.length // ps)], (
-                    f"{where}: pages {v.page_idxs} vs {stream.page_indices}")
+                assert tuple(v.page_idxs) == stream.pages[: -(-v.length // ps)], (
+                    f"{where}: pages {v.page_idxs} vs {stream.pages}")
                 assert v.generation == stream.generation, (
                     f"{where}: generation {v.generation}, stream at {stream.generation}")
 
@@ -707,6 +753,8 @@ def refusal_in_model(s: m.State, rid: int, said: OffloadReason | ReloadReason | 
 
 
 def retrieve_state(s: Any) -> str:
+    """The model's retrieve state of a stream object (the scheduled tests'
+    read of one); the driver itself reads `StreamObservation.retrieve`."""
     if s.read_error is not None:
         return m.FAILED
     fut = s.read_future

@@ -54,11 +54,12 @@ def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig) -> 
         got = d.apply(a)
         if got != want:
             raise Mismatch(f"step {i} {a}: kvref {got}, model {want}")
-        got_state = d.abstract(s)
+        seen = d.observe()  # one snapshot for every check after this call
+        got_state = d.abstract(s, seen)
         if got_state != s:
             raise Mismatch(f"step {i} {a}: states differ\n  kvref {got_state}\n  model {s}")
-        d.check_pages()
-        d.check_host_lengths(s)
+        d.check_pages(seen)
+        d.check_host_lengths(s, seen)
         d.check_bytes(s)
         d.check_queries(s)
 

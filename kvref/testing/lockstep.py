@@ -129,7 +129,7 @@ class Lockstep(RuleBasedStateMachine):
         self.model = m.Model(self.scope)
         self.state = self.model.init()
         self.driver = Driver(self.scope, self.config)
-        self._enabled: tuple[m.State | None, list[m.Action]] = (None, [])
+        self.enabled_memo: tuple[m.State | None, list[m.Action]] = (None, [])
 
     # -- the one way an action runs ------------------------------------------
 
@@ -139,11 +139,13 @@ class Lockstep(RuleBasedStateMachine):
         if fault is not None:
             RULES[fault] += 1
         want, nxt = self.model.step(self.state, action)
-        before = self.driver.kv.kv_cache.tensor.clone()
-        owners = self.driver.page_owners()
-        generations = self.driver.generations()
+        before = self.driver.cache_bytes()
+        seen = self.driver.observe()
+        owners = self.driver.page_owners(seen)
+        generations = self.driver.generations(seen)
         got = self.driver.apply(action)
-        self.driver.check_generations(generations, self.driver.generations())
+        after = self.driver.observe()
+        self.driver.check_generations(generations, self.driver.generations(after))
         OUTCOMES[f"{type(action).__name__} -> {type(got).__name__}"
                  + (f"({got.kind})" if isinstance(got, (m.Refused, m.Misuse, m.Fault))
                     else "")] += 1
@@ -153,8 +155,8 @@ class Lockstep(RuleBasedStateMachine):
         prev, self.state = self.state, nxt
         if isinstance(got, (m.Misuse, m.Refused)):
             # I10 on kvref itself: not a byte, not a page owner moved
-            assert self.driver.page_owners() == owners, f"I10: {action} moved pages"
-            assert torch.equal(self.driver.kv.kv_cache.tensor, before), (
+            assert self.driver.page_owners(after) == owners, f"I10: {action} moved pages"
+            assert torch.equal(self.driver.cache_bytes(), before), (
                 f"I10: {action} was refused ({got}) but changed cache bytes")
         if isinstance(action, m.Write):
             self.check_isolation(before)
@@ -165,7 +167,7 @@ class Lockstep(RuleBasedStateMachine):
 
     def check_isolation(self, before: torch.Tensor) -> None:
         """I8: a write changed only pages of the streams its plan named, or the sink."""
-        after = self.driver.kv.kv_cache.tensor
+        after = self.driver.cache_bytes()
         changed = (after != before).flatten(2).any(dim=2).any(dim=0).nonzero().flatten()
         allowed = self.driver.pages_of_step()
         stray = set(changed.tolist()) - allowed
@@ -173,9 +175,9 @@ class Lockstep(RuleBasedStateMachine):
 
     def enabled_of(self, kind: type) -> list[m.Action]:
         # every rule's precondition asks; enumerate the protocol once per state
-        if self._enabled[0] is not self.state:
-            self._enabled = (self.state, list(enabled(self.model, self.state)))
-        return [a for a in self._enabled[1] if isinstance(a, kind)]
+        if self.enabled_memo[0] is not self.state:
+            self.enabled_memo = (self.state, list(enabled(self.model, self.state)))
+        return [a for a in self.enabled_memo[1] if isinstance(a, kind)]
 
     def draw_enabled(self, data: st.DataObject, kind: type) -> m.Action:
         return data.draw(st.sampled_from(self.enabled_of(kind)), label=kind.__name__)
@@ -598,10 +600,11 @@ class Lockstep(RuleBasedStateMachine):
 
     @invariant()
     def agrees_with_model(self) -> None:
-        got = self.driver.abstract(self.state)
+        seen = self.driver.observe()
+        got = self.driver.abstract(self.state, seen)
         assert got == self.state, f"kvref state\n  {got}\nmodel state\n  {self.state}"
-        self.driver.check_pages()
-        self.driver.check_host_lengths(self.state)
+        self.driver.check_pages(seen)
+        self.driver.check_host_lengths(self.state, seen)
         self.driver.check_bytes(self.state)
         self.driver.check_queries(self.state)
         LARGEST["streams"] = max(LARGEST["streams"], len(self.state.streams))
@@ -629,8 +632,8 @@ class Lockstep(RuleBasedStateMachine):
         self.agrees_with_model()
         kv = self.driver.kv
         assert kv.num_free_pages == self.scope.device_pages, "I12: device pages leaked"
-        pool = kv._cpu_pool
-        assert pool is not None and pool.num_free == pool.capacity, "I12: host pages leaked"
+        host = kv.observe().host
+        assert host is not None and host.free == host.capacity, "I12: host pages leaked"
 
 
 def report() -> str:

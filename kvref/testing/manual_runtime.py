@@ -8,12 +8,18 @@ blocking ``wait`` (a reset or removal draining, an offload copy waiting for
 the read) completes what it waits on, ok, at that moment: the deferred
 completion the model states for those calls, and the copy then reads the
 bytes the transfer just wrote.
+
+It is also how the harness injects faults and interleavings without
+touching the manager: `failing` makes kvref's ``fault(site)`` hook
+(`kvref.core.runtime.fault_hook`) raise at a copy site, and `at_checkpoint`
+runs a function at a named checkpoint (another actor moving mid-copy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -22,6 +28,10 @@ from typing import Any
 
 class InjectedRetrieveFailure(RuntimeError):
     """The failure a test completes a retrieve with."""
+
+
+class InjectedCopyFault(OSError):
+    """The failure an injected copy fault raises."""
 
 
 @dataclass
@@ -37,6 +47,37 @@ class ManualRuntime:
         self.checkpoints: list[str] = []
         self.deferred = 0  # completions a blocking wait brought about
         self.clock = 0.0  # what `monotonic` answers: moved by `advance` only
+        # copy site -> fail only its next copy (True) or every copy (False)
+        self.failing_sites: dict[str, bool] = {}
+        # checkpoint name -> run once when the manager passes it
+        self.checkpoint_hooks: dict[str, Callable[[], None]] = {}
+
+    def fault(self, site: str) -> None:
+        """kvref's hook before each copy that can fail: raise where armed."""
+        once = self.failing_sites.get(site)
+        if once is None:
+            return
+        if once:
+            del self.failing_sites[site]
+        raise InjectedCopyFault(f"{site} failed (injected)")
+
+    @contextlib.contextmanager
+    def failing(self, site: str, once: bool = False) -> Iterator[None]:
+        """Within the block, copies at ``site`` raise (only the first with ``once``)."""
+        self.failing_sites[site] = once
+        try:
+            yield
+        finally:
+            self.failing_sites.pop(site, None)
+
+    @contextlib.contextmanager
+    def at_checkpoint(self, name: str, fn: Callable[[], None]) -> Iterator[None]:
+        """Within the block, the first pass of checkpoint ``name`` runs ``fn``."""
+        self.checkpoint_hooks[name] = fn
+        try:
+            yield
+        finally:
+            self.checkpoint_hooks.pop(name, None)
 
     def monotonic(self) -> float:
         return self.clock
@@ -60,6 +101,9 @@ class ManualRuntime:
 
     def checkpoint(self, name: str) -> None:
         self.checkpoints.append(name)
+        hook = self.checkpoint_hooks.pop(name, None)
+        if hook is not None:
+            hook()
 
     def complete(self, future: Future[Any], ok: bool = True) -> None:
         """Run (ok) or fail (not ok) the task behind ``future``."""

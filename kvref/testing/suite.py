@@ -1,7 +1,9 @@
 """Ready-made conformance tests for a manager an engine team builds.
 
 Run against your own factory (a callable taking KVManager's keyword
-arguments, e.g. one that builds your subclass)::
+arguments, e.g. one that builds your subclass, or a class that wraps a
+`KVManager` and forwards the calls of `kvref.testing.driver.ManagerUnderTest`,
+`observe` among them)::
 
     pytest -p kvref.testing.plugin --pyargs kvref.testing.suite \\
         --kvref-factory mypkg.mod:make_manager

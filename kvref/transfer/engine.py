@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvref.core.cache import KVCache
-from kvref.core.runtime import Runtime, default_runtime
+from kvref.core.runtime import Runtime, default_runtime, fault_hook
 from kvref.transfer.engine_types import (
     _SHM_DIR as _SHM_DIR,
 )
@@ -153,6 +153,7 @@ class KVTransferManager:
         # and its future raises InjectedTransferError (decided when the retrieve
         # starts, so which retrieve fails does not depend on thread timing)
         self.fail_next = 0
+        self._fault = fault_hook(self._runtime)  # a test fails a retrieve's start here
         self._cache_id = uuid.uuid4().hex
         self._remote: dict[str, torch.Tensor] = {}
         self._pending: list[Future[None]] = []
@@ -270,6 +271,8 @@ class KVTransferManager:
         label, generation); the copy checks it before and after it reads, and
         raises `StaleSourceError` if the publisher's stream moved (R35).
         """
+        if self._fault is not None:
+            self._fault("retrieve.start")
         if start_len >= end_len:
             return None
         if self._closed:

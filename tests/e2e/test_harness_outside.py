@@ -11,7 +11,10 @@ imported from the checkout (checked: ``kvref.__file__``).
 The user project's factory builds a subclass of ``KVManager``; a second
 factory builds a subclass with a planted bug (a reset that always frees its
 pages, which the model says a plain reset keeps), which the harness must
-report with a non-zero exit.
+report with a non-zero exit. A third wraps `KVManager` by composition
+(tests/support/composed_manager.py, copied into the project as it is): the
+harness reads state only through `KVManager.observe`, so it needs no
+subclass.
 """
 
 from __future__ import annotations
@@ -106,6 +109,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     (project / "myengine").mkdir(parents=True)
     (project / "myengine" / "__init__.py").write_text("")
     (project / "myengine" / "kv.py").write_text(textwrap.dedent(USER_MODULE))
+    shutil.copy(ROOT / "tests" / "support" / "composed_manager.py",
+                project / "myengine" / "composed.py")
     # an engine's own top-level `model` package, as engines often have: the
     # wheel must not install one of that name (it would shadow or be shadowed)
     (project / "model").mkdir()
@@ -161,6 +166,15 @@ def test_harness_passes_a_correct_subclass(installed: Installed) -> None:
     assert "2 passed" in out.stdout
     # the report shows what ran: the lockstep's coverage and the replay's counts
     assert "lockstep coverage" in out.stdout and "0 mismatches" in out.stdout
+
+
+def test_harness_passes_a_composed_manager(installed: Installed) -> None:
+    # the packaged suite's exhaustive replay (the lockstep needs 100 runs to
+    # cover every action, minutes here): every call in every state to depth 2
+    out = installed.harness("--kvref-factory", "myengine.composed:make_manager",
+                            "--kvref-depth", DEPTH, "-k", "exhaustive", "-s")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "1 passed" in out.stdout and "0 mismatches" in out.stdout, out.stdout[-2000:]
 
 
 def test_harness_reports_a_planted_bug(installed: Installed) -> None:
