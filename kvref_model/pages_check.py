@@ -35,6 +35,7 @@ from kvref_model.pages import (
     Key,
     Lookup,
     Match,
+    Misuse,
     NumFree,
     PagesModel,
     Reclaimable,
@@ -65,7 +66,18 @@ def _tokens_of(key: Key | None) -> tuple[int, ...]:
 
 
 def calls(m: PagesModel, s: State) -> Iterator[Action]:
-    """Every call of the protocol in state `s`, in a fixed order."""
+    """Every call of the protocol in state `s`, in a fixed order.  Under
+    `Scope.trusts_caller` only the calls the pool accepts (and the write check):
+    the careless ones are its caller's to refuse."""
+    if not m.scope.trusts_caller:
+        yield from _calls(m, s)
+        return
+    for a in _calls(m, s):
+        if isinstance(a, Write) or not isinstance(m.step(s, a)[0], Misuse):
+            yield a
+
+
+def _calls(m: PagesModel, s: State) -> Iterator[Action]:
     sc, ps = m.scope, m.scope.page_size
     holders, pages = range(sc.holders), range(1, sc.pages + 1)
     free = len(s.blank) + len(s.lru)
@@ -156,6 +168,8 @@ class Canon:
                 tuple(order[p] for p in s.lru), tuple(order[p] for p in s.blank),
                 tuple((sorted(new_h[h] for h in s.page(p).holders), s.page(p).key,
                        s.page(p).content) for p in order),
+                # registration order only where a scope keeps it (duplicates)
+                *((tuple(order[p] for p in s.order),) if s.order else ()),
             )).encode()
             if best is None or enc < best:
                 best = enc
