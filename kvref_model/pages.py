@@ -384,7 +384,8 @@ class PagesModel:
     def _Release(self, s: State, a: Release) -> tuple[Result, State]:
         if self._release_refused(s, a.holder, a.pages):
             return Misuse(REF), s
-        pages, lru, blanked, freed = list(s.pages), s.lru, (), 0
+        pages, lru, freed = list(s.pages), s.lru, 0
+        blanked: tuple[int, ...] = ()
         for p in a.pages:  # in the order given: the caller passes the tail first
             pg = pages[p - 1]
             pages[p - 1] = pg = replace(pg, holders=pg.holders - {a.holder})

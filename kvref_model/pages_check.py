@@ -68,11 +68,13 @@ def _tokens_of(key: Key | None) -> tuple[int, ...]:
 def calls(m: PagesModel, s: State) -> Iterator[Action]:
     """Every call of the protocol in state `s`, in a fixed order.  Under
     `Scope.trusts_caller` only the calls the pool accepts (and the write check):
-    the careless ones are its caller's to refuse."""
+    the careless ones are its caller's to refuse, a repeated register among them."""
     if not m.scope.trusts_caller:
         yield from _calls(m, s)
         return
     for a in _calls(m, s):
+        if isinstance(a, Register) and s.page(a.page).key is not None:
+            continue
         if isinstance(a, Write) or not isinstance(m.step(s, a)[0], Misuse):
             yield a
 
