@@ -33,11 +33,15 @@ class Plant:
     layer: str
     why: str
     patches: tuple[Patch, ...]
+    # the same defect where a later vLLM moved the code: tried when `patches` is
+    # not there, each as (the versions it is for, its patches)
+    moved: tuple[tuple[str, tuple[Patch, ...]], ...] = ()
 
 
 POOL = "vllm/v1/core/block_pool.py"
 UTILS = "vllm/v1/core/kv_cache_utils.py"
 MANAGER = "vllm/v1/core/kv_cache_manager.py"
+REQUEST = "vllm/v1/request.py"
 
 PLANTS: dict[str, Plant] = {
     "evicted_block_stays_in_map": Plant(
@@ -77,7 +81,11 @@ PLANTS: dict[str, Plant] = {
                "        computed_blocks, num_new_computed_tokens, num_uncached = (\n",
                "        if max_cache_hit_length is None:\n"
                "            max_cache_hit_length = request.num_tokens\n"
-               "        computed_blocks, num_new_computed_tokens, num_uncached = (\n"),)),
+               "        computed_blocks, num_new_computed_tokens, num_uncached = (\n"),),
+        moved=(("0.34: Request.get_max_cache_hit_length", (Patch(
+            REQUEST,
+            "        limits = (self.num_tokens - 1, self.prefix_cache_hit_limit, bound)\n",
+            "        limits = (self.num_tokens, self.prefix_cache_hit_limit, bound)\n"),)),)),
 }
 
 
@@ -85,22 +93,36 @@ class PatchMissing(Exception):
     """The text a patch replaces is not in the copy exactly once."""
 
 
-def apply(root: Path, plant: Plant) -> None:
-    for p in plant.patches:
-        path = root / p.file
-        text = path.read_text()
-        n = text.count(p.old)
+def _missing(root: Path, patches: tuple[Patch, ...]) -> str | None:
+    for p in patches:
+        n = (root / p.file).read_text().count(p.old)
         if n != 1:
-            raise PatchMissing(f"{p.file}: the text to replace occurs {n} times, not once")
-        path.write_text(text.replace(p.old, p.new))
+            return f"{p.file}: the text to replace occurs {n} times, not once"
+    return None
+
+
+def apply(root: Path, plant: Plant) -> str:
+    """Plant it in the copy at `root`; which of its forms was planted."""
+    forms = (("0.33.0's code", plant.patches), *plant.moved)
+    why = []
+    for label, patches in forms:
+        missing = _missing(root, patches)
+        if missing is None:
+            for p in patches:
+                path = root / p.file
+                path.write_text(path.read_text().replace(p.old, p.new))
+            return label
+        why.append(f"{label}: {missing}")
+    raise PatchMissing("; ".join(why))
 
 
 @contextmanager
-def planted_copy(root: str | Path, plant: Plant) -> Iterator[Path]:
-    """A scratch copy of `root` with `plant` applied, removed afterwards."""
+def planted_copy(root: str | Path, plant: Plant) -> Iterator[tuple[Path, str]]:
+    """A scratch copy of `root` with `plant` applied, and the form planted;
+    removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="kvref-vllm-plant-") as tmp:
         dest = Path(tmp) / "copy"
         shutil.copytree(Path(root) / "vllm", dest / "vllm",
                         ignore=shutil.ignore_patterns("__pycache__"))
-        apply(dest, plant)
-        yield dest
+        form = apply(dest, plant)
+        yield dest, form

@@ -220,6 +220,20 @@ class Observed:
         return "; ".join(out)
 
 
+def _map_entries(m: Any) -> Iterator[tuple[bytes, tuple[int, ...]]]:
+    """BlockHashToBlockMap's keys and their block ids, oldest first.  0.33 maps
+    a key to a block or to a dict of them; 0.34 to one block id, the ids of a
+    key with several blocks kept apart in `_dup_ids` (so the GC skips the map)."""
+    dups = getattr(m, "_dup_ids", None)
+    for h, v in m._cache.items():
+        if dups is not None:
+            yield h, tuple(dups[h]) if h in dups else (v,)
+        elif isinstance(v, dict):
+            yield h, tuple(v)
+        else:
+            yield h, (v.block_id,)
+
+
 def _short(h: bytes | None) -> str:
     return "none" if h is None else h[:3].hex()
 
@@ -358,10 +372,7 @@ class VllmPool:
 
     def observe(self) -> Observed:
         n, pool = self.scope.pages, self.pool
-        index = []
-        for h, blocks in pool.cached_block_hash_to_block._cache.items():
-            ids = (blocks.block_id,) if not isinstance(blocks, dict) else tuple(blocks)
-            index.append((bytes(h), ids))
+        index = [(bytes(h), ids) for h, ids in _map_entries(pool.cached_block_hash_to_block)]
         return Observed(
             refs=tuple(pool.blocks[p].ref_cnt for p in range(1, n + 1)),
             keys=tuple(None if pool.blocks[p].block_hash is None
@@ -745,14 +756,19 @@ def main(argv: list[str] | None = None) -> int:
         print("careless calls (kvref's checked protocol; findings about vLLM's "
               "unchecked pool, not failures):\n" + care.table())
     if args.plants:
-        from kvref.testing.vllm_plants import PLANTS, planted_copy
+        from kvref.testing.vllm_plants import PLANTS, PatchMissing, planted_copy
 
         for name, plant in PLANTS.items():
-            with planted_copy(v.root, plant) as root:
-                got = run_lockstep(load(root), budget(args.examples, args.steps))
+            try:
+                with planted_copy(v.root, plant) as (root, form):
+                    got = run_lockstep(load(root), budget(args.examples, args.steps))
+            except PatchMissing as err:
+                bad = True
+                print(f"plant {name} ({plant.anchor}): NOT PLANTED: {err}")
+                continue
             found = got.failure is not None
             bad |= not found
-            print(f"plant {name} ({plant.anchor}): "
+            print(f"plant {name} ({plant.anchor}, {form}): "
                   + (f"found at example {got.examples}, {got.seconds:.1f}s: {got.failure}"
                      if found else "NOT FOUND"))
         load(args.vllm)

@@ -77,18 +77,19 @@ def test_exhaustive_replay_agrees_with_the_unmodified_pool(vllm: V.Vllm) -> None
 def test_lockstep_finds_the_plant(name: str, vllm: V.Vllm,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     plant = PLANTS[name]
-    with planted_copy(vllm.root, plant) as root:
+    with planted_copy(vllm.root, plant) as (root, form):
         got = V.run_lockstep(V.load(root), V.budget(200, 30))
     assert got.failure is not None, f"{name} ({plant.anchor}) not found"
     with capsys.disabled():
-        print(f"\n  {name} ({plant.anchor}): example {got.examples}, "
+        print(f"\n  {name} ({plant.anchor}, {form}): example {got.examples}, "
               f"{got.seconds:.1f}s: {got.failure[:160]}")
 
 
 @needs_copy
 def test_the_scratch_copy_is_planted_and_the_copy_is_not(vllm: V.Vllm) -> None:
     plant = PLANTS["touch_leaves_block_queued"]
-    with planted_copy(vllm.root, plant) as root:
+    with planted_copy(vllm.root, plant) as (root, form):
+        assert form == "0.33.0's code"
         text = (root / plant.patches[0].file).read_text()
         assert plant.patches[0].new in text and plant.patches[0].old not in text
         with pytest.raises(PatchMissing):  # planting twice: the text is gone
