@@ -114,18 +114,26 @@ def trial_import(dest: Path) -> str | None:
     return last
 
 
+def _default_copy() -> Path | None:
+    sys.path.insert(0, str(REPO))
+    from kvref.testing.vllm_pool import find_copy
+
+    return find_copy(REPO)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", default="0.33.0")
     ap.add_argument("--wheel", type=Path, help="a downloaded wheel (no download)")
     ap.add_argument("--dest", type=Path, required=True)
-    ap.add_argument("--stubs-from", type=Path,
-                    default=REPO.parent / "shared" / "anchors" / "vllm_kv")
+    ap.add_argument("--stubs-from", type=Path, default=_default_copy(),
+                    help="a copy whose stubs to take (default: $KVREF_VLLM_COPY, "
+                         "else ../shared/anchors/vllm_kv)")
     ap.add_argument("--also", nargs="*", default=[], help="more of vLLM's files")
     args = ap.parse_args(argv)
-    base: Path = args.stubs_from
-    if not (base / "RECORD.subset").is_file():
+    base: Path | None = args.stubs_from
+    if base is None or not (base / "RECORD.subset").is_file():
         raise SystemExit(f"{base}: not a copy with RECORD.subset (--stubs-from)")
     with tempfile.TemporaryDirectory(prefix="kvref-vllm-wheel-") as tmp:
         wheel = Wheel(args.wheel or download(args.version, Path(tmp)))
@@ -153,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             files.append(name)
         else:
             raise SystemExit("the copy still does not import")
-        lic = [n for n in wheel.zip.namelist() if n.endswith("/LICENSE")]
+        # vLLM's own licence (the wheel also carries vendored projects' ones)
+        lic = [n for n in wheel.zip.namelist()
+               if ".dist-info/" in n and n.endswith("LICENSE")]
         if lic:
             (dest / "LICENSE").write_bytes(wheel.zip.read(lic[0]))
         (dest / "RECORD.subset").write_text(

@@ -762,15 +762,19 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with planted_copy(v.root, plant) as (root, form):
                     got = run_lockstep(load(root), budget(args.examples, args.steps))
+                    short = replay(load(root), replace(REPLAY_SCOPE, depth=args.depth),
+                                   first=True)
             except PatchMissing as err:
                 bad = True
                 print(f"plant {name} ({plant.anchor}): NOT PLANTED: {err}")
                 continue
             found = got.failure is not None
-            bad |= not found
-            print(f"plant {name} ({plant.anchor}, {form}): "
-                  + (f"found at example {got.examples}, {got.seconds:.1f}s: {got.failure}"
+            bad |= not found or not short.findings
+            print(f"plant {name} ({plant.anchor}, {form}): lockstep "
+                  + (f"found it at example {got.examples}, {got.seconds:.1f}s: {got.failure}"
                      if found else "NOT FOUND"))
+            print("  replay: " + ("\n".join(short.table().splitlines()[3:])
+                                  if short.findings else "NOT FOUND"))
         load(args.vllm)
     return 1 if bad else 0
 

@@ -74,12 +74,17 @@ def test_exhaustive_replay_agrees_with_the_unmodified_pool(vllm: V.Vllm) -> None
 
 @needs_copy
 @pytest.mark.parametrize("name", sorted(PLANTS))
-def test_lockstep_finds_the_plant(name: str, vllm: V.Vllm,
-                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_lockstep_and_replay_find_the_plant(name: str, vllm: V.Vllm,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
     plant = PLANTS[name]
     with planted_copy(vllm.root, plant) as (root, form):
-        got = V.run_lockstep(V.load(root), V.budget(200, 30))
-    assert got.failure is not None, f"{name} ({plant.anchor}) not found"
+        planted = V.load(root)
+        got = V.run_lockstep(planted, V.budget(200, 30))
+        short = V.replay(planted, first=True)
+    assert got.failure is not None, f"{name} ({plant.anchor}): the lockstep missed it"
+    assert short.findings, f"{name} ({plant.anchor}): the replay missed it"
+    (trace, _), = short.findings.values()
+    assert len(trace) <= 5, short.table()  # a shortest trace: 6 calls at most
     with capsys.disabled():
         print(f"\n  {name} ({plant.anchor}, {form}): example {got.examples}, "
               f"{got.seconds:.1f}s: {got.failure[:160]}")
@@ -113,6 +118,16 @@ def test_careless_calls_vllm_does_not_refuse(vllm: V.Vllm) -> None:
     # the one vLLM stops: cache_full_blocks asserts on a block cached already
     for kind in ("Register, a repeat", "Register, other tokens for a cached page"):
         assert "raised AssertionError" in rep.findings[kind][1].got
+
+
+@needs_copy
+def test_a_negative_allocation_corrupts_the_free_count(vllm: V.Vllm) -> None:
+    # finding 1: get_new_blocks(-1) passes its check and popleft_n(-1) adds one
+    # to num_free_blocks; the next full allocation hands out the fake tail
+    vp = V.VllmPool(vllm, V.vllm_scope(pages=2, holders=2))
+    assert vp.step(M.Allocate(0, -1)) == M.Pages(())  # kvref: InvalidArgumentError
+    assert vp.pool.get_num_free_blocks() == 3  # two blocks in the queue
+    assert vp.step(M.Allocate(0, 3)) == M.Pages((1, 2, -1))
 
 
 @needs_copy
