@@ -228,9 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", choices=RULES, help="check the model with this rule off")
     ap.add_argument("--keep-going", action="store_true", help="every invariant's trace")
     ap.add_argument("--no-reduce", action="store_true", help="no symmetry reduction")
+    ap.add_argument("--vllm-scope", action="store_true",
+                    help="the scope settings that state vLLM's BlockPool (duplicates, "
+                         "blank_to_front, trusts_caller: docs/verification/vllm-block-pool.md)")
     args = ap.parse_args(argv)
+    flags = dict.fromkeys(("duplicates", "blank_to_front", "trusts_caller"), args.vllm_scope)
     scope = Scope(pages=args.pages, holders=args.holders, page_size=args.page_size,
-                  alphabet=args.alphabet, depth=args.depth)
+                  alphabet=args.alphabet, depth=args.depth, **flags)
     cls = variant(args.variant) if args.variant else PagesModel
     rep = check(cls(scope), keep_going=args.keep_going, reduce=not args.no_reduce)
     print(table(rep, scope))
