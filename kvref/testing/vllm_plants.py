@@ -103,7 +103,7 @@ def _missing(root: Path, patches: tuple[Patch, ...]) -> str | None:
 
 def apply(root: Path, plant: Plant) -> str:
     """Plant it in the copy at `root`; which of its forms was planted."""
-    forms = (("0.33.0's code", plant.patches), *plant.moved)
+    forms = (("0.33.0's text", plant.patches), *plant.moved)
     why = []
     for label, patches in forms:
         missing = _missing(root, patches)

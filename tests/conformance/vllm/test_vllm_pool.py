@@ -94,7 +94,7 @@ def test_lockstep_and_replay_find_the_plant(name: str, vllm: V.Vllm,
 def test_the_scratch_copy_is_planted_and_the_copy_is_not(vllm: V.Vllm) -> None:
     plant = PLANTS["touch_leaves_block_queued"]
     with planted_copy(vllm.root, plant) as (root, form):
-        assert form == "0.33.0's code"
+        assert form == "0.33.0's text"
         text = (root / plant.patches[0].file).read_text()
         assert plant.patches[0].new in text and plant.patches[0].old not in text
         with pytest.raises(PatchMissing):  # planting twice: the text is gone
