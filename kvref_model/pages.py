@@ -58,6 +58,20 @@ class Scope:
     # two extra-key tuples whose values join to the same string untagged
     extras: tuple[Extras, ...] = ((("salt", "ab"),), (("lora", "a"), ("salt", "b")))
     depth: int = 0  # 0: explore until no new state
+    # Another engine's pool stated as the model (docs/verification/vllm-block-pool.md);
+    # each default keeps kvref's rules exactly.
+    # One key may name several pages, hits taking the oldest registered (vLLM keeps
+    # duplicate blocks so that a block table stays append-only): no dedup on register.
+    duplicates: bool = False
+    # A release puts freed blank pages at the front of the free-blank queue, in the
+    # order given (vLLM prepends them: LIFO reuse, for GPU locality), not at the back.
+    blank_to_front: bool = False
+    # The pool trusts its caller: careless calls (a double release, a release of a
+    # page not held, a repeated register...) are the caller's to refuse, so the
+    # protocol leaves them out (vLLM's BlockPool keeps ref counts, not holders).
+    # The model still answers one with Misuse; only the write check stays, since
+    # vLLM answers it (BlockPool.is_block_writable).
+    trusts_caller: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,12 +87,23 @@ class State:
     lru: tuple[int, ...] = ()  # free-cached, least recently used first
     blank: tuple[int, ...] = ()  # free-blank, in allocation order
     tables: tuple[tuple[int, ...], ...] = ()  # environment: each holder's references
+    # registered pages, oldest first; kept only under Scope.duplicates, where it says
+    # which of a key's pages a hit takes (always () otherwise)
+    order: tuple[int, ...] = ()
 
     def page(self, p: int) -> Page:
         return self.pages[p - 1]
 
     def index(self) -> dict[Key, int]:
-        return {pg.key: p for p, pg in enumerate(self.pages, 1) if pg.key is not None}
+        """Each key's page: under duplicates the oldest registered of its pages."""
+        if not self.order:
+            return {pg.key: p for p, pg in enumerate(self.pages, 1) if pg.key is not None}
+        out: dict[Key, int] = {}
+        for p in (*self.order, *range(1, len(self.pages) + 1)):
+            key = self.pages[p - 1].key
+            if key is not None:
+                out.setdefault(key, p)
+        return out
 
 
 # -------------------------------------------------------------- actions
@@ -284,8 +309,11 @@ class PagesModel:
             key = None if self.EVICT_DROPS_KEY else pages[p - 1].key
             pages[p - 1] = Page(frozenset({a.holder}), key, None)
         got = taken + evicted
-        return Pages(got), self._with(s, pages, lru=s.lru[len(evicted):],
-                                      blank=s.blank[len(taken):], add=(a.holder, got))
+        t = self._with(s, pages, lru=s.lru[len(evicted):], blank=s.blank[len(taken):],
+                       add=(a.holder, got))
+        if s.order and self.EVICT_DROPS_KEY:
+            t = replace(t, order=tuple(p for p in s.order if p not in evicted))
+        return Pages(got), t
 
     def _Match(self, s: State, a: Match) -> tuple[Result, State]:
         hits = self.hits(s, a.tokens, a.extras)
@@ -324,6 +352,11 @@ class PagesModel:
         if pg.key is not None:  # registered once, immutable after
             return (Registered(a.page), s) if pg.key == key else (Misuse(REGISTER), s)
         q = s.index().get(key)
+        if self.scope.duplicates:  # registered beside any page that has the key
+            pages = list(s.pages)
+            pages[a.page - 1] = replace(pg, key=key)
+            return Registered(a.page), replace(s, pages=tuple(pages),
+                                               order=(*s.order, a.page))
         if q is not None:  # the page that has the key wins; the caller keeps its own
             if self.DEDUP_KEEPS_PAGE:
                 return Registered(q), s
@@ -353,7 +386,8 @@ class PagesModel:
     def _Release(self, s: State, a: Release) -> tuple[Result, State]:
         if self._release_refused(s, a.holder, a.pages):
             return Misuse(REF), s
-        pages, lru, blank, freed = list(s.pages), s.lru, s.blank, 0
+        pages, lru, freed = list(s.pages), s.lru, 0
+        blanked: tuple[int, ...] = ()
         for p in a.pages:  # in the order given: the caller passes the tail first
             pg = pages[p - 1]
             pages[p - 1] = pg = replace(pg, holders=pg.holders - {a.holder})
@@ -362,11 +396,12 @@ class PagesModel:
                 if pg.key is not None:
                     lru += (p,)
                 else:
-                    blank += (p,)
+                    blanked += (p,)
                     pages[p - 1] = Page()
+        blank = blanked + s.blank if self.scope.blank_to_front else s.blank + blanked
         tables = list(s.tables)
         tables[a.holder] = tuple(p for p in tables[a.holder] if p not in a.pages)
-        return Count(freed), State(tuple(pages), lru, blank, tuple(tables))
+        return Count(freed), State(tuple(pages), lru, blank, tuple(tables), s.order)
 
     def _Reclaimable(self, s: State, a: Reclaimable) -> tuple[Result, State]:
         holders = [h for h, _ in a.released]
@@ -394,7 +429,7 @@ class PagesModel:
         for p in s.lru:
             pages[p - 1] = Page()
         return Count(len(s.lru)), replace(s, pages=tuple(pages), lru=(),
-                                          blank=s.blank + s.lru)
+                                          blank=s.blank + s.lru, order=())
 
     def _with(self, s: State, pages: list[Page], *, lru: tuple[int, ...] | None = None,
               blank: tuple[int, ...] | None = None,
@@ -403,7 +438,7 @@ class PagesModel:
         tables = list(s.tables)
         tables[h] = tables[h] + got
         return State(tuple(pages), s.lru if lru is None else lru,
-                     s.blank if blank is None else blank, tuple(tables))
+                     s.blank if blank is None else blank, tuple(tables), s.order)
 
 
 RULES = ("EVICT_DROPS_KEY", "HIT_LEAVES_LRU", "TAGGED_EXTRAS", "CAP_BEFORE_LAST_TOKEN",

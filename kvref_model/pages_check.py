@@ -35,6 +35,7 @@ from kvref_model.pages import (
     Key,
     Lookup,
     Match,
+    Misuse,
     NumFree,
     PagesModel,
     Reclaimable,
@@ -65,7 +66,20 @@ def _tokens_of(key: Key | None) -> tuple[int, ...]:
 
 
 def calls(m: PagesModel, s: State) -> Iterator[Action]:
-    """Every call of the protocol in state `s`, in a fixed order."""
+    """Every call of the protocol in state `s`, in a fixed order.  Under
+    `Scope.trusts_caller` only the calls the pool accepts (and the write check):
+    the careless ones are its caller's to refuse, a repeated register among them."""
+    if not m.scope.trusts_caller:
+        yield from _calls(m, s)
+        return
+    for a in _calls(m, s):
+        if isinstance(a, Register) and s.page(a.page).key is not None:
+            continue
+        if isinstance(a, Write) or not isinstance(m.step(s, a)[0], Misuse):
+            yield a
+
+
+def _calls(m: PagesModel, s: State) -> Iterator[Action]:
     sc, ps = m.scope, m.scope.page_size
     holders, pages = range(sc.holders), range(1, sc.pages + 1)
     free = len(s.blank) + len(s.lru)
@@ -156,6 +170,8 @@ class Canon:
                 tuple(order[p] for p in s.lru), tuple(order[p] for p in s.blank),
                 tuple((sorted(new_h[h] for h in s.page(p).holders), s.page(p).key,
                        s.page(p).content) for p in order),
+                # registration order only where a scope keeps it (duplicates)
+                *((tuple(order[p] for p in s.order),) if s.order else ()),
             )).encode()
             if best is None or enc < best:
                 best = enc
@@ -212,9 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", choices=RULES, help="check the model with this rule off")
     ap.add_argument("--keep-going", action="store_true", help="every invariant's trace")
     ap.add_argument("--no-reduce", action="store_true", help="no symmetry reduction")
+    ap.add_argument("--vllm-scope", action="store_true",
+                    help="the scope settings that state vLLM's BlockPool (duplicates, "
+                         "blank_to_front, trusts_caller: docs/verification/vllm-block-pool.md)")
     args = ap.parse_args(argv)
+    flags = dict.fromkeys(("duplicates", "blank_to_front", "trusts_caller"), args.vllm_scope)
     scope = Scope(pages=args.pages, holders=args.holders, page_size=args.page_size,
-                  alphabet=args.alphabet, depth=args.depth)
+                  alphabet=args.alphabet, depth=args.depth, **flags)
     cls = variant(args.variant) if args.variant else PagesModel
     rep = check(cls(scope), keep_going=args.keep_going, reduce=not args.no_reduce)
     print(table(rep, scope))

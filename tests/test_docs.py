@@ -145,12 +145,14 @@ PLANT_REGISTRIES = (
     "tests/conformance/test_sharing_kvref_plants.py",
     "tests/model/test_mutations.py",
     "tests/unit/_plant_validate.py",
+    "kvref/testing/vllm_plants.py",
 )
 
 
 @functools.cache
 def _plants() -> dict[str, set[str]]:
     """Every planted bug's name, by the file that registers it."""
+    from kvref.testing.vllm_plants import PLANTS as VLLM
     from tests.concurrency.test_publish_races import PLANTED
     from tests.conformance.test_mutations import MUTANTS
     from tests.conformance.test_page_pool_plants import PLANTS as POOL
@@ -169,6 +171,7 @@ def _plants() -> dict[str, set[str]]:
         "tests/conformance/test_sharing_kvref_plants.py": set(SHARING),
         "tests/model/test_mutations.py": model_mutants,
         "tests/unit/_plant_validate.py": {plant[0] for plant in validate.PLANTS},
+        "kvref/testing/vllm_plants.py": set(VLLM),
     }
 
 
