@@ -141,6 +141,37 @@ class _LRU:
         self.remove(p)
         return p
 
+    def extend(self, pages: Sequence[int]) -> None:
+        """`push_back` of each page in order, as one splice: the pages are
+        linked to each other, then the chain to the tail (a release of a
+        whole request is one call, not one per page)."""
+        if not pages:
+            return
+        prev, nxt, head = self._prev, self._next, self._head
+        last = prev[head]
+        for p in pages:
+            nxt[last] = p
+            prev[p] = last
+            last = p
+        nxt[last] = head
+        prev[head] = last
+        self._len += len(pages)
+
+    def pop_front_many(self, n: int) -> list[int]:
+        """The ``n`` oldest pages, unlinked as one splice (n <= len)."""
+        nxt, prev, head = self._next, self._prev, self._head
+        out: list[int] = []
+        p = nxt[head]
+        for _ in range(n):
+            out.append(p)
+            q = nxt[p]
+            prev[p] = nxt[p] = -1
+            p = q
+        nxt[head] = p
+        prev[p] = head
+        self._len -= n
+        return out
+
     def __iter__(self) -> Iterator[int]:
         """Oldest first; stops after len + 1 steps, so a corrupt list cannot loop."""
         p, steps = self._next[self._head], 0
@@ -254,11 +285,20 @@ class PagePool:
             if n > free:
                 return AllocationFailed(pages_short=n - free,
                                         message=f"{n} pages asked for, {free} free")
-            out = [self._blank.popleft() for _ in range(min(n, len(self._blank)))]
-            while len(out) < n:
-                out.append(self._evict())
+            blank = self._blank
+            take = min(n, len(blank))
+            # a whole deque taken at once is a copy and a clear, not n pops
+            if take == len(blank):
+                out = list(blank)
+                blank.clear()
+            else:
+                pop = blank.popleft
+                out = [pop() for _ in range(take)]
+            if take < n:
+                out += self._evict_many(n - take)
+            holders = self._holders
             for p in out:
-                self._holders[p].add(owner)
+                holders[p].add(owner)
             return out
 
     def match(self, owner: Owner, tokens: Tokens, extras: ExtraKeys = ()) -> PrefixHit:
@@ -303,7 +343,9 @@ class PagePool:
         is listed twice or not held by `owner` (S9)."""
         pages = list(pages)
         with self._lock:
-            self._check_release(owner, pages)
+            if not self._release_ok(owner, pages):
+                # the slow checks name what is wrong (the fast one only says whether)
+                self._check_release(owner, pages)
             return self._drop(owner, pages)
 
     # ------------------------------------------------------------ contents
@@ -352,6 +394,35 @@ class PagePool:
             self._index[key] = page
             self._key[page] = key
             return Registered(page, key)
+
+    def register_chain(self, pages: Sequence[int], keys: Sequence[PageKey]
+                       ) -> tuple[int, KVRefError | None]:
+        """`register` of ``pages[i]`` under ``keys[i]`` for each i in order,
+        the keys a chain the caller hashed (`prefix_hash.iter_page_keys`) from
+        full pages of its tokens: one acquisition of the lock and no record
+        per page. Returns how many were done and the error that stopped the
+        rest (None: all), so the caller keeps what a loop of `register` calls
+        would have kept before it raised."""
+        for page in pages:
+            self._check_page(page, PageRegisterError)
+        with self._lock:
+            holders, have_keys, index = self._holders, self._key, self._index
+            for i, (page, key) in enumerate(zip(pages, keys, strict=True)):
+                if not holders[page]:
+                    return i, PageRegisterError(
+                        f"page {page} is free: it holds nothing committed")
+                have = have_keys[page]
+                if have is not None:
+                    if have == key:
+                        continue
+                    return i, PageRegisterError(
+                        f"page {page} is registered under other tokens; a registered "
+                        "page is immutable")
+                if key in index:
+                    continue  # deduplicated: that page keeps the key (S11)
+                index[key] = page
+                have_keys[page] = key
+            return len(pages), None
 
     def reset_prefix_cache(self) -> int | ResetRefused:
         """Forget every cached page (after a weight update, say); returns how
@@ -434,18 +505,32 @@ class PagePool:
                 raise PageRefError(f"release of page {p}: {owner!r} does not hold it "
                                    f"({state}); a second release of the same page?")
 
+    def _release_ok(self, owner: Owner, pages: list[int]) -> bool:
+        """`_check_release` as one pass of C-level checks: ints in range, each
+        once, each held by `owner`. False sends the caller to the checks that
+        say what is wrong; True is what they would pass."""
+        holders, lo, hi = self._holders, self.first, self.num_pages
+        # a comprehension: cheaper here than any() over a generator or map()s
+        bad = [p for p in pages
+               if type(p) is not int or not lo <= p < hi or owner not in holders[p]]
+        return not bad and len(set(pages)) == len(pages)
+
     def _drop(self, owner: Owner, pages: list[int]) -> int:
-        freed = 0
+        # one pass, then the freed pages go to the blank queue and the LRU
+        # each in one call: the order within each is the order given (S6)
+        holders, key = self._holders, self._key
+        blank: list[int] = []
+        cached: list[int] = []
         for p in pages:
-            holders = self._holders[p]
-            holders.discard(owner)
-            if not holders:
-                freed += 1
-                if self._key[p] is None:
-                    self._blank.append(p)
-                else:
-                    self._lru.push_back(p)
-        return freed
+            h = holders[p]
+            h.discard(owner)
+            if not h:
+                (blank if key[p] is None else cached).append(p)
+        if blank:
+            self._blank.extend(blank)
+        if cached:
+            self._lru.extend(cached)
+        return len(blank) + len(cached)
 
     def _evict(self) -> int:
         """The least recently used free-cached page, its key dropped first (S4)."""
@@ -455,6 +540,17 @@ class PagePool:
         del self._index[key]
         self._key[p] = None
         return p
+
+    def _evict_many(self, n: int) -> list[int]:
+        """`_evict` ``n`` times, the LRU unlinked in one splice."""
+        out = self._lru.pop_front_many(n)
+        index, keys = self._index, self._key
+        for p in out:
+            key = keys[p]
+            assert key is not None
+            del index[key]
+            keys[p] = None
+        return out
 
     def _touch(self, p: int) -> None:
         """A hit on a free-cached page takes it out of the LRU (S5)."""

@@ -128,17 +128,16 @@ def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
     extras = extras_for(table, rid, stream.space or label)
     fresh = tokens[keyed - start:(full * ps) - start]
     parent = stream.keys[-1] if stream.keys else None
-    added = 0
-    for i, key in enumerate(prefix_hash.iter_page_keys(fresh, ps, extras, parent=parent)):
-        page = len(stream.keys)
-        got = table.pages.register(stream.page_indices[page], parent,
-                                   fresh[i * ps:(i + 1) * ps], extras, key=key)
-        # deduplicated or not, the key names these tokens: the chain goes on
-        stream.keys.append(got.key)
-        parent = got.key
-        added += 1
+    new_keys = prefix_hash.page_keys(fresh, ps, extras, parent=parent)
+    # one pass under the pool's lock for the whole run of pages
+    done, err = table.pages.register_chain(
+        stream.page_indices[len(stream.keys):full], new_keys)
+    # deduplicated or not, the key names these tokens: the chain goes on
+    stream.keys += new_keys[:done]
+    if err is not None:
+        raise err
     stream.key_tokens += raw[(keyed - start) * 8:(full * ps - start) * 8]
-    return added
+    return done
 
 
 def reset_prefix_cache(table: StreamTable) -> int | ResetRefused:

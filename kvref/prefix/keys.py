@@ -25,6 +25,7 @@ hits only under the same tokens before it, and the same extra keys.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Iterator, Sequence
@@ -50,6 +51,25 @@ def _u64(n: int) -> bytes:
 
 def encode_extras(extras: ExtraKeys) -> bytes:
     """The tagged, length-prefixed encoding of the extra keys (field 3)."""
+    # a stream's extras are the same on every call: encoded once. Only exact
+    # types are cached, since True == 1 and "a" == a str subclass would share
+    # an entry while one of them encodes otherwise (or is refused)
+    if type(extras) is tuple and all(
+            type(item) is tuple and len(item) == 2 and type(item[0]) is str
+            and type(item[1]) in _PLAIN for item in extras):
+        return _encoded_extras(extras)
+    return _encode_extras(extras)
+
+
+_PLAIN = (str, bytes, int)
+
+
+@functools.lru_cache(maxsize=4096)
+def _encoded_extras(extras: tuple[tuple[str, ExtraValue], ...]) -> bytes:
+    return _encode_extras(extras)
+
+
+def _encode_extras(extras: ExtraKeys) -> bytes:
     out = [_u64(len(extras))]
     for item in extras:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
