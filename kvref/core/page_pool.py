@@ -301,14 +301,16 @@ class PagePool:
                 holders[p].add(owner)
             return out
 
-    def match(self, owner: Owner, tokens: Tokens, extras: ExtraKeys = ()) -> PrefixHit:
+    def match(self, owner: Owner, tokens: Tokens, extras: ExtraKeys = (), *,
+              encoded: bytes | None = None) -> PrefixHit:
         """The longest run of cached pages at the head of `tokens` under
         `extras`, each now also held by `owner` (a free-cached one leaves the
         LRU).  The keys are hashed under the lock, page by page, up to the
-        first miss.  `PageRefError` if `owner` holds one of them already."""
+        first miss.  `PageRefError` if `owner` holds one of them already.
+        ``encoded``: `prefix_hash.token_bytes` of `tokens`, if the caller has it."""
         self._check_owner(owner)
         with self._lock:
-            pages, keys = self._hits(tokens, extras)
+            pages, keys = self._hits(tokens, extras, encoded)
             for p in pages:
                 if owner in self._holders[p]:
                     raise PageRefError(f"{owner!r} already holds cached page {p}: a hit "
@@ -560,11 +562,13 @@ class PagePool:
         """Whole pages a hit may attach: at most num_tokens - 1 tokens (S8)."""
         return max(num_tokens - 1, 0) // self.page_size
 
-    def _hits(self, tokens: Tokens, extras: ExtraKeys) -> tuple[list[int], list[PageKey]]:
+    def _hits(self, tokens: Tokens, extras: ExtraKeys, encoded: bytes | None = None
+              ) -> tuple[list[int], list[PageKey]]:
         pages: list[int] = []
         keys: list[PageKey] = []
         limit = self._cacheable_pages(len(tokens))
-        for key in prefix_hash.iter_page_keys(tokens, self.page_size, extras, pages=limit):
+        for key in prefix_hash.iter_page_keys(tokens, self.page_size, extras, pages=limit,
+                                              encoded=encoded):
             p = self._index.get(key)
             if p is None:
                 break

@@ -44,15 +44,11 @@ def _settled(stream: CacheStream, rid: str, label: str, call: str) -> None:
                                      "to)", request_id=rid, label=label)
 
 
-def _token_count(tokens: Tokens, rid: str, label: str) -> int:
-    # the bytes are what is hashed: a bad id is refused before anything changes
-    return len(prefix_hash.token_bytes(tokens)) // 8
-
-
 def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> int:
     """See `KVManager.match_prefix`."""
     streams = table.request(rid)
-    _token_count(tokens, rid, label)
+    # encoded once: the check of every id, the hashes and the stream's record
+    raw = prefix_hash.token_bytes(tokens)
     stream = streams.get(label)
     if stream is not None:
         if stream.step_in_flight:
@@ -74,7 +70,8 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
         # W10: a windowed label never hits (its stream computes its prompt)
         return 0
     key = (rid, label)
-    hit = table.pages.match(key, tokens, extras_for(table, rid, stream.space or label))
+    hit = table.pages.match(key, tokens, extras_for(table, rid, stream.space or label),
+                            encoded=raw)
     n = hit.num_tokens
     if not n:
         return 0
@@ -83,7 +80,7 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
     stream.stored_len = n
     stream.position = n  # W4: the next token's position
     stream.keys = list(hit.keys)
-    stream.key_tokens = bytearray(prefix_hash.token_bytes(tokens[:n]))
+    stream.key_tokens = bytearray(raw[:n * 8])
     stream.generation += 1
     return n
 

@@ -124,11 +124,12 @@ def page_key(parent: PageKey | None, tokens: Tokens, extras: ExtraKeys = ()) -> 
 
 
 def iter_page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
-                   parent: PageKey | None = None, pages: int | None = None
-                   ) -> Iterator[PageKey]:
+                   parent: PageKey | None = None, pages: int | None = None,
+                   encoded: bytes | None = None) -> Iterator[PageKey]:
     """The chained keys of the whole pages of `tokens` (at most `pages` of
     them), lazily: a caller that stops at the first miss hashes no further.
-    The tokens and the extra keys are encoded once for the whole chain."""
+    The tokens and the extra keys are encoded once for the whole chain;
+    ``encoded``: `token_bytes` of `tokens`, where the caller has it already."""
     if page_size <= 0:
         raise InvalidArgumentError(f"page_size must be positive, got {page_size}")
     n = len(tokens) // page_size
@@ -136,7 +137,8 @@ def iter_page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
         n = min(n, max(pages, 0))
     if n == 0:
         return
-    tb = memoryview(token_bytes(tokens[:n * page_size]))  # only what is hashed
+    # only what is hashed is encoded
+    tb = memoryview(token_bytes(tokens[:n * page_size]) if encoded is None else encoded)
     count, tail, step = _u64(page_size), encode_extras(extras), 8 * page_size
     sha, join = hashlib.sha256, b"".join
     prev = _parent_field(parent)

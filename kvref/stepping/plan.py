@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -361,6 +361,11 @@ def packed_plan_state(
     return KVPlanState(token_to_page=both[0], token_to_cache=both[1], total_tokens=total_tokens)
 
 
+# chunks of at least this many tokens get their write slots from numpy
+# vector ops; shorter ones from `_chunk_slots`, cheaper below the set-up cost
+_VECTOR_CHUNK = 64
+
+
 def _chunk_slots(
     pages: list[int], pos: int, end: int, page_size: int,
     pages_out: list[int], offsets_out: list[int],
@@ -417,23 +422,44 @@ def mixed_tables(
         else:
             last[i] = end % page_size + 1 if end >= 0 else 0
             others.append(i)
+    table_len = 3 * n + 2 + len(indices)
     if others:
-        slot_pages: list[int] = []  # request-major, as the query rows
+        # request-major, as the query rows: runs of Python ints (one-token
+        # rows, short chunks) between numpy pieces (long chunks)
+        page_parts: list[np.ndarray[Any, Any]] = []
+        offset_parts: list[np.ndarray[Any, Any]] = []
+        slot_pages: list[int] = []
         slot_offsets: list[int] = []
         prev = 0
         for i in others:
             slot_pages += row_page[prev:i]
             slot_offsets += row_offset[prev:i]
             v = views[i]
-            _chunk_slots(v.page_idxs, v.length - v.to_compute, v.length, page_size,
-                         slot_pages, slot_offsets)
+            if v.to_compute < _VECTOR_CHUNK:
+                _chunk_slots(v.page_idxs, v.length - v.to_compute, v.length, page_size,
+                             slot_pages, slot_offsets)
+            else:
+                # a long chunk (a prompt) by vector ops, not a list fill per token
+                if slot_pages:
+                    page_parts.append(np.array(slot_pages, dtype=np.int64))
+                    offset_parts.append(np.array(slot_offsets, dtype=np.int64))
+                    slot_pages, slot_offsets = [], []
+                pos = np.arange(v.length - v.to_compute, v.length, dtype=np.int64)
+                page_parts.append(np.array(v.page_idxs, dtype=np.int64)[pos // page_size])
+                offset_parts.append(pos % page_size)
             prev = i + 1
         slot_pages += row_page[prev:]
         slot_offsets += row_offset[prev:]
+        if page_parts:
+            page_parts.append(np.array(slot_pages, dtype=np.int64))
+            offset_parts.append(np.array(slot_offsets, dtype=np.int64))
+            host = np.concatenate((np.array(qo + kv + last + indices, dtype=np.int64),
+                                   *page_parts, *offset_parts))
+        else:
+            host = np.array(qo + kv + last + indices + slot_pages + slot_offsets,
+                            dtype=np.int64)
     else:
-        slot_pages, slot_offsets = row_page, row_offset
-    table_len = 3 * n + 2 + len(indices)
-    host = np.array(qo + kv + last + indices + slot_pages + slot_offsets, dtype=np.int64)
+        host = np.array(qo + kv + last + indices + row_page + row_offset, dtype=np.int64)
     b = (0, n + 1, 2 * n + 2, 3 * n + 2, table_len)
     table = host[:table_len].astype(np.int32)
     # numpy slices wrapped by from_numpy: cheaper than slicing a torch tensor

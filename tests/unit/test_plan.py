@@ -210,7 +210,7 @@ def test_decode_tables_equal_the_separate_builders(lengths: list[int], page_size
     page_size=st.sampled_from([1, 2, 3, 4, 16]),
     # (stored, span): decode rows (span 1), prefill chunks, and span 0 (reads only)
     shapes=st.lists(
-        st.tuples(st.integers(0, 60), st.sampled_from([0, 1, 1, 1, 5, 17, 64])),
+        st.tuples(st.integers(0, 60), st.sampled_from([0, 1, 1, 1, 5, 17, 64, 130])),
         min_size=1, max_size=10,
     ),
     data=st.data(),
