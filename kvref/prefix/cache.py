@@ -124,8 +124,10 @@ def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
         return 0
     extras = extras_for(table, rid, stream.space or label)
     fresh = tokens[keyed - start:(full * ps) - start]
+    fresh_raw = raw[(keyed - start) * 8:(full * ps - start) * 8]
     parent = stream.keys[-1] if stream.keys else None
-    new_keys = prefix_hash.page_keys(fresh, ps, extras, parent=parent)
+    # hashed from the bytes already checked above, not encoded again
+    new_keys = prefix_hash.page_keys(fresh, ps, extras, parent=parent, encoded=fresh_raw)
     # one pass under the pool's lock for the whole run of pages
     done, err = table.pages.register_chain(
         stream.page_indices[len(stream.keys):full], new_keys)
@@ -133,7 +135,7 @@ def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
     stream.keys += new_keys[:done]
     if err is not None:
         raise err
-    stream.key_tokens += raw[(keyed - start) * 8:(full * ps - start) * 8]
+    stream.key_tokens += fresh_raw
     return done
 
 

@@ -149,6 +149,8 @@ def iter_page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
 
 
 def page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
-              parent: PageKey | None = None, pages: int | None = None) -> list[PageKey]:
+              parent: PageKey | None = None, pages: int | None = None,
+              encoded: bytes | None = None) -> list[PageKey]:
     """`iter_page_keys` as a list: what an engine computes once per prompt."""
-    return list(iter_page_keys(tokens, page_size, extras, parent=parent, pages=pages))
+    return list(iter_page_keys(tokens, page_size, extras, parent=parent, pages=pages,
+                               encoded=encoded))
