@@ -345,9 +345,6 @@ class PagePool:
         is listed twice or not held by `owner` (S9)."""
         pages = list(pages)
         with self._lock:
-            if not self._release_ok(owner, pages):
-                # the slow checks name what is wrong (the fast one only says whether)
-                self._check_release(owner, pages)
             return self._drop(owner, pages)
 
     # ------------------------------------------------------------ contents
@@ -507,27 +504,32 @@ class PagePool:
                 raise PageRefError(f"release of page {p}: {owner!r} does not hold it "
                                    f"({state}); a second release of the same page?")
 
-    def _release_ok(self, owner: Owner, pages: list[int]) -> bool:
-        """`_check_release` as one pass of C-level checks: ints in range, each
-        once, each held by `owner`. False sends the caller to the checks that
-        say what is wrong; True is what they would pass."""
-        holders, lo, hi = self._holders, self.first, self.num_pages
-        # a comprehension: cheaper here than any() over a generator or map()s
-        bad = [p for p in pages
-               if type(p) is not int or not lo <= p < hi or owner not in holders[p]]
-        return not bad and len(set(pages)) == len(pages)
-
     def _drop(self, owner: Owner, pages: list[int]) -> int:
-        # one pass, then the freed pages go to the blank queue and the LRU
-        # each in one call: the order within each is the order given (S6)
+        """Release as one pass that checks each page as it drops it (an int
+        in range, held by `owner`, not listed before), then hands the freed
+        pages to the blank queue and the LRU in one call each, in the order
+        given (S6). A page that fails puts back what the pass took, and
+        `_check_release` raises naming what is wrong: nothing changes."""
         holders, key = self._holders, self._key
+        lo, hi = self.first, self.num_pages
         blank: list[int] = []
         cached: list[int] = []
-        for p in pages:
-            h = holders[p]
-            h.discard(owner)
-            if not h:
-                (blank if key[p] is None else cached).append(p)
+        i = 0
+        try:
+            for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
+                if type(p) is not int or not lo <= p < hi:
+                    raise KeyError(p)
+                h = holders[p]
+                # the check and the drop in one: KeyError if `owner` does not
+                # hold it (a page listed twice: its first mention took the owner)
+                h.remove(owner)
+                if not h:
+                    (blank if key[p] is None else cached).append(p)
+        except KeyError:
+            for q in pages[:i]:
+                holders[q].add(owner)
+            self._check_release(owner, pages)
+            raise AssertionError(f"release of {pages!r} failed a check that passed") from None
         if blank:
             self._blank.extend(blank)
         if cached:

@@ -31,7 +31,18 @@ def extras_for(table: StreamTable, rid: str, space: str) -> ExtraKeys:
     crosses them; a forked sample holds its source's KV and keys like it."""
     cfg = table.overrides.get(rid)
     salt = cfg.cache_salt if cfg is not None else None
-    return ((("salt", salt),) if salt is not None else ()) + (("label", space),)
+    # one tuple per (salt, label), so the keys' encoding of it is found by
+    # identity (`prefix_hash.encode_extras`): encoded once, not per call
+    got = _EXTRAS.get((salt, space))
+    if got is None:
+        if len(_EXTRAS) >= 4096:
+            _EXTRAS.clear()  # bounded: many salts rebuild, not grow
+        got = _EXTRAS[(salt, space)] = (
+            ((("salt", salt),) if salt is not None else ()) + (("label", space),))
+    return got
+
+
+_EXTRAS: dict[tuple[str | None, str], ExtraKeys] = {}
 
 
 def _settled(stream: CacheStream, rid: str, label: str, call: str) -> None:

@@ -51,17 +51,28 @@ def _u64(n: int) -> bytes:
 
 def encode_extras(extras: ExtraKeys) -> bytes:
     """The tagged, length-prefixed encoding of the extra keys (field 3)."""
+    # the very tuple encoded before (a stream's, `extras_for` keeps one per
+    # salt and label): found by identity, no check of its items
+    seen = _BY_ID.get(id(extras))
+    if seen is not None and seen[0] is extras:
+        return seen[1]
     # a stream's extras are the same on every call: encoded once. Only exact
     # types are cached, since True == 1 and "a" == a str subclass would share
     # an entry while one of them encodes otherwise (or is refused)
     if type(extras) is tuple and all(
             type(item) is tuple and len(item) == 2 and type(item[0]) is str
             and type(item[1]) in _PLAIN for item in extras):
-        return _encoded_extras(extras)
+        got = _encoded_extras(extras)
+        if len(_BY_ID) >= 4096:
+            _BY_ID.clear()  # bounded: a workload of many salts re-encodes, not grows
+        # the entry holds the tuple, so its id is not reused while it is here
+        _BY_ID[id(extras)] = (extras, got)
+        return got
     return _encode_extras(extras)
 
 
 _PLAIN = (str, bytes, int)
+_BY_ID: dict[int, tuple[object, bytes]] = {}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -101,9 +112,15 @@ def token_bytes(tokens: Tokens) -> bytes:
             raise InvalidArgumentError("a token id does not fit in a signed 64-bit integer")
         return np.ascontiguousarray(tokens, dtype="<i8").tobytes()
     try:  # struct packs a list twice as fast as array("q") does, here
-        return struct.pack(f"<{len(tokens)}q", *tokens)
+        n = len(tokens)
+        # a page's worth (every cache_prefix of a decode step) by a kept Struct
+        return (_PAGE_PACK.get(n) or struct.Struct(f"<{n}q")).pack(*tokens)
     except (struct.error, TypeError) as err:
         raise InvalidArgumentError(f"token ids must be 64-bit integers: {err}") from None
+
+
+# the page sizes engines use, each packed by a Struct built once
+_PAGE_PACK = {n: struct.Struct(f"<{n}q") for n in (1, 8, 16, 32, 64, 128, 256)}
 
 
 def _parent_field(parent: PageKey | None) -> bytes:
