@@ -347,6 +347,14 @@ class PagePool:
         with self._lock:
             return self._drop(owner, pages)
 
+    def release_table(self, owner: Owner, pages: list[int]) -> int:
+        """`release` of a list kvref built from `allocate`, `match` and `share`
+        results (a stream's page table): its items are ints already, so the
+        pass checks only that each is in range and held by `owner`; the
+        refusal and its message are `release`'s."""
+        with self._lock:
+            return self._drop(owner, pages, ints=True)
+
     # ------------------------------------------------------------ contents
 
     def check_writable(self, owner: Owner, page: int) -> None:
@@ -504,7 +512,7 @@ class PagePool:
                 raise PageRefError(f"release of page {p}: {owner!r} does not hold it "
                                    f"({state}); a second release of the same page?")
 
-    def _drop(self, owner: Owner, pages: list[int]) -> int:
+    def _drop(self, owner: Owner, pages: list[int], ints: bool = False) -> int:
         """Release as one pass that checks each page as it drops it (an int
         in range, held by `owner`, not listed before), then hands the freed
         pages to the blank queue and the LRU in one call each, in the order
@@ -516,15 +524,25 @@ class PagePool:
         cached: list[int] = []
         i = 0
         try:
-            for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
-                if type(p) is not int or not lo <= p < hi:
-                    raise KeyError(p)
-                h = holders[p]
-                # the check and the drop in one: KeyError if `owner` does not
-                # hold it (a page listed twice: its first mention took the owner)
-                h.remove(owner)
-                if not h:
-                    (blank if key[p] is None else cached).append(p)
+            if ints:
+                # a table's ints: the range checked by two C-level scans, not per page
+                if pages and (min(pages) < lo or max(pages) >= hi):
+                    raise KeyError(pages)
+                for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
+                    h = holders[p]
+                    h.remove(owner)  # as below
+                    if not h:
+                        (blank if key[p] is None else cached).append(p)
+            else:
+                for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
+                    if type(p) is not int or not lo <= p < hi:
+                        raise KeyError(p)
+                    h = holders[p]
+                    # the check and the drop in one: KeyError if `owner` does not
+                    # hold it (a page listed twice: its first mention took the owner)
+                    h.remove(owner)
+                    if not h:
+                        (blank if key[p] is None else cached).append(p)
         except KeyError:
             for q in pages[:i]:
                 holders[q].add(owner)
