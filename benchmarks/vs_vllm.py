@@ -508,6 +508,27 @@ def table(rows: list[Row]) -> str:
                      for r in rows])
 
 
+def derived(rows: list[Row]) -> list[str]:
+    """kvref against itself, from rows of this run: the largest batch's decode
+    at the longest context over the shortest, and caching on over off."""
+    kv = {r.op: r.kvref.median for r in rows if r.op.startswith("decode B=")}
+    out = []
+    for op, t in kv.items():
+        off = op.replace("caching on", "caching off")
+        if op.endswith("caching on") and off in kv:
+            out.append(f"kvref {op.removesuffix(', caching on')}: caching on / off "
+                       f"{t / kv[off]:.2f}")
+    batch = max((int(op.split()[1][2:].rstrip(",")) for op in kv), default=0)
+    ctx = sorted({int(op.split()[2].split("-")[0]) for op in kv
+                  if op.startswith(f"decode B={batch}, ") and "window" not in op})
+    if len(ctx) > 1:
+        def at(n: int) -> float:
+            return kv[f"decode B={batch}, {n}-token prompts, caching on"]
+        out.append(f"kvref decode B={batch}, caching on: {ctx[-1]}-token / {ctx[0]}-token "
+                   f"prompts {at(ctx[-1]) / at(ctx[0]):.2f}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm", help="a vllm_kv copy (default: $KVREF_VLLM_KV, then "
@@ -528,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"### kvref vs vLLM {vl.version} KVCacheManager (one process, CPU, page 16, "
           "prefix caching on unless said; ratio > 1: kvref faster)\n")
     print(table(rows))
+    for line in derived(rows):
+        print(f"- {line}")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"vllm": vl.version, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))

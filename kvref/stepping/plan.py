@@ -112,8 +112,10 @@ class SequenceView:
         """``page_idxs[i]`` without slicing the stream's list."""
         return self._src[self._lo + i]
 
-    def pages_array(self) -> np.ndarray[Any, Any]:
-        """``page_idxs`` as int32, for the tables."""
+    def _page_array(self) -> np.ndarray[Any, Any]:
+        """``page_idxs`` as int32, for the tables the plan that made this view
+        builds (a manager's view reads its stream's buffer, which a later
+        change to the stream's pages rewrites)."""
         arr = self._arr
         if arr is None:
             arr = self._arr = np.array(self.page_idxs, dtype=np.int32)
@@ -359,7 +361,7 @@ def _table(head: list[int], views: Sequence[SequenceView]) -> np.ndarray[Any, An
     """The int32 page table: ``head`` (qo, kv indptrs, last page lengths),
     then the indices copied from each view's page array by one concatenate."""
     return np.concatenate((np.array(head, dtype=np.int32), *[
-        v._arr if v._arr is not None else v.pages_array() for v in views]))
+        v._arr if v._arr is not None else v._page_array() for v in views]))
 
 
 def decode_tables(
@@ -368,7 +370,7 @@ def decode_tables(
     """`build_paged_indptrs` and `decode_plan_state` of a decode step, in one pass.
 
     The page table's indices are copied from each stream's kept page array
-    (`SequenceView.pages_array`), so a step's Python work is per view, not
+    (`CacheStream.pages_array`), so a step's Python work is per view, not
     per page held: a 2k-token context costs what a 128-token one does.
     Same results as the two functions (tests compare them).
     """
@@ -515,7 +517,7 @@ def mixed_tables(
                     offset_parts.append(np.array(slot_offsets, dtype=np.int64))
                     slot_pages, slot_offsets = [], []
                 pos = np.arange(v.length - v.to_compute, v.length, dtype=np.int64)
-                page_parts.append(v.pages_array()[pos // page_size].astype(np.int64))
+                page_parts.append(v._page_array()[pos // page_size].astype(np.int64))
                 offset_parts.append(pos % page_size)
             prev = i + 1
         slot_pages += row_page[prev:]
