@@ -353,7 +353,7 @@ class PagePool:
         pass checks only that each is in range and held by `owner`; the
         refusal and its message are `release`'s."""
         with self._lock:
-            return self._drop(owner, pages, ints=True)
+            return self._drop_table(owner, pages)
 
     # ------------------------------------------------------------ contents
 
@@ -512,7 +512,7 @@ class PagePool:
                 raise PageRefError(f"release of page {p}: {owner!r} does not hold it "
                                    f"({state}); a second release of the same page?")
 
-    def _drop(self, owner: Owner, pages: list[int], ints: bool = False) -> int:
+    def _drop(self, owner: Owner, pages: list[int]) -> int:
         """Release as one pass that checks each page as it drops it (an int
         in range, held by `owner`, not listed before), then hands the freed
         pages to the blank queue and the LRU in one call each, in the order
@@ -524,25 +524,15 @@ class PagePool:
         cached: list[int] = []
         i = 0
         try:
-            if ints:
-                # a table's ints: the range checked by two C-level scans, not per page
-                if pages and (min(pages) < lo or max(pages) >= hi):
-                    raise KeyError(pages)
-                for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
-                    h = holders[p]
-                    h.remove(owner)  # as below
-                    if not h:
-                        (blank if key[p] is None else cached).append(p)
-            else:
-                for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
-                    if type(p) is not int or not lo <= p < hi:
-                        raise KeyError(p)
-                    h = holders[p]
-                    # the check and the drop in one: KeyError if `owner` does not
-                    # hold it (a page listed twice: its first mention took the owner)
-                    h.remove(owner)
-                    if not h:
-                        (blank if key[p] is None else cached).append(p)
+            for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
+                if type(p) is not int or not lo <= p < hi:
+                    raise KeyError(p)
+                h = holders[p]
+                # the check and the drop in one: KeyError if `owner` does not
+                # hold it (a page listed twice: its first mention took the owner)
+                h.remove(owner)
+                if not h:
+                    (blank if key[p] is None else cached).append(p)
         except KeyError:
             for q in pages[:i]:
                 holders[q].add(owner)
@@ -553,6 +543,49 @@ class PagePool:
         if cached:
             self._lru.extend(cached)
         return len(blank) + len(cached)
+
+    def _drop_table(self, owner: Owner, pages: list[int]) -> int:
+        """`_drop` of a table's ints (`release_table`): the range checked by
+        two C-level scans, not per page, and each freed cached page linked
+        onto a chain as it is freed, the chain spliced onto the LRU's tail at
+        the end (one pass, not a second one over the freed pages). A page that
+        fails puts back the references and unlinks the chain, and
+        `_check_release` raises: nothing changes."""
+        holders, key = self._holders, self._key
+        lru = self._lru
+        nxt, prev, head = lru._next, lru._prev, lru._head
+        blank: list[int] = []
+        tail = last = prev[head]
+        linked = 0
+        i = 0
+        try:
+            if pages and (min(pages) < self.first or max(pages) >= self.num_pages):
+                raise KeyError(pages)
+            for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
+                h = holders[p]
+                h.remove(owner)  # KeyError if `owner` does not hold it, as in `_drop`
+                if not h:
+                    if key[p] is None:
+                        blank.append(p)
+                    else:
+                        nxt[last] = p
+                        prev[p] = last
+                        last = p
+                        linked += 1
+        except KeyError:
+            for q in pages[:i]:
+                holders[q].add(owner)
+                prev[q] = nxt[q] = -1  # held again: in no list
+            nxt[tail] = head
+            self._check_release(owner, pages)
+            raise AssertionError(f"release of {pages!r} failed a check that passed") from None
+        if linked:
+            nxt[last] = head
+            prev[head] = last
+            lru._len += linked
+        if blank:
+            self._blank.extend(blank)
+        return len(blank) + linked
 
     def _evict(self) -> int:
         """The least recently used free-cached page, its key dropped first (S4)."""
