@@ -144,6 +144,37 @@ class _LRU:
         self.remove(p)
         return p
 
+    def extend(self, pages: Sequence[int]) -> None:
+        """`push_back` of each page in order, as one splice: the pages are
+        linked to each other, then the chain to the tail (a release of a
+        whole request is one call, not one per page)."""
+        if not pages:
+            return
+        prev, nxt, head = self._prev, self._next, self._head
+        last = prev[head]
+        for p in pages:
+            nxt[last] = p
+            prev[p] = last
+            last = p
+        nxt[last] = head
+        prev[head] = last
+        self._len += len(pages)
+
+    def pop_front_many(self, n: int) -> list[int]:
+        """The ``n`` oldest pages, unlinked as one splice (n <= len)."""
+        nxt, prev, head = self._next, self._prev, self._head
+        out: list[int] = []
+        p = nxt[head]
+        for _ in range(n):
+            out.append(p)
+            q = nxt[p]
+            prev[p] = nxt[p] = -1
+            p = q
+        nxt[head] = p
+        prev[p] = head
+        self._len -= n
+        return out
+
     def __iter__(self) -> Iterator[int]:
         """Oldest first; stops after len + 1 steps, so a corrupt list cannot loop."""
         p, steps = self._next[self._head], 0
@@ -257,21 +288,32 @@ class PagePool:
             if n > free:
                 return AllocationFailed(pages_short=n - free,
                                         message=f"{n} pages asked for, {free} free")
-            out = [self._blank.popleft() for _ in range(min(n, len(self._blank)))]
-            while len(out) < n:
-                out.append(self._evict())
+            blank = self._blank
+            take = min(n, len(blank))
+            # a whole deque taken at once is a copy and a clear, not n pops
+            if take == len(blank):
+                out = list(blank)
+                blank.clear()
+            else:
+                pop = blank.popleft
+                out = [pop() for _ in range(take)]
+            if take < n:
+                out += self._evict_many(n - take)
+            holders = self._holders
             for p in out:
-                self._holders[p].add(owner)
+                holders[p].add(owner)
             return out
 
-    def match(self, owner: Owner, tokens: Tokens, extras: ExtraKeys = ()) -> PrefixHit:
+    def match(self, owner: Owner, tokens: Tokens, extras: ExtraKeys = (), *,
+              encoded: bytes | None = None) -> PrefixHit:
         """The longest run of cached pages at the head of `tokens` under
         `extras`, each now also held by `owner` (a free-cached one leaves the
         LRU).  The keys are hashed under the lock, page by page, up to the
-        first miss.  `PageRefError` if `owner` holds one of them already."""
+        first miss.  `PageRefError` if `owner` holds one of them already.
+        ``encoded``: `prefix_hash.token_bytes` of `tokens`, if the caller has it."""
         self._check_owner(owner)
         with self._lock:
-            pages, keys = self._hits(tokens, extras)
+            pages, keys = self._hits(tokens, extras, encoded)
             for p in pages:
                 if owner in self._holders[p]:
                     raise PageRefError(f"{owner!r} already holds cached page {p}: a hit "
@@ -306,8 +348,15 @@ class PagePool:
         is listed twice or not held by `owner` (S9)."""
         pages = list(pages)
         with self._lock:
-            self._check_release(owner, pages)
             return self._drop(owner, pages)
+
+    def release_table(self, owner: Owner, pages: list[int]) -> int:
+        """`release` of a list kvref built from `allocate`, `match` and `share`
+        results (a stream's page table): its items are ints already, so the
+        pass checks only that each is in range and held by `owner`; the
+        refusal and its message are `release`'s."""
+        with self._lock:
+            return self._drop_table(owner, pages)
 
     # ------------------------------------------------------------ contents
 
@@ -355,6 +404,35 @@ class PagePool:
             self._index[key] = page
             self._key[page] = key
             return Registered(page, key)
+
+    def register_chain(self, pages: Sequence[int], keys: Sequence[PageKey]
+                       ) -> tuple[int, KVRefError | None]:
+        """`register` of ``pages[i]`` under ``keys[i]`` for each i in order,
+        the keys a chain the caller hashed (`prefix_hash.iter_page_keys`) from
+        full pages of its tokens: one acquisition of the lock and no record
+        per page. Returns how many were done and the error that stopped the
+        rest (None: all), so the caller keeps what a loop of `register` calls
+        would have kept before it raised."""
+        for page in pages:
+            self._check_page(page, PageRegisterError)
+        with self._lock:
+            holders, have_keys, index = self._holders, self._key, self._index
+            for i, (page, key) in enumerate(zip(pages, keys, strict=True)):
+                if not holders[page]:
+                    return i, PageRegisterError(
+                        f"page {page} is free: it holds nothing committed")
+                have = have_keys[page]
+                if have is not None:
+                    if have == key:
+                        continue
+                    return i, PageRegisterError(
+                        f"page {page} is registered under other tokens; a registered "
+                        "page is immutable")
+                if key in index:
+                    continue  # deduplicated: that page keeps the key (S11)
+                index[key] = page
+                have_keys[page] = key
+            return len(pages), None
 
     def reset_prefix_cache(self) -> int | ResetRefused:
         """Forget every cached page (after a weight update, say); returns how
@@ -438,17 +516,79 @@ class PagePool:
                                    f"({state}); a second release of the same page?")
 
     def _drop(self, owner: Owner, pages: list[int]) -> int:
-        freed = 0
-        for p in pages:
-            holders = self._holders[p]
-            holders.discard(owner)
-            if not holders:
-                freed += 1
-                if self._key[p] is None:
-                    self._blank.append(p)
-                else:
-                    self._lru.push_back(p)
-        return freed
+        """Release as one pass that checks each page as it drops it (an int
+        in range, held by `owner`, not listed before), then hands the freed
+        pages to the blank queue and the LRU in one call each, in the order
+        given (S6). A page that fails puts back what the pass took, and
+        `_check_release` raises naming what is wrong: nothing changes."""
+        holders, key = self._holders, self._key
+        lo, hi = self.first, self.num_pages
+        blank: list[int] = []
+        cached: list[int] = []
+        i = 0
+        try:
+            for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
+                if type(p) is not int or not lo <= p < hi:
+                    raise KeyError(p)
+                h = holders[p]
+                # the check and the drop in one: KeyError if `owner` does not
+                # hold it (a page listed twice: its first mention took the owner)
+                h.remove(owner)
+                if not h:
+                    (blank if key[p] is None else cached).append(p)
+        except KeyError:
+            for q in pages[:i]:
+                holders[q].add(owner)
+            self._check_release(owner, pages)
+            raise AssertionError(f"release of {pages!r} failed a check that passed") from None
+        if blank:
+            self._blank.extend(blank)
+        if cached:
+            self._lru.extend(cached)
+        return len(blank) + len(cached)
+
+    def _drop_table(self, owner: Owner, pages: list[int]) -> int:
+        """`_drop` of a table's ints (`release_table`): the range checked by
+        two C-level scans, not per page, and each freed cached page linked
+        onto a chain as it is freed, the chain spliced onto the LRU's tail at
+        the end (one pass, not a second one over the freed pages). A page that
+        fails puts back the references and unlinks the chain, and
+        `_check_release` raises: nothing changes."""
+        holders, key = self._holders, self._key
+        lru = self._lru
+        nxt, prev, head = lru._next, lru._prev, lru._head
+        blank: list[int] = []
+        tail = last = prev[head]
+        linked = 0
+        i = 0
+        try:
+            if pages and (min(pages) < self.first or max(pages) >= self.num_pages):
+                raise KeyError(pages)
+            for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
+                h = holders[p]
+                h.remove(owner)  # KeyError if `owner` does not hold it, as in `_drop`
+                if not h:
+                    if key[p] is None:
+                        blank.append(p)
+                    else:
+                        nxt[last] = p
+                        prev[p] = last
+                        last = p
+                        linked += 1
+        except KeyError:
+            for q in pages[:i]:
+                holders[q].add(owner)
+                prev[q] = nxt[q] = -1  # held again: in no list
+            nxt[tail] = head
+            self._check_release(owner, pages)
+            raise AssertionError(f"release of {pages!r} failed a check that passed") from None
+        if linked:
+            nxt[last] = head
+            prev[head] = last
+            lru._len += linked
+        if blank:
+            self._blank.extend(blank)
+        return len(blank) + linked
 
     def _evict(self) -> int:
         """The least recently used free-cached page, its key dropped first (S4)."""
@@ -459,6 +599,17 @@ class PagePool:
         self._key[p] = None
         return p
 
+    def _evict_many(self, n: int) -> list[int]:
+        """`_evict` ``n`` times, the LRU unlinked in one splice."""
+        out = self._lru.pop_front_many(n)
+        index, keys = self._index, self._key
+        for p in out:
+            key = keys[p]
+            assert key is not None
+            del index[key]
+            keys[p] = None
+        return out
+
     def _touch(self, p: int) -> None:
         """A hit on a free-cached page takes it out of the LRU (S5)."""
         self._lru.remove(p)
@@ -467,11 +618,13 @@ class PagePool:
         """Whole pages a hit may attach: at most num_tokens - 1 tokens (S8)."""
         return max(num_tokens - 1, 0) // self.page_size
 
-    def _hits(self, tokens: Tokens, extras: ExtraKeys) -> tuple[list[int], list[PageKey]]:
+    def _hits(self, tokens: Tokens, extras: ExtraKeys, encoded: bytes | None = None
+              ) -> tuple[list[int], list[PageKey]]:
         pages: list[int] = []
         keys: list[PageKey] = []
         limit = self._cacheable_pages(len(tokens))
-        for key in prefix_hash.iter_page_keys(tokens, self.page_size, extras, pages=limit):
+        for key in prefix_hash.iter_page_keys(tokens, self.page_size, extras, pages=limit,
+                                              encoded=encoded):
             p = self._index.get(key)
             if p is None:
                 break

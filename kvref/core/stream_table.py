@@ -114,7 +114,8 @@ class StreamTable:
     def give_back(self, key: Key, pages: list[int]) -> int:
         """The stream ``key`` lets its pages go; returns how many became free.
         Tail first, so a cached prefix is evicted after its own suffix (S6)."""
-        return self.pages.release(key, pages[::-1]) if pages else 0
+        # a table's own list: `release_table` skips the per-page type check
+        return self.pages.release_table(key, pages[::-1]) if pages else 0
 
     def release_shared(self, key: Key, stream: CacheStream,
                        private: list[bool] | None = None) -> None:

@@ -6,6 +6,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+# the empty page array a new stream starts with (never written: a stream's
+# first pages allocate a buffer of its own)
+_NO_PAGES: np.ndarray[Any, Any] = np.empty(0, dtype=np.int32)
+
 
 class CacheStream:
     """One stream of one request: its pages, its length, and what may touch it.
@@ -19,6 +25,10 @@ class CacheStream:
     """
 
     __slots__ = (
+        "_pages_arr",
+        "_pages_buf",
+        "_pages_n",
+        "_pages_src",
         "generation",
         "key_tokens",
         "keys",
@@ -81,6 +91,39 @@ class CacheStream:
         # from admit until commit: the step already holds addressing into
         # these pages, so an offload must not claim them
         self.step_in_flight = False
+        # `pages_array`'s cache: the list it mirrors, and an int32 buffer whose
+        # first ``_pages_n`` entries are that list's pages, so a plan copies a
+        # stream's page table with one memcpy, not one Python int per page
+        self._pages_src: list[int] | None = None
+        self._pages_buf: np.ndarray[Any, Any] = _NO_PAGES
+        self._pages_n = 0
+        self._pages_arr: np.ndarray[Any, Any] = _NO_PAGES  # buf[:n], kept
+
+    def pages_array(self) -> np.ndarray[Any, Any]:
+        """``page_indices`` as int32, kept across steps: written again only
+        when the list is replaced, and extended by the pages appended since
+        (kvref changes a stream's list in place only by an admit's ``+=``;
+        every other change assigns a new list). Valid until the stream's
+        pages next change: a plan copies from it at once."""
+        pages = self.page_indices
+        n = len(pages)
+        have = self._pages_n if self._pages_src is pages else 0
+        if have == n and n:
+            return self._pages_arr  # the common step: no page added since
+        if have != n:
+            if have > n:
+                have = 0  # shrunk in place: written afresh
+            buf = self._pages_buf
+            if n > buf.shape[0]:
+                # room to grow: a decode stream appends a page every page_size steps
+                grown = np.empty(max(2 * n, 16), dtype=np.int32)
+                grown[:have] = buf[:have]
+                buf = self._pages_buf = grown
+            buf[have:n] = pages[have:]
+            self._pages_n = n
+        self._pages_src = pages
+        arr = self._pages_arr = self._pages_buf[:n]
+        return arr
 
     def reset(self, freed: bool = False) -> None:
         self.stored_len = 0

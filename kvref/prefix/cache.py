@@ -31,7 +31,18 @@ def extras_for(table: StreamTable, rid: str, space: str) -> ExtraKeys:
     crosses them; a forked sample holds its source's KV and keys like it."""
     cfg = table.overrides.get(rid)
     salt = cfg.cache_salt if cfg is not None else None
-    return ((("salt", salt),) if salt is not None else ()) + (("label", space),)
+    # one tuple per (salt, label), so the keys' encoding of it is found by
+    # identity (`prefix_hash.encode_extras`): encoded once, not per call
+    got = _EXTRAS.get((salt, space))
+    if got is None:
+        if len(_EXTRAS) >= 4096:
+            _EXTRAS.clear()  # bounded: many salts rebuild, not grow
+        got = _EXTRAS[(salt, space)] = (
+            ((("salt", salt),) if salt is not None else ()) + (("label", space),))
+    return got
+
+
+_EXTRAS: dict[tuple[str | None, str], ExtraKeys] = {}
 
 
 def _settled(stream: CacheStream, rid: str, label: str, call: str) -> None:
@@ -44,15 +55,11 @@ def _settled(stream: CacheStream, rid: str, label: str, call: str) -> None:
                                      "to)", request_id=rid, label=label)
 
 
-def _token_count(tokens: Tokens, rid: str, label: str) -> int:
-    # the bytes are what is hashed: a bad id is refused before anything changes
-    return len(prefix_hash.token_bytes(tokens)) // 8
-
-
 def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> int:
     """See `KVManager.match_prefix`."""
     streams = table.request(rid)
-    _token_count(tokens, rid, label)
+    # encoded once: the check of every id, the hashes and the stream's record
+    raw = prefix_hash.token_bytes(tokens)
     stream = streams.get(label)
     if stream is not None:
         if stream.step_in_flight:
@@ -74,7 +81,8 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
         # W10: a windowed label never hits (its stream computes its prompt)
         return 0
     key = (rid, label)
-    hit = table.pages.match(key, tokens, extras_for(table, rid, stream.space or label))
+    hit = table.pages.match(key, tokens, extras_for(table, rid, stream.space or label),
+                            encoded=raw)
     n = hit.num_tokens
     if not n:
         return 0
@@ -83,7 +91,7 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
     stream.stored_len = n
     stream.position = n  # W4: the next token's position
     stream.keys = list(hit.keys)
-    stream.key_tokens = bytearray(prefix_hash.token_bytes(tokens[:n]))
+    stream.key_tokens = bytearray(raw[:n * 8])
     stream.generation += 1
     return n
 
@@ -127,18 +135,19 @@ def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
         return 0
     extras = extras_for(table, rid, stream.space or label)
     fresh = tokens[keyed - start:(full * ps) - start]
+    fresh_raw = raw[(keyed - start) * 8:(full * ps - start) * 8]
     parent = stream.keys[-1] if stream.keys else None
-    added = 0
-    for i, key in enumerate(prefix_hash.iter_page_keys(fresh, ps, extras, parent=parent)):
-        page = len(stream.keys)
-        got = table.pages.register(stream.page_indices[page], parent,
-                                   fresh[i * ps:(i + 1) * ps], extras, key=key)
-        # deduplicated or not, the key names these tokens: the chain goes on
-        stream.keys.append(got.key)
-        parent = got.key
-        added += 1
-    stream.key_tokens += raw[(keyed - start) * 8:(full * ps - start) * 8]
-    return added
+    # hashed from the bytes already checked above, not encoded again
+    new_keys = prefix_hash.page_keys(fresh, ps, extras, parent=parent, encoded=fresh_raw)
+    # one pass under the pool's lock for the whole run of pages
+    done, err = table.pages.register_chain(
+        stream.page_indices[len(stream.keys):full], new_keys)
+    # deduplicated or not, the key names these tokens: the chain goes on
+    stream.keys += new_keys[:done]
+    if err is not None:
+        raise err
+    stream.key_tokens += fresh_raw
+    return done
 
 
 def reset_prefix_cache(table: StreamTable) -> int | ResetRefused:

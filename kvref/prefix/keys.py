@@ -25,6 +25,7 @@ hits only under the same tokens before it, and the same extra keys.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Iterator, Sequence
@@ -50,6 +51,36 @@ def _u64(n: int) -> bytes:
 
 def encode_extras(extras: ExtraKeys) -> bytes:
     """The tagged, length-prefixed encoding of the extra keys (field 3)."""
+    # the very tuple encoded before (a stream's, `extras_for` keeps one per
+    # salt and label): found by identity, no check of its items
+    seen = _BY_ID.get(id(extras))
+    if seen is not None and seen[0] is extras:
+        return seen[1]
+    # a stream's extras are the same on every call: encoded once. Only exact
+    # types are cached, since True == 1 and "a" == a str subclass would share
+    # an entry while one of them encodes otherwise (or is refused)
+    if type(extras) is tuple and all(
+            type(item) is tuple and len(item) == 2 and type(item[0]) is str
+            and type(item[1]) in _PLAIN for item in extras):
+        got = _encoded_extras(extras)
+        if len(_BY_ID) >= 4096:
+            _BY_ID.clear()  # bounded: a workload of many salts re-encodes, not grows
+        # the entry holds the tuple, so its id is not reused while it is here
+        _BY_ID[id(extras)] = (extras, got)
+        return got
+    return _encode_extras(extras)
+
+
+_PLAIN = (str, bytes, int)
+_BY_ID: dict[int, tuple[object, bytes]] = {}
+
+
+@functools.lru_cache(maxsize=4096)
+def _encoded_extras(extras: tuple[tuple[str, ExtraValue], ...]) -> bytes:
+    return _encode_extras(extras)
+
+
+def _encode_extras(extras: ExtraKeys) -> bytes:
     out = [_u64(len(extras))]
     for item in extras:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
@@ -81,9 +112,15 @@ def token_bytes(tokens: Tokens) -> bytes:
             raise InvalidArgumentError("a token id does not fit in a signed 64-bit integer")
         return np.ascontiguousarray(tokens, dtype="<i8").tobytes()
     try:  # struct packs a list twice as fast as array("q") does, here
-        return struct.pack(f"<{len(tokens)}q", *tokens)
+        n = len(tokens)
+        # a page's worth (every cache_prefix of a decode step) by a kept Struct
+        return (_PAGE_PACK.get(n) or struct.Struct(f"<{n}q")).pack(*tokens)
     except (struct.error, TypeError) as err:
         raise InvalidArgumentError(f"token ids must be 64-bit integers: {err}") from None
+
+
+# the page sizes engines use, each packed by a Struct built once
+_PAGE_PACK = {n: struct.Struct(f"<{n}q") for n in (1, 8, 16, 32, 64, 128, 256)}
 
 
 def _parent_field(parent: PageKey | None) -> bytes:
@@ -104,11 +141,12 @@ def page_key(parent: PageKey | None, tokens: Tokens, extras: ExtraKeys = ()) -> 
 
 
 def iter_page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
-                   parent: PageKey | None = None, pages: int | None = None
-                   ) -> Iterator[PageKey]:
+                   parent: PageKey | None = None, pages: int | None = None,
+                   encoded: bytes | None = None) -> Iterator[PageKey]:
     """The chained keys of the whole pages of `tokens` (at most `pages` of
     them), lazily: a caller that stops at the first miss hashes no further.
-    The tokens and the extra keys are encoded once for the whole chain."""
+    The tokens and the extra keys are encoded once for the whole chain;
+    ``encoded``: `token_bytes` of `tokens`, where the caller has it already."""
     if page_size <= 0:
         raise InvalidArgumentError(f"page_size must be positive, got {page_size}")
     n = len(tokens) // page_size
@@ -116,7 +154,8 @@ def iter_page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
         n = min(n, max(pages, 0))
     if n == 0:
         return
-    tb = memoryview(token_bytes(tokens[:n * page_size]))  # only what is hashed
+    # only what is hashed is encoded
+    tb = memoryview(token_bytes(tokens[:n * page_size]) if encoded is None else encoded)
     count, tail, step = _u64(page_size), encode_extras(extras), 8 * page_size
     sha, join = hashlib.sha256, b"".join
     prev = _parent_field(parent)
@@ -127,6 +166,8 @@ def iter_page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
 
 
 def page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
-              parent: PageKey | None = None, pages: int | None = None) -> list[PageKey]:
+              parent: PageKey | None = None, pages: int | None = None,
+              encoded: bytes | None = None) -> list[PageKey]:
     """`iter_page_keys` as a list: what an engine computes once per prompt."""
-    return list(iter_page_keys(tokens, page_size, extras, parent=parent, pages=pages))
+    return list(iter_page_keys(tokens, page_size, extras, parent=parent, pages=pages,
+                               encoded=encoded))

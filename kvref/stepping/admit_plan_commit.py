@@ -399,6 +399,7 @@ class Stepping:
         all_streams = self._table.streams
         views: list[SequenceView] = []
         append = views.append
+        of_stream = SequenceView.of_stream
         for seg in segments:
             rid, label, span = seg.request_id, seg.label, seg.span
             stream = all_streams[rid][label]  # admit made every named stream (R16)
@@ -417,9 +418,10 @@ class Stepping:
             # the stream (``starts``): the pages before that are skipped
             skip = (starts.get((rid, label), off) - off) // ps if starts else 0
             off += skip * ps
-            pages = stream.page_indices[skip: skip + -(-(length - off) // ps)]
-            append(SequenceView(rid, label, pages, length - off, span, stream.generation,
-                                offset=off))
+            # the stream's page list and kept array, sliced only when read
+            append(of_stream(rid, label, stream.page_indices, stream.pages_array(), skip,
+                             skip + -(-(length - off) // ps), length - off, span,
+                             stream.generation, off))
         return views
 
     # -- commit --------------------------------------------------------------

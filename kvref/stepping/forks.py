@@ -48,6 +48,8 @@ class Forks:
     def run(self, running: RunningStep, forks: Sequence[tuple[str, str]]) -> None:
         """Each fork for each padded request, in order; a failed copy empties its
         target and the rest still run, then the first failure is raised."""
+        if not forks:
+            return  # a step with no fork (every decode step) does no fork work
         failed: list[tuple[Key, BaseException]] = []
         pre = forks is running.step.pre_forks
         # a segment on a pre-fork target grows it from the forked length (R9)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -37,10 +37,15 @@ class SequenceView:
     resident context. For a windowed stream (``KVConfig.retention``) the
     view starts at its first retained page: ``length`` counts from there,
     and ``offset`` is the released tokens before it (W1, W4).
+
+    A view the manager builds (`of_stream`) slices its stream's page list
+    only when ``page_idxs`` is read: the plan's tables come from the
+    stream's kept page array (`CacheStream.pages_array`), so a step copies
+    no Python list of a long context's pages.
     """
 
-    __slots__ = ("generation", "label", "length", "offset", "page_idxs", "request_id",
-                 "to_compute")
+    __slots__ = ("_arr", "_hi", "_lo", "_pages", "_src", "generation", "label", "length",
+                 "offset", "request_id", "to_compute")
 
     def __init__(
         self,
@@ -54,7 +59,10 @@ class SequenceView:
     ) -> None:
         self.request_id = request_id
         self.label = label
-        self.page_idxs = page_idxs
+        self._pages: list[int] | None = page_idxs
+        self._src = page_idxs
+        self._lo, self._hi = 0, len(page_idxs)
+        self._arr: np.ndarray[Any, Any] | None = None
         self.length = length  # tokens after this step: stored + to_compute
         self.to_compute = to_compute
         self.generation = generation
@@ -62,6 +70,56 @@ class SequenceView:
         # ``page_idxs[0]`` (whole pages), so token j of the view is at
         # absolute position ``offset + j``; 0 for full attention
         self.offset = offset
+
+    @classmethod
+    def of_stream(cls, request_id: str, label: str, pages: list[int],
+                  array: np.ndarray[Any, Any], lo: int, hi: int, length: int,
+                  to_compute: int, generation: int, offset: int = 0) -> SequenceView:
+        """The view of ``pages[lo:hi]``, a stream's page list, with ``array``
+        its `CacheStream.pages_array`: nothing is sliced until it is read."""
+        v = cls.__new__(cls)
+        v.request_id, v.label = request_id, label
+        v._pages, v._src, v._lo = None, pages, lo
+        n = len(pages)
+        # a view of the stream's buffer, read by the plan that builds this view
+        # (its tables copy it at once); later the buffer may hold other pages.
+        # Most views take every page the stream holds: no slice then
+        if lo == 0 and hi >= n:
+            v._hi, v._arr = n, array
+        else:
+            v._hi, v._arr = min(hi, n), array[lo:hi]
+        v.length, v.to_compute, v.generation, v.offset = length, to_compute, generation, offset
+        return v
+
+    @property
+    def page_idxs(self) -> list[int]:
+        pages = self._pages
+        if pages is None:
+            pages = self._pages = self._src[self._lo:self._hi]
+        return pages
+
+    @page_idxs.setter
+    def page_idxs(self, pages: list[int]) -> None:
+        self._pages = self._src = pages
+        self._lo, self._hi = 0, len(pages)
+        self._arr = None
+
+    @property
+    def num_pages(self) -> int:
+        return self._hi - self._lo
+
+    def page_at(self, i: int) -> int:
+        """``page_idxs[i]`` without slicing the stream's list."""
+        return self._src[self._lo + i]
+
+    def _page_array(self) -> np.ndarray[Any, Any]:
+        """``page_idxs`` as int32, for the tables the plan that made this view
+        builds (a manager's view reads its stream's buffer, which a later
+        change to the stream's pages rewrites)."""
+        arr = self._arr
+        if arr is None:
+            arr = self._arr = np.array(self.page_idxs, dtype=np.int32)
+        return arr
 
     def last_page_len(self, page_size: int) -> int:
         """Tokens on the last page, in ``[1, page_size]`` (0 for an empty view)."""
@@ -216,6 +274,11 @@ def group_by_plan_label(
     Label-major (every ``main`` segment, then every ``cfg`` one) is what lets
     attention treat a combined batch as one ragged batch with one write.
     """
+    if not combined_labels:
+        segments = list(segments)
+        if len({s.label for s in segments}) <= 1:
+            # one label (every plain decode step): one group, in order
+            return {segments[0].label: segments} if segments else {}
     plan_label_of: dict[str, str] = {}
     rank_in_group: dict[str, int] = {}
     for group in combined_labels:
@@ -294,32 +357,40 @@ def decode_plan_state(
     return KVPlanState(token_to_page=pages, token_to_cache=offsets, total_tokens=n)
 
 
+def _table(head: list[int], views: Sequence[SequenceView]) -> np.ndarray[Any, Any]:
+    """The int32 page table: ``head`` (qo, kv indptrs, last page lengths),
+    then the indices copied from each view's page array by one concatenate."""
+    return np.concatenate((np.array(head, dtype=np.int32), *[
+        v._arr if v._arr is not None else v._page_array() for v in views]))
+
+
 def decode_tables(
     views: Sequence[SequenceView], page_size: int, device: torch.device
 ) -> tuple[PagedIndptrs, KVPlanState]:
     """`build_paged_indptrs` and `decode_plan_state` of a decode step, in one pass.
 
-    One host buffer for both (the int32 page table is a cast of its head):
-    at batch 1 the per-tensor overhead is most of a plan, and this halves
-    the buffers. Same results as the two functions (tests compare them).
+    The page table's indices are copied from each stream's kept page array
+    (`CacheStream.pages_array`), so a step's Python work is per view, not
+    per page held: a 2k-token context costs what a 128-token one does.
+    Same results as the two functions (tests compare them).
     """
     n = len(views)
     qo = list(range(n + 1))  # one query per view
     kv = [0] * (n + 1)
     last = [0] * n
-    indices: list[int] = []
     slots = [0] * (2 * n)  # pages, then offsets
+    held = 0
     for i, v in enumerate(views):
-        pages = v.page_idxs
-        indices += pages
-        kv[i + 1] = len(indices)
+        lo = v._lo
+        held += v._hi - lo
+        kv[i + 1] = held
         end = v.length - 1
-        last[i] = end % page_size + 1
-        slots[i] = pages[end // page_size]
-        slots[n + i] = end % page_size
-    table_len = 3 * n + 2 + len(indices)
-    host = np.array(qo + kv + last + indices + slots, dtype=np.int64)
-    table = host[:table_len].astype(np.int32)
+        off = end % page_size
+        last[i] = off + 1
+        slots[i] = v._src[lo + end // page_size]  # `page_at`, inlined: once per request
+        slots[n + i] = off
+    table = _table(qo + kv + last, views)
+    table_len = 3 * n + 2 + held
     b = (0, n + 1, 2 * n + 2, 3 * n + 2, table_len)
     indptrs = PagedIndptrs(
         qo_indptr=torch.from_numpy(table[b[0] : b[1]]),
@@ -327,11 +398,12 @@ def decode_tables(
         paged_kv_last_page_len=torch.from_numpy(table[b[2] : b[3]]),
         paged_kv_indices=torch.from_numpy(table[b[3] : b[4]]),
     )
+    host = np.array(slots, dtype=np.int64)
     if device.type == "cpu":
-        page_t = torch.from_numpy(host[table_len : table_len + n])
-        offset_t = torch.from_numpy(host[table_len + n :])
+        page_t = torch.from_numpy(host[:n])
+        offset_t = torch.from_numpy(host[n:])
     else:
-        both = host_to_device(torch.from_numpy(host[table_len:]), device)  # one H2D
+        both = host_to_device(torch.from_numpy(host), device)  # one H2D
         page_t, offset_t = both[:n], both[n:]
     return indptrs, KVPlanState(token_to_page=page_t, token_to_cache=offset_t, total_tokens=n)
 
@@ -359,6 +431,11 @@ def packed_plan_state(
     if both.device != device:
         both = host_to_device(both, device)
     return KVPlanState(token_to_page=both[0], token_to_cache=both[1], total_tokens=total_tokens)
+
+
+# chunks of at least this many tokens get their write slots from numpy
+# vector ops; shorter ones from `_chunk_slots`, cheaper below the set-up cost
+_VECTOR_CHUNK = 64
 
 
 def _chunk_slots(
@@ -395,47 +472,64 @@ def mixed_tables(
     qo = [0] * (n + 1)
     kv = [0] * (n + 1)
     last = [0] * n
-    indices: list[int] = []
     # the slot of each one-token row, by index as on the decode path (no
     # appends); the other rows (chunks, span 0) are spliced in after
     row_page = [0] * n
     row_offset = [0] * n
     others: list[int] = []
-    q = 0
+    q = held = 0
     for i, v in enumerate(views):
         span = v.to_compute
         q += span
         qo[i + 1] = q
-        pages = v.page_idxs
-        indices += pages
-        kv[i + 1] = len(indices)
+        held += v._hi - v._lo
+        kv[i + 1] = held
         end = v.length - 1
         if span == 1:
             last[i] = end % page_size + 1
-            row_page[i] = pages[end // page_size]
+            row_page[i] = v.page_at(end // page_size)
             row_offset[i] = end % page_size
         else:
             last[i] = end % page_size + 1 if end >= 0 else 0
             others.append(i)
+    # the table from each view's page array (`_table`), not a list of pages
+    table = _table(qo + kv + last, views)
+    table_len = 3 * n + 2 + held
     if others:
-        slot_pages: list[int] = []  # request-major, as the query rows
+        # request-major, as the query rows: runs of Python ints (one-token
+        # rows, short chunks) between numpy pieces (long chunks)
+        page_parts: list[np.ndarray[Any, Any]] = []
+        offset_parts: list[np.ndarray[Any, Any]] = []
+        slot_pages: list[int] = []
         slot_offsets: list[int] = []
         prev = 0
         for i in others:
             slot_pages += row_page[prev:i]
             slot_offsets += row_offset[prev:i]
             v = views[i]
-            _chunk_slots(v.page_idxs, v.length - v.to_compute, v.length, page_size,
-                         slot_pages, slot_offsets)
+            if v.to_compute < _VECTOR_CHUNK:
+                _chunk_slots(v.page_idxs, v.length - v.to_compute, v.length, page_size,
+                             slot_pages, slot_offsets)
+            else:
+                # a long chunk (a prompt) by vector ops, not a list fill per token
+                if slot_pages:
+                    page_parts.append(np.array(slot_pages, dtype=np.int64))
+                    offset_parts.append(np.array(slot_offsets, dtype=np.int64))
+                    slot_pages, slot_offsets = [], []
+                pos = np.arange(v.length - v.to_compute, v.length, dtype=np.int64)
+                page_parts.append(v._page_array()[pos // page_size].astype(np.int64))
+                offset_parts.append(pos % page_size)
             prev = i + 1
         slot_pages += row_page[prev:]
         slot_offsets += row_offset[prev:]
+        page_parts.append(np.array(slot_pages, dtype=np.int64))
+        offset_parts.append(np.array(slot_offsets, dtype=np.int64))
+        slots = np.concatenate((*page_parts, *offset_parts))
     else:
-        slot_pages, slot_offsets = row_page, row_offset
-    table_len = 3 * n + 2 + len(indices)
-    host = np.array(qo + kv + last + indices + slot_pages + slot_offsets, dtype=np.int64)
+        slots = np.array(row_page + row_offset, dtype=np.int64)
+    # one host buffer, table then slots, so a device takes them in one copy
+    host = np.concatenate((table.astype(np.int64), slots))
     b = (0, n + 1, 2 * n + 2, 3 * n + 2, table_len)
-    table = host[:table_len].astype(np.int32)
     # numpy slices wrapped by from_numpy: cheaper than slicing a torch tensor
     cpu_indptrs = PagedIndptrs(
         qo_indptr=torch.from_numpy(table[b[0] : b[1]]),

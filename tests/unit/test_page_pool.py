@@ -244,3 +244,29 @@ def test_sixteen_requests_share_one_copy_of_their_prompt() -> None:
     assert (m.shared_pages, m.own_pages) == (64, 7)
     assert m.held == 64 + 16 * 7 and m.private_copies == 16 * 71
     assert m.shared_refcount == 16 and m.reclaimable_one == 7
+
+
+def test_release_table_refuses_as_release_does_and_keeps_lru_order() -> None:
+    """`release_table` (a stream table's own list, one pass that links freed
+    cached pages as it goes) refuses a page the owner does not hold, listed
+    twice, or out of range, changing nothing; otherwise it frees like
+    `release`, cached pages at the LRU's tail in the order given."""
+    pool = PagePool(12, 4)
+    a, b = ("r", "main"), ("r", "s1")
+    pages = pool.allocate(a, 6)
+    assert isinstance(pages, list)
+    keys = page_keys(list(range(24)), 4)
+    assert pool.register_chain(pages[:4], keys[:4]) == (4, None)
+    pool.share(b, pages[:1])  # page 0 of the table stays held by b
+    other = pool.allocate(b, 1)
+    assert isinstance(other, list)
+    before = pool.snapshot()
+    for bad in ([*pages[::-1], other[0]], [pages[0], pages[1], pages[1]], [pages[0], 99]):
+        with pytest.raises(PageRefError):
+            pool.release_table(a, bad)
+        assert pool.snapshot() == before
+    assert pool.release_table(a, pages[::-1]) == 5
+    snap = pool.snapshot()
+    assert snap.lru == tuple(pages[3:0:-1])  # pages[1:4] cached, tail first as given
+    assert set(snap.blank) >= set(pages[4:])
+    pool.sanity_check()

@@ -210,7 +210,7 @@ def test_decode_tables_equal_the_separate_builders(lengths: list[int], page_size
     page_size=st.sampled_from([1, 2, 3, 4, 16]),
     # (stored, span): decode rows (span 1), prefill chunks, and span 0 (reads only)
     shapes=st.lists(
-        st.tuples(st.integers(0, 60), st.sampled_from([0, 1, 1, 1, 5, 17, 64])),
+        st.tuples(st.integers(0, 60), st.sampled_from([0, 1, 1, 1, 5, 17, 64, 130])),
         min_size=1, max_size=10,
     ),
     data=st.data(),
@@ -246,3 +246,29 @@ def test_mixed_tables_equal_the_oracle_builders(
     # the dispatch: decode keeps its own path (no device table), the rest is fused
     _, _, dispatched = plan_tables(views, page_size, CPU)
     assert (dispatched is None) == bool(views and all(v.to_compute == 1 for v in views))
+
+
+def test_stream_page_array_follows_its_list() -> None:
+    """`CacheStream.pages_array` (the plan's kept copy of a stream's table)
+    equals the list after appends in place, growth past its buffer, and a
+    list replaced by a shorter or a longer one."""
+    from kvref.core.streams import CacheStream
+
+    s = CacheStream()
+    assert s.pages_array().tolist() == []
+    steps: list[list[int]] = []
+    s.page_indices += [3, 4]
+    steps.append(s.pages_array().tolist())
+    s.page_indices += list(range(5, 60))  # past the first buffer
+    steps.append(s.pages_array().tolist())
+    steps.append(s.pages_array().tolist())  # unchanged: the kept array
+    s.page_indices = s.page_indices[7:]  # a window's release: a new, shorter list
+    steps.append(s.pages_array().tolist())
+    s.page_indices = [*s.page_indices, 99, 100]
+    steps.append(s.pages_array().tolist())
+    assert steps == [[3, 4], [3, 4, *range(5, 60)], [3, 4, *range(5, 60)],
+                     list(range(10, 60)), [*range(10, 60), 99, 100]]
+    view = SequenceView.of_stream("r", "main", s.page_indices, s.pages_array(), 2, 5,
+                                  40, 1, 0, offset=32)
+    assert view.page_idxs == s.page_indices[2:5] and view.num_pages == 3
+    assert view.page_at(1) == s.page_indices[3]
