@@ -902,6 +902,12 @@ class Model:
                 return Misuse("PreplanPendingError")
         elif not a.preplan and s.current is not None and step != s.current.step:
             return Misuse("StepInFlightError")  # one running step (R23)
+        sc = self.scope
+        if sc.windows and any((sc.window(f), sc.margin(f)) != (sc.window(t), sc.margin(t))
+                              for f, t in step.pre_forks + step.post_forks):
+            # W5: a fork keeps the retention; a windowed source cannot give a
+            # full-attention target the tokens it released
+            return Misuse("InvalidArgumentError")
         if any(r not in s.requests() for r in {g.rid for g in step.segments} | set(step.padded)):
             return Misuse("UnknownRequestError")
         return None
@@ -931,11 +937,15 @@ class Model:
             # R50: a fork would overwrite a published stream in place; across
             # processes the lease is all that keeps the peer's bytes (R35)
             return Refused("PublishLeased"), s
-        want = self.reservations(a.step, self._settled(s) if a.preplan else st, s.pool)
+        base = self._settled(s) if a.preplan else st
+        want = self.reservations(a.step, base, s.pool)
         if self.R16_admit_makes_named:  # every named stream exists, so a mark covers it
             for k in sorted(keys):
                 want.setdefault(k, 0)
-        new = sum(max(0, n - st[k].pages) if k in st else n for k, n in want.items())
+        # a preplan counts what each stream holds once the running step has
+        # committed: its window may release pages then (W2) that the preplan needs
+        have = {k: (base[k] if k in base else st[k]).pages for k in want if k in st}
+        new = sum(max(0, n - have[k]) if k in st else n for k, n in want.items())
         if new > s.free:
             return Refused("AllocationFailed", new - s.free), s
         undo: list[tuple[Key, Tokens | None]] = []
@@ -945,7 +955,7 @@ class Model:
             if k not in st:
                 undo.append((k, None))
             v = st.get(k, NO_STREAM)
-            got, pool = self._alloc(pool, k, n - v.pages)
+            got, pool = self._alloc(pool, k, n - have.get(k, 0))
             st[k] = self.tab(v, v.table + got)
         before = s.stream_map()
         # a pre-fork target to rewind, where a preplan runs its forks (R11 off);

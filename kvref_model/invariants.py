@@ -77,8 +77,9 @@ def i2(m: Model, s: State) -> Msg:
 
 
 def i3(m: Model, s: State) -> Msg:
+    # a window's released slots hold no page (W2): the rest must
     for k, v in s.streams:
-        if v.offload != OFFLOADED and v.pages < m.need(v.stored_len):
+        if v.offload != OFFLOADED and v.pages < m.need(v.stored_len) - m.released(v):
             return f"{k} holds {v.pages} pages for {v.stored_len} tokens"
     st = s.stream_map()
     # the running step only: a staged preplan's lengths settle at promotion (R11)
@@ -87,7 +88,8 @@ def i3(m: Model, s: State) -> Msg:
             continue  # lengths settle once plan applies the pre-forks
         for g in p.step.segments:
             w = st.get((g.rid, g.label))
-            if g.span and w is not None and w.pages < m.need(w.stored_len + g.span):
+            if g.span and w is not None and w.pages < m.need(w.stored_len + g.span) - (
+                    m.released(w)):
                 return f"planned step writes {g.span} past {w.stored_len} into {w.pages} pages"
     return None
 
@@ -308,7 +310,9 @@ def i18(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
         for k, v in before.items():
             # what publish named: the pages under its tokens (a label a cleared
             # preplan invented holds none of those, and goes with its pages)
-            if k[0] == rid and after.get(k, _NO_STREAM).pages < m.need(v.stored_len):
+            # (less the slots its window released: no page, nothing to copy)
+            if k[0] == rid and after.get(k, _NO_STREAM).pages < m.need(v.stored_len) - (
+                    m.released(v)):
                 return f"{type(a).__name__} took pages of leased {k}"
     return None
 
