@@ -349,7 +349,7 @@ def actions_of(scope: Scope) -> tuple[type, ...]:
 # label with a rollback margin, pages of two tokens so a copy-on-write and a
 # part page arise; about a minute on two cores (specs/stream-lifecycle.md)
 CHECK_DEFAULT = Scope(requests=2, labels=2, device_pages=3, host_pages=1, page_size=2,
-                      max_span=2, depth=6, sharing=True, windows=(None, 1), margins=(0, 1))
+                      max_span=2, depth=7, sharing=True, windows=(None, 1), margins=(0, 1))
 
 
 def _labels(text: str) -> tuple[int | None, ...]:
