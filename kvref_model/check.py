@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from kvref_model import invariants as inv
-from kvref_model.core import ACTIONS, Action, Model, Result, Scope, State
+from kvref_model.core import ACTIONS, SHARING_ACTIONS, Action, Model, Result, Scope, State
 from kvref_model.protocol import calls
 from kvref_model.render import describe, lname, render, rname, show, to_pytest
 from kvref_model.search import CheckpointMismatch, Report, Search, Spec, Trace, loads
@@ -256,7 +256,7 @@ def table(rep: Report, scope: Scope) -> str:
         f"(+ workers {rep.peak_rss_workers / 2**20:.0f} MiB)",
         "", "action             fired",
     ]
-    for cls in ACTIONS:
+    for cls in actions_of(scope):
         n = rep.fired[cls.__name__]
         hole = "" if n else "   <-- COVERAGE HOLE: never fired"
         rows.append(f"  {cls.__name__:18} {n:>9}{hole}")
@@ -264,6 +264,9 @@ def table(rep: Report, scope: Scope) -> str:
     for i in inv.INVARIANT_IDS:
         if i in inv.NOT_IN_MODEL:
             rows.append(f"  {i:8} {'n/a':8}  {inv.NOT_IN_MODEL[i]}")
+            continue
+        if not inv.applies(i, scope):
+            rows.append(f"  {i:8} {'n/a':8}  {inv.FEATURE[i]} is off in this scope")
             continue
         what, _ = inv.INTERESTING[i]
         n = rep.interesting[i]
@@ -292,7 +295,7 @@ def _skipped(rep: Report) -> list[str]:
 
 def to_json(rep: Report, scope: Scope, model: str) -> dict[str, Any]:
     """The report as data, for nightly jobs to keep and compare."""
-    checked = [i for i in inv.INVARIANT_IDS if i not in inv.NOT_IN_MODEL]
+    checked = [i for i in inv.INVARIANT_IDS if inv.applies(i, scope)]
     return {
         "model": model, "scope": vars(scope), "complete": rep.complete,
         "states": rep.states, "transitions": rep.transitions, "depth": rep.depth,
@@ -301,8 +304,8 @@ def to_json(rep: Report, scope: Scope, model: str) -> dict[str, Any]:
         "workers": rep.workers, "peak_rss_bytes": rep.peak_rss,
         "peak_rss_workers_bytes": rep.peak_rss_workers,
         "fingerprint_bits": rep.fingerprint_bits, "collision_odds": rep.collision_odds,
-        "fired": {c.__name__: rep.fired[c.__name__] for c in ACTIONS},
-        "coverage_holes": [c.__name__ for c in ACTIONS if not rep.fired[c.__name__]],
+        "fired": {c.__name__: rep.fired[c.__name__] for c in actions_of(scope)},
+        "coverage_holes": [c.__name__ for c in actions_of(scope) if not rep.fired[c.__name__]],
         "interesting": {i: rep.interesting[i] for i in checked},
         "vacuous": [i for i in checked if not rep.interesting[i]],
         # transitions whose next state is the state they left; per transition
@@ -337,9 +340,30 @@ def _count(least: int) -> Any:
     return parse
 
 
-def add_scope_arguments(ap: argparse.ArgumentParser) -> None:
-    """The scope options; `kvref.testing.exhaustive` takes the same ones."""
-    d = Scope()
+def actions_of(scope: Scope) -> tuple[type, ...]:
+    """The actions the protocol issues in ``scope``: the prefix cache's only with sharing."""
+    return ACTIONS if scope.sharing else tuple(a for a in ACTIONS if a not in SHARING_ACTIONS)
+
+
+# the checker's default scope: kvref as it ships (sharing on), one windowed
+# label with a rollback margin, pages of two tokens so a copy-on-write and a
+# part page arise; about a minute on two cores (specs/stream-lifecycle.md)
+CHECK_DEFAULT = Scope(requests=2, labels=2, device_pages=3, host_pages=1, page_size=2,
+                      max_span=2, depth=7, sharing=True, windows=(None, 1), margins=(0, 1))
+
+
+def _labels(text: str) -> tuple[int | None, ...]:
+    try:
+        return tuple(None if w.strip().lower() in ("", "none", "-") else int(w)
+                     for w in text.split(",")) if text else ()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated ints or None") from None
+
+
+def add_scope_arguments(ap: argparse.ArgumentParser, d: Scope | None = None) -> None:
+    """The scope options; `kvref.testing.exhaustive` takes the same ones, with
+    today's lockstep scope (sharing off) as its defaults."""
+    d = d or Scope()
     sc = ap.add_argument_group("scope (the bounds of the search)")
     sc.add_argument("--requests", type=_count(1), default=d.requests,
                     help="request ids the engine may use")
@@ -354,18 +378,28 @@ def add_scope_arguments(ap: argparse.ArgumentParser) -> None:
                     help="most tokens one segment writes")
     sc.add_argument("--depth", type=_count(0), default=d.depth,
                     help="longest trace explored; 0: until no new state")
+    sc.add_argument("--sharing", action=argparse.BooleanOptionalAction, default=d.sharing,
+                    help="copy-on-write forks and the prefix cache (KVConfig's default: on)")
+    sc.add_argument("--windows", type=_labels, default=d.windows, metavar="None,1",
+                    help="each label's retention window W (None: full attention); empty: none")
+    sc.add_argument("--margins", type=_labels, default=d.margins, metavar="0,1",
+                    help="each label's rollback margin k; empty: 0 for all")
+    sc.add_argument("--salts", default=",".join(d.salts), metavar="a,b",
+                    help="each request's cache_salt; empty: one salt for all")
 
 
 def scope_of(o: argparse.Namespace) -> Scope:
     """The scope the options of `add_scope_arguments` name."""
     return Scope(o.requests, o.labels, o.device_pages, o.host_pages, o.page_size, o.max_span,
-                 o.depth)
+                 o.depth, o.sharing, tuple(o.windows),
+                 tuple(int(k or 0) for k in o.margins),
+                 tuple(o.salts.split(",")) if o.salts else ())
 
 
 def _parser() -> _Parser:
     ap = _Parser(prog="python -m kvref_model.check", description=__doc__.split("\n\n")[0],
                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_scope_arguments(ap)
+    add_scope_arguments(ap, CHECK_DEFAULT)
     mo = ap.add_argument_group("model")
     mo.add_argument("--model", choices=("kvref", "reference"), default="kvref",
                     help="kvref's rules, or the reference manager's (specs/findings.md)")
@@ -448,17 +482,18 @@ def main(argv: list[str] | None = None) -> int:
             with open(o.json, "w") as f:
                 f.write(doc + "\n")
     # the last line, for whoever reads only that; stderr when stdout is the JSON
-    print(verdict(rep), file=sys.stderr if o.json == "-" else sys.stdout)
+    print(verdict(rep, scope), file=sys.stderr if o.json == "-" else sys.stdout)
     return 1 if rep.violations else 0
 
 
-def verdict(rep: Report) -> str:
+def verdict(rep: Report, scope: Scope | None = None) -> str:
     if rep.violations:
         ids = ", ".join(sorted(rep.violations))
         return f"CHECK FAILED: invariant {ids} violated (traces above)"
+    scope = scope or Scope()
     vacuous = [i for i in inv.INVARIANT_IDS
-               if i not in inv.NOT_IN_MODEL and not rep.interesting[i]]
-    holes = [c.__name__ for c in ACTIONS if not rep.fired[c.__name__]]
+               if inv.applies(i, scope) and not rep.interesting[i]]
+    holes = [c.__name__ for c in actions_of(scope) if not rep.fired[c.__name__]]
     gaps = "".join([f"; never arose: {', '.join(vacuous)}" if vacuous else "",
                     f"; never fired: {', '.join(holes)}" if holes else "",
                     "" if rep.complete else "; stopped early"])

@@ -2,10 +2,16 @@
 
 Porcupine style: `Model(scope).init()` gives the first state and
 `Model.step(state, action)` is a pure function to `(result, next_state)`.
-Nothing else.  Page ids, generations, locks and tensors are left out on
-purpose: a stream is a page *count*, a length and a tuple of token
-identities.  Each action is one critical section of the manager, and its
-result is what the manager must return.
+Nothing else.  It is the one model of kvref: a stream holds page identities
+from the pool model (`kvref_model.pages`: holders, free-cached LRU,
+free-blank FIFO, chained keys), a length and a tuple of token identities.
+Copy-on-write forks and the prefix cache (`Scope.sharing`) and per-label
+windows with a rollback margin (`Scope.windows`, `Scope.margins`) are
+settings of the scope; with them off the model is the page-counting
+lifecycle model it was (tests/model/test_one_model.py checks that, state for
+state).  Generations, locks and tensors are left out on purpose.  Each
+action is one critical section of the manager, and its result is what the
+manager must return.
 
 The rules kvref departs from the reference by (specs/rules.md)
 are class attributes, so `kvref_model.reference` can switch them off and the
@@ -17,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from kvref_model import pages as pool_model
 
 _T = TypeVar("_T")
 # per class: its field names (in order, and as a set), or None where
@@ -86,6 +94,21 @@ class Scope:
     page_size: int = 1
     max_span: int = 1
     depth: int = 6  # 0: explore until no new state
+    # the settings of KVConfig the model is checked under (off: today's
+    # lockstep configuration). sharing: copy-on-write forks and the prefix
+    # cache; windows: each label's retention window W (None: full attention),
+    # () for none; margins: each windowed label's rollback margin k; salts:
+    # each request's cache_salt (() : one salt for all)
+    sharing: bool = False
+    windows: tuple[int | None, ...] = ()
+    margins: tuple[int, ...] = ()
+    salts: tuple[str, ...] = ()
+
+    def window(self, label: int) -> int | None:
+        return self.windows[label] if label < len(self.windows) else None
+
+    def margin(self, label: int) -> int:
+        return self.margins[label] if label < len(self.margins) else 0
 
 
 # ---------------------------------------------------------------- state
@@ -93,12 +116,16 @@ class Scope:
 
 @dataclass(frozen=True)
 class Stream:
-    pages: int = 0  # device pages held: a high-water count
+    pages: int = 0  # device pages held: a high-water count (the non-zero entries of table)
     stored_len: int = 0
     contents: Tokens = ()  # logical tokens, kept while the stream is on host
     in_flight: bool = False
     offload: str = RESIDENT
     retrieve: str = IDLE
+    # the page ids it holds in slot order, 0 for a slot the window released
+    # (the sink is never a stream's, so 0 names no page); an offloaded stream
+    # keeps only its released slots. () in an abstract read-back (`project`)
+    table: tuple[int, ...] = ()
 
 
 NO_STREAM = Stream()  # a stream not there yet (frozen: one value serves every lookup)
@@ -161,13 +188,16 @@ class State:
     offloads: tuple[tuple[int, Offload], ...] = ()
     # requests whose publication is leased to a peer (R33): pinned until released
     leases: tuple[int, ...] = ()
+    # the device pages (kvref_model.pages): holders, keys, LRU and blank queue;
+    # `free` is its free count. None in an abstract read-back (`project`)
+    pool: pool_model.State | None = None
 
     def __hash__(self) -> int:
         # cached: the checker hashes each state many times (dict keys)
         h: int | None = self.__dict__.get("_hash")
         if h is None:
             h = hash((self.free, self.streams, self.host, self.current, self.staged,
-                      self.offloads, self.leases))
+                      self.offloads, self.leases, self.pool))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -189,6 +219,14 @@ class State:
 
     def offload_of(self, rid: int) -> Offload | None:
         return dict(self.offloads).get(rid)
+
+
+def project(s: State) -> State:
+    """The state as the page-counting lifecycle model states it: page ids
+    and the pool left out (what `kvref.testing`'s abstract read-back of kvref
+    gives, and what the features-off equivalence test compares)."""
+    return replace(s, pool=None, streams=tuple((k, replace(v, table=()))
+                                               for k, v in s.streams))
 
 
 def _sorted(d: dict[Key, Stream]) -> tuple[tuple[Key, Stream], ...]:
@@ -328,16 +366,60 @@ class LeaseTimeout:
     (the clock moves only here, so they share one deadline; R34)"""
 
 
+# --- the prefix cache (Scope.sharing; specs/shared-pages.md)
+
+
+@dataclass(frozen=True)
+class CachePrefix:
+    """cache_prefix(rid, label): register the stream's full pages of committed
+    tokens under their chained keys (S23)"""
+
+    rid: int
+    label: int
+
+
+@dataclass(frozen=True)
+class MatchPrefix:
+    """match_prefix(rid, label, ids) onto an empty stream (S24); the ids are
+    `length` tokens of the label's own identity (what it would compute)"""
+
+    rid: int
+    label: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    pass
+
+
+@dataclass(frozen=True)
+class NumFree:
+    pass
+
+
+@dataclass(frozen=True)
+class Reclaimable:
+    """pages that would become free if every stream of `rid` let go (S26)"""
+
+    rid: int
+
+
 Action = (
     Ingest | Admit | Plan | Write | Read | Commit | ClearPreplan | OffloadClaim
     | OffloadCopy | OffloadCommit | OffloadAbandon | Reload | Publish | RetrieveStart
     | RetrieveComplete | Reset | Remove | Truncate | ReleasePublished | LeaseTimeout
+    | CachePrefix | MatchPrefix | ResetPrefixCache | NumFree | Reclaimable
 )
 ACTIONS: tuple[type, ...] = (
     Ingest, Admit, Plan, Write, Read, Commit, ClearPreplan, OffloadClaim, OffloadCopy,
     OffloadCommit, OffloadAbandon, Reload, Publish, RetrieveStart, RetrieveComplete,
     Reset, Remove, Truncate, ReleasePublished, LeaseTimeout,
+    CachePrefix, MatchPrefix, ResetPrefixCache, NumFree, Reclaimable,
 )
+# the actions of the prefix cache: the checker issues them only with sharing on
+SHARING_ACTIONS: tuple[type, ...] = (CachePrefix, MatchPrefix, ResetPrefixCache, NumFree,
+                                     Reclaimable)
 
 
 # -------------------------------------------------------------- results
@@ -403,10 +485,15 @@ class Latched:
     kind: str
 
 
+@dataclass(frozen=True)
+class Count:
+    n: int  # keys added, tokens attached, pages free or reclaimable, keys dropped
+
+
 Result = (Ok | NotReady | Refused | Misuse | Fault | Freed | Flag | Claimed | Published
-          | Latched)
+          | Latched | Count)
 RESULTS: tuple[type, ...] = (Ok, NotReady, Refused, Misuse, Fault, Freed, Flag, Claimed,
-                             Published, Latched)
+                             Published, Latched, Count)
 
 
 # ---------------------------------------------------------------- model
@@ -431,6 +518,28 @@ def named(step: Step) -> set[Key]:
 
 
 _NAMED: dict[int, tuple[Step, frozenset[Key]]] = {}
+
+
+class _Pool(pool_model.PagesModel):
+    """The pool model, without its record of each holder's table: the
+    streams' tables are that record here."""
+
+    def _with(self, s: pool_model.State, pages: list[pool_model.Page], *,
+              lru: tuple[int, ...] | None = None, blank: tuple[int, ...] | None = None,
+              add: tuple[int, tuple[int, ...]] = (0, ())) -> pool_model.State:
+        return pool_model.State(tuple(pages), s.lru if lru is None else lru,
+                                s.blank if blank is None else blank, s.tables)
+
+
+# the Model's names of the pool's rules (kvref_model.pages.PagesModel's attributes)
+POOL_RULES = {
+    "S4_evict_drops_key": "EVICT_DROPS_KEY", "S5_hit_leaves_lru": "HIT_LEAVES_LRU",
+    "S7_tagged_extras": "TAGGED_EXTRAS", "S8_cap_before_last_token": "CAP_BEFORE_LAST_TOKEN",
+    "S9_release_refuses_duplicates": "RELEASE_REFUSES_DUPLICATES",
+    "S9h_release_checks_holder": "RELEASE_CHECKS_HOLDER",
+    "S10_write_needs_private": "WRITE_NEEDS_PRIVATE", "S11_dedup_keeps_page": "DEDUP_KEEPS_PAGE",
+    "S13_reclaim_counts_pages_once": "RECLAIM_COUNTS_PAGES_ONCE",
+}
 _HANDLERS: dict[tuple[type, type], Any] = {}  # Model.step's: (model class, action class)
 
 
@@ -461,14 +570,149 @@ class Model:
     R42_promotion_checks_basis = True
     R43_shared_marks = True
 
+    # shared pages (specs/shared-pages.md), acting with Scope.sharing on; the
+    # pool's own rules are kvref_model.pages.PagesModel's, named here by ID so
+    # that --without and the variants switch them off the same way
+    S4_evict_drops_key = True
+    S5_hit_leaves_lru = True
+    S7_tagged_extras = True
+    S8_cap_before_last_token = True
+    S9_release_refuses_duplicates = True
+    S9h_release_checks_holder = True
+    S10_write_needs_private = True
+    S11_dedup_keeps_page = True
+    S13_reclaim_counts_pages_once = True
+    S14o_reset_refuses_offloaded = True  # a host copy holds pre-reset KV (issue 27)
+    S18_append_copies_on_write = True
+    S19_fork_copies_part_page = True
+    S21_reset_keeps_only_private = True
+    S24_match_needs_empty_stream = True
+    S26_reclaim_counts_last_reference = True
+    S30_received_never_cached = True  # R55: a peer's KV, or a fork of it
+    # retention (specs/retention.md), acting on the labels Scope.windows names
+    W2_retire_whole_pages_only = True
+    W5_fork_inherits_window = True
+    W6_truncate_keeps_window = True
+    W8_reload_only_retained = True
+    W9_window_never_cached = True
+    W10_window_never_hits = True
+    W16_retrieve_only_retained = True
+
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
+        off = {attr: False for name, attr in POOL_RULES.items() if not getattr(self, name)}
+        self.pool = (type("Pool", (_Pool,), off) if off else _Pool)(pool_model.Scope(
+            pages=scope.device_pages, holders=scope.requests * scope.labels,
+            page_size=scope.page_size, extras=()))
+        self._plain = not (scope.sharing or scope.windows)
 
     def init(self) -> State:
-        return State(free=self.scope.device_pages)
+        return State(free=self.scope.device_pages, pool=self.pool.init())
 
     def need(self, tokens: int) -> int:
         return -(-tokens // self.scope.page_size)
+
+    # --- pages
+
+    def holder(self, k: Key) -> int:
+        return k[0] * self.scope.labels + k[1]
+
+    def extras(self, rid: int) -> pool_model.Extras:
+        # the label is not an extra key: a token's identity names the label
+        # whose KV it is, so a hit never crosses labels (S25) by construction
+        return (("salt", self.scope.salts[rid] if self.scope.salts else ""),)
+
+    def private(self, pool: pool_model.State, k: Key, p: int) -> bool:
+        pg = pool.pages[p - 1]
+        return pg.key is None and len(pg.holders) == 1 and self.holder(k) in pg.holders
+
+    @staticmethod
+    def released(v: Stream) -> int:
+        """The slots the window released (a prefix of the table)."""
+        z = 0
+        for p in v.table:
+            if p:
+                break
+            z += 1
+        return z
+
+    @staticmethod
+    def tab(v: Stream, table: tuple[int, ...]) -> Stream:
+        return replace(v, table=table, pages=len(table) - table.count(0))
+
+    def _alloc(self, pool: pool_model.State, k: Key, n: int
+               ) -> tuple[tuple[int, ...], pool_model.State]:
+        if n <= 0:
+            return (), pool
+        r, pool = self.pool.step(pool, pool_model.Allocate(self.holder(k), n))
+        assert isinstance(r, pool_model.Pages), r  # the caller counted the free pages
+        return r.pages, pool
+
+    def _release(self, pool: pool_model.State, k: Key, table: tuple[int, ...]
+                 ) -> tuple[int, pool_model.State]:
+        """k lets go of the pages of ``table`` (given in slot order), tail first
+        (S6), one pool call; the pages that became free. A call the pool
+        refuses changes nothing (P1 then reports the tables and holders apart)."""
+        go = tuple(p for p in reversed(table) if p)
+        if not go:
+            return 0, pool
+        r, nxt = self.pool.step(pool, pool_model.Release(self.holder(k), go))
+        return (r.n, nxt) if isinstance(r, pool_model.Count) else (0, pool)
+
+    def window_first(self, label: int, n: int) -> int:
+        """The first token a commit keeps (W2, W15): max(0, n - W - k)."""
+        w = self.scope.window(label)
+        return 0 if w is None else max(0, n - w - self.scope.margin(label))
+
+    def _retire(self, k: Key, v: Stream, pool: pool_model.State
+                ) -> tuple[Stream, pool_model.State]:
+        """W2: the pages wholly before the window go; their slots stay, empty."""
+        first = self.window_first(k[1], v.stored_len)
+        if not first:
+            return v, pool
+        upto = first // self.scope.page_size if self.W2_retire_whole_pages_only else \
+            self.need(first)
+        upto = min(upto, len(v.table))
+        if not any(v.table[:upto]):
+            return v, pool
+        _, pool = self._release(pool, k, v.table[:upto])
+        return self.tab(v, (0,) * upto + v.table[upto:]), pool
+
+    def _cow(self, st: dict[Key, Stream], pool: pool_model.State, step: Step,
+             spans: bool = True) -> pool_model.State:
+        """S18/W11: each page a segment writes into that is shared or
+        registered is swapped for a private one: a spare page the admit
+        reserved for it (the table's tail), else a free one; the old released."""
+        if not (self.scope.sharing and self.S18_append_copies_on_write):
+            return pool
+        targets = {(r, t) for _, t in step.pre_forks for r in step.padded}
+        for g in step.segments:
+            k = (g.rid, g.label)
+            if not g.span or k not in st or k in targets:
+                continue
+            v = st[k]
+            table = list(v.table)
+            end = self.need(v.stored_len + g.span)
+            for i in range(v.stored_len // self.scope.page_size, min(end, len(table))):
+                p = table[i]
+                if not p or self.private(pool, k, p):
+                    continue
+                if len(table) > end and self.private(pool, k, table[-1]):
+                    q = table.pop()
+                else:
+                    got, pool = self._alloc(pool, k, min(1, len(pool.blank) + len(pool.lru)))
+                    if not got:
+                        continue  # not reserved: S10's check reports the write
+                    q = got[0]
+                table[i] = q
+                _, pool = self._release(pool, k, (p,))
+            st[k] = self.tab(v, tuple(table))
+        return pool
+
+    def _next(self, s: State, st: dict[Key, Stream], pool: pool_model.State,
+              **changes: Any) -> State:
+        return replace(s, streams=_sorted(st), pool=pool, free=len(pool.blank) + len(pool.lru),
+                       **changes)
 
     def step(self, s: State, a: Action) -> tuple[Result, State]:
         # the class's handler, looked up once per (model class, action class):
@@ -516,28 +760,29 @@ class Model:
         if a.rid in s.leases:  # R33: the peer may still be copying these pages
             return Misuse("PublishLeasedError"), s
         s = self._drained(s, a.rid)
-        st, free, offloads = s.stream_map(), s.free, dict(s.offloads)
+        st, pool, offloads = s.stream_map(), s.pool, dict(s.offloads)
+        assert pool is not None
         for k, v in st.items():
             if k[0] != a.rid:
                 continue
             if v.offload == OFFLOADED and not self.R12_reset_forgets_host:
                 st[k] = replace(v, retrieve=self._latch(v))  # reload brings it back
                 continue
-            pages = 0 if a.free else v.pages
-            free += v.pages - pages
+            # S21: a kept (spare) page is private; the released slots are forgotten
+            keep = () if a.free else tuple(p for p in v.table if p and (
+                not self.S21_reset_keeps_only_private or self.private(pool, k, p)))
+            _, pool = self._release(pool, k, tuple(p for p in v.table if p not in keep))
             # R12: a committed host copy is forgotten with the tokens
             off = RESIDENT if v.offload == OFFLOADED else v.offload
-            st[k] = Stream(pages=pages, offload=off, retrieve=self._latch(v))
+            st[k] = self.tab(Stream(offload=off, retrieve=self._latch(v)), keep)
             if v.offload == CLAIMED:  # the offload's generation guard will fail
                 offloads[a.rid] = replace(offloads[a.rid], touched=True)
         host = s.host
         if self.R12_reset_forgets_host:
             host = tuple(h for h in s.host if h[0][0] != a.rid
                          or (h[0] in st and st[h[0]].offload == CLAIMED))
-        return Ok(), replace(
-            s, free=free, streams=_sorted(st), host=host,
-            offloads=tuple(sorted(offloads.items())),
-        )
+        return Ok(), self._next(s, st, pool, host=host,
+                                offloads=tuple(sorted(offloads.items())))
 
     def do_Remove(self, s: State, a: Remove) -> tuple[Result, State]:
         if a.rid not in s.requests():
@@ -547,14 +792,15 @@ class Model:
         if a.rid in s.leases:  # R33
             return Misuse("PublishLeasedError"), s
         s = self._drained(s, a.rid)
-        st = s.stream_map()
-        freed = sum(v.pages for k, v in st.items() if k[0] == a.rid)
-        st = {k: v for k, v in st.items() if k[0] != a.rid}
-        return Ok(), replace(
-            s, free=s.free + freed, streams=_sorted(st),
-            host=tuple(h for h in s.host if h[0][0] != a.rid),
-            offloads=tuple(o for o in s.offloads if o[0] != a.rid),
-        )
+        st, pool = s.stream_map(), s.pool
+        assert pool is not None
+        for k, v in sorted(st.items()):
+            if k[0] == a.rid:
+                _, pool = self._release(pool, k, v.table)
+                del st[k]
+        return Ok(), self._next(
+            s, st, pool, host=tuple(h for h in s.host if h[0][0] != a.rid),
+            offloads=tuple(o for o in s.offloads if o[0] != a.rid))
 
     # --- steps
 
@@ -568,7 +814,8 @@ class Model:
         return not (self.R20_fork_from_absent_copies_nothing and src in fresh
                     and length[src] == 0)
 
-    def reservations(self, step: Step, st: dict[Key, Stream]) -> dict[Key, int]:
+    def reservations(self, step: Step, st: dict[Key, Stream],
+                     pool: pool_model.State | None = None) -> dict[Key, int]:
         """Pages each stream must hold once the step is admitted: the most its
         length reaches while the step runs, its forks applied in list order
         (a chain a->b, b->c copies a's tokens twice; a cycle ends as the first
@@ -576,7 +823,10 @@ class Model:
         # a function of the step and of which streams it names exist at what
         # length (nothing else of `st` is read), asked by every admit: kept per
         # model and step object (the entry holds the step, so its id is not
-        # reused); a copy goes out, callers own it
+        # reused); a copy goes out, callers own it. With sharing or windows the
+        # tables matter too: not kept
+        if not self._plain:
+            return self._reservations(step, st, pool)
         proj = tuple([(k, st[k].stored_len if k in st else -1) for k in sorted(named(step))])
         memo: dict[tuple[int, tuple[tuple[Key, int], ...]],
                    tuple[Step, dict[Key, int]]] = self.__dict__.setdefault(
@@ -590,11 +840,16 @@ class Model:
         memo[(id(step), proj)] = (step, dict(want))
         return want
 
-    def _reservations(self, step: Step, st: dict[Key, Stream]) -> dict[Key, int]:
+    def _reservations(self, step: Step, st: dict[Key, Stream],
+                      pool: pool_model.State | None = None) -> dict[Key, int]:
         want: dict[Key, int] = {}
+        # W3: pages for the retained slots only; a fork target takes its
+        # source's released prefix (W5), so a fork of a windowed stream
+        # reserves its window, not its length (issue 27, defect 1)
+        rel = {k: self.released(v) for k, v in st.items()} if self.scope.windows else {}
 
         def ask(k: Key, tokens: int) -> None:
-            want[k] = max(want.get(k, 0), self.need(tokens))
+            want[k] = max(want.get(k, 0), self.need(tokens) - rel.get(k, 0))
 
         fresh = set(named(step) - set(st))
         length = {k: v.stored_len for k, v in st.items()} | dict.fromkeys(fresh, 0)
@@ -605,6 +860,8 @@ class Model:
                     if self._copies((rid, f), length, frozenset(fresh)):
                         fresh.discard((rid, t))  # written by a fork: a source from here on
                         length[(rid, t)] = length[(rid, f)]
+                        if rel and self.W5_fork_inherits_window:
+                            rel[(rid, t)] = rel.get((rid, f), 0)
                         ask((rid, t), length[(rid, f)])
 
         fork(step.pre_forks)
@@ -617,6 +874,19 @@ class Model:
             for g in step.segments:
                 length[(g.rid, g.label)] += g.span
         fork(step.post_forks)
+        if self.scope.sharing and self.S18_append_copies_on_write and pool is not None:
+            # a page the step writes into that is shared or registered needs a
+            # private copy: one page more, swapped in at plan (S18, R52, R57)
+            targets = {(r, t) for _, t in step.pre_forks for r in step.padded}
+            for g in step.segments:
+                k = (g.rid, g.label)
+                if not g.span or k not in st or k in targets:
+                    continue
+                v, ps = st[k], self.scope.page_size
+                cow = sum(1 for p in v.table[v.stored_len // ps:self.need(v.stored_len + g.span)]
+                          if p and not self.private(pool, k, p))
+                if cow:
+                    want[k] = want.get(k, 0) + cow
         return want
 
     def _misused(self, s: State, a: Admit) -> Misuse | None:
@@ -632,6 +902,12 @@ class Model:
                 return Misuse("PreplanPendingError")
         elif not a.preplan and s.current is not None and step != s.current.step:
             return Misuse("StepInFlightError")  # one running step (R23)
+        sc = self.scope
+        if sc.windows and any((sc.window(f), sc.margin(f)) != (sc.window(t), sc.margin(t))
+                              for f, t in step.pre_forks + step.post_forks):
+            # W5: a fork keeps the retention; a windowed source cannot give a
+            # full-attention target the tokens it released
+            return Misuse("InvalidArgumentError")
         if any(r not in s.requests() for r in {g.rid for g in step.segments} | set(step.padded)):
             return Misuse("UnknownRequestError")
         return None
@@ -661,18 +937,26 @@ class Model:
             # R50: a fork would overwrite a published stream in place; across
             # processes the lease is all that keeps the peer's bytes (R35)
             return Refused("PublishLeased"), s
-        want = self.reservations(a.step, self._settled(s) if a.preplan else st)
+        base = self._settled(s) if a.preplan else st
+        want = self.reservations(a.step, base, s.pool)
         if self.R16_admit_makes_named:  # every named stream exists, so a mark covers it
             for k in sorted(keys):
                 want.setdefault(k, 0)
-        new = sum(max(0, n - st[k].pages) if k in st else n for k, n in want.items())
+        # a preplan counts what each stream holds once the running step has
+        # committed: its window may release pages then (W2) that the preplan needs
+        have = {k: (base[k] if k in base else st[k]).pages for k in want if k in st}
+        new = sum(max(0, n - have[k]) if k in st else n for k, n in want.items())
         if new > s.free:
             return Refused("AllocationFailed", new - s.free), s
         undo: list[tuple[Key, Tokens | None]] = []
+        pool = s.pool
+        assert pool is not None
         for k, n in want.items():
             if k not in st:
                 undo.append((k, None))
-            st[k] = replace(st.get(k, NO_STREAM), pages=max(st.get(k, NO_STREAM).pages, n))
+            v = st.get(k, NO_STREAM)
+            got, pool = self._alloc(pool, k, n - have.get(k, 0))
+            st[k] = self.tab(v, v.table + got)
         before = s.stream_map()
         # a pre-fork target to rewind, where a preplan runs its forks (R11 off);
         # under R11 there is none, and a running step may still move it (R41)
@@ -682,7 +966,8 @@ class Model:
                     undo.append(((rid, t), before[(rid, t)].contents))
         marks = frozenset(k for k in keys if k in st)
         fresh = frozenset(k for k in st if k not in before)
-        return Ok(), self._admitted(s, st, s.free - new, a, marks, tuple(undo), fresh)
+        return Ok(), self._admitted(replace(s, pool=pool), st, s.free - new, a, marks,
+                                    tuple(undo), fresh)
 
     def _admitted(
         self, s: State, st: dict[Key, Stream], free: int, a: Admit,
@@ -699,12 +984,14 @@ class Model:
                 p, basis=self._basis(s, a.step)))
         return replace(s, free=free, streams=_sorted(st), current=p)
 
-    def _fork_all(self, st: dict[Key, Stream], p: Pending, forks: tuple[tuple[int, int], ...],
-                  fault: bool) -> tuple[bool, Pending]:
+    def _fork_all(self, st: dict[Key, Stream], pool: pool_model.State, p: Pending,
+                  forks: tuple[tuple[int, int], ...], fault: bool
+                  ) -> tuple[bool, Pending, pool_model.State]:
         """Apply ``forks`` for every padded request, in order. With ``fault``,
         the first copy that moves tokens raises: its target is left empty
         (never half old, half new) and the rest still run. Returns whether it
-        fired, and the pending step with the written targets no longer fresh."""
+        fired, the pending step with the written targets no longer fresh, and
+        the pool."""
         fired = False
         fresh = set(p.fresh)
         for f, t in forks:
@@ -716,11 +1003,39 @@ class Model:
                 fresh.discard(dst)  # written by a fork: a source from here on
                 if fault and not fired and st[src].stored_len > 0:
                     fired = True
+                    st[dst], pool = self._fork_pages(st[dst], dst, None, pool)
                     st[dst] = replace(st[dst], stored_len=0, contents=())
                     continue
+                st[dst], pool = self._fork_pages(st[dst], dst, st[src], pool)
                 st[dst] = replace(st[dst], stored_len=st[src].stored_len,
                                   contents=st[src].contents)
-        return fired, replace(p, fresh=frozenset(fresh))
+        return fired, replace(p, fresh=frozenset(fresh)), pool
+
+    def _fork_pages(self, v: Stream, k: Key, src: Stream | None, pool: pool_model.State
+                    ) -> tuple[Stream, pool_model.State]:
+        """The target's table after a fork from ``src`` (None: a copy that
+        failed, the target emptied). It keeps its private pages (the admit
+        reserved them: its high-water list) and lets go of the rest; with
+        sharing it takes the source's retained full pages by reference and
+        copies only the part page (S19); it takes the source's released
+        prefix (W5). Without sharing or windows the table stays as it is."""
+        if self._plain:
+            return v, pool
+        own = tuple(p for p in v.table if p)
+        keep = tuple(p for p in own if self.private(pool, k, p))
+        _, pool = self._release(pool, k, tuple(p for p in v.table if p not in keep))
+        if src is None:
+            return self.tab(v, keep), pool
+        z = self.released(src) if self.W5_fork_inherits_window else 0
+        shared: tuple[int, ...] = ()
+        if self.scope.sharing:
+            full = src.stored_len // self.scope.page_size if self.S19_fork_copies_part_page \
+                else self.need(src.stored_len)
+            shared = tuple(q for q in src.table[z:full] if q)
+            if shared:
+                r, nxt = self.pool.step(pool, pool_model.Share(self.holder(k), shared))
+                pool = nxt if isinstance(r, pool_model.Ok) else pool
+        return self.tab(v, (0,) * z + shared + keep), pool
 
     def do_Plan(self, s: State, a: Plan) -> tuple[Result, State]:
         if a.preplan:
@@ -729,13 +1044,13 @@ class Model:
                 return Misuse("StepNotAdmittedError"), s
             if p.phase != ADMITTED:
                 return Misuse("PreplanPendingError"), s  # planned already
-            st = s.stream_map()
+            st, pool = s.stream_map(), s.pool
+            assert pool is not None
             fired = False
             if not self.R11_preplan_forks_at_promotion:
-                fired, p = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
+                fired, p, pool = self._fork_all(st, pool, p, p.step.pre_forks, a.fork_error)
             p = replace(p, phase=PLANNED, forked=not self.R11_preplan_forks_at_promotion)
-            return (Fault("ForkCopyError") if fired else Ok()), replace(
-                s, streams=_sorted(st), staged=p)
+            return (Fault("ForkCopyError") if fired else Ok()), self._next(s, st, pool, staged=p)
         s0 = s
         if s.current is None:
             if s.staged is None:
@@ -749,15 +1064,17 @@ class Model:
         assert p is not None
         if p is s0.current and p.phase != ADMITTED:
             return Misuse("StepOrderError"), s  # a step is planned once (R27)
-        st = s.stream_map()
+        st, pool = s.stream_map(), s.pool
+        assert pool is not None
         fired = False
         if not p.forked:
-            fired, p = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
+            fired, p, pool = self._fork_all(st, pool, p, p.step.pre_forks, a.fork_error)
         if fired:  # plan again: the forks ran, the failed target stays empty (R26)
             p = replace(p, phase=ADMITTED, forked=True)
-            return Fault("ForkCopyError"), replace(s, streams=_sorted(st), current=p)
+            return Fault("ForkCopyError"), self._next(s, st, pool, current=p)
+        pool = self._cow(st, pool, p.step)  # the plan addresses private pages only
         p = replace(p, phase=PLANNED, forked=True)
-        return Ok(), replace(s, streams=_sorted(st), current=p)
+        return Ok(), self._next(s, st, pool, current=p)
 
     def do_Write(self, s: State, a: Write) -> tuple[Result, State]:
         if s.current is None or s.current.phase == ADMITTED:
@@ -780,11 +1097,14 @@ class Model:
         p = s.current
         if p is None:
             return Misuse("StepNotAdmittedError"), s
-        st = s.stream_map()
+        st, pool = s.stream_map(), s.pool
+        assert pool is not None
         fired = False
         if not p.forked and self.R24_commit_runs_pending_forks:
             # committed unplanned: its pre-forks run now (R24)
-            fired, p = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
+            fired, p, pool = self._fork_all(st, pool, p, p.step.pre_forks, a.fork_error)
+        if p.phase == ADMITTED:  # never planned: its span lands in private pages too
+            pool = self._cow(st, pool, p.step)
         self._unmark(st, p.marks, s.staged.marks if s.staged else frozenset())
         token = None if p.phase == WRITTEN else UNWRITTEN
         for g in p.step.segments:
@@ -794,27 +1114,30 @@ class Model:
             if st[k].offload != RESIDENT:
                 continue  # the reference's "dropping committed tokens" (I15)
             v = st[k]
-            st[k] = replace(v, stored_len=v.stored_len + g.span,
-                            contents=v.contents + (g.label if token is None else token,) * g.span)
-        post_fired, p = self._fork_all(st, p, p.step.post_forks, a.fork_error and not fired)
+            st[k], pool = self._retire(k, replace(
+                v, stored_len=v.stored_len + g.span,
+                contents=v.contents + (g.label if token is None else token,) * g.span), pool)
+        post_fired, p, pool = self._fork_all(st, pool, p, p.step.post_forks,
+                                             a.fork_error and not fired)
         fired = fired or post_fired
-        nxt = replace(s, streams=_sorted(st), current=None)
+        nxt = self._next(s, st, pool, current=None)
         return (Fault("ForkCopyError") if fired else Ok()), nxt
 
     def do_ClearPreplan(self, s: State, a: ClearPreplan) -> tuple[Result, State]:
         p = s.staged
         if p is None:
             return Ok(), s
-        st, free = s.stream_map(), s.free
+        st, pool = s.stream_map(), s.pool
+        assert pool is not None
         for k, old in reversed(p.undo):
             if k not in st:
                 continue
             if old is None:  # invented by the preplan: removed with its pages
-                free += st.pop(k).pages
+                _, pool = self._release(pool, k, st.pop(k).table)
             else:
                 st[k] = replace(st[k], stored_len=len(old), contents=old)
         self._unmark(st, p.marks, s.current.marks if s.current else frozenset())
-        return Ok(), replace(s, free=free, streams=_sorted(st), staged=None)
+        return Ok(), self._next(s, st, pool, staged=None)
 
     # --- offload
 
@@ -842,8 +1165,16 @@ class Model:
         return Claimed(tuple(lb for lb, _ in claim)), replace(
             s, streams=_sorted(st), offloads=tuple(sorted(offloads.items())))
 
+    def host_need(self, v: Stream | None, tokens: int) -> int:
+        """Host pages a copy of ``tokens`` of ``v`` takes: its retained slots (W8)."""
+        z = self.released(v) if v is not None and self.W8_reload_only_retained else 0
+        return max(0, self.need(tokens) - z)
+
     def host_used(self, s: State) -> int:
-        return sum(self.need(len(c)) for _, c in s.host)
+        if not self.scope.windows:
+            return sum(self.need(len(c)) for _, c in s.host)
+        st = s.stream_map()
+        return sum(self.host_need(st.get(k), len(c)) for k, c in s.host)
 
     def do_OffloadCopy(self, s: State, a: OffloadCopy) -> tuple[Result, State]:
         off = s.offload_of(a.rid)
@@ -861,7 +1192,7 @@ class Model:
             # so kvref copies nothing (and nothing can fail)
             return Flag(False), s
         v = s.stream_map().get(k, Stream())  # removed: copies nothing
-        if self.host_used(s) + self.need(v.stored_len) > self.scope.host_pages:
+        if self.host_used(s) + self.host_need(v, v.stored_len) > self.scope.host_pages:
             # host full: this stream stays on device; no copy runs, so none can fail
             return Flag(False), s
         if a.copy_error:  # R8: every claim of the offload is abandoned
@@ -883,17 +1214,21 @@ class Model:
         if off.touched or gone or not off.copied:  # all or nothing: the generation guard
             _, nxt = self.do_OffloadAbandon(s, OffloadAbandon(a.rid))
             return Freed(0), nxt
-        freed = 0
-        for label, pages in off.claimed:
+        freed, pool = 0, s.pool
+        assert pool is not None
+        for label, _ in off.claimed:
             k = (a.rid, label)
             if label in off.copied:
-                freed += pages  # the pages taken at claim (the reference's claim.pages)
-                st[k] = replace(st[k], pages=0, offload=OFFLOADED)
+                # only the pages whose last holder it was come free (R53); the
+                # released slots stay, so a reload takes retained ones only (W8)
+                n, pool = self._release(pool, k, st[k].table)
+                freed += n
+                st[k] = replace(self.tab(st[k], (0,) * self.released(st[k])),
+                                offload=OFFLOADED)
             elif k in st:
                 st[k] = replace(st[k], offload=RESIDENT)
-        return Freed(freed), replace(
-            s, free=s.free + freed, streams=_sorted(st),
-            offloads=tuple(o for o in s.offloads if o[0] != a.rid))
+        return Freed(freed), self._next(
+            s, st, pool, offloads=tuple(o for o in s.offloads if o[0] != a.rid))
 
     def do_OffloadAbandon(self, s: State, a: OffloadAbandon) -> tuple[Result, State]:
         off = s.offload_of(a.rid)
@@ -912,18 +1247,21 @@ class Model:
         if self.R6_no_reload_mid_offload and s.offload_of(a.rid) is not None:
             return Flag(False), s
         copies = {k: c for k, c in s.host if k[0] == a.rid}
-        needed = sum(self.need(len(c)) for c in copies.values())
+        st, pool = s.stream_map(), s.pool
+        assert pool is not None
+        needed = sum(self.host_need(st.get(k), len(c)) for k, c in copies.items())
         if not copies or needed > s.free:
             return Flag(False), s  # nothing moves
         if a.copy_error:  # all streams or none: the pages taken go back (R26)
             return Fault("ReloadCopyError"), s
-        st = s.stream_map()
-        for k, c in copies.items():
-            st[k] = replace(st.get(k, Stream()), pages=self.need(len(c)), stored_len=len(c),
-                            contents=c, offload=RESIDENT)
-        return Flag(True), replace(
-            s, free=s.free - needed, streams=_sorted(st),
-            host=tuple(h for h in s.host if h[0] not in copies))
+        for k, c in copies.items():  # in label order (S29)
+            v = st.get(k, NO_STREAM)
+            z = self.released(v) if self.W8_reload_only_retained else 0
+            got, pool = self._alloc(pool, k, self.need(len(c)) - z)
+            st[k] = replace(self.tab(v, (0,) * z + got), stored_len=len(c), contents=c,
+                            offload=RESIDENT)
+        return Flag(True), self._next(s, st, pool,
+                                      host=tuple(h for h in s.host if h[0] not in copies))
 
     # --- disaggregation
 
@@ -974,16 +1312,35 @@ class Model:
             # terminal, as a failed copy: latched, nothing taken, nothing copied
             st[k] = replace(v, retrieve=FAILED)
             return Latched("RetrieveStale"), replace(s, streams=_sorted(st))
-        new = max(0, self.need(a.length) - v.pages)
+        pool = s.pool
+        assert pool is not None
+        # a page per slot it lacks, but the slots the window releases at this
+        # length (W16); a private copy of its part page if shared (W11, S18)
+        lo = self.window_first(a.label, a.length) // self.scope.page_size \
+            if self.W16_retrieve_only_retained else 0
+        slots = [i for i in range(len(v.table), self.need(a.length)) if i >= lo]
+        part = v.stored_len // self.scope.page_size
+        cow = (self.scope.sharing and self.S18_append_copies_on_write and v.stored_len % (
+            self.scope.page_size) != 0 and part < len(v.table) and v.table[part] != 0
+            and not self.private(pool, k, v.table[part]))
+        new = len(slots) + cow
         if new > s.free:
             return Refused("AllocationFailed", new - s.free), s
         if a.start_error:  # the copy never started: nothing taken, nothing latched (R26)
             return Refused("AdmitRuntimeError"), s
         # retrieved tokens carry identity labels+label: distinct from local writes
         tokens = v.contents + (self.scope.labels + a.label,) * (a.length - v.stored_len)
-        st[k] = replace(v, pages=v.pages + new, stored_len=a.length, contents=tokens,
-                        retrieve=PENDING)
-        return NotReady(), replace(s, free=s.free - new, streams=_sorted(st))
+        got, pool = self._alloc(pool, k, new)
+        table = list(v.table) + [0] * (self.need(a.length) - len(v.table))
+        for i, q in zip(slots, got, strict=False):
+            table[i] = q
+        if cow:
+            old, table[part] = table[part], got[-1]
+            _, pool = self._release(pool, k, (old,))
+        nv, pool = self._retire(k, replace(self.tab(v, tuple(table)), stored_len=a.length,
+                                           contents=tokens, retrieve=PENDING), pool)
+        st[k] = nv
+        return NotReady(), self._next(s, st, pool)
 
     def do_RetrieveComplete(self, s: State, a: RetrieveComplete) -> tuple[Result, State]:
         st = s.stream_map()
@@ -1014,14 +1371,21 @@ class Model:
             return Misuse("PublishLeasedError"), s
         if a.new_len > v.stored_len:
             return Misuse("InvalidArgumentError"), s
+        w = self.scope.window(a.label)
+        if w is not None and self.W6_truncate_keeps_window and max(0, a.new_len - w) < (
+                self.released(v) * self.scope.page_size):
+            return Misuse("ReleasedPrefixError"), s  # W6: its window would reach released tokens
         if a.new_len == v.stored_len:
             return Freed(0), s  # nothing to cut: spare pages stay (R39)
         # pages past the new end go back (R39); a stream already holding fewer
-        # (offloaded, only reachable without R38) has nothing more to give
-        keep = min(v.pages, self.need(a.new_len))
-        st[k] = replace(v, pages=keep, stored_len=a.new_len, contents=v.contents[:a.new_len])
-        return Freed(v.pages - keep), replace(s, free=s.free + v.pages - keep,
-                                              streams=_sorted(st))
+        # (offloaded, only reachable without R38) has nothing more to give.
+        # The answer: the pages that became free, not those let go (S20)
+        keep = self.need(a.new_len)
+        assert s.pool is not None
+        freed, pool = self._release(s.pool, k, v.table[keep:])
+        st[k] = replace(self.tab(v, v.table[:keep]), stored_len=a.new_len,
+                        contents=v.contents[:a.new_len])
+        return Freed(freed), self._next(s, st, pool)
 
     # --- the publish lease (R33, R34)
 
@@ -1033,6 +1397,96 @@ class Model:
 
     def do_LeaseTimeout(self, s: State, a: LeaseTimeout) -> tuple[Result, State]:
         return Ok(), replace(s, leases=())
+
+    # --- the prefix cache (S23-S26, W9, W10)
+
+    def _cachable(self, tokens: Tokens) -> bool:
+        # never KV nobody wrote, nor a peer's (R55), nor a fork of it
+        return UNWRITTEN not in tokens and (not self.S30_received_never_cached
+                                            or all(t < self.scope.labels for t in tokens))
+
+    def do_CachePrefix(self, s: State, a: CachePrefix) -> tuple[Result, State]:
+        k = (a.rid, a.label)
+        v = s.stream_map().get(k)
+        if v is None:
+            return Misuse("UnknownRequestError"), s
+        if v.offload == OFFLOADED:
+            return Misuse("StreamUnavailableError"), s
+        if self.scope.window(a.label) is not None and self.W9_window_never_cached:
+            return Count(0), s  # W9: a windowed label registers nothing
+        ps, pool, parent, added = self.scope.page_size, s.pool, None, 0
+        assert pool is not None
+        for i in range(min(v.stored_len // ps, len(v.table))):
+            tokens = v.contents[i * ps:(i + 1) * ps]
+            if not v.table[i] or not self._cachable(tokens):
+                break  # a chain goes no further than its first gap
+            fresh = pool.pages[v.table[i] - 1].key is None
+            r, pool = self.pool.step(pool, pool_model.Register(
+                v.table[i], parent, tokens, self.extras(a.rid)))
+            if isinstance(r, pool_model.Misuse):
+                return Misuse(r.kind), s
+            assert isinstance(r, pool_model.Registered)
+            added += fresh and r.page == v.table[i]  # a key another page had: S11
+            parent = self.pool.key_of(parent, tokens, self.extras(a.rid))
+        if pool is s.pool:
+            return Count(0), s
+        return Count(added), replace(s, pool=pool)
+
+    def do_MatchPrefix(self, s: State, a: MatchPrefix) -> tuple[Result, State]:
+        if a.rid not in s.requests():
+            return Misuse("UnknownRequestError"), s
+        k = (a.rid, a.label)
+        st = s.stream_map()
+        v = st.get(k, NO_STREAM)
+        if v.offload != RESIDENT:
+            return Misuse("StreamUnavailableError"), s
+        if v.in_flight or v.retrieve != IDLE:
+            return Misuse("StepInFlightError"), s  # a step or a copy is writing it
+        if v.stored_len and self.S24_match_needs_empty_stream:
+            return Misuse("InvalidArgumentError"), s  # a hit onto a stream that is not empty
+        if self.scope.window(a.label) is not None and self.W10_window_never_hits:
+            return Count(0), s  # W10: a windowed label never hits
+        tokens = (a.label,) * a.length
+        assert s.pool is not None
+        r, pool = self.pool.step(s.pool, pool_model.Match(self.holder(k), tokens,
+                                                          self.extras(a.rid)))
+        if isinstance(r, pool_model.Misuse):
+            return Misuse(r.kind), s
+        assert isinstance(r, pool_model.Hit)
+        if not r.pages:
+            return Count(0), s
+        # the hit pages, then its old (spare, private) ones
+        st[k] = replace(self.tab(v, r.pages + v.table), stored_len=r.num_tokens,
+                        contents=tokens[:r.num_tokens])
+        return Count(r.num_tokens), self._next(s, st, pool)
+
+    def do_ResetPrefixCache(self, s: State, a: ResetPrefixCache) -> tuple[Result, State]:
+        if self.S14o_reset_refuses_offloaded and any(
+                v.offload != RESIDENT for _, v in s.streams):
+            # a host copy holds KV computed before the reset: a reload and a
+            # cache_prefix would make it findable after it (issue 27, defect 3)
+            return Refused("RequestOffloading"), s
+        assert s.pool is not None
+        r, pool = self.pool.step(s.pool, pool_model.ResetPrefixCache())
+        if isinstance(r, pool_model.ResetRefused):
+            return Refused("ResetRefused", r.pages_held), s
+        assert isinstance(r, pool_model.Count)
+        return Count(r.n), (s if not r.n else replace(s, pool=pool))
+
+    def do_NumFree(self, s: State, a: NumFree) -> tuple[Result, State]:
+        return Count(s.free), s
+
+    def do_Reclaimable(self, s: State, a: Reclaimable) -> tuple[Result, State]:
+        if a.rid not in s.requests():
+            return Misuse("UnknownRequestError"), s
+        mine = [(self.holder(k), tuple(p for p in reversed(v.table) if p))
+                for k, v in s.streams if k[0] == a.rid]
+        mine = [(h, t) for h, t in mine if t]
+        if not self.S26_reclaim_counts_last_reference:  # every page it holds, once
+            return Count(len({p for _, t in mine for p in t})), s
+        assert s.pool is not None
+        r, _ = self.pool.step(s.pool, pool_model.Reclaimable(tuple(mine)))
+        return Count(r.n if isinstance(r, pool_model.Count) else 0), s
 
     # --- overlap: a preplan over the running step (R41-R43)
 

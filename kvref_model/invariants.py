@@ -28,10 +28,12 @@ from kvref_model.core import (
     Admit,
     ClearPreplan,
     Commit,
+    Count,
     Fault,
     Flag,
     Freed,
     Latched,
+    MatchPrefix,
     Misuse,
     Model,
     OffloadClaim,
@@ -59,7 +61,9 @@ StepPred = Callable[[Model, State, Action, Result, State], Msg]
 
 
 def i1(m: Model, s: State) -> Msg:
-    held = sum(v.pages for _, v in s.streams)
+    # a page two streams share is one page (I23 checks the ids)
+    held = (sum(v.pages for _, v in s.streams) if s.pool is None or not m.scope.sharing
+            else len({p for _, v in s.streams for p in v.table if p}))
     if s.free < 0 or s.free + held != m.scope.device_pages:
         return f"free {s.free} + held {held} != {m.scope.device_pages} usable pages"
     return None
@@ -73,8 +77,9 @@ def i2(m: Model, s: State) -> Msg:
 
 
 def i3(m: Model, s: State) -> Msg:
+    # a window's released slots hold no page (W2): the rest must
     for k, v in s.streams:
-        if v.offload != OFFLOADED and v.pages < m.need(v.stored_len):
+        if v.offload != OFFLOADED and v.pages < m.need(v.stored_len) - m.released(v):
             return f"{k} holds {v.pages} pages for {v.stored_len} tokens"
     st = s.stream_map()
     # the running step only: a staged preplan's lengths settle at promotion (R11)
@@ -83,7 +88,8 @@ def i3(m: Model, s: State) -> Msg:
             continue  # lengths settle once plan applies the pre-forks
         for g in p.step.segments:
             w = st.get((g.rid, g.label))
-            if g.span and w is not None and w.pages < m.need(w.stored_len + g.span):
+            if g.span and w is not None and w.pages < m.need(w.stored_len + g.span) - (
+                    m.released(w)):
                 return f"planned step writes {g.span} past {w.stored_len} into {w.pages} pages"
     return None
 
@@ -270,7 +276,10 @@ def i17(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
             # a target left empty keeps only what the step added after the
             # fork (its own span), and so does a target fed by it in a chain
             lost = (k in targets and g is not None and w is not None
-                    and replace(g, stored_len=w.stored_len, contents=w.contents) == w
+                    # its pages: the ones it keeps private (S19), which sharing may
+                    # leave fewer than a fork that shared the source's
+                    and replace(g, stored_len=w.stored_len, contents=w.contents,
+                                pages=w.pages, table=w.table) == w
                     and w.contents[len(w.contents) - len(g.contents):] == g.contents)
             if not lost:
                 return f"a fork fault changed {k} beyond emptying a fork target: {g} != {w}"
@@ -301,7 +310,9 @@ def i18(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
         for k, v in before.items():
             # what publish named: the pages under its tokens (a label a cleared
             # preplan invented holds none of those, and goes with its pages)
-            if k[0] == rid and after.get(k, _NO_STREAM).pages < m.need(v.stored_len):
+            # (less the slots its window released: no page, nothing to copy)
+            if k[0] == rid and after.get(k, _NO_STREAM).pages < m.need(v.stored_len) - (
+                    m.released(v)):
                 return f"{type(a).__name__} took pages of leased {k}"
     return None
 
@@ -362,9 +373,129 @@ def i21(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
     return None
 
 
+# --- page identities: the pool model's invariants and the sharing and
+# retention models' (P1-P3, Q1-Q11, V1-V12), stated once over the one model
+
+
+def i23(m: Model, s: State) -> Msg:
+    """S1, S2: every page is held (its holders exactly the streams whose
+    table names it, each once), free-cached (keyed, in the LRU once) or
+    free-blank (no key, in the blank queue once); `free` counts both."""
+    pool = s.pool
+    if pool is None:
+        return None
+    refs: dict[int, set[int]] = {}
+    for k, v in s.streams:
+        mine = [p for p in v.table if p]
+        if len(set(mine)) != len(mine):
+            return f"{k} holds a page twice: {v.table}"
+        if v.pages != len(mine):
+            return f"{k} counts {v.pages} pages, its table holds {len(mine)}"
+        for p in mine:
+            refs.setdefault(p, set()).add(m.holder(k))
+    lru, blank = set(pool.lru), set(pool.blank)
+    if len(lru) != len(pool.lru) or len(blank) != len(pool.blank) or lru & blank:
+        return f"a page queued twice: lru {pool.lru}, blank {pool.blank}"
+    for p, pg in enumerate(pool.pages, 1):
+        if pg.holders != refs.get(p, set()):
+            return f"page {p}: held by {sorted(pg.holders)}, named by {sorted(refs.get(p, ()))}"
+        if (p in lru or p in blank) == bool(pg.holders):
+            return f"page {p} is {'free and held' if pg.holders else 'neither free nor held'}"
+        if (p in lru) != (not pg.holders and pg.key is not None):
+            return f"page {p}: in the LRU {p in lru}, key {pg.key}"
+    if s.free != len(lru) + len(blank):
+        return f"free {s.free}, the pool has {len(lru) + len(blank)} free pages"
+    return None
+
+
+def i24(m: Model, s: State) -> Msg:
+    """S17, S4, R55: every holder of a page holds it at the same slot and reads
+    the same tokens there; a keyed page's key is the chain of each holder's
+    tokens (so an evicted or stale key is never a holder's), and never names
+    KV nobody wrote or a peer's."""
+    pool = s.pool
+    if pool is None or not m.scope.sharing:
+        return None
+    ps = m.scope.page_size
+    seen: dict[int, tuple[object, int, tuple[int, ...]]] = {}
+    for k, v in s.streams:
+        if v.offload == OFFLOADED:
+            continue
+        parent = None
+        for i, p in enumerate(v.table):
+            toks = v.contents[i * ps:(i + 1) * ps]
+            key = pool.pages[p - 1].key if p else None
+            if key is not None:
+                if len(toks) == ps:
+                    parent = m.pool.key_of(parent, toks, m.extras(k[0]))
+                    if key != parent:
+                        return f"{k} slot {i}: page {p} keyed {key}, its tokens chain to {parent}"
+                elif key.tokens[:len(toks)] != toks:
+                    return f"{k} slot {i}: page {p} keyed {key}, holds {toks}"
+                if not m._cachable(key.tokens):
+                    return f"page {p} is keyed over KV no one computed here: {key}"
+            elif len(toks) == ps:
+                parent = m.pool.key_of(parent, toks, m.extras(k[0]))
+            if not p:
+                continue
+            if p in seen:
+                k0, i0, t0 = seen[p]
+                n = min(len(t0), len(toks))
+                if i0 != i or t0[:n] != toks[:n]:
+                    return f"page {p}: {k0} reads {t0} at slot {i0}, {k} {toks} at slot {i}"
+            if p not in seen or len(toks) > len(seen[p][2]):
+                seen[p] = (k, i, toks)
+    return None
+
+
+def i25(m: Model, s: State) -> Msg:
+    """S10, S27: the running step's planned writes land in pages private to
+    their stream (unshared, unkeyed), and so does every spare page."""
+    pool = s.pool
+    if pool is None or not m.scope.sharing:
+        return None
+    st = s.stream_map()
+    spans: dict[tuple[int, int], int] = {}
+    if s.current is not None and s.current.phase != ADMITTED:
+        for g in s.current.step.segments:
+            spans[(g.rid, g.label)] = spans.get((g.rid, g.label), 0) + g.span
+    for k, v in st.items():
+        if v.offload == OFFLOADED:
+            continue
+        ps = m.scope.page_size
+        lo = v.stored_len // ps if spans.get(k) else m.need(v.stored_len)
+        for i in range(lo, len(v.table)):
+            p = v.table[i]
+            if p and not m.private(pool, k, p):
+                why = "a planned write" if i < m.need(v.stored_len + spans.get(k, 0)) \
+                    else "a spare page"
+                return f"{k} slot {i}: {why} into page {p}, shared or keyed"
+    return None
+
+
+def i26(m: Model, s: State) -> Msg:
+    """W1-W3, W15: a windowed stream on the device holds no page wholly before
+    max(0, n - W - k), and every slot of its window [max(0, n - W), n) holds one."""
+    if s.pool is None or not m.scope.windows:
+        return None
+    ps = m.scope.page_size
+    for k, v in s.streams:
+        w = m.scope.window(k[1])
+        if w is None or v.offload == OFFLOADED:
+            continue
+        whole = min(len(v.table), m.window_first(k[1], v.stored_len) // ps)
+        if any(v.table[:whole]):
+            return f"{k} at {v.stored_len} tokens holds a page before its window: {v.table}"
+        start = max(0, v.stored_len - w) // ps
+        if not all(v.table[start:m.need(v.stored_len)]):
+            return f"{k} at {v.stored_len} tokens lost a page of its window: {v.table}"
+    return None
+
+
 STATE: dict[str, StatePred] = {
     "I1": i1, "I2": i2, "I3": i3, "I4": i4, "I5": i5, "I6": i6, "I7": i7,
     "I8": i8_state, "I12": i12, "I13": i13, "I18": i18_state,
+    "I23": i23, "I24": i24, "I25": i25, "I26": i26,
 }
 TRANSITION: dict[str, StepPred] = {
     "I8": i8, "I9": i9, "I10": i10, "I11": i11, "I14": i14, "I15": i15, "I17": i17,
@@ -374,7 +505,14 @@ TRANSITION: dict[str, StepPred] = {
 # deterministic, so every rank replaying one trace has one free count.
 # tests/distributed checks it on real ranks.
 NOT_IN_MODEL = {"I16": "checked by the distributed test only (the model is one rank)"}
-INVARIANT_IDS = (*(f"I{i}" for i in range(1, 20)), "I21", "I22")
+INVARIANT_IDS = (*(f"I{i}" for i in range(1, 20)), "I21", "I22", "I23", "I24", "I25", "I26")
+# the invariants a scope setting gives content to: without it they hold vacuously
+FEATURE: dict[str, str] = {"I24": "sharing", "I25": "sharing", "I26": "windows"}
+
+
+def applies(i: str, scope: object) -> bool:
+    """Whether invariant ``i`` can arise in ``scope`` (its feature is on)."""
+    return i not in NOT_IN_MODEL and bool(getattr(scope, FEATURE.get(i, "depth"), True))
 
 
 # built once, not per call; a result of another class equals neither
@@ -444,6 +582,18 @@ INTERESTING: dict[str, tuple[str, Callable[[Model, State, Action, Result, State]
     "I21": _i("a preplan over the running step promoted",
               lambda m, s, a, r, n: isinstance(a, Plan) and s.staged is not None
               and bool(s.staged.basis) and s.current is None and n.staged is None),
+    "I23": _i("pages let go to the pool by an offload commit",
+              lambda m, s, a, r, n: isinstance(a, OffloadCommit) and isinstance(r, Freed)
+              and n.free > s.free),
+    "I24": _i("a prefix hit attached cached pages",
+              lambda m, s, a, r, n: isinstance(a, MatchPrefix) and isinstance(r, Count)
+              and r.n > 0),
+    "I25": _i("a copy-on-write at plan (a shared or keyed page swapped for a spare)",
+              lambda m, s, a, r, n: isinstance(a, Plan) and isinstance(r, Ok)
+              and n.pool is not None and n.free == s.free and n.pool != s.pool),
+    "I26": _i("a commit released pages before the window",
+              lambda m, s, a, r, n: isinstance(a, Commit) and isinstance(r, Ok | Fault)
+              and n.free > s.free),
 }
 
 
@@ -513,11 +663,13 @@ INTERESTING_ON: dict[str, tuple[type, ...]] = {
     "I10": (Admit,), "I11": (RetrieveStart,), "I12": (Remove,), "I13": (Commit,),
     "I14": (OffloadCommit,), "I15": (Commit,), "I17": (Plan, Commit),
     "I18": (OffloadClaim, Reset, Remove), "I19": (RetrieveStart,), "I21": (Plan,),
+    "I23": (OffloadCommit,), "I24": (MatchPrefix,), "I25": (Plan,), "I26": (Commit,),
 }
 # the result types it can hold on
 INTERESTING_RESULTS: dict[str, tuple[type, ...]] = {
     "I1": (Freed,), "I6": (Flag,), "I7": (Flag,), "I10": (Refused,), "I11": (Refused,),
     "I14": (Freed,), "I17": (Fault,), "I19": (Latched,), "I22": (Refused,),
+    "I23": (Freed,), "I24": (Count,), "I25": (Ok,), "I26": (Ok, Fault),
 }
 # on a transition whose next state is the very object it left, the cases
 # whose truth is that state's alone: I2 looks only at the next state's pages

@@ -25,11 +25,14 @@ from kvref_model.core import (
     WRITTEN,
     Action,
     Admit,
+    CachePrefix,
     ClearPreplan,
     Commit,
     Ingest,
     LeaseTimeout,
+    MatchPrefix,
     Model,
+    NumFree,
     OffloadAbandon,
     OffloadClaim,
     OffloadCommit,
@@ -37,10 +40,12 @@ from kvref_model.core import (
     Plan,
     Publish,
     Read,
+    Reclaimable,
     ReleasePublished,
     Reload,
     Remove,
     Reset,
+    ResetPrefixCache,
     RetrieveComplete,
     RetrieveStart,
     Scope,
@@ -280,6 +285,25 @@ def calls(m: Model, s: State) -> Iterator[Action]:
     if s.leases:  # with nothing leased, the clock passing a deadline changes nothing
         yield LeaseTimeout()
     yield from truncations(m, s)
+    yield from prefix_calls(m, s)
+
+
+def prefix_calls(m: Model, s: State) -> Iterator[Action]:
+    """With sharing on, the prefix cache's calls: register each stream's full
+    pages; a match per request and label of ids long enough to hit every
+    cached page of the label's own identity (a shorter one hits a prefix of
+    the same chain); the counts; the reset."""
+    sc = m.scope
+    if not sc.sharing:
+        return
+    longest = sc.device_pages * sc.page_size + 1
+    for r in sorted(s.requests()):
+        for label in range(sc.labels):
+            yield CachePrefix(r, label)
+            yield MatchPrefix(r, label, longest)
+        yield Reclaimable(r)
+    yield NumFree()
+    yield ResetPrefixCache()
 
 
 def enabled(m: Model, s: State) -> Iterator[Action]:
@@ -346,3 +370,4 @@ def enabled(m: Model, s: State) -> Iterator[Action]:
         if settled(v) and r not in s.leases:  # to any length it holds (R33: not leased)
             for n in range(v.stored_len + 1):
                 yield Truncate(r, lb, n)
+    yield from prefix_calls(m, s)

@@ -65,24 +65,29 @@ class ReferenceModel(Model):
         if self.R3_offloaded_refuses and any(st[k].offload != RESIDENT for k in keys if k in st):
             return Refused("RequestOffloading"), s
         free = s.free
+        pool = s.pool
+        assert pool is not None
         growth: dict[Key, int] = {}
         for g in a.step.segments:
             if a.step.commit:
                 growth[(g.rid, g.label)] = growth.get((g.rid, g.label), 0) + g.span
 
         def alloc(k: Key, tokens: int) -> Result | None:
-            nonlocal free
+            nonlocal free, pool
             v = st.setdefault(k, Stream())  # the label exists from here on
             if v.offload != RESIDENT:
                 return Refused("RequestOffloading")
             new = max(0, self.need(tokens) - v.pages)
             if new > free:  # pages_short: this reservation's, not the step's
                 return Refused("AllocationFailed", new - free)
-            st[k], free = replace(v, pages=v.pages + new), free - new
+            assert pool is not None
+            got, pool = self._alloc(pool, k, new)
+            st[k], free = self.tab(v, v.table + got), free - new
             return None
 
         def refused() -> State:  # R1 off: partial reservations and labels are kept
-            return s if self.R1_atomic_admit else replace(s, free=free, streams=_sorted(st))
+            return s if self.R1_atomic_admit else replace(s, free=free, streams=_sorted(st),
+                                                          pool=pool)
 
         undo: list[tuple[Key, Tokens | None]] = []
         for forks, post in ((a.step.pre_forks, False), (a.step.post_forks, True)):
@@ -116,7 +121,8 @@ class ReferenceModel(Model):
         fresh = frozenset(k for k in st if k not in before)
         if a.preplan and self.UNDO_ALL_INVENTED:  # DESIGN: every invented label goes
             undo = [(k, None) for k in sorted(fresh)] + [u for u in undo if u[1] is not None]
-        return Ok(), self._admitted(s, st, free, a, marks, tuple(undo), fresh)
+        return Ok(), self._admitted(replace(s, pool=pool), st, free, a, marks, tuple(undo),
+                                    fresh)
 
 
 def without(*rules: str) -> type[Model]:

@@ -32,10 +32,12 @@ import itertools
 import multiprocessing
 import os
 import pickle
+import queue
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from array import array
 from collections import Counter, deque
@@ -271,6 +273,18 @@ def _serve(conn: Any, spec: Spec) -> None:
     # chunks come in order and are merged in order, so each chunk's results
     # are merged after every earlier one of its own
     known = FingerprintSet()
+    # results go out from a thread, so this loop keeps reading tasks: a result
+    # larger than the pipe's buffer, sent while the parent is itself blocked
+    # sending this worker its next task, would otherwise hang both (seen once
+    # states carried page ids)
+    out: queue.SimpleQueue[ChunkResult | None] = queue.SimpleQueue()
+
+    def send() -> None:
+        while (res := out.get()) is not None:
+            conn.send(res)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
     while (task := conn.recv()) is not None:
         chunk, expand, leaves, taken = task
         for fp in array("Q", taken):
@@ -279,7 +293,9 @@ def _serve(conn: Any, spec: Spec) -> None:
         for kind, ev in res.events:
             if kind == "n":
                 known.add(ev[0])
-        conn.send(res)
+        out.put(res)
+    out.put(None)
+    sender.join()
 
 
 class Workers:

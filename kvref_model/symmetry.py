@@ -20,15 +20,25 @@ import sys
 from dataclasses import fields, is_dataclass, replace
 from typing import Any
 
-from kvref_model.core import UNWRITTEN, Offload, Pending, Scope, Seg, State, Step, Stream
+from kvref_model.core import (
+    UNWRITTEN,
+    Offload,
+    Pending,
+    Scope,
+    Seg,
+    State,
+    Step,
+    Stream,
+    project,
+)
 
 Perm = tuple[int, ...]
 Symmetry = tuple[Perm, Perm]  # (request permutation, label permutation)
 
 # the fields the renaming below handles, per class
 KNOWN_FIELDS: dict[type, tuple[str, ...]] = {
-    State: ("free", "streams", "host", "current", "staged", "offloads", "leases"),
-    Stream: ("pages", "stored_len", "contents", "in_flight", "offload", "retrieve"),
+    State: ("free", "streams", "host", "current", "staged", "offloads", "leases", "pool"),
+    Stream: ("pages", "stored_len", "contents", "in_flight", "offload", "retrieve", "table"),
     Pending: ("step", "phase", "marks", "undo", "fresh", "forked", "basis"),
     Step: ("segments", "pre_forks", "post_forks", "padded", "commit"),
     Seg: ("rid", "label", "span"),
@@ -48,9 +58,51 @@ def unknown_fields() -> list[str]:
 def symmetries(scope: Scope) -> list[Symmetry]:
     """Every renaming; the identity first."""
     rps = list(itertools.permutations(range(scope.requests)))
-    # "main" (label 0) is special; the rest are not
+    if len(set(scope.salts)) > 1:  # a salt tells requests apart (S25)
+        rps = rps[:1]
+    # "main" (label 0) is special; the rest are not, unless the prefix cache
+    # (keys name token identities, which name labels) or a window tells them apart
     lps = [(0, *p) for p in itertools.permutations(range(1, scope.labels))]
+    if scope.sharing or scope.windows:
+        lps = lps[:1]
     return [(rp, lp) for rp in rps for lp in lps]
+
+
+def _key(k: Any) -> Any:
+    """A pool key (kvref_model.pages.Key, a chain) as nested tuples."""
+    got = _KEYS.get(k)
+    if got is None:
+        if len(_KEYS) > 1 << 14:
+            _KEYS.clear()
+        got = _KEYS[k] = (None if k is None else (_key(k.parent), k.tokens, k.extras))
+    return got
+
+
+_KEYS: dict[Any, Any] = {}
+
+
+def _pages(s: State, order: list[tuple[int, int]], rp: Perm, n_labels: int
+           ) -> tuple[dict[int, int], tuple[Any, ...]]:
+    """Pages renamed by first appearance: in the streams' tables (in the
+    renamed stream order ``order``, the original keys), then the LRU, then the
+    blank queue; and the pool under that renaming."""
+    pool = s.pool
+    assert pool is not None
+    st = s.stream_map()
+    names: dict[int, int] = {0: 0}
+    for k in order:
+        for p in st[k].table:
+            if p not in names:
+                names[p] = len(names)
+    for p in pool.lru + pool.blank:
+        if p not in names:
+            names[p] = len(names)
+    by_name = sorted((n, p) for p, n in names.items() if p)
+    enc = tuple([(tuple(sorted([rp[h // n_labels] * n_labels + h % n_labels
+                                for h in pool.pages[p - 1].holders])),
+                  _key(pool.pages[p - 1].key)) for _, p in by_name])
+    return names, (enc, tuple([names[p] for p in pool.lru]),
+                   tuple([names[p] for p in pool.blank]))
 
 
 def token_map(lp: Perm, n_labels: int) -> Perm:
@@ -79,14 +131,41 @@ def _pending(p: Pending | None, rp: Perm, lp: Perm, tm: Perm) -> tuple[Any, ...]
             tuple(sorted([((rp[r], lp[lb]), n) for (r, lb), n in p.basis])))
 
 
+def _ids_matter(s: State) -> bool:
+    """Whether page ids say more than the counts: a shared or keyed page, or
+    a released slot."""
+    pool = s.pool
+    assert pool is not None
+    return bool(pool.lru) or any(len(pg.holders) > 1 or pg.key is not None
+                                 for pg in pool.pages) or any(
+        0 in v.table for _, v in s.streams)
+
+
 def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
-            staged: tuple[Any, ...], same_labels: bool = False) -> tuple[Any, ...]:
+            staged: tuple[Any, ...], same_labels: bool = False,
+            n_labels: int = 0) -> tuple[Any, ...]:
     """`s` renamed, as nested tuples of ints, bools and strs (comparable and
     with a deterministic serialisation).  Steps' segments and padded ids are
     sets to the manager, so they are sorted, as are all keyed collections.
     The pending steps come encoded already (`_pending`, cached).  With
     `same_labels` (`lp` the identity, so `tm` is too) the labels and tokens
-    are taken as they are: the same values, without mapping each one."""
+    are taken as they are: the same values, without mapping each one.  With
+    page ids (a pool that is not all private pages of no key: sharing or
+    windows on) the tables and the pool are encoded too, pages renamed by
+    first appearance; without, they are a function of the page counts up to
+    renaming, and left out."""
+    if s.pool is not None and n_labels and _ids_matter(s):
+        assert same_labels  # symmetries() keeps the labels with sharing or windows
+        order = sorted(s.stream_map(), key=lambda k: (rp[k[0]], k[1]))
+        names, pool = _pages(s, order, rp, n_labels)
+        streams: tuple[Any, ...] = tuple(sorted([
+            ((rp[r], lb), v.stored_len, v.contents, v.in_flight, v.offload, v.retrieve,
+             tuple([names[p] for p in v.table])) for (r, lb), v in s.streams]))
+        offloads: tuple[Any, ...] = tuple(sorted([
+            (rp[r], tuple(sorted(o.claimed)), tuple(sorted(o.copied)), o.touched)
+            for r, o in s.offloads]))
+        return (s.free, streams, tuple(sorted([((rp[r], lb), c) for (r, lb), c in s.host])),
+                cur, staged, offloads, tuple(sorted([rp[r] for r in s.leases])), pool)
     if same_labels:
         streams = tuple(sorted([
             ((rp[r], lb), v.pages, v.stored_len, v.contents, v.in_flight, v.offload,
@@ -129,6 +208,8 @@ class Canonicaliser:
                   f"{', '.join(self.unknown)}", file=sys.stderr)
         self.reduce = reduce and not self.unknown
         self.n_labels = scope.labels
+        # with sharing or windows, page ids are part of the encoding (0: never)
+        self.ids = scope.labels if (scope.sharing or scope.windows) else 0
         syms = symmetries(scope) if self.reduce else []
         self._renamings = [(rp, lp, token_map(lp, scope.labels)) for rp, lp in syms]
         self._same_labels = [lp == tuple(range(len(lp))) for _, lp in syms]
@@ -160,13 +241,15 @@ class Canonicaliser:
     def encodings(self, s: State) -> list[tuple[Any, ...]]:
         """`s` under every renaming, in `symmetries` order."""
         cur, staged = self._pendings(s.current), self._pendings(s.staged)
-        return [_encode(s, rp, lp, tm, c, st, same)
+        return [_encode(s, rp, lp, tm, c, st, same, self.ids)
                 for (rp, lp, tm), same, c, st in zip(self._renamings, self._same_labels, cur,
                                                       staged, strict=True)]
 
     def key(self, s: State) -> bytes:
         if not self._renamings:
-            return repr(plain(s)).encode()
+            # page ids are a function of the counts up to renaming unless
+            # sharing or windows are on: without, they are left out (core.project)
+            return repr(plain(s if self.ids else project(s))).encode()
         # marshal's format 0 is a function of the value alone (no references
         # or interned strings, which the later formats share by identity),
         # and writes nested tuples of ints, bools and strs 2-3x faster than repr
@@ -183,7 +266,7 @@ class Canonicaliser:
             return self.encodings(s)
         (rid,) = rids
         cur, staged = self._pendings(s.current), self._pendings(s.staged)
-        return [_encode(s, rp, lp, tm, cur[j], staged[j], self._same_labels[j])
+        return [_encode(s, rp, lp, tm, cur[j], staged[j], self._same_labels[j], self.ids)
                 for j in self._leading[rid]
                 for rp, lp, tm in (self._renamings[j],)]
 

@@ -45,6 +45,7 @@ from kvref_model.core import (
     Step,
     Stream,
     Write,
+    project,
 )
 
 SC = Scope(requests=2, labels=2, device_pages=3, host_pages=2, page_size=2, max_span=2)
@@ -71,7 +72,8 @@ def decode(span: int = 1, label: int = MAIN, rid: int = 0) -> list[Action]:
 
 
 def stream(s: State, rid: int = 0, label: int = MAIN) -> Stream:
-    return s.stream_map()[(rid, label)]
+    # as the counting model states it: its page ids left out (core.project)
+    return replace(s.stream_map()[(rid, label)], table=())
 
 
 def test_ingest_is_idempotent() -> None:
@@ -182,7 +184,7 @@ def test_reset_and_remove() -> None:
     _, s = run(Ingest(0), *decode(3), Reset(0, True))
     assert stream(s) == Stream() and s.free == 3
     _, s = run(Ingest(0), *decode(3), Remove(0))
-    assert s == Model(SC).init()
+    assert project(s) == project(Model(SC).init())  # the blank queue: another order
 
 
 def test_publish() -> None:

@@ -1,0 +1,1088 @@
+"""The abstract stream-lifecycle model: state, actions, results and `step`.
+
+Porcupine style: `Model(scope).init()` gives the first state and
+`Model.step(state, action)` is a pure function to `(result, next_state)`.
+Nothing else.  Page ids, generations, locks and tensors are left out on
+purpose: a stream is a page *count*, a length and a tuple of token
+identities.  Each action is one critical section of the manager, and its
+result is what the manager must return.
+
+The rules kvref departs from the reference by (specs/rules.md)
+are class attributes, so `kvref_model.reference` can switch them off and the
+checker can show what each one prevents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+# per class: its field names (in order, and as a set), or None where
+# `replace` must not copy them itself
+_FIELD_NAMES: dict[type, tuple[tuple[str, ...], frozenset[str]] | None] = {}
+
+
+def replace(obj: _T, /, **changes: Any) -> _T:
+    """`dataclasses.replace`, for the model's frozen dataclasses at a third of
+    its cost (the checker calls it about once a transition): a new object
+    with the same fields, `changes` applied.  Only the fields are copied, so
+    nothing an object caches in its __dict__ (State's hash) carries over.  A
+    class with more than plain init fields (InitVar, init=False, a
+    __post_init__, slots) goes through `dataclasses.replace`."""
+    cls: Any = type(obj)
+    if cls in _FIELD_NAMES:
+        names = _FIELD_NAMES[cls]
+    else:
+        plain = (dataclasses.is_dataclass(cls) and not hasattr(cls, "__post_init__")
+                 and not hasattr(cls, "__slots__") and hasattr(obj, "__dict__")
+                 and all(f.init for f in dataclasses.fields(cls)))
+        order = tuple(f.name for f in dataclasses.fields(cls)) if plain else ()
+        names = _FIELD_NAMES[cls] = (order, frozenset(order)) if plain else None
+    if names is None or not names[1].issuperset(changes):
+        return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
+    new = object.__new__(cls)
+    d, src = new.__dict__, obj.__dict__
+    for name in names[0]:
+        d[name] = src[name]
+    d.update(changes)
+    return new  # type: ignore[no-any-return]
+
+
+Key = tuple[int, int]  # (request, label); label 0 is "main"
+Tokens = tuple[int, ...]  # token identities, one per stored position
+
+MAIN = 0
+# offload state of one stream
+RESIDENT, CLAIMED, OFFLOADED = "", "claimed", "offloaded"
+# retrieve state of one stream (the failure is latched)
+IDLE, PENDING, FAILED = "", "pending", "failed"
+# phase of an admitted step
+ADMITTED, PLANNED, WRITTEN = "admitted", "planned", "written"
+
+LABEL_NAMES = ("main", "cfg", "draft", "aux")
+# the identity of a position a commit counted that no write filled (a step
+# committed before it was planned or written): its bytes are unspecified
+UNWRITTEN = -1
+
+
+class ProtocolError(Exception):
+    """An event that cannot happen in this state: only the environment's
+    actions have preconditions (a retrieve completing needs one running).
+    Every call of the manager's API has a result in every state."""
+
+
+@dataclass(frozen=True)
+class Scope:
+    requests: int = 2
+    labels: int = 2
+    # the default scope: every call in every state (the total protocol), every
+    # action fires and every invariant's interesting case arises within depth
+    # 6 (a reload of retrieved tokens needs six calls); host_pages=1 so a copy
+    # can find the pool full; findings.md uses page_size=2 scopes
+    device_pages: int = 3  # usable pages; the sink is extra and never counted
+    host_pages: int = 1
+    page_size: int = 1
+    max_span: int = 1
+    depth: int = 6  # 0: explore until no new state
+
+
+# ---------------------------------------------------------------- state
+
+
+@dataclass(frozen=True)
+class Stream:
+    pages: int = 0  # device pages held: a high-water count
+    stored_len: int = 0
+    contents: Tokens = ()  # logical tokens, kept while the stream is on host
+    in_flight: bool = False
+    offload: str = RESIDENT
+    retrieve: str = IDLE
+
+
+NO_STREAM = Stream()  # a stream not there yet (frozen: one value serves every lookup)
+
+
+@dataclass(frozen=True)
+class Seg:
+    rid: int
+    label: int
+    span: int
+
+
+@dataclass(frozen=True)
+class Step:
+    segments: tuple[Seg, ...]
+    pre_forks: tuple[tuple[int, int], ...] = ()
+    post_forks: tuple[tuple[int, int], ...] = ()
+    padded: tuple[int, ...] = ()  # ctx.padded_request_ids
+    commit: bool = True
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An admitted step (the running one, or the staged preplan)."""
+
+    step: Step
+    phase: str
+    marks: frozenset[Key]  # the in-flight marks this step owns
+    # preplan only: what clear_preplan restores. None: a label the preplan
+    # invented (removed with its pages); else a pre-fork target's contents
+    undo: tuple[tuple[Key, Tokens | None], ...] = ()
+    # the streams this admit created (R16): a fork from one of them that is
+    # still empty copies nothing (R20); a cleared preplan removes them (I9)
+    fresh: frozenset[Key] = frozenset()
+    # the pre-forks ran (at plan, or at a plan that faulted): neither a
+    # retried plan nor the commit of an unplanned step runs them again
+    forked: bool = False
+    # a preplan over the running step (R41): the lengths it was built from for
+    # the streams both name, what that step leaves once it commits as admitted;
+    # promotion checks them (R42)
+    basis: tuple[tuple[Key, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Offload:
+    """An offload between claim and commit/abandon."""
+
+    claimed: tuple[tuple[int, int], ...]  # (label, pages held at claim)
+    copied: frozenset[int] = frozenset()
+    touched: bool = False  # a claimed stream changed: the generation guard fails
+
+
+@dataclass(frozen=True, eq=True, unsafe_hash=False)
+class State:
+    free: int
+    streams: tuple[tuple[Key, Stream], ...] = ()  # sorted by key
+    host: tuple[tuple[Key, Tokens], ...] = ()  # host copies, sorted by key
+    current: Pending | None = None
+    staged: Pending | None = None
+    offloads: tuple[tuple[int, Offload], ...] = ()
+    # requests whose publication is leased to a peer (R33): pinned until released
+    leases: tuple[int, ...] = ()
+
+    def __hash__(self) -> int:
+        # cached: the checker hashes each state many times (dict keys)
+        h: int | None = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.free, self.streams, self.host, self.current, self.staged,
+                      self.offloads, self.leases))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def stream_map(self) -> dict[Key, Stream]:
+        # a fresh dict every call (callers change theirs), copied from one kept
+        # with the state: a step asks several times, and a copy is the cheaper
+        got: dict[Key, Stream] | None = self.__dict__.get("_map")
+        if got is None:
+            got = dict(self.streams)
+            object.__setattr__(self, "_map", got)
+        return got.copy()
+
+    def requests(self) -> set[int]:
+        got: frozenset[int] | None = self.__dict__.get("_requests")  # kept, as `_map`
+        if got is None:
+            got = frozenset([k[0] for k, _ in self.streams])
+            object.__setattr__(self, "_requests", got)
+        return set(got)
+
+    def offload_of(self, rid: int) -> Offload | None:
+        return dict(self.offloads).get(rid)
+
+
+def _sorted(d: dict[Key, Stream]) -> tuple[tuple[Key, Stream], ...]:
+    return tuple(sorted(d.items()))
+
+
+# -------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class Ingest:
+    rid: int
+
+
+@dataclass(frozen=True)
+class Admit:
+    step: Step
+    preplan: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    preplan: bool = False
+    fork_error: bool = False  # the first fork copy that runs raises
+
+
+@dataclass(frozen=True)
+class Write:
+    """attention writes K/V for the planned (running) step's segments"""
+
+
+@dataclass(frozen=True)
+class Read:
+    """attention reads back the slots the planned (running) step writes"""
+
+
+@dataclass(frozen=True)
+class Commit:
+    """commit the running step"""
+
+    fork_error: bool = False  # the first post-fork copy that runs raises
+
+
+@dataclass(frozen=True)
+class ClearPreplan:
+    pass
+
+
+@dataclass(frozen=True)
+class OffloadClaim:
+    rid: int
+
+
+@dataclass(frozen=True)
+class OffloadCopy:
+    rid: int
+    label: int
+    copy_error: bool = False  # a host copy that raises
+
+
+@dataclass(frozen=True)
+class OffloadCommit:
+    rid: int
+
+
+@dataclass(frozen=True)
+class OffloadAbandon:
+    rid: int
+
+
+@dataclass(frozen=True)
+class Reload:
+    rid: int
+    copy_error: bool = False  # a host-to-device copy raises
+
+
+@dataclass(frozen=True)
+class Publish:
+    rid: int
+
+
+@dataclass(frozen=True)
+class RetrieveStart:
+    """admit_retrieve of info published by another manager: `length` tokens
+    (0: nothing published, `None` handed in: a readiness check)"""
+
+    rid: int
+    label: int
+    length: int
+    start_error: bool = False  # the transfer engine raises starting the copy
+    # the publication handed in is stale: its source stream's generation moved
+    # since publish (the peer changed, released or reused those pages; R35)
+    stale: bool = False
+
+
+@dataclass(frozen=True)
+class RetrieveComplete:
+    rid: int
+    label: int
+    ok: bool
+    # the publisher's stream moved while the copy read it (its lease released
+    # or expired, then reset or reused): the copy's second read catches it (R35)
+    moved: bool = False
+
+
+@dataclass(frozen=True)
+class Reset:
+    rid: int
+    free: bool
+
+
+@dataclass(frozen=True)
+class Remove:
+    rid: int
+
+
+@dataclass(frozen=True)
+class Truncate:
+    """cut a stream back to its first ``new_len`` tokens (a speculative
+    verify step keeping its accepted prefix)"""
+
+    rid: int
+    label: int
+    new_len: int
+
+
+@dataclass(frozen=True)
+class ReleasePublished:
+    """the consumer releases the lease `publish` took (R34)"""
+
+    rid: int
+
+
+@dataclass(frozen=True)
+class LeaseTimeout:
+    """the clock passes the lease deadline: every lease taken so far expires
+    (the clock moves only here, so they share one deadline; R34)"""
+
+
+Action = (
+    Ingest | Admit | Plan | Write | Read | Commit | ClearPreplan | OffloadClaim
+    | OffloadCopy | OffloadCommit | OffloadAbandon | Reload | Publish | RetrieveStart
+    | RetrieveComplete | Reset | Remove | Truncate | ReleasePublished | LeaseTimeout
+)
+ACTIONS: tuple[type, ...] = (
+    Ingest, Admit, Plan, Write, Read, Commit, ClearPreplan, OffloadClaim, OffloadCopy,
+    OffloadCommit, OffloadAbandon, Reload, Publish, RetrieveStart, RetrieveComplete,
+    Reset, Remove, Truncate, ReleasePublished, LeaseTimeout,
+)
+
+
+# -------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Ok:
+    pass
+
+
+@dataclass(frozen=True)
+class NotReady:
+    """admitted (ok=True) but not ready: a retrieve is in progress"""
+
+
+@dataclass(frozen=True)
+class Refused:
+    # AllocationFailed | RequestOffloading | RetrieveInProgress | AdmitRuntimeError
+    # | PreplanStale | UnknownRequest (publish only, R48)
+    kind: str
+    pages_short: int = 0
+
+
+@dataclass(frozen=True)
+class Misuse:
+    kind: str  # the KVRefError subclass kvref raises; the state is unchanged
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected fault reached the caller as this KVRefError subclass; what
+    the call promises (all or nothing, nothing leaked) is its invariant's."""
+
+    kind: str
+
+
+@dataclass(frozen=True)
+class Freed:
+    pages: int
+
+
+@dataclass(frozen=True)
+class Flag:
+    value: bool  # reload's answer; a copy's (False: host pool full)
+
+
+@dataclass(frozen=True)
+class Claimed:
+    labels: tuple[int, ...]  # () : begin_offload returned None
+
+
+@dataclass(frozen=True)
+class Published:
+    lengths: tuple[tuple[int, int], ...]  # (label, stored_len) on device
+
+
+@dataclass(frozen=True)
+class Latched:
+    """Refused, and the failure latched on the stream (I11): unlike `Refused`,
+    the call changed the stream's retrieve state, and every later readiness
+    check reports it until reset or removal (R35)."""
+
+    kind: str
+
+
+Result = (Ok | NotReady | Refused | Misuse | Fault | Freed | Flag | Claimed | Published
+          | Latched)
+RESULTS: tuple[type, ...] = (Ok, NotReady, Refused, Misuse, Fault, Freed, Flag, Claimed,
+                             Published, Latched)
+
+
+# ---------------------------------------------------------------- model
+
+
+def named(step: Step) -> set[Key]:
+    """Every stream a step names: its segments, and both ends of every fork
+    for every padded request."""
+    # a function of the (frozen) step, asked several times per admit: kept
+    # per step object (the entry holds it, so its id is not reused)
+    got = _NAMED.get(id(step))
+    if got is not None and got[0] is step:
+        return set(got[1])
+    keys = {(g.rid, g.label) for g in step.segments}
+    for f, t in step.pre_forks + step.post_forks:
+        for rid in step.padded:
+            keys |= {(rid, f), (rid, t)}
+    if len(_NAMED) > 4096:
+        _NAMED.clear()
+    _NAMED[id(step)] = (step, frozenset(keys))
+    return keys
+
+
+_NAMED: dict[int, tuple[Step, frozenset[Key]]] = {}
+_HANDLERS: dict[tuple[type, type], Any] = {}  # Model.step's: (model class, action class)
+
+
+class Model:
+    # kvref's rules (specs/rules.md); kvref_model.reference switches them off
+    R1_atomic_admit = True
+    R2_mark_everything_named = True
+    R3_offloaded_refuses = True
+    R5_no_reset_in_flight = True
+    R6_no_reload_mid_offload = True
+    R7_reset_clears_latch = True
+    R9_fork_then_grow = True
+    R11_preplan_forks_at_promotion = True
+    R12_reset_forgets_host = True
+    R13_publish_resident = True
+    R14_retrieve_refuses_named = True
+    R15_retrieve_refuses_absent_named = True
+    R16_admit_makes_named = True
+    R20_fork_from_absent_copies_nothing = True
+    R21_publish_complete = True
+    R22_admit_waits_for_retrieve = True
+    R24_commit_runs_pending_forks = True
+    R38_truncate_settled_only = True
+    R33_publish_leases = True
+    R35_stale_retrieve_latched = True
+    R50_lease_refuses_in_place_writes = True
+    R41_preplan_over_running_step = True
+    R42_promotion_checks_basis = True
+    R43_shared_marks = True
+
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
+
+    def init(self) -> State:
+        return State(free=self.scope.device_pages)
+
+    def need(self, tokens: int) -> int:
+        return -(-tokens // self.scope.page_size)
+
+    def step(self, s: State, a: Action) -> tuple[Result, State]:
+        # the class's handler, looked up once per (model class, action class):
+        # the checker steps millions of times (an instance's own do_ attribute,
+        # which nothing sets, would not be seen)
+        handler = _HANDLERS.get((type(self), type(a)))
+        if handler is None:
+            handler = _HANDLERS[(type(self), type(a))] = getattr(
+                type(self), "do_" + type(a).__name__)
+        result: Result
+        result, nxt = handler(self, s, a)
+        assert isinstance(result, RESULTS)
+        assert isinstance(nxt, State)
+        return result, nxt
+
+    # --- requests
+
+    def do_Ingest(self, s: State, a: Ingest) -> tuple[Result, State]:
+        st = s.stream_map()
+        if (a.rid, MAIN) in st:
+            return Ok(), s  # idempotent, as the reference (the very state: nothing to copy)
+        st[(a.rid, MAIN)] = Stream()
+        return Ok(), replace(s, streams=_sorted(st))
+
+    def _in_flight(self, s: State, rid: int) -> bool:
+        return any(v.in_flight for k, v in s.streams if k[0] == rid)
+
+    def _drained(self, s: State, rid: int) -> State:
+        # reset and remove wait for the request's running retrieves, which
+        # land (the transfer completes) before the call goes on
+        if not any(v.retrieve == PENDING for k, v in s.streams if k[0] == rid):
+            return s
+        return replace(s, streams=tuple(
+            (k, replace(v, retrieve=IDLE) if k[0] == rid and v.retrieve == PENDING else v)
+            for k, v in s.streams))
+
+    def _latch(self, v: Stream) -> str:
+        return IDLE if self.R7_reset_clears_latch else v.retrieve  # R7
+
+    def do_Reset(self, s: State, a: Reset) -> tuple[Result, State]:
+        if a.rid not in s.requests():
+            return Misuse("UnknownRequestError"), s
+        if self.R5_no_reset_in_flight and self._in_flight(s, a.rid):
+            return Misuse("StepInFlightError"), s
+        if a.rid in s.leases:  # R33: the peer may still be copying these pages
+            return Misuse("PublishLeasedError"), s
+        s = self._drained(s, a.rid)
+        st, free, offloads = s.stream_map(), s.free, dict(s.offloads)
+        for k, v in st.items():
+            if k[0] != a.rid:
+                continue
+            if v.offload == OFFLOADED and not self.R12_reset_forgets_host:
+                st[k] = replace(v, retrieve=self._latch(v))  # reload brings it back
+                continue
+            pages = 0 if a.free else v.pages
+            free += v.pages - pages
+            # R12: a committed host copy is forgotten with the tokens
+            off = RESIDENT if v.offload == OFFLOADED else v.offload
+            st[k] = Stream(pages=pages, offload=off, retrieve=self._latch(v))
+            if v.offload == CLAIMED:  # the offload's generation guard will fail
+                offloads[a.rid] = replace(offloads[a.rid], touched=True)
+        host = s.host
+        if self.R12_reset_forgets_host:
+            host = tuple(h for h in s.host if h[0][0] != a.rid
+                         or (h[0] in st and st[h[0]].offload == CLAIMED))
+        return Ok(), replace(
+            s, free=free, streams=_sorted(st), host=host,
+            offloads=tuple(sorted(offloads.items())),
+        )
+
+    def do_Remove(self, s: State, a: Remove) -> tuple[Result, State]:
+        if a.rid not in s.requests():
+            return Ok(), s  # idempotent, as the reference
+        if self.R5_no_reset_in_flight and self._in_flight(s, a.rid):
+            return Misuse("StepInFlightError"), s
+        if a.rid in s.leases:  # R33
+            return Misuse("PublishLeasedError"), s
+        s = self._drained(s, a.rid)
+        st = s.stream_map()
+        freed = sum(v.pages for k, v in st.items() if k[0] == a.rid)
+        st = {k: v for k, v in st.items() if k[0] != a.rid}
+        return Ok(), replace(
+            s, free=s.free + freed, streams=_sorted(st),
+            host=tuple(h for h in s.host if h[0][0] != a.rid),
+            offloads=tuple(o for o in s.offloads if o[0] != a.rid),
+        )
+
+    # --- steps
+
+    def _copies(self, src: Key, length: dict[Key, int], fresh: frozenset[Key]) -> bool:
+        """Whether a fork from ``src`` copies anything (R20): a source that did not
+        exist before this step's admit (R16 made it empty), that no earlier fork
+        of the step wrote and that is still empty is no source at all, e.g. a
+        padded request without it."""
+        if src not in length:
+            return False
+        return not (self.R20_fork_from_absent_copies_nothing and src in fresh
+                    and length[src] == 0)
+
+    def reservations(self, step: Step, st: dict[Key, Stream]) -> dict[Key, int]:
+        """Pages each stream must hold once the step is admitted: the most its
+        length reaches while the step runs, its forks applied in list order
+        (a chain a->b, b->c copies a's tokens twice; a cycle ends as the first
+        source)."""
+        # a function of the step and of which streams it names exist at what
+        # length (nothing else of `st` is read), asked by every admit: kept per
+        # model and step object (the entry holds the step, so its id is not
+        # reused); a copy goes out, callers own it
+        proj = tuple([(k, st[k].stored_len if k in st else -1) for k in sorted(named(step))])
+        memo: dict[tuple[int, tuple[tuple[Key, int], ...]],
+                   tuple[Step, dict[Key, int]]] = self.__dict__.setdefault(
+                       "_reservations_memo", {})
+        got = memo.get((id(step), proj))
+        if got is not None and got[0] is step:
+            return dict(got[1])
+        if len(memo) > 1 << 14:
+            memo.clear()
+        want = self._reservations(step, st)
+        memo[(id(step), proj)] = (step, dict(want))
+        return want
+
+    def _reservations(self, step: Step, st: dict[Key, Stream]) -> dict[Key, int]:
+        want: dict[Key, int] = {}
+
+        def ask(k: Key, tokens: int) -> None:
+            want[k] = max(want.get(k, 0), self.need(tokens))
+
+        fresh = set(named(step) - set(st))
+        length = {k: v.stored_len for k, v in st.items()} | dict.fromkeys(fresh, 0)
+
+        def fork(forks: tuple[tuple[int, int], ...]) -> None:
+            for f, t in forks:
+                for rid in step.padded:
+                    if self._copies((rid, f), length, frozenset(fresh)):
+                        fresh.discard((rid, t))  # written by a fork: a source from here on
+                        length[(rid, t)] = length[(rid, f)]
+                        ask((rid, t), length[(rid, f)])
+
+        fork(step.pre_forks)
+        for g in step.segments:
+            k = (g.rid, g.label)
+            base = length[k] if self.R9_fork_then_grow else st.get(k, Stream()).stored_len
+            if g.span > 0:
+                ask(k, base + g.span)
+        if step.commit:
+            for g in step.segments:
+                length[(g.rid, g.label)] += g.span
+        fork(step.post_forks)
+        return want
+
+    def _misused(self, s: State, a: Admit) -> Misuse | None:
+        """What makes an admit a misuse, whatever the streams hold."""
+        step = a.step
+        if (step.pre_forks or step.post_forks) and not step.padded:
+            # a fork applied to no request (R25): malformed, so before any
+            # lifecycle check, at every step call (R40)
+            return Misuse("InvalidStepError")
+        if s.staged is not None:
+            if a.preplan or step != s.staged.step:
+                # one step staged at a time; the next admit is its own (R23)
+                return Misuse("PreplanPendingError")
+        elif not a.preplan and s.current is not None and step != s.current.step:
+            return Misuse("StepInFlightError")  # one running step (R23)
+        if any(r not in s.requests() for r in {g.rid for g in step.segments} | set(step.padded)):
+            return Misuse("UnknownRequestError")
+        return None
+
+    def do_Admit(self, s: State, a: Admit) -> tuple[Result, State]:
+        misuse = self._misused(s, a)
+        if misuse is not None:
+            return misuse, s
+        if not a.preplan and s.current is None and self.stale(s) is not None:
+            return Refused("PreplanStale"), s  # R42: clear_preplan and admit afresh
+        if not a.preplan and (s.staged is not None or s.current is not None):
+            # the staged preplan, or the running step, admitted again: everything
+            # is already reserved and marked
+            return Ok(), s
+        st = s.stream_map()
+        keys = named(a.step)
+        if self.R22_admit_waits_for_retrieve:
+            retrieving = {st[k].retrieve for k in keys if k in st}
+            if FAILED in retrieving:
+                return Refused("AdmitRuntimeError"), s  # latched: terminal (I11)
+            if PENDING in retrieving:
+                return Refused("RetrieveInProgress"), s  # its pages are still zeros
+        if any(st[k].offload != RESIDENT for k in keys if k in st):
+            return Refused("RequestOffloading"), s
+        if self.R50_lease_refuses_in_place_writes and (
+                a.step.pre_forks or a.step.post_forks) and set(a.step.padded) & set(s.leases):
+            # R50: a fork would overwrite a published stream in place; across
+            # processes the lease is all that keeps the peer's bytes (R35)
+            return Refused("PublishLeased"), s
+        want = self.reservations(a.step, self._settled(s) if a.preplan else st)
+        if self.R16_admit_makes_named:  # every named stream exists, so a mark covers it
+            for k in sorted(keys):
+                want.setdefault(k, 0)
+        new = sum(max(0, n - st[k].pages) if k in st else n for k, n in want.items())
+        if new > s.free:
+            return Refused("AllocationFailed", new - s.free), s
+        undo: list[tuple[Key, Tokens | None]] = []
+        for k, n in want.items():
+            if k not in st:
+                undo.append((k, None))
+            st[k] = replace(st.get(k, NO_STREAM), pages=max(st.get(k, NO_STREAM).pages, n))
+        before = s.stream_map()
+        # a pre-fork target to rewind, where a preplan runs its forks (R11 off);
+        # under R11 there is none, and a running step may still move it (R41)
+        for _, t in a.step.pre_forks if not self.R11_preplan_forks_at_promotion else ():
+            for rid in a.step.padded:
+                if (rid, t) in before:
+                    undo.append(((rid, t), before[(rid, t)].contents))
+        marks = frozenset(k for k in keys if k in st)
+        fresh = frozenset(k for k in st if k not in before)
+        return Ok(), self._admitted(s, st, s.free - new, a, marks, tuple(undo), fresh)
+
+    def _admitted(
+        self, s: State, st: dict[Key, Stream], free: int, a: Admit,
+        marks: frozenset[Key], undo: tuple[tuple[Key, Tokens | None], ...],
+        fresh: frozenset[Key],
+    ) -> State:
+        if not self.R2_mark_everything_named:  # the reference marks segments only
+            marks = frozenset(k for k in marks if k in {(g.rid, g.label) for g in a.step.segments})
+        for k in marks:
+            st[k] = replace(st[k], in_flight=True)
+        p = Pending(a.step, ADMITTED, marks, undo if a.preplan else (), fresh)
+        if a.preplan:
+            return replace(s, free=free, streams=_sorted(st), staged=replace(
+                p, basis=self._basis(s, a.step)))
+        return replace(s, free=free, streams=_sorted(st), current=p)
+
+    def _fork_all(self, st: dict[Key, Stream], p: Pending, forks: tuple[tuple[int, int], ...],
+                  fault: bool) -> tuple[bool, Pending]:
+        """Apply ``forks`` for every padded request, in order. With ``fault``,
+        the first copy that moves tokens raises: its target is left empty
+        (never half old, half new) and the rest still run. Returns whether it
+        fired, and the pending step with the written targets no longer fresh."""
+        fired = False
+        fresh = set(p.fresh)
+        for f, t in forks:
+            for rid in p.step.padded:
+                src, dst = (rid, f), (rid, t)
+                length = {k: v.stored_len for k, v in st.items()}
+                if not self._copies(src, length, frozenset(fresh)) or dst not in st:
+                    continue
+                fresh.discard(dst)  # written by a fork: a source from here on
+                if fault and not fired and st[src].stored_len > 0:
+                    fired = True
+                    st[dst] = replace(st[dst], stored_len=0, contents=())
+                    continue
+                st[dst] = replace(st[dst], stored_len=st[src].stored_len,
+                                  contents=st[src].contents)
+        return fired, replace(p, fresh=frozenset(fresh))
+
+    def do_Plan(self, s: State, a: Plan) -> tuple[Result, State]:
+        if a.preplan:
+            p = s.staged
+            if p is None:
+                return Misuse("StepNotAdmittedError"), s
+            if p.phase != ADMITTED:
+                return Misuse("PreplanPendingError"), s  # planned already
+            st = s.stream_map()
+            fired = False
+            if not self.R11_preplan_forks_at_promotion:
+                fired, p = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
+            p = replace(p, phase=PLANNED, forked=not self.R11_preplan_forks_at_promotion)
+            return (Fault("ForkCopyError") if fired else Ok()), replace(
+                s, streams=_sorted(st), staged=p)
+        s0 = s
+        if s.current is None:
+            if s.staged is None:
+                return Misuse("StepNotAdmittedError"), s
+            if self.stale(s) is not None:
+                return Misuse("PreplanStaleError"), s  # R42: nothing promoted
+            # promotion: the staged step becomes the running one, undo dropped;
+            # one that was only admitted is planned now like any other
+            s = replace(s, current=replace(s.staged, undo=(), basis=()), staged=None)
+        p = s.current
+        assert p is not None
+        if p is s0.current and p.phase != ADMITTED:
+            return Misuse("StepOrderError"), s  # a step is planned once (R27)
+        st = s.stream_map()
+        fired = False
+        if not p.forked:
+            fired, p = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
+        if fired:  # plan again: the forks ran, the failed target stays empty (R26)
+            p = replace(p, phase=ADMITTED, forked=True)
+            return Fault("ForkCopyError"), replace(s, streams=_sorted(st), current=p)
+        p = replace(p, phase=PLANNED, forked=True)
+        return Ok(), replace(s, streams=_sorted(st), current=p)
+
+    def do_Write(self, s: State, a: Write) -> tuple[Result, State]:
+        if s.current is None or s.current.phase == ADMITTED:
+            return Misuse("StepNotAdmittedError"), s  # no slots to write (R27)
+        return Ok(), replace(s, current=replace(s.current, phase=WRITTEN))
+
+    def do_Read(self, s: State, a: Read) -> tuple[Result, State]:
+        if s.current is None or s.current.phase == ADMITTED:
+            return Misuse("StepNotAdmittedError"), s
+        return Ok(), s
+
+    def _unmark(self, st: dict[Key, Stream], keys: frozenset[Key], keep: frozenset[Key]) -> None:
+        # kvref: a mark another pending step also owns stays (R43; the
+        # reference clears it regardless)
+        for k in keys - keep if self.R43_shared_marks else keys:
+            if k in st:
+                st[k] = replace(st[k], in_flight=False)
+
+    def do_Commit(self, s: State, a: Commit) -> tuple[Result, State]:
+        p = s.current
+        if p is None:
+            return Misuse("StepNotAdmittedError"), s
+        st = s.stream_map()
+        fired = False
+        if not p.forked and self.R24_commit_runs_pending_forks:
+            # committed unplanned: its pre-forks run now (R24)
+            fired, p = self._fork_all(st, p, p.step.pre_forks, a.fork_error)
+        self._unmark(st, p.marks, s.staged.marks if s.staged else frozenset())
+        token = None if p.phase == WRITTEN else UNWRITTEN
+        for g in p.step.segments:
+            k = (g.rid, g.label)
+            if not p.step.commit or g.span == 0 or k not in st:
+                continue
+            if st[k].offload != RESIDENT:
+                continue  # the reference's "dropping committed tokens" (I15)
+            v = st[k]
+            st[k] = replace(v, stored_len=v.stored_len + g.span,
+                            contents=v.contents + (g.label if token is None else token,) * g.span)
+        post_fired, p = self._fork_all(st, p, p.step.post_forks, a.fork_error and not fired)
+        fired = fired or post_fired
+        nxt = replace(s, streams=_sorted(st), current=None)
+        return (Fault("ForkCopyError") if fired else Ok()), nxt
+
+    def do_ClearPreplan(self, s: State, a: ClearPreplan) -> tuple[Result, State]:
+        p = s.staged
+        if p is None:
+            return Ok(), s
+        st, free = s.stream_map(), s.free
+        for k, old in reversed(p.undo):
+            if k not in st:
+                continue
+            if old is None:  # invented by the preplan: removed with its pages
+                free += st.pop(k).pages
+            else:
+                st[k] = replace(st[k], stored_len=len(old), contents=old)
+        self._unmark(st, p.marks, s.current.marks if s.current else frozenset())
+        return Ok(), replace(s, free=free, streams=_sorted(st), staged=None)
+
+    # --- offload
+
+    def do_OffloadClaim(self, s: State, a: OffloadClaim) -> tuple[Result, State]:
+        if self.scope.host_pages == 0:
+            # no host pool (cpu_offload_pages=0): nothing can be claimed, for
+            # any request (R44's NO_HOST_POOL), and no handle ever exists
+            return Claimed(()), s
+        st = s.stream_map()
+        mine = {k: v for k, v in st.items() if k[0] == a.rid}
+        if not mine or a.rid in dict(s.offloads):
+            return Claimed(()), s
+        if any(v.in_flight for v in mine.values()):  # R4: the whole request
+            return Claimed(()), s
+        if a.rid in s.leases:  # R33: begin_offload's refusal value, as R4's
+            return Claimed(()), s
+        claim = tuple((k[1], v.pages) for k, v in sorted(mine.items())
+                      if v.offload == RESIDENT and v.pages > 0)
+        if not claim:
+            return Claimed(()), s
+        for label, _ in claim:
+            st[(a.rid, label)] = replace(st[(a.rid, label)], offload=CLAIMED)
+        offloads = dict(s.offloads)
+        offloads[a.rid] = Offload(claim)
+        return Claimed(tuple(lb for lb, _ in claim)), replace(
+            s, streams=_sorted(st), offloads=tuple(sorted(offloads.items())))
+
+    def host_used(self, s: State) -> int:
+        return sum(self.need(len(c)) for _, c in s.host)
+
+    def do_OffloadCopy(self, s: State, a: OffloadCopy) -> tuple[Result, State]:
+        off = s.offload_of(a.rid)
+        if off is None or a.label in off.copied or a.label not in dict(off.claimed):
+            # a closed handle, a label it never claimed, or one copied already
+            return Misuse("OffloadStateError"), s
+        k = (a.rid, a.label)
+        if k in s.stream_map() and s.stream_map()[k].retrieve == PENDING:
+            # the copy waits for the retrieve still writing these pages
+            st = s.stream_map()
+            st[k] = replace(st[k], retrieve=IDLE)
+            s = replace(s, streams=_sorted(st))
+        if off.touched:
+            # a claimed stream changed since the claim: the commit is doomed,
+            # so kvref copies nothing (and nothing can fail)
+            return Flag(False), s
+        v = s.stream_map().get(k, Stream())  # removed: copies nothing
+        if self.host_used(s) + self.need(v.stored_len) > self.scope.host_pages:
+            # host full: this stream stays on device; no copy runs, so none can fail
+            return Flag(False), s
+        if a.copy_error:  # R8: every claim of the offload is abandoned
+            _, nxt = self.do_OffloadAbandon(s, OffloadAbandon(a.rid))
+            return Fault("OffloadCopyError"), nxt
+        offloads = dict(s.offloads)
+        offloads[a.rid] = replace(off, copied=off.copied | {a.label})
+        host = dict(s.host)
+        host[k] = v.contents
+        return Flag(True), replace(
+            s, host=tuple(sorted(host.items())), offloads=tuple(sorted(offloads.items())))
+
+    def do_OffloadCommit(self, s: State, a: OffloadCommit) -> tuple[Result, State]:
+        off = s.offload_of(a.rid)
+        if off is None:
+            return Misuse("OffloadStateError"), s  # committed or abandoned already
+        st = s.stream_map()
+        gone = any((a.rid, label) not in st for label in off.copied)
+        if off.touched or gone or not off.copied:  # all or nothing: the generation guard
+            _, nxt = self.do_OffloadAbandon(s, OffloadAbandon(a.rid))
+            return Freed(0), nxt
+        freed = 0
+        for label, pages in off.claimed:
+            k = (a.rid, label)
+            if label in off.copied:
+                freed += pages  # the pages taken at claim (the reference's claim.pages)
+                st[k] = replace(st[k], pages=0, offload=OFFLOADED)
+            elif k in st:
+                st[k] = replace(st[k], offload=RESIDENT)
+        return Freed(freed), replace(
+            s, free=s.free + freed, streams=_sorted(st),
+            offloads=tuple(o for o in s.offloads if o[0] != a.rid))
+
+    def do_OffloadAbandon(self, s: State, a: OffloadAbandon) -> tuple[Result, State]:
+        off = s.offload_of(a.rid)
+        if off is None:
+            return Ok(), s  # a closed handle: abandon is a no-op
+        st = s.stream_map()
+        for label, _ in off.claimed:
+            if (a.rid, label) in st:
+                st[(a.rid, label)] = replace(st[(a.rid, label)], offload=RESIDENT)
+        dropped = {(a.rid, label) for label, _ in off.claimed}
+        return Ok(), replace(
+            s, streams=_sorted(st), host=tuple(h for h in s.host if h[0] not in dropped),
+            offloads=tuple(o for o in s.offloads if o[0] != a.rid))
+
+    def do_Reload(self, s: State, a: Reload) -> tuple[Result, State]:
+        if self.R6_no_reload_mid_offload and s.offload_of(a.rid) is not None:
+            return Flag(False), s
+        copies = {k: c for k, c in s.host if k[0] == a.rid}
+        needed = sum(self.need(len(c)) for c in copies.values())
+        if not copies or needed > s.free:
+            return Flag(False), s  # nothing moves
+        if a.copy_error:  # all streams or none: the pages taken go back (R26)
+            return Fault("ReloadCopyError"), s
+        st = s.stream_map()
+        for k, c in copies.items():
+            st[k] = replace(st.get(k, Stream()), pages=self.need(len(c)), stored_len=len(c),
+                            contents=c, offload=RESIDENT)
+        return Flag(True), replace(
+            s, free=s.free - needed, streams=_sorted(st),
+            host=tuple(h for h in s.host if h[0] not in copies))
+
+    # --- disaggregation
+
+    def do_Publish(self, s: State, a: Publish) -> tuple[Result, State]:
+        if a.rid not in s.requests():
+            # R48: the engine's race with remove_request (publish after another
+            # thread removed the request) is a refusal it plans around, not a bug
+            return Refused("UnknownRequest"), s
+        mine = [(k, v) for k, v in s.streams if k[0] == a.rid]
+        if self.R13_publish_resident and any(v.offload != RESIDENT for _, v in mine):
+            return Refused("RequestOffloading"), s  # its pages are not on the device (R36)
+        if self.R21_publish_complete:  # its pages are still being (or were never) written
+            if any(v.retrieve == FAILED for _, v in mine):
+                return Refused("AdmitRuntimeError"), s
+            if any(v.retrieve == PENDING for _, v in mine):
+                return Refused("RetrieveInProgress"), s
+        if self.R50_lease_refuses_in_place_writes and self.forks_onto(s, a.rid):
+            # R50: the step would overwrite a published stream in place, under the lease
+            return Refused("ForkPending"), s
+        lengths = tuple((k[1], v.stored_len if v.offload != OFFLOADED else 0) for k, v in mine)
+        if not self.R33_publish_leases:
+            return Published(lengths), s
+        # taken, or renewed (a re-publish): one lease per request (R34)
+        return Published(lengths), replace(s, leases=tuple(sorted({*s.leases, a.rid})))
+
+    def do_RetrieveStart(self, s: State, a: RetrieveStart) -> tuple[Result, State]:
+        if a.rid not in s.requests():
+            return Misuse("UnknownRequestError"), s
+        st = s.stream_map()
+        k = (a.rid, a.label)
+        v = st.get(k, NO_STREAM)
+        if v.retrieve == FAILED:
+            return Refused("AdmitRuntimeError"), s
+        if v.retrieve == PENDING:
+            return NotReady(), s
+        if a.length <= v.stored_len:
+            return Ok(), s
+        busy = set().union(*(named(p.step) for p in (s.current, s.staged) if p))
+        if (self.R14_retrieve_refuses_named and v.in_flight) or (
+            self.R15_retrieve_refuses_absent_named and k in busy
+        ):
+            # R14: the step planned its writes at the old length; R15: a step
+            # names a label that did not exist at admit, so no mark covers it
+            return Misuse("StepInFlightError"), s
+        if v.offload != RESIDENT:
+            return Refused("RequestOffloading"), s
+        if a.stale and self.R35_stale_retrieve_latched:
+            # terminal, as a failed copy: latched, nothing taken, nothing copied
+            st[k] = replace(v, retrieve=FAILED)
+            return Latched("RetrieveStale"), replace(s, streams=_sorted(st))
+        new = max(0, self.need(a.length) - v.pages)
+        if new > s.free:
+            return Refused("AllocationFailed", new - s.free), s
+        if a.start_error:  # the copy never started: nothing taken, nothing latched (R26)
+            return Refused("AdmitRuntimeError"), s
+        # retrieved tokens carry identity labels+label: distinct from local writes
+        tokens = v.contents + (self.scope.labels + a.label,) * (a.length - v.stored_len)
+        st[k] = replace(v, pages=v.pages + new, stored_len=a.length, contents=tokens,
+                        retrieve=PENDING)
+        return NotReady(), replace(s, free=s.free - new, streams=_sorted(st))
+
+    def do_RetrieveComplete(self, s: State, a: RetrieveComplete) -> tuple[Result, State]:
+        st = s.stream_map()
+        k = (a.rid, a.label)
+        if st.get(k, Stream()).retrieve != PENDING:
+            raise ProtocolError("no retrieve in progress")
+        torn = a.moved and self.R35_stale_retrieve_latched  # latched, as a failed copy
+        st[k] = replace(st[k], retrieve=IDLE if a.ok and not torn else FAILED)
+        return Ok(), replace(s, streams=_sorted(st))
+
+    # --- speculative decoding
+
+    def do_Truncate(self, s: State, a: Truncate) -> tuple[Result, State]:
+        if a.new_len < 0:
+            return Misuse("InvalidArgumentError"), s
+        k = (a.rid, a.label)
+        st = s.stream_map()
+        v = st.get(k)
+        if v is None:
+            return Misuse("UnknownRequestError"), s
+        if self.R38_truncate_settled_only:
+            if v.in_flight:  # a step (or staged preplan) writes past the new end
+                return Misuse("StepInFlightError"), s
+            if v.offload != RESIDENT or v.retrieve != IDLE:
+                # its pages are leaving, on the host, or still (or never) written
+                return Misuse("StreamUnavailableError"), s
+        if a.rid in s.leases:  # R33: a peer may be copying the pages it would free
+            return Misuse("PublishLeasedError"), s
+        if a.new_len > v.stored_len:
+            return Misuse("InvalidArgumentError"), s
+        if a.new_len == v.stored_len:
+            return Freed(0), s  # nothing to cut: spare pages stay (R39)
+        # pages past the new end go back (R39); a stream already holding fewer
+        # (offloaded, only reachable without R38) has nothing more to give
+        keep = min(v.pages, self.need(a.new_len))
+        st[k] = replace(v, pages=keep, stored_len=a.new_len, contents=v.contents[:a.new_len])
+        return Freed(v.pages - keep), replace(s, free=s.free + v.pages - keep,
+                                              streams=_sorted(st))
+
+    # --- the publish lease (R33, R34)
+
+    def do_ReleasePublished(self, s: State, a: ReleasePublished) -> tuple[Result, State]:
+        # idempotent: the consumer cannot know whether the lease already expired
+        if a.rid not in s.leases:
+            return Ok(), s  # the very state: nothing to copy
+        return Ok(), replace(s, leases=tuple(r for r in s.leases if r != a.rid))
+
+    def do_LeaseTimeout(self, s: State, a: LeaseTimeout) -> tuple[Result, State]:
+        return Ok(), replace(s, leases=())
+
+    # --- overlap: a preplan over the running step (R41-R43)
+
+    def _settled(self, s: State) -> dict[Key, Stream]:
+        """The streams as the running step leaves them once it runs as admitted,
+        fault-free: its pre-forks, its spans if it keeps them, its post-forks.
+        A preplan over it is reserved and planned from these lengths (R41);
+        without R41, from the lengths as they are now."""
+        p = s.current
+        if p is None or not self.R41_preplan_over_running_step:
+            return s.stream_map()
+        # a function of the state alone, asked twice by every preplan admit
+        # over a running step; the checker issues a state's calls one after
+        # another, so the last answer is kept (a copy goes out: callers own it)
+        memo: tuple[State, dict[Key, Stream]] | None = self.__dict__.get("_settled_memo")
+        if memo is not None and memo[0] is s:
+            return dict(memo[1])
+        s0 = s
+        if p.phase == ADMITTED:
+            _, s = self.do_Plan(s, Plan())
+        _, s = self.do_Commit(s, Commit())
+        self.__dict__["_settled_memo"] = (s0, s.stream_map())
+        return s.stream_map()
+
+    def _basis(self, s: State, step: Step) -> tuple[tuple[Key, int], ...]:
+        """What a preplan of ``step`` admitted in ``s`` is built from, for the
+        streams it shares with the running step: the only ones whose length
+        can still move under its marks."""
+        if s.current is None:
+            return ()
+        settled = self._settled(s)
+        shared = named(step) & named(s.current.step)
+        return tuple(sorted((k, settled[k].stored_len) for k in shared if k in settled))
+
+    @staticmethod
+    def forks_onto(s: State, rid: int) -> bool:
+        """Whether a running or staged step still has forks to apply to ``rid`` (R50)."""
+        return any(rid in p.step.padded and (p.step.post_forks or (
+            p.step.pre_forks and not p.forked)) for p in (s.current, s.staged) if p)
+
+    def stale(self, s: State) -> Key | None:
+        """The first stream the staged preplan shares with the step it was built
+        over that no longer holds the length it was built from: that step
+        committed otherwise than admitted (a fork copy failed). None: the
+        preplan may be promoted (R42)."""
+        p = s.staged
+        if p is None or not self.R42_promotion_checks_basis:
+            return None
+        st = s.stream_map()
+        for k, n in p.basis:
+            if k not in st or st[k].stored_len != n:
+                return k
+        return None
