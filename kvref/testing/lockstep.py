@@ -665,7 +665,10 @@ def run_lockstep(config: DriverConfig, scope: m.Scope = SCOPE,
                   "Commit (fault)", "Reload (fault)", "RetrieveStart (fault)",
                   "RetrieveStart (stale)", "RetrieveComplete (publisher moved)",
                   "overlap (promoted)"}
-        never = ({t.__name__ for t in m.ACTIONS} | faults) - set(RULES)
+        # the prefix cache's actions are issued only in a scope with sharing
+        # on, which this harness does not drive yet (issue 27, part 3)
+        issued = [t for t in m.ACTIONS if scope.sharing or t not in m.SHARING_ACTIONS]
+        never = ({t.__name__ for t in issued} | faults) - set(RULES)
         if never:
             raise AssertionError(f"actions never exercised: {sorted(never)}")
         misused = {k for k in OUTCOMES if "Misuse" in k}
