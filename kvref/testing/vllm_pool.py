@@ -220,12 +220,13 @@ class Observed:
         return "; ".join(out)
 
 
-def _map_entries(m: Any) -> Iterator[tuple[bytes, tuple[int, ...]]]:
+def _map_entries(vllm_map: Any) -> Iterator[tuple[bytes, tuple[int, ...]]]:
     """BlockHashToBlockMap's keys and their block ids, oldest first.  0.33 maps
     a key to a block or to a dict of them; 0.34 to one block id, the ids of a
     key with several blocks kept apart in `_dup_ids` (so the GC skips the map)."""
-    dups = getattr(m, "_dup_ids", None)
-    for h, v in m._cache.items():
+    # vLLM's map, not kvref's manager: it offers no public walk of its entries
+    dups = getattr(vllm_map, "_dup_ids", None)
+    for h, v in vllm_map._cache.items():
         if dups is not None:
             yield h, tuple(dups[h]) if h in dups else (v,)
         elif isinstance(v, dict):
