@@ -261,10 +261,17 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         `PublishLeasedError` while its publication is leased (R33).
         """
         validate.request_id(rid, "remove_request")
-        if rid not in self._streams:
-            return
-        self._refuse_if_in_flight(rid, "remove")
-        self._refuse_if_leased(rid, "remove")
+        with self._lock:
+            # the common case, a finished request with no retrieve ever
+            # started: the checks and the release under one acquisition
+            streams = self._streams.get(rid)
+            if streams is None:
+                return
+            self._refuse_if_in_flight(rid, "remove")
+            self._table.leases.refuse(rid, "remove")
+            if all(s.read_future is None for s in streams.values()):
+                self._release_request(rid, streams)
+                return
         while True:
             self._drain_reads(rid)
             with self._lock:
@@ -275,18 +282,22 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
                 self._table.leases.refuse(rid, "remove")
                 if self._reads_pending(streams):
                     continue  # a retrieve started between the drain and the lock
-                for label, stream in streams.items():
-                    self._table.give_back((rid, label), stream.page_indices)
-                    stream.page_indices = []
-                    stream.generation += 1
-                offload = self._offloads.pop(rid, None)
-                if offload is not None:
-                    offload._cancelled = True
-                if self._cpu_pool is not None:
-                    self._cpu_pool.remove_request(rid)
-                del self._streams[rid]
-                self._overrides.pop(rid, None)
+                self._release_request(rid, streams)
                 return
+
+    def _release_request(self, rid: str, streams: dict[str, CacheStream]) -> None:
+        """`remove_request`'s release, under the lock, its checks passed."""
+        for label, stream in streams.items():
+            self._table.give_back((rid, label), stream.page_indices)
+            stream.page_indices = []
+            stream.generation += 1
+        offload = self._offloads.pop(rid, None)
+        if offload is not None:
+            offload._cancelled = True
+        if self._cpu_pool is not None:
+            self._cpu_pool.remove_request(rid)
+        del self._streams[rid]
+        self._overrides.pop(rid, None)
 
     @staticmethod
     def _reads_pending(streams: Mapping[str, CacheStream]) -> bool:

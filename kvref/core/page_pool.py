@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvref.core.errors import InvalidArgumentError, KVRefError
 from kvref.core.runtime import Runtime, default_runtime, shared
@@ -189,11 +189,17 @@ class PagePool:
 
     Invariant (`sanity_check` runs it; kvref_model.pages_invariants P1-P5): every
     page is exactly one of
-      *held*: ``_holders[p]`` non-empty (its reference count is its size);
+      *held*: ``_holders[p]`` not None (its reference count is `_count`);
       *free-cached*: unheld, ``_key[p]`` set, in ``_lru`` exactly once;
       *free-blank*: unheld, unregistered, in ``_blank`` exactly once.
     ``_index[k] == p`` exactly when ``_key[p] == k``: one page per key, and
     an evicted page leaves the index before it is handed out again.
+
+    ``_holders[p]`` is None (unheld), the owner itself (one holder, the
+    common case), or a set of two or more owners: a sole holder costs no
+    set, so a request's release drops most pages with one comparison and
+    one store, not a set's hash and probe (issue 28, free). `_owners`,
+    `_holds`, `_add` and `_count` read and write it whatever its form.
     """
 
     def __init__(self, num_pages: int, page_size: int, *, reserved: int = 1,
@@ -205,8 +211,10 @@ class PagePool:
         rt = runtime if runtime is not None else default_runtime()
         self.num_pages, self.page_size, self.first = num_pages, page_size, reserved
         self._lock = rt.lock()
-        self._holders: list[set[Owner]] = shared(
-            rt, [set() for _ in range(num_pages)], f"{name}.holders")
+        # None, one bare owner, or a set of two or more (Any: an owner is any
+        # hashable, and mypy cannot tell a bare one from a set by `type(h) is set`)
+        self._holders: list[Any] = shared(
+            rt, [None] * num_pages, f"{name}.holders")
         self._key: list[PageKey | None] = shared(rt, [None] * num_pages, f"{name}.key")
         self._index: dict[PageKey, int] = shared(rt, {}, f"{name}.index")
         self._lru = _LRU(num_pages, rt, f"{name}.lru")
@@ -233,7 +241,7 @@ class PagePool:
     def holders(self, page: int) -> frozenset[Owner]:
         with self._lock:
             self._check_page(page, PageRefError)
-            return frozenset(self._holders[page])
+            return frozenset(self._owners(page))
 
     def refcount(self, page: int) -> int:
         return len(self.holders(page))
@@ -243,13 +251,15 @@ class PagePool:
         `check_writable` test as a value, for the admit that decides whether
         a write needs a private copy first (S10)."""
         with self._lock:
-            return self._holders[page] == {owner} and self._key[page] is None
+            h = self._holders[page]
+            return type(h) is not set and h == owner and self._key[page] is None
 
     def private_pages(self, owner: Owner, pages: Sequence[int]) -> list[bool]:
         """`writable` of each page, under one acquisition of the lock."""
         with self._lock:
-            alone, key = {owner}, self._key
-            return [self._holders[p] == alone and key[p] is None for p in pages]
+            holders, key = self._holders, self._key
+            return [type(h) is not set and h == owner and key[p] is None
+                    for p, h in zip(pages, map(holders.__getitem__, pages), strict=True)]
 
     def key_of(self, page: int) -> PageKey | None:
         with self._lock:
@@ -272,7 +282,7 @@ class PagePool:
                 pages = list(pages)
                 self._check_release(owner, pages)
                 going.update(pages)
-            return sum(1 for p, k in going.items() if len(self._holders[p]) == k)
+            return sum(1 for p, k in going.items() if self._count(p) == k)
 
     # ------------------------------------------------------------ references
 
@@ -301,7 +311,7 @@ class PagePool:
                 out += self._evict_many(n - take)
             holders = self._holders
             for p in out:
-                holders[p].add(owner)
+                holders[p] = owner  # a free page: no holder before
             return out
 
     def match(self, owner: Owner, tokens: Tokens, extras: ExtraKeys = (), *,
@@ -315,13 +325,13 @@ class PagePool:
         with self._lock:
             pages, keys = self._hits(tokens, extras, encoded)
             for p in pages:
-                if owner in self._holders[p]:
+                if self._holds(p, owner):
                     raise PageRefError(f"{owner!r} already holds cached page {p}: a hit "
                                        "goes to a stream that does not hold its prefix")
             for p in pages:
-                if not self._holders[p]:
+                if self._holders[p] is None:
                     self._touch(p)
-                self._holders[p].add(owner)
+                self._add(p, owner)
         return PrefixHit(tuple(pages), tuple(keys), len(pages) * self.page_size)
 
     def share(self, owner: Owner, pages: Sequence[int]) -> None:
@@ -332,13 +342,13 @@ class PagePool:
         with self._lock:
             self._check_distinct(pages, PageRefError, "share")
             for p in pages:
-                if not self._holders[p]:
+                if self._holders[p] is None:
                     raise PageRefError(f"share of page {p}: it is free (a cached page is "
                                        "taken by match, a blank one by allocate)")
-                if owner in self._holders[p]:
+                if self._holds(p, owner):
                     raise PageRefError(f"share of page {p}: {owner!r} holds it already")
             for p in pages:
-                self._holders[p].add(owner)
+                self._add(p, owner)
 
     def release(self, owner: Owner, pages: Sequence[int]) -> int:
         """`owner` drops its reference on each page; returns how many became
@@ -365,7 +375,7 @@ class PagePool:
         is not registered: no write lands in a shared or cached page (S10)."""
         with self._lock:
             self._check_page(page, PageNotWritableError)
-            holders = self._holders[page]
+            holders = self._owners(page)
             if owner not in holders:
                 raise PageNotWritableError(f"page {page}: {owner!r} does not hold it")
             if len(holders) > 1:
@@ -390,7 +400,7 @@ class PagePool:
         if key is None:
             key = prefix_hash.page_key(parent, tokens, extras)
         with self._lock:
-            if not self._holders[page]:
+            if self._holders[page] is None:
                 raise PageRegisterError(f"page {page} is free: it holds nothing committed")
             have = self._key[page]
             if have is not None:
@@ -418,7 +428,7 @@ class PagePool:
         with self._lock:
             holders, have_keys, index = self._holders, self._key, self._index
             for i, (page, key) in enumerate(zip(pages, keys, strict=True)):
-                if not holders[page]:
+                if holders[page] is None:
                     return i, PageRegisterError(
                         f"page {page} is free: it holds nothing committed")
                 have = have_keys[page]
@@ -453,7 +463,7 @@ class PagePool:
     def snapshot(self) -> PoolSnapshot:
         with self._lock:
             r = range(self.first, self.num_pages)
-            return PoolSnapshot(self.first, tuple(frozenset(self._holders[p]) for p in r),
+            return PoolSnapshot(self.first, tuple(frozenset(self._owners(p)) for p in r),
                                 tuple(self._key[p] for p in r), tuple(self._lru),
                                 tuple(self._blank))
 
@@ -466,7 +476,11 @@ class PagePool:
                 bad.append(f"the LRU list walks {len(lru)} pages, counts {len(self._lru)}")
             where = Counter([*lru, *self._blank])
             for p in range(self.num_pages):
-                held, key = bool(self._holders[p]), self._key[p]
+                h, key = self._holders[p], self._key[p]
+                held = h is not None
+                if type(h) is set and len(h) < 2:
+                    bad.append(f"page {p}: a holder set of {len(h)}: one holder is "
+                               "held bare, none as None")
                 n = where[p] + held
                 if p < self.first and (n or key is not None):
                     bad.append(f"reserved page {p} is in use")
@@ -485,6 +499,46 @@ class PagePool:
                 raise PagePoolCorruptedError("; ".join(bad))
 
     # ------------------------------------------------------------ internals
+
+    def _owners(self, p: int) -> set[Owner] | frozenset[Owner]:
+        """Page `p`'s holders as a set, whatever form `_holders` keeps them in."""
+        h = self._holders[p]
+        if h is None:
+            return frozenset()
+        return h if type(h) is set else frozenset((h,))
+
+    def _holds(self, p: int, owner: Owner) -> bool:
+        h = self._holders[p]
+        return owner in h if type(h) is set else h is not None and h == owner
+
+    def _count(self, p: int) -> int:
+        h = self._holders[p]
+        return 0 if h is None else len(h) if type(h) is set else 1
+
+    def _add(self, p: int, owner: Owner) -> None:
+        """`owner` (not a holder of `p` yet: the callers checked) holds `p`."""
+        h = self._holders[p]
+        if h is None:
+            self._holders[p] = owner
+        elif type(h) is set:
+            h.add(owner)
+        else:
+            self._holders[p] = {h, owner}
+
+    def _unhold(self, p: int, owner: Owner) -> bool:
+        """`owner` lets `p` go; whether `p` is free now. KeyError if `owner`
+        does not hold it. A set left with one holder keeps it bare."""
+        holders = self._holders
+        h = holders[p]
+        if type(h) is set:
+            h.remove(owner)
+            if len(h) == 1:
+                holders[p] = next(iter(h))
+            return False
+        if h is None or h != owner:
+            raise KeyError(p)
+        holders[p] = None
+        return True
 
     def _check_owner(self, owner: Owner) -> None:
         try:
@@ -510,8 +564,8 @@ class PagePool:
     def _check_release(self, owner: Owner, pages: list[int]) -> None:
         self._check_distinct(pages, PageRefError, "a release")
         for p in pages:
-            if owner not in self._holders[p]:
-                state = "free" if not self._holders[p] else "held by others"
+            if not self._holds(p, owner):
+                state = "free" if self._holders[p] is None else "held by others"
                 raise PageRefError(f"release of page {p}: {owner!r} does not hold it "
                                    f"({state}); a second release of the same page?")
 
@@ -521,7 +575,7 @@ class PagePool:
         pages to the blank queue and the LRU in one call each, in the order
         given (S6). A page that fails puts back what the pass took, and
         `_check_release` raises naming what is wrong: nothing changes."""
-        holders, key = self._holders, self._key
+        key, unhold = self._key, self._unhold
         lo, hi = self.first, self.num_pages
         blank: list[int] = []
         cached: list[int] = []
@@ -530,15 +584,13 @@ class PagePool:
             for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
                 if type(p) is not int or not lo <= p < hi:
                     raise KeyError(p)
-                h = holders[p]
                 # the check and the drop in one: KeyError if `owner` does not
                 # hold it (a page listed twice: its first mention took the owner)
-                h.remove(owner)
-                if not h:
+                if unhold(p, owner):
                     (blank if key[p] is None else cached).append(p)
         except KeyError:
-            for q in pages[:i]:
-                holders[q].add(owner)
+            for q in pages[:i]:  # distinct: a repeat is where the pass stops
+                self._add(q, owner)
             self._check_release(owner, pages)
             raise AssertionError(f"release of {pages!r} failed a check that passed") from None
         if blank:
@@ -548,12 +600,17 @@ class PagePool:
         return len(blank) + len(cached)
 
     def _drop_table(self, owner: Owner, pages: list[int]) -> int:
-        """`_drop` of a table's ints (`release_table`): the range checked by
-        two C-level scans, not per page, and each freed cached page linked
-        onto a chain as it is freed, the chain spliced onto the LRU's tail at
-        the end (one pass, not a second one over the freed pages). A page that
-        fails puts back the references and unlinks the chain, and
-        `_check_release` raises: nothing changes."""
+        """`_drop` of a table's ints (`release_table`): no range scan (a cold
+        min/max over a long table cost more than the pass; issue 28, free):
+        a page past the end fails the index (IndexError), a reserved one has
+        no holder (KeyError), and a negative one cannot be in a table, whose
+        ints came from `allocate`, `match` and `share`. A page `owner` holds alone (the
+        common case) dropped by one comparison and one store (`_unhold`
+        inlined), and each freed cached page linked onto a chain as it is
+        freed, the chain spliced onto the LRU's tail at the end (one pass,
+        not a second one over the freed pages). A page that fails puts back
+        the references and unlinks the chain, and `_check_release` raises:
+        nothing changes."""
         holders, key = self._holders, self._key
         lru = self._lru
         nxt, prev, head = lru._next, lru._prev, lru._head
@@ -562,12 +619,11 @@ class PagePool:
         linked = 0
         i = 0
         try:
-            if pages and (min(pages) < self.first or max(pages) >= self.num_pages):
-                raise KeyError(pages)
             for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
                 h = holders[p]
-                h.remove(owner)  # KeyError if `owner` does not hold it, as in `_drop`
-                if not h:
+                # the type test second: a set equals a frozenset owner
+                if h == owner and type(h) is not set:
+                    holders[p] = None
                     if key[p] is None:
                         blank.append(p)
                     else:
@@ -575,9 +631,15 @@ class PagePool:
                         prev[p] = last
                         last = p
                         linked += 1
-        except KeyError:
-            for q in pages[:i]:
-                holders[q].add(owner)
+                elif type(h) is set:
+                    h.remove(owner)  # KeyError if `owner` does not hold it, as in `_drop`
+                    if len(h) == 1:
+                        holders[p] = next(iter(h))
+                else:
+                    raise KeyError(p)
+        except (KeyError, IndexError):
+            for q in pages[:i]:  # distinct: a repeat is where the pass stops
+                self._add(q, owner)
                 prev[q] = nxt[q] = -1  # held again: in no list
             nxt[tail] = head
             self._check_release(owner, pages)

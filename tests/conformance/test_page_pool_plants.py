@@ -84,7 +84,7 @@ def dedup_frees_referenced_page(mp: pytest.MonkeyPatch) -> None:
         r = orig(self, page, parent, tokens, extras)
         if r.deduplicated:
             with self._lock:
-                self._holders[page].clear()
+                self._holders[page] = None
                 self._blank.append(page)
         return r
 
@@ -97,7 +97,7 @@ def evictable_counts_shared_twice(mp: pytest.MonkeyPatch) -> None:
     def bad(self: PagePool, released: Mapping[Hashable, Sequence[int]]) -> int:
         going = set(released)
         return sum(1 for pages in released.values() for p in pages
-                   if self._holders[p] <= going)
+                   if self._owners(p) <= going)
 
     mp.setattr(PagePool, "reclaimable", bad)
 
@@ -115,7 +115,7 @@ def write_without_copy(mp: pytest.MonkeyPatch) -> None:
     """Issue 18: a missing copy-on-write: a write into a shared page passes."""
     def bad(self: PagePool, owner: Hashable, page: int) -> None:
         self._check_page(page, PageNotWritableError)
-        if owner not in self._holders[page]:
+        if owner not in self._owners(page):
             raise PageNotWritableError(f"page {page}: {owner!r} does not hold it")
 
     mp.setattr(PagePool, "check_writable", bad)

@@ -270,3 +270,33 @@ def test_release_table_refuses_as_release_does_and_keeps_lru_order() -> None:
     assert snap.lru == tuple(pages[3:0:-1])  # pages[1:4] cached, tail first as given
     assert set(snap.blank) >= set(pages[4:])
     pool.sanity_check()
+
+
+def test_holders_kept_bare_or_as_a_set_read_the_same() -> None:
+    """A page's holders are kept as one bare owner or a set of two or more
+    (a release need not hash into a set per page): sharing and releasing move
+    between the forms and every query reads them alike; an owner that is a
+    frozenset equal to a page's set of holders does not hold it; a set of one
+    left in place is found by `sanity_check`."""
+    pool = PagePool(8, 4)
+    a, b = ("r", "main"), ("r", "s1")
+    pages = pool.allocate(a, 2)
+    assert isinstance(pages, list)
+    pool.share(b, pages[:1])
+    assert pool.holders(pages[0]) == {a, b} and pool.refcount(pages[0]) == 2
+    assert pool.private_pages(a, pages) == [False, True]
+    imposter = frozenset({a, b})
+    before = pool.snapshot()
+    with pytest.raises(PageRefError):
+        pool.release_table(imposter, pages[:1])
+    with pytest.raises(PageRefError):
+        pool.release_table(a, [pages[1], 0])  # the reserved page: no holder
+    assert pool.snapshot() == before
+    assert pool.release_table(b, pages[:1]) == 0
+    assert pool.holders(pages[0]) == {a} and pool.writable(a, pages[0])
+    pool.sanity_check()
+    assert pool.release_table(a, pages[::-1]) == 2
+    assert pool.num_free == 7
+    pool._holders[pages[0]] = {a}  # planted: a set of one
+    with pytest.raises(PagePoolCorruptedError, match="a holder set of 1"):
+        pool.sanity_check()
