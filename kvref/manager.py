@@ -28,7 +28,7 @@ the reference manager, ``specs/rules.md`` says why (R1..R13 below).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -434,6 +434,20 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
                     "cache_prefix of a stream a preplanned fork will copy into; commit "
                     "that step first (R57)", request_id=rid, label=label)
             return prefix_cache.cache_prefix(self._table, rid, label, token_ids, start)
+
+    def cache_prefixes(self, calls: Sequence[tuple[str, str, Tokens, int]]) -> list[int]:
+        """`cache_prefix` of each ``(request_id, label, token_ids, start)``, in
+        order, under one acquisition of the lock; returns each call's count.
+
+        For an engine that keys pages as they fill: one call per step naming
+        the streams whose page just filled, ``start = cached_tokens(...)`` and
+        the ids from there, not one call per page (issue 28). Every call is
+        checked before any page is keyed (S31), so a misuse in one raises as
+        `cache_prefix` would, naming its stream, and changes nothing; so does
+        a stream named twice, or an entry that is not a 4-tuple.
+        """
+        with self._lock:
+            return prefix_cache.cache_prefixes(self._table, calls, self._stepping.copies_into)
 
     def cached_tokens(self, rid: str, label: str = "main") -> int:
         """Tokens of the stream its keyed pages cover: where a `cache_prefix`

@@ -15,6 +15,9 @@ Each function runs under the stream table's lock, which `KVManager` holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
+from kvref import validate
 from kvref.core.errors import InvalidArgumentError, StepInFlightError, StreamUnavailableError
 from kvref.core.page_pool import ResetRefused
 from kvref.core.stream_table import StreamTable
@@ -99,6 +102,49 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
 def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
                  start: int = 0) -> int:
     """See `KVManager.cache_prefix`."""
+    todo = _checked(table, rid, label, tokens, start)
+    return 0 if todo is None else _register(table, todo)
+
+
+def cache_prefixes(table: StreamTable, calls: Sequence[tuple[str, str, Tokens, int]],
+                   copies_into: Callable[[str, str], bool]) -> list[int]:
+    """See `KVManager.cache_prefixes`: every call checked before any pages are
+    keyed (S31), so a misuse in one changes nothing. ``copies_into``: whether
+    a preplanned fork will copy into the stream (R57, as `cache_prefix`)."""
+    if isinstance(calls, str | bytes) or not isinstance(calls, Sequence):
+        raise InvalidArgumentError(
+            f"cache_prefixes takes a sequence of (request_id, label, token_ids, start), "
+            f"got {type(calls).__name__}")
+    todo: list[_Todo | None] = []
+    named: set[tuple[str, str]] = set()
+    for i, call in enumerate(calls):
+        if not isinstance(call, tuple) or len(call) != 4:
+            raise InvalidArgumentError(
+                f"cache_prefixes entry {i}: a (request_id, label, token_ids, start) tuple, "
+                f"got {call!r:.80}")
+        rid, label, tokens, start = call
+        validate.request_id(rid, "cache_prefixes")
+        validate.label(label, "cache_prefixes", rid)
+        if (rid, label) in named:
+            # the second would check against the state the first leaves
+            raise InvalidArgumentError(f"cache_prefixes entry {i} names the stream a "
+                                       "previous entry names", request_id=rid, label=label)
+        named.add((rid, label))
+        if table.sharing and copies_into(rid, label):
+            raise StepInFlightError(
+                f"cache_prefixes entry {i}: a stream a preplanned fork will copy into; "
+                "commit that step first (R57)", request_id=rid, label=label)
+        todo.append(_checked(table, rid, label, tokens, start))
+    return [0 if t is None else _register(table, t) for t in todo]
+
+
+# what `_checked` found to key: the stream, its key, the ids, where they start
+_Todo = tuple[CacheStream, str, str, Tokens, bytes, int]
+
+
+def _checked(table: StreamTable, rid: str, label: str, tokens: Tokens, start: int
+             ) -> _Todo | None:
+    """`cache_prefix`'s checks, changing nothing: None if it keys nothing."""
     stream = table.stream(rid, label)
     ps = table.page_size
     if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start % ps:
@@ -122,7 +168,7 @@ def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
     if not table.sharing or stream.received or table.window(label) is not None:
         # W9: a windowed label registers nothing, so its window's release
         # frees pages blank and never pushes cached prefixes out (vLLM 42948)
-        return 0
+        return None
     # the ids of pages already keyed must be the ones they were keyed with
     overlap = min(end, keyed)
     if raw[: (overlap - start) * 8] != stream.key_tokens[start * 8: overlap * 8]:
@@ -130,10 +176,31 @@ def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
             f"cache_prefix names tokens {start}..{overlap - 1} otherwise than the stream's "
             "cached pages hold them (a hit or an earlier cache_prefix)",
             request_id=rid, label=label)
-    full = end // ps
-    if full <= len(stream.keys):
-        return 0
+    if end // ps <= len(stream.keys):
+        return None
+    return stream, rid, label, tokens, raw, start
+
+
+def _register(table: StreamTable, todo: _Todo) -> int:
+    """Key the full pages `_checked` found past the stream's chain."""
+    stream, rid, label, tokens, raw, start = todo
+    ps = table.page_size
+    keyed = len(stream.keys) * ps
+    full = (start + len(raw) // 8) // ps
     extras = extras_for(table, rid, stream.space or label)
+    if full * ps - keyed == ps and start == keyed and len(raw) == 8 * ps:
+        # the page that just filled, named alone (a decode step's): one hash
+        # of the bytes as given, no slicing of the ids
+        key = prefix_hash.next_page_key(stream.keys[-1] if stream.keys else None, raw,
+                                        extras)
+        done, err = table.pages.register_chain(stream.page_indices[len(stream.keys):full],
+                                               [key])
+        if done:
+            stream.keys.append(key)
+        if err is not None:
+            raise err
+        stream.key_tokens += raw
+        return done
     fresh = tokens[keyed - start:(full * ps) - start]
     fresh_raw = raw[(keyed - start) * 8:(full * ps - start) * 8]
     parent = stream.keys[-1] if stream.keys else None

@@ -171,3 +171,11 @@ def page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
     """`iter_page_keys` as a list: what an engine computes once per prompt."""
     return list(iter_page_keys(tokens, page_size, extras, parent=parent, pages=pages,
                                encoded=encoded))
+
+
+def next_page_key(parent: PageKey | None, encoded: bytes, extras: ExtraKeys = ()) -> PageKey:
+    """The key of the one page whose ids `encoded` holds (`token_bytes`),
+    after the page keyed `parent`: `page_key` without encoding the ids again,
+    for a page that just filled (`KVManager.cache_prefixes`)."""
+    return hashlib.sha256(b"".join((_parent_field(parent), _u64(len(encoded) // 8), encoded,
+                                    encode_extras(extras)))).digest()

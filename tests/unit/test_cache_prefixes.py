@@ -1,0 +1,117 @@
+"""`KVManager.cache_prefixes`: the pages of many streams keyed as they fill,
+in one call per step (issue 28 part 2, specs/shared-pages.md S31)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvref import KVManager
+from kvref.core.errors import InvalidArgumentError, StepInFlightError, UnknownRequestError
+from kvref.testing.page_checks import check_device_pages
+from tests.unit._manager_fixtures import Driver, make_manager
+
+PS = 4
+IDS = {rid: list(range(base, base + 40)) for rid, base in (("a", 100), ("b", 500), ("c", 900))}
+
+
+def _mgr() -> tuple[KVManager, Driver]:
+    mgr = make_manager(page_size=PS, pages=64)
+    return mgr, Driver(mgr)
+
+
+def _state(mgr: KVManager) -> tuple[Any, ...]:
+    streams = tuple((rid, label, tuple(s.keys), bytes(s.key_tokens))
+                    for rid, by in sorted(mgr._streams.items()) for label, s in sorted(by.items()))
+    return streams, mgr.num_free_pages, mgr.num_cached_pages, mgr._table.pages.snapshot()
+
+
+def _decode(drv: Driver, rids: list[str], n: int) -> None:
+    for _ in range(n):
+        drv.step([(r, "main", 1) for r in rids])
+
+
+def test_keys_what_one_cache_prefix_per_stream_keys() -> None:
+    """Page by page as decode fills them, the batch leaves every stream and
+    the pool as a `cache_prefix` per stream would (the same keys, the same
+    counts), and the keyed pages are found by a later prompt."""
+    rids = ["a", "b", "c"]
+    (one, d1), (many, d2) = _mgr(), _mgr()
+    for drv in (d1, d2):
+        for r in rids:
+            drv.ingest(r)
+    for n in range(1, 21):
+        _decode(d1, rids, 1)
+        _decode(d2, rids, 1)
+        if n % PS:
+            continue
+        # the engine names the page that filled, from where the keyed pages end
+        calls = [(r, "main", IDS[r][n - PS:n], one.cached_tokens(r)) for r in rids]
+        got = [one.cache_prefix(r, lb, ids, start=st) for r, lb, ids, st in calls]
+        assert many.cache_prefixes(calls) == got == [1, 1, 1]
+        assert _state(many) == _state(one)
+    check_device_pages(many)
+    many.ingest_request("z")
+    assert many.match_prefix("z", "main", IDS["b"][:20] + [0]) == 20
+    # longer runs, and a call that keys nothing, go through the general path
+    assert many.cache_prefixes([("a", "main", IDS["a"][:20], 0), ("c", "main", [], 20)]) \
+        == [0, 0]
+
+
+def test_a_run_of_pages_and_an_empty_batch() -> None:
+    mgr, drv = _mgr()
+    drv.ingest("a")
+    drv.step([("a", "main", 13)])
+    assert mgr.cache_prefixes([]) == []
+    assert mgr.cache_prefixes([("a", "main", IDS["a"][:13], 0)]) == [3]
+    assert mgr.cached_tokens("a") == 12
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    ("not a list", InvalidArgumentError, "sequence"),
+    ([("a", "main", [1, 2, 3, 4])], InvalidArgumentError, "entry 1"),
+    ([["b", "main", [1], 0]], InvalidArgumentError, "entry 1"),
+    ([(7, "main", [], 0)], InvalidArgumentError, "request id"),
+    ([("b", 3, [], 0)], InvalidArgumentError, "label"),
+    ([("b", "main", IDS["b"][8:12], 8), ("b", "main", IDS["b"][8:12], 8)],
+     InvalidArgumentError, "previous entry"),
+    ([("b", "main", IDS["b"][8:16], 8)], InvalidArgumentError, "committed 12"),
+    ([("b", "main", IDS["b"][:4], 2)], InvalidArgumentError, "whole number of pages"),
+    ([("b", "main", IDS["b"][:4], True)], InvalidArgumentError, "whole number of pages"),
+    ([("b", "main", IDS["b"][12:12], 12)], InvalidArgumentError, "cached pages end at 8"),
+    ([("b", "main", [7] * 12, 0)], InvalidArgumentError, "otherwise"),
+    ([("b", "main", ["x"] * 4, 8)], InvalidArgumentError, "64-bit"),
+    ([("zz", "main", [], 0)], UnknownRequestError, "unknown request"),
+    ([("b", "nope", [], 0)], UnknownRequestError, "no such label"),
+])
+def test_a_misuse_in_any_entry_changes_nothing(bad: Any, err: type[Exception],
+                                                match: str) -> None:
+    """Every entry is checked before any page is keyed: a misuse in the
+    second entry leaves the first's pages unkeyed too."""
+    mgr, drv = _mgr()
+    for r in ("a", "b"):
+        drv.ingest(r)
+    drv.step([("a", "main", 12), ("b", "main", 12)])
+    assert mgr.cache_prefix("b", "main", IDS["b"][:8]) == 2
+    before = _state(mgr)
+    good = ("a", "main", IDS["a"][:12], 0)
+    calls = bad if isinstance(bad, str) else [good, *bad]
+    with pytest.raises(err, match=match):
+        mgr.cache_prefixes(calls)
+    assert _state(mgr) == before
+    check_device_pages(mgr)
+
+
+def test_a_stream_a_preplanned_fork_copies_into_is_refused() -> None:
+    """R57, as `cache_prefix`: nothing keys a page a staged fork will copy into."""
+    from kvref import KVStep, Segment, StepContext
+    mgr, drv = _mgr()
+    drv.ingest("a")
+    drv.step([("a", "main", 8)])
+    mgr.admit(KVStep([Segment("a", "main", 1)]), StepContext(("a",)))
+    pre = KVStep([Segment("a", "main", 1)], post_forks=[("main", "s1")])
+    assert mgr.admit(pre, StepContext(("a",), is_preplan=True)).ok
+    with pytest.raises(StepInFlightError, match="R57"):
+        mgr.cache_prefixes([("a", "main", IDS["a"][:8], 0), ("a", "s1", [], 0)])
+    assert mgr.cached_tokens("a") == 0
