@@ -1432,6 +1432,25 @@ class Model:
             return Count(0), s
         return Count(added), replace(s, pool=pool)
 
+    def cache_prefixes(self, s: State, keys: tuple[Key, ...]
+                       ) -> tuple[tuple[Result, ...] | Misuse, State]:
+        """S31: `cache_prefixes` of the streams `keys`, each call's ids the
+        stream's committed tokens (what `CachePrefix` stands for): the
+        `CachePrefix` of each in order, or, if any is a misuse or a stream is
+        named twice, that misuse and the very state given (every call is
+        checked before any page is keyed). Not an action: a composition of
+        one, so the checker explores nothing new."""
+        if len(set(keys)) != len(keys):
+            return Misuse("InvalidArgumentError"), s
+        out: list[Result] = []
+        t = s
+        for rid, label in keys:
+            r, t = self.do_CachePrefix(t, CachePrefix(rid, label))
+            if isinstance(r, Misuse):
+                return r, s
+            out.append(r)
+        return tuple(out), t
+
     def do_MatchPrefix(self, s: State, a: MatchPrefix) -> tuple[Result, State]:
         if a.rid not in s.requests():
             return Misuse("UnknownRequestError"), s

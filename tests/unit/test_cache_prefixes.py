@@ -53,7 +53,7 @@ def test_keys_what_one_cache_prefix_per_stream_keys() -> None:
         assert _state(many) == _state(one)
     check_device_pages(many)
     many.ingest_request("z")
-    assert many.match_prefix("z", "main", IDS["b"][:20] + [0]) == 20
+    assert many.match_prefix("z", "main", [*IDS["b"][:20], 0]) == 20
     # longer runs, and a call that keys nothing, go through the general path
     assert many.cache_prefixes([("a", "main", IDS["a"][:20], 0), ("c", "main", [], 20)]) \
         == [0, 0]
