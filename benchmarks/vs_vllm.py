@@ -16,8 +16,8 @@ writes KV (kvref's cache is 1 layer, 1 head of 8 floats). What each side's
 timed region holds:
 
 - decode: kvref admit + plan + commit of a step of B one-token segments,
-  then, caching on, the engine's `cache_prefix` of each page that just
-  filled (its 16 ids, ``start`` at the keyed end). vLLM: per request
+  then, caching on, the engine's one `cache_prefixes` call naming each page
+  that just filled (its 16 ids, ``start`` at the keyed end; S31). vLLM: per request
   ``allocate_slots(req, 1)`` (which caches a full block), then
   ``num_computed_tokens += 1`` and ``append_output_token_ids`` (which hashes
   a block as it fills). kvref also builds the FlashInfer tables and write
@@ -271,10 +271,13 @@ class Bench:
             t0 = time.perf_counter_ns()
             kv_step(kv, step, ctx)
             if keying:
+                filled = []
                 for i in range(batch):
                     n = kv_len[i] = kv_len[i] + 1
                     if n % PAGE == 0:  # a page just filled: key only its ids
-                        kv.cache_prefix(rids[i], "main", ids[i][n - PAGE:n], start=n - PAGE)
+                        filled.append((rids[i], "main", ids[i][n - PAGE:n], n - PAGE))
+                if filled:  # one call per step for every page that filled (S31)
+                    kv.cache_prefixes(filled)
             else:
                 for i in range(batch):
                     kv_len[i] += 1

@@ -447,7 +447,8 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         a stream named twice, or an entry that is not a 4-tuple.
         """
         with self._lock:
-            return prefix_cache.cache_prefixes(self._table, calls, self._stepping.copies_into)
+            targets = self._stepping.fork_targets() if self._table.sharing else frozenset()
+            return prefix_cache.cache_prefixes(self._table, calls, targets)
 
     def cached_tokens(self, rid: str, label: str = "main") -> int:
         """Tokens of the stream its keyed pages cover: where a `cache_prefix`

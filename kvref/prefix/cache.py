@@ -15,7 +15,7 @@ Each function runs under the stream table's lock, which `KVManager` holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence, Set
 
 from kvref import validate
 from kvref.core.errors import InvalidArgumentError, StepInFlightError, StreamUnavailableError
@@ -107,10 +107,10 @@ def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
 
 
 def cache_prefixes(table: StreamTable, calls: Sequence[tuple[str, str, Tokens, int]],
-                   copies_into: Callable[[str, str], bool]) -> list[int]:
+                   fork_targets: Set[tuple[str, str]]) -> list[int]:
     """See `KVManager.cache_prefixes`: every call checked before any pages are
-    keyed (S31), so a misuse in one changes nothing. ``copies_into``: whether
-    a preplanned fork will copy into the stream (R57, as `cache_prefix`)."""
+    keyed (S31), so a misuse in one changes nothing. ``fork_targets``: the
+    streams a preplanned fork will copy into (R57, as `cache_prefix`)."""
     if isinstance(calls, str | bytes) or not isinstance(calls, Sequence):
         raise InvalidArgumentError(
             f"cache_prefixes takes a sequence of (request_id, label, token_ids, start), "
@@ -130,7 +130,7 @@ def cache_prefixes(table: StreamTable, calls: Sequence[tuple[str, str, Tokens, i
             raise InvalidArgumentError(f"cache_prefixes entry {i} names the stream a "
                                        "previous entry names", request_id=rid, label=label)
         named.add((rid, label))
-        if table.sharing and copies_into(rid, label):
+        if (rid, label) in fork_targets:
             raise StepInFlightError(
                 f"cache_prefixes entry {i}: a stream a preplanned fork will copy into; "
                 "commit that step first (R57)", request_id=rid, label=label)

@@ -247,6 +247,16 @@ class Stepping:
         return any(to == label and rid in padded
                    for step, padded in steps for _, to in (*step.pre_forks, *step.post_forks))
 
+    def fork_targets(self) -> frozenset[tuple[str, str]]:
+        """Every stream `copies_into` is True of, found once (a batch of
+        `cache_prefixes` asks of many streams in one call)."""
+        staged, running = self.preplan, self.running
+        steps = [(staged.step, staged.ctx.padded_request_ids)] if staged else []
+        if running is not None and running.copy_forks:
+            steps.append((running.step, running.padded))
+        return frozenset((rid, to) for step, padded in steps for rid in padded
+                         for _, to in (*step.pre_forks, *step.post_forks))
+
     def forks_pending(self, rid: str) -> bool:
         """Whether the running or the staged step still has forks to apply to
         ``rid``: `publish` waits for them (R50). Called under the table's lock."""
