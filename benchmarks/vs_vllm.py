@@ -3,7 +3,7 @@
     python -m benchmarks.vs_vllm [--vllm PATH] [--quick] [--json PATH]
 
 ``--vllm``: a copy of vLLM 0.33.0's KV-manager files, unmodified, with stubs
-for the heavy modules they import (``scripts/build_vllm_kv.py`` builds one
+for the heavy modules they import (``scripts/vllm_copy.py`` builds one
 from ``pip download vllm==0.33.0 --no-deps``). Default: ``$KVREF_VLLM_KV``,
 else ``../shared/anchors/vllm_kv`` beside the project (or its worktree's
 parent), if present. Without a copy the comparison is skipped with a message
@@ -56,7 +56,7 @@ from kvref import KVConfig, KVManager, KVStep, RetentionPolicy, Segment, StepCon
 from kvref.prefix.keys import page_keys
 
 ROOT = Path(__file__).resolve().parent.parent
-HOW_TO_GET = ("no copy of vLLM's KV manager: build one with `python scripts/build_vllm_kv.py "
+HOW_TO_GET = ("no copy of vLLM's KV manager: build one with `python scripts/vllm_copy.py "
               "--dest DIR` (it runs `pip download vllm==0.33.0 --no-deps` and checks every "
               "file against the wheel's RECORD), then pass --vllm DIR or set KVREF_VLLM_KV")
 PAGE = 16

@@ -1,20 +1,24 @@
 #!/usr/bin/env python3
-"""Build a copy of vLLM's KV-manager files that imports on CPU, for
-``python -m kvref.testing.vllm_pool --vllm DEST`` (issue 30).
+"""Build (or check) a copy of vLLM's KV-manager files that imports on CPU:
+for ``python -m kvref.testing.vllm_pool --vllm DEST`` (issue 30) and for
+``python -m benchmarks.vs_vllm --vllm DEST`` (issue 28).
 
+    python scripts/vllm_copy.py --dest /tmp/vllm_kv                   # vLLM 0.33.0
     python scripts/vllm_copy.py --version 0.34.0 --dest /tmp/vllm_kv034
     python scripts/vllm_copy.py --wheel vllm-0.34.0-...whl --dest /tmp/vllm_kv034
+    python scripts/vllm_copy.py --dest /tmp/vllm_kv --verify          # check a copy
 
 The wheel comes from ``pip download vllm==VERSION --no-deps`` (a few hundred MB)
-unless --wheel names one.  The files the lockstep runs are copied out of it
-byte for byte and each is checked against the wheel's RECORD (sha256); their
-lines go to DEST/RECORD.subset.  What they import from the rest of vLLM (CUDA,
-configs, the model registry) is stood in for by the small stubs of an existing
-copy (--stubs-from, by default ../shared/anchors/vllm_kv): every file there
-that its RECORD.subset does not list.  A module the new version imports that
-neither has is taken from the wheel too, checked the same way, when the
-trial import names it.  Last, the script compares the files with those of the
---stubs-from copy and says which changed.
+unless --wheel names one.  The files the lockstep and the benchmark run are
+copied out of it byte for byte and each is checked against the wheel's RECORD
+(sha256); their lines go to DEST/RECORD.subset, which ``--verify`` checks
+later without the wheel.  What they import from the rest of vLLM (CUDA,
+configs, the model registry) is stood in for by small stubs: by default
+``benchmarks/vllm_stubs/``, or those of an existing copy (--stubs-from: every
+file there that its RECORD.subset does not list).  A module the new version
+imports that no stub stands for is taken from the wheel too, checked the same
+way, when the trial import names it (``--no-import-check`` skips that import).
+Last, with --stubs-from a copy, the script says which files changed against it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+STUBS = REPO / "benchmarks" / "vllm_stubs"
 
 # vLLM's own files, unmodified: the block manager and what it needs
 FILES = (
@@ -93,10 +98,28 @@ class Wheel:
 
 
 def stubs_of(base: Path) -> list[str]:
-    listed = {ln.split(",")[0] for ln in (base / "RECORD.subset").read_text().splitlines()
-              if ln and not ln.startswith("#")}
-    return sorted(str(p.relative_to(base)) for p in (base / "vllm").rglob("*.py")
-                  if str(p.relative_to(base)) not in listed)
+    """The stubs a folder holds: every .py of a copy that its RECORD.subset
+    does not list, or every .py of a stubs-only folder (no RECORD.subset)."""
+    record = base / "RECORD.subset"
+    listed = {ln.split(",")[0] for ln in record.read_text().splitlines()
+              if ln and not ln.startswith("#")} if record.is_file() else set()
+    return sorted(p.relative_to(base).as_posix() for p in (base / "vllm").rglob("*.py")
+                  if p.relative_to(base).as_posix() not in listed)
+
+
+def verify(dest: Path) -> int:
+    """Check every file DEST/RECORD.subset names; returns how many differ."""
+    bad = 0
+    for line in (dest / "RECORD.subset").read_text().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, want = line.rsplit(",", 1)
+        path = dest / name
+        ok = path.is_file() and sha(path.read_bytes()) == want
+        bad += not ok
+        print(("ok  " if ok else "BAD ") + name)
+    print(f"{bad or 'all'} file(s) {'differ from' if bad else 'match'} the wheel's RECORD")
+    return bad
 
 
 def trial_import(dest: Path) -> str | None:
@@ -114,27 +137,26 @@ def trial_import(dest: Path) -> str | None:
     return last
 
 
-def _default_copy() -> Path | None:
-    sys.path.insert(0, str(REPO))
-    from kvref.testing.vllm_pool import find_copy
-
-    return find_copy(REPO)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", default="0.33.0")
     ap.add_argument("--wheel", type=Path, help="a downloaded wheel (no download)")
     ap.add_argument("--dest", type=Path, required=True)
-    ap.add_argument("--stubs-from", type=Path, default=_default_copy(),
-                    help="a copy whose stubs to take (default: $KVREF_VLLM_COPY, "
-                         "else ../shared/anchors/vllm_kv)")
+    ap.add_argument("--stubs-from", type=Path, default=STUBS,
+                    help="a copy (or a folder of stubs) whose stubs to take "
+                         "(default: benchmarks/vllm_stubs)")
     ap.add_argument("--also", nargs="*", default=[], help="more of vLLM's files")
+    ap.add_argument("--verify", action="store_true",
+                    help="only check the copy at --dest against its RECORD.subset")
+    ap.add_argument("--no-import-check", action="store_true",
+                    help="skip the trial import (and so the modules it would add)")
     args = ap.parse_args(argv)
-    base: Path | None = args.stubs_from
-    if base is None or not (base / "RECORD.subset").is_file():
-        raise SystemExit(f"{base}: not a copy with RECORD.subset (--stubs-from)")
+    if args.verify:
+        return 1 if verify(args.dest) else 0
+    base: Path = args.stubs_from
+    if not (base / "vllm").is_dir():
+        raise SystemExit(f"{base}: no vllm/ folder of stubs (--stubs-from)")
     with tempfile.TemporaryDirectory(prefix="kvref-vllm-wheel-") as tmp:
         wheel = Wheel(args.wheel or download(args.version, Path(tmp)))
         dest: Path = args.dest
@@ -149,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(wheel.checked(name))
         for _ in range(10):  # what the new version imports that no stub stands for
-            missing = trial_import(dest)
+            missing = None if args.no_import_check else trial_import(dest)
             if missing is None:
                 break
             name = missing.replace(".", "/") + ".py"
@@ -166,11 +188,16 @@ def main(argv: list[str] | None = None) -> int:
                if ".dist-info/" in n and n.endswith("LICENSE")]
         if lic:
             (dest / "LICENSE").write_bytes(wheel.zip.read(lic[0]))
+        elif (base / "LICENSE").is_file():
+            shutil.copyfile(base / "LICENSE", dest / "LICENSE")
         (dest / "RECORD.subset").write_text(
             f"# from {wheel.name} {wheel.record_name}\n"
             + "".join(f"{n},{wheel.record[n]}\n" for n in files))
         print(f"{dest}: {len(files)} files of {wheel.name}, each matching its RECORD "
               f"sha256; {len(stubs_of(base))} stubs from {base}")
+    bad = verify(dest)
+    if not (base / "RECORD.subset").is_file():
+        return 1 if bad else 0
     for name in files:  # what changed against the --stubs-from copy
         old = base / name
         new = (dest / name).read_text().splitlines()
@@ -183,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         if diff:
             plus = sum(ln.startswith("+") for ln in diff)
             print(f"  changed  {name}: +{plus} -{len(diff) - plus}")
-    return 0
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """benchmarks/vs_vllm.py runs in a tiny configuration and returns well-formed
 rows (no timing is asserted); without a vLLM copy it skips, saying how to get
-one; scripts/build_vllm_kv.py keeps only files matching the wheel's RECORD."""
+one; scripts/vllm_copy.py keeps only files matching the wheel's RECORD."""
 
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_skips_without_a_copy(tmp_path: Path) -> None:
     got = _run("-m", "benchmarks.vs_vllm", "--tiny", "--vllm", str(tmp_path / "none"))
     assert got.returncode == 0, got.stderr
-    assert "skipped" in got.stdout and "build_vllm_kv.py" in got.stdout
+    assert "skipped" in got.stdout and "vllm_copy.py" in got.stdout
 
 
 def test_tiny_run_rows(tmp_path: Path) -> None:
     copy = find_copy(None)
     if copy is None:
-        pytest.skip("no vLLM KV-manager copy (scripts/build_vllm_kv.py builds one)")
+        pytest.skip("no vLLM KV-manager copy (scripts/vllm_copy.py builds one)")
     out = tmp_path / "rows.json"
     got = _run("-m", "benchmarks.vs_vllm", "--tiny", "--vllm", str(copy), "--json", str(out))
     assert got.returncode == 0, got.stderr
@@ -67,20 +67,22 @@ def _fake_wheel(path: Path, files: dict[str, bytes], tamper: str | None = None) 
 def test_build_script_checks_the_record(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        import build_vllm_kv
+        import vllm_copy
     finally:
         sys.path.pop(0)
-    files = {name: f"# {name}\n".encode() for name in build_vllm_kv.FROM_WHEEL}
+    files = {name: f"# {name}\n".encode() for name in vllm_copy.FILES}
     good, bad = tmp_path / "vllm-0.33.0-good.whl", tmp_path / "vllm-0.33.0-bad.whl"
     _fake_wheel(good, files)
     _fake_wheel(bad, files, tamper="vllm/v1/core/block_pool.py")
-    got = _run("scripts/build_vllm_kv.py", "--dest", str(tmp_path / "a"), "--wheel", str(good))
+    got = _run("scripts/vllm_copy.py", "--dest", str(tmp_path / "a"), "--wheel", str(good),
+               "--no-import-check")
     assert got.returncode == 0, got.stdout + got.stderr
     assert (tmp_path / "a" / "vllm" / "v1" / "core" / "kv_cache_manager.py").is_file()
     assert (tmp_path / "a" / "vllm" / "sampling_params.py").is_file()  # a stub
-    got = _run("scripts/build_vllm_kv.py", "--dest", str(tmp_path / "b"), "--wheel", str(bad))
+    got = _run("scripts/vllm_copy.py", "--dest", str(tmp_path / "b"), "--wheel", str(bad),
+               "--no-import-check")
     assert got.returncode != 0 and "block_pool.py" in got.stdout + got.stderr
     # a copy changed after it was built fails --verify
     (tmp_path / "a" / "vllm" / "v1" / "request.py").write_text("# edited\n")
-    got = _run("scripts/build_vllm_kv.py", "--dest", str(tmp_path / "a"), "--verify")
+    got = _run("scripts/vllm_copy.py", "--dest", str(tmp_path / "a"), "--verify")
     assert got.returncode == 1 and "BAD vllm/v1/request.py" in got.stdout
