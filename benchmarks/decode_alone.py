@@ -47,11 +47,13 @@ def _steps(mgr: KVManager | ReferenceManager, rids: list[str], steps: int) -> fl
     return times[len(times) // 2] * 1e6
 
 
-def decode_alone(batch: int, steps: int = 200) -> tuple[float, float]:
-    """Median µs of one decode step over ``batch`` requests: kvref, the reference."""
+def decode_alone(batch: int, steps: int = 200, caching: bool = True) -> tuple[float, float]:
+    """Median µs of one decode step over ``batch`` requests: kvref (prefix
+    caching and shared pages on or off), the reference (which has neither)."""
     pages = batch * (-(-(PROMPT + steps + 2) // 16)) + 10
     cfg = KVConfig(num_layers=1, num_kv_heads=1, head_dim=8, max_seq_len=4096,
-                   max_num_pages=pages + 1, page_size=16, num_qo_heads=1)
+                   max_num_pages=pages + 1, page_size=16, num_qo_heads=1,
+                   enable_prefix_caching=caching)
     rids = [f"r{i}" for i in range(batch)]
     ours = _steps(KVManager(cfg, "kv", None, None, "cpu", dtype=torch.float32), rids, steps)
     theirs = _steps(ReferenceManager(pages, 16), rids, steps)
@@ -61,12 +63,14 @@ def decode_alone(batch: int, steps: int = 200) -> tuple[float, float]:
 def main() -> None:
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
-    print("| batch | kvref µs/step | kvref µs/request | reference µs/step | ratio |\n"
-          "|---|---|---|---|---|")
+    print("| batch | caching | kvref µs/step | kvref µs/request | reference µs/step | "
+          "ratio | reference / kvref |\n|---|---|---|---|---|---|---|")
     for batch in (1, 16, 64, 256, 1024):
-        ours, theirs = decode_alone(batch)
-        print(f"| {batch} | {ours:.1f} | {ours / batch:.2f} | {theirs:.1f} | "
-              f"{ours / theirs:.2f} |")
+        for caching in (True, False):
+            ours, theirs = decode_alone(batch, caching=caching)
+            print(f"| {batch} | {'on' if caching else 'off'} | {ours:.1f} | "
+                  f"{ours / batch:.2f} | {theirs:.1f} | {ours / theirs:.2f} | "
+                  f"{theirs / ours:.2f} |")
     print(f"\nload average {load:.1f} before, {os.getloadavg()[0]:.1f} after "
           f"({os.cpu_count()} CPUs)")
 
