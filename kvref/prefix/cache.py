@@ -23,7 +23,7 @@ from kvref.core.page_pool import ResetRefused
 from kvref.core.stream_table import StreamTable
 from kvref.core.streams import CacheStream
 from kvref.prefix import keys as prefix_hash
-from kvref.prefix.keys import ExtraKeys, Tokens
+from kvref.prefix.keys import ExtraKeys, PageKey, Tokens
 
 
 def extras_for(table: StreamTable, rid: str, space: str) -> ExtraKeys:
@@ -135,7 +135,36 @@ def cache_prefixes(table: StreamTable, calls: Sequence[tuple[str, str, Tokens, i
                 f"cache_prefixes entry {i}: a stream a preplanned fork will copy into; "
                 "commit that step first (R57)", request_id=rid, label=label)
         todo.append(_checked(table, rid, label, tokens, start))
+    filled = _pages_that_filled(table, todo)
+    if filled is not None:
+        return filled
     return [0 if t is None else _register(table, t) for t in todo]
+
+
+def _pages_that_filled(table: StreamTable, todo: list[_Todo | None]) -> list[int] | None:
+    """`_register` of each, when each names just the page after its stream's
+    chain (a decode step's batch): their keys registered by one pool call,
+    not one per stream. None, doing nothing, when any names more."""
+    ps = table.page_size
+    keyed: list[tuple[CacheStream, bytes, PageKey]] = []
+    for t in todo:
+        if t is None:
+            continue
+        stream, rid, label, _, raw, start = t
+        if len(raw) != 8 * ps or start != len(stream.keys) * ps:
+            return None
+        parent = stream.keys[-1] if stream.keys else None
+        keyed.append((stream, raw, prefix_hash.next_page_key(
+            parent, raw, extras_for(table, rid, stream.space or label))))
+    done, err = table.pages.register_chain(
+        [st.page_indices[len(st.keys)] for st, _, _ in keyed], [k for _, _, k in keyed])
+    # as `_register` entry by entry: the ones before a failure keep their key
+    for stream, raw, key in keyed[:done]:
+        stream.keys.append(key)
+        stream.key_tokens += raw
+    if err is not None:
+        raise err
+    return [0 if t is None else 1 for t in todo]
 
 
 # what `_checked` found to key: the stream, its key, the ids, where they start
