@@ -324,14 +324,21 @@ class PagePool:
         self._check_owner(owner)
         with self._lock:
             pages, keys = self._hits(tokens, extras, encoded)
+            holders = self._holders
             for p in pages:
-                if self._holds(p, owner):
+                h = holders[p]
+                if h is not None and (owner in h if type(h) is set else h == owner):
                     raise PageRefError(f"{owner!r} already holds cached page {p}: a hit "
                                        "goes to a stream that does not hold its prefix")
-            for p in pages:
-                if self._holders[p] is None:
+            for p in pages:  # `_add` inlined: a hit attaches a whole prompt's pages
+                h = holders[p]
+                if h is None:
                     self._touch(p)
-                self._add(p, owner)
+                    holders[p] = owner
+                elif type(h) is set:
+                    h.add(owner)
+                else:
+                    holders[p] = {h, owner}
         return PrefixHit(tuple(pages), tuple(keys), len(pages) * self.page_size)
 
     def share(self, owner: Owner, pages: Sequence[int]) -> None:
@@ -341,14 +348,21 @@ class PagePool:
         pages = list(pages)
         with self._lock:
             self._check_distinct(pages, PageRefError, "share")
+            holders = self._holders
+            # `_holds` and `_add` inlined: a fork shares every full page
             for p in pages:
-                if self._holders[p] is None:
+                h = holders[p]
+                if h is None:
                     raise PageRefError(f"share of page {p}: it is free (a cached page is "
                                        "taken by match, a blank one by allocate)")
-                if self._holds(p, owner):
+                if owner in h if type(h) is set else h == owner:
                     raise PageRefError(f"share of page {p}: {owner!r} holds it already")
             for p in pages:
-                self._add(p, owner)
+                h = holders[p]
+                if type(h) is set:
+                    h.add(owner)
+                else:
+                    holders[p] = {h, owner}
 
     def release(self, owner: Owner, pages: Sequence[int]) -> int:
         """`owner` drops its reference on each page; returns how many became
