@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import platform
+import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -114,13 +115,32 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
+def measured_commit() -> str:
+    """The commit the code under measurement is at (short hash), ``+dirty``
+    when kvref/ or benchmarks/ differ from it; "unknown" outside a checkout.
+    Every figure says which code it measured (issue 28)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    try:
+        rev = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--", "kvref", "kvref_model", "benchmarks")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return rev + ("+dirty" if dirty else "")
+
+
 def write_json(path: str, payload: dict[str, Any]) -> None:
-    """Write a run's raw results (``--json PATH``): `scripts/docs_figures.py` renders them."""
+    """Write a run's raw results (``--json PATH``): `scripts/docs_figures.py`
+    renders them. The run records when, and at which commit, it measured."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     when = datetime.now(UTC).isoformat(timespec="seconds")
-    out.write_text(json.dumps(jsonable({"recorded": when, **payload}), indent=1,
-                              ensure_ascii=False) + "\n")
+    out.write_text(json.dumps(jsonable({"recorded": when, "commit": measured_commit(),
+                                        **payload}), indent=1, ensure_ascii=False) + "\n")
 
 
 R = TypeVar("R")

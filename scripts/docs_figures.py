@@ -71,7 +71,8 @@ def span(values: list[float], digits: int = 2) -> str:
 
 
 def conditions(run: dict[str, Any], command: str) -> str:
-    return (f"Recorded {run.get('recorded', 'at an unrecorded time')} with `{command}` in "
+    return (f"Recorded {run.get('recorded', 'at an unrecorded time')} at commit "
+            f"`{run.get('commit', 'unrecorded')}` with `{command}` in "
             f"{run['seconds']:.0f} s on {run['machine']}; load average "
             f"{run['load_start']:.1f} at the start and {run['load_end']:.1f} at the end.")
 

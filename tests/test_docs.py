@@ -19,6 +19,7 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import json
 import io
 import re
 from pathlib import Path
@@ -135,6 +136,17 @@ def test_performance_figures_are_rendered_from_the_committed_json() -> None:
     assert page.read_text() == figures.render(), (
         "docs/performance/figures.md is not what docs/performance/data/*.json renders to: "
         "run python scripts/docs_figures.py (never edit the page by hand)")
+
+
+def test_every_performance_figure_records_a_clean_commit() -> None:
+    """Each benchmark JSON the figures render from names the commit it measured
+    (`benchmarks.measured_commit`), a clean one: a figure of uncommitted code
+    could not be reproduced (issue 28)."""
+    for path in sorted((DOCS / "performance" / "data").glob("*.json")):
+        commit = json.loads(path.read_text()).get("commit", "")
+        assert re.fullmatch(r"[0-9a-f]{7,40}", commit), (
+            f"{path.name} records commit {commit!r}: rerun its benchmark with --json from "
+            "a committed tree")
 
 
 PLANT_REGISTRIES = (
