@@ -19,8 +19,8 @@ import contextlib
 import functools
 import importlib.util
 import inspect
-import json
 import io
+import json
 import re
 from pathlib import Path
 from types import ModuleType
