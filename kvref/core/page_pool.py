@@ -376,9 +376,10 @@ class PagePool:
 
     def release_table(self, owner: Owner, pages: list[int]) -> int:
         """`release` of a list kvref built from `allocate`, `match` and `share`
-        results (a stream's page table): its items are ints already, so the
-        pass checks only that each is in range and held by `owner`; the
-        refusal and its message are `release`'s."""
+        results (a stream's page table): its items are non-negative ints
+        already, so the pass checks only that each is held by `owner` (a page
+        past the end, or a reserved one, is held by nobody); the refusal and
+        its message are `release`'s."""
         with self._lock:
             return self._drop_table(owner, pages)
 
