@@ -8,7 +8,12 @@ from typing import Any
 import pytest
 
 from kvref import KVManager
-from kvref.core.errors import InvalidArgumentError, StepInFlightError, UnknownRequestError
+from kvref.core.errors import (
+    InvalidArgumentError,
+    KVRefError,
+    StepInFlightError,
+    UnknownRequestError,
+)
 from kvref.testing.page_checks import check_device_pages
 from tests.unit._manager_fixtures import Driver, make_manager
 
@@ -115,3 +120,28 @@ def test_a_stream_a_preplanned_fork_copies_into_is_refused() -> None:
     with pytest.raises(StepInFlightError, match="R57"):
         mgr.cache_prefixes([("a", "main", IDS["a"][:8], 0), ("a", "s1", [], 0)])
     assert mgr.cached_tokens("a") == 0
+
+
+@pytest.mark.parametrize("same_ids", [True, False])
+def test_two_streams_naming_one_shared_page_as_one_call_per_stream(same_ids: bool) -> None:
+    """A fork's streams share their first full page: a batch naming it for
+    both does what a `cache_prefix` per stream does, the same ids keying it
+    once, other ids refused after the first kept its key (S23's register)."""
+    states = []
+    for batched in (False, True):
+        mgr, drv = _mgr()
+        drv.ingest("a")
+        drv.step([("a", "main", 6)], post_forks=[("main", "s1")])
+        s1_ids = IDS["a"][:4] if same_ids else [7] * 4
+        calls = [("a", "main", IDS["a"][:4], 0), ("a", "s1", s1_ids, 0)]
+        try:
+            got: Any = (mgr.cache_prefixes(calls) if batched
+                        else [mgr.cache_prefix(r, lb, ids, start=st) for r, lb, ids, st in calls])
+        except KVRefError as err:  # the same refusal either way
+            got = (type(err).__name__, str(err))
+        states.append((got, _state(mgr)))
+    assert states[0] == states[1]
+    if same_ids:
+        assert states[0][0] == [1, 1]
+    else:
+        assert states[0][0][0] == "PageRegisterError", states[0][0]
