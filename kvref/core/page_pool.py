@@ -631,7 +631,7 @@ class PagePool:
         nxt, prev, head = lru._next, lru._prev, lru._head
         blank: list[int] = []
         tail = last = prev[head]
-        linked = 0
+        kept = 0  # pages others still hold; the rest are freed: blank or linked
         i = 0
         try:
             for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
@@ -645,11 +645,11 @@ class PagePool:
                         nxt[last] = p
                         prev[p] = last
                         last = p
-                        linked += 1
                 elif type(h) is set:
                     h.remove(owner)  # KeyError if `owner` does not hold it, as in `_drop`
                     if len(h) == 1:
                         holders[p] = next(iter(h))
+                    kept += 1
                 else:
                     raise KeyError(p)
         except (KeyError, IndexError):
@@ -659,6 +659,7 @@ class PagePool:
             nxt[tail] = head
             self._check_release(owner, pages)
             raise AssertionError(f"release of {pages!r} failed a check that passed") from None
+        linked = len(pages) - kept - len(blank)  # counted once, not per page
         if linked:
             nxt[last] = head
             prev[head] = last
