@@ -362,7 +362,7 @@ class HostOffload:
             except Exception as err:
                 # all streams or none (R26): the pages go back, the host copies
                 # stay, and a later reload can try again
-                for label, pages in reversed(taken):
+                for label, pages in taken:
                     table.give_back((rid, label), pages)
                 raise ReloadCopyError(
                     f"host-to-device copy failed ({type(err).__name__}: {err}); nothing "
