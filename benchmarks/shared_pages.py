@@ -445,7 +445,7 @@ class Results:
     hit: HitRows
     decode: list[DecodeRow]
     memory: Memory
-    preemption: Preemption
+    preemption: Preemption | None = None  # None: a run recorded before S29's re-attach
 
 
 def run(quick: bool = False) -> Results:
@@ -500,14 +500,15 @@ def tables(r: Results) -> str:
                  f"{m.held_copying} (sharing off)", f"{m.held / m.held_copying:.2f}",
                  f"{m.shared_pages} + {m.requests} × {m.own_pages}"])
     e = r.preemption
-    rows.append([f"the same after {e.preempted} of them are offloaded and reloaded: "
-                 "device pages held", e.held, f"{e.held_copying} (copied back)",
-                 f"{e.held / e.held_copying:.2f}", f"{e.held_before} (as before)"])
-    rows.append(["reloaded pages that privately copy a page the cache holds",
-                 e.private_cached, f"{e.private_cached_copying} (copied back)", "", "0"])
-    rows.append(["reload of one request sharing the prompt, µs", _us(e.reload_us.ours_us),
-                 f"{_us(e.reload_us.theirs_us)} (copied back)", _ratio(e.reload_us.ratio),
-                 "report"])
+    if e is not None:
+        rows.append([f"the same after {e.preempted} of them are offloaded and reloaded: "
+                     "device pages held", e.held, f"{e.held_copying} (copied back)",
+                     f"{e.held / e.held_copying:.2f}", f"{e.held_before} (as before)"])
+        rows.append(["reloaded pages that privately copy a page the cache holds",
+                     e.private_cached, f"{e.private_cached_copying} (copied back)", "", "0"])
+        rows.append(["reload of one request sharing the prompt, µs",
+                     _us(e.reload_us.ours_us), f"{_us(e.reload_us.theirs_us)} (copied back)",
+                     _ratio(e.reload_us.ratio), "report"])
     return md_table(["what", "kvref, sharing", "baseline", "ratio", "target"], rows)
 
 
@@ -530,13 +531,12 @@ def report(r: Results, seconds: float, load: tuple[float, float]) -> str:
         f"{m.shared_pages + m.own_pages}, of which {m.requests} × {m.shared_pages} = "
         f"{m.requests * m.shared_pages} are copies of the prompt.",
         "",
-        f"Preemption: after {r.preemption.preempted} requests are offloaded and reloaded, "
-        f"**{r.preemption.held} pages held** (as before: {r.preemption.held_before}); "
-        f"the reloads took {r.preemption.pages_taken} pages, against "
-        f"{r.preemption.pages_taken_copying} copying every page back "
-        f"({r.preemption.held_copying} held, {r.preemption.private_cached_copying} of them "
-        "private copies of cached pages).",
-        "",
+        *([] if (e := r.preemption) is None else [
+            f"Preemption: after {e.preempted} requests are offloaded and reloaded, "
+            f"**{e.held} pages held** (as before: {e.held_before}); the reloads took "
+            f"{e.pages_taken} pages, against {e.pages_taken_copying} copying every page "
+            f"back ({e.held_copying} held, {e.private_cached_copying} of them private "
+            "copies of cached pages).", ""]),
         f"_Measured in {seconds:.0f} s with `python -m benchmarks.shared_pages"
         f"{' --quick' if r.quick else ''}`; load average {load[0]:.1f} at the start, "
         f"{load[1]:.1f} at the end ({os.cpu_count()} CPUs)._",
