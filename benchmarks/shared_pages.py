@@ -28,6 +28,14 @@ here asserts a time. CPU, one torch thread, the cyclic GC held off.
   each with 100 tokens of its own: the first computes and caches its prompt,
   the 15 others hit. Device pages held, against the same calls on a manager
   with sharing off (checked exactly by tests/test_benchmarks_shared_smoke.py).
+- **Preemption** (S29, issue 28 part 4): the same 16 requests; the last 8 are
+  offloaded to the host, then reloaded. Device pages held after, and the
+  reloaded requests' private copies of pages whose key the cache still holds,
+  with the reload re-attaching what the cache holds against the reload before
+  issue 28 (every page copied back: `HostOffload._reattach` answering nothing,
+  on the baseline manager only). Reload time: one request of the prompt + 100
+  tokens, offloaded (untimed) and reloaded (timed), on the fork's realistic
+  cache (512 KiB a page), the two managers alternately.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ FORK_TOKENS = (2048, 2057)  # whole pages, and a partial last page
 FORK_CACHE = {"layers": 8, "kv_heads": 8, "head_dim": 128}  # bf16: 512 KiB a page
 DECODE_BATCHES = (16, 256)
 MEMORY_REQUESTS, MEMORY_SHARED, MEMORY_OWN = 16, 1024, 100
+PREEMPTED = 8  # of the memory benchmark's requests, the last ones
 
 
 def pages_for(tokens: int) -> int:
@@ -58,11 +67,13 @@ def pages_for(tokens: int) -> int:
 
 
 def manager(sharing: bool, pages: int, *, layers: int = 1, kv_heads: int = 1,
-            head_dim: int = 8, dtype: torch.dtype = torch.float32) -> KVManager:
+            head_dim: int = 8, dtype: torch.dtype = torch.float32,
+            host_pages: int = 0) -> KVManager:
     """A CPU manager of ``pages`` usable pages (+ the sink), sharing on or off."""
     cfg = KVConfig(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                    max_seq_len=1 << 20, max_num_pages=pages + 1, page_size=PAGE_SIZE,
-                   num_qo_heads=kv_heads, enable_prefix_caching=sharing)
+                   num_qo_heads=kv_heads, enable_prefix_caching=sharing,
+                   cpu_offload_pages=host_pages)
     return KVManager(cfg, "kv", None, None, "cpu", dtype=dtype)
 
 
@@ -320,6 +331,109 @@ def bench_memory(requests: int = MEMORY_REQUESTS, shared_tokens: int = MEMORY_SH
                   _held(mgr), _held(out[False][0]), heads)
 
 
+# -- preemption: offload and reload (S29) ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Preemption:
+    requests: int
+    preempted: int
+    held_before: int  # device pages held before the offloads
+    held: int  # after offload + reload, the reload re-attaching
+    held_copying: int  # the same, every page copied back (the reload before issue 28)
+    private_cached: int  # reloaded pages that copy a page the cache holds, re-attaching
+    private_cached_copying: int  # the same, copying back
+    pages_taken: int  # reload_outcome's pages_taken over the preempted requests
+    pages_taken_copying: int
+    reload_us: Pair  # one request's reload: re-attaching / copying back
+
+
+def copying_back(mgr: KVManager) -> KVManager:
+    """``mgr`` with the reload before issue 28: nothing re-attached (the baseline)."""
+    offload = mgr._host_offload
+    assert offload is not None
+    offload._reattach = lambda rid, labels: {}  # type: ignore[method-assign]
+    return mgr
+
+
+def _private_cached(mgr: KVManager, rid: str, keys: list[bytes | None]) -> int:
+    """Pages of ``rid`` whose key, as it went to the host, the cache holds now
+    in another page: a private copy the reload made of a cached page."""
+    pages = mgr._streams[rid]["main"].page_indices
+    return sum(1 for p, k in zip(pages, keys, strict=False)
+               if k is not None and mgr._pages.cached_page(k) not in (None, p))
+
+
+def _prompts(requests: int, shared_tokens: int, own_tokens: int) -> dict[str, list[int]]:
+    rng = random.Random(4)
+    system = token_ids(rng, shared_tokens)
+    return {f"r{i}": system + token_ids(rng, own_tokens) for i in range(requests)}
+
+
+def _prefilled(mgr: KVManager, prompts: dict[str, list[int]]) -> None:
+    for rid, tokens in prompts.items():
+        mgr.ingest_request(rid, KVReqConfig(cache_salt=SALT))
+        hit = mgr.match_prefix(rid, "main", tokens)
+        run_step(mgr, prompt_step(rid, len(tokens) - hit), StepContext())
+        mgr.cache_prefix(rid, "main", tokens)
+
+
+def bench_preemption(reps: int, requests: int = MEMORY_REQUESTS,
+                     shared_tokens: int = MEMORY_SHARED, own_tokens: int = MEMORY_OWN,
+                     preempted: int = PREEMPTED) -> Preemption:
+    prompts = _prompts(requests, shared_tokens, own_tokens)
+    per = pages_for(shared_tokens + own_tokens)
+    victims = list(prompts)[-preempted:]
+    figures: list[tuple[int, int, int, int]] = []
+    for reattach in (True, False):
+        # room for every request's own copy: the baseline needs it
+        mgr = manager(True, requests * per + preempted * per, host_pages=preempted * per)
+        if not reattach:
+            copying_back(mgr)
+        _prefilled(mgr, prompts)
+        before = _held(mgr)
+        keys = {rid: [mgr._pages.key_of(p) for p in mgr._streams[rid]["main"].page_indices]
+                for rid in victims}
+        for rid in victims:
+            assert mgr.offload_outcome(rid).reason is None
+        taken = 0
+        for rid in victims:
+            out = mgr.reload_outcome(rid)
+            assert out.reason is None, out
+            taken += out.pages_taken
+        private = sum(_private_cached(mgr, rid, keys[rid]) for rid in victims)
+        figures.append((before, _held(mgr), private, taken))
+    # the reload's time, on a realistic cache: r0 keeps the prompt, r1 goes and comes
+    two = dict(list(prompts.items())[:2])
+    sides = []
+    for reattach in (True, False):
+        mgr = manager(True, 4 * per, layers=FORK_CACHE["layers"],
+                      kv_heads=FORK_CACHE["kv_heads"], head_dim=FORK_CACHE["head_dim"],
+                      dtype=torch.bfloat16, host_pages=per)
+        if not reattach:
+            copying_back(mgr)
+        _prefilled(mgr, two)
+        sides.append(mgr)
+
+    def reload(mgr: KVManager) -> Callable[[], None]:
+        def go() -> None:
+            assert mgr.reload_outcome("r1").reason is None
+        return go
+
+    def offload(mgr: KVManager) -> Callable[[], None]:
+        def go() -> None:
+            assert mgr.offload_outcome("r1").reason is None
+        return go
+
+    for mgr in sides:  # the first offload, untimed
+        offload(mgr)()
+    p = pair(reload(sides[0]), reload(sides[1]), reps,
+             undo=(offload(sides[0]), offload(sides[1])))
+    (before, held, private, taken), (_, held_c, private_c, taken_c) = figures
+    return Preemption(requests, preempted, before, held, held_c, private, private_c, taken,
+                      taken_c, p)
+
+
 # -- the report -------------------------------------------------------------------------
 
 
@@ -331,6 +445,7 @@ class Results:
     hit: HitRows
     decode: list[DecodeRow]
     memory: Memory
+    preemption: Preemption | None = None  # None: a run recorded before S29's re-attach
 
 
 def run(quick: bool = False) -> Results:
@@ -339,7 +454,8 @@ def run(quick: bool = False) -> Results:
     hit = bench_hit(20 if quick else 1000)
     steps = 20 if quick else 500
     decode = [bench_decode(b, steps if b < 256 else steps * 2 // 5) for b in DECODE_BATCHES]
-    return Results(quick, reps, forks, hit, decode, bench_memory())
+    return Results(quick, reps, forks, hit, decode, bench_memory(),
+                   bench_preemption(5 if quick else 50))
 
 
 def _us(s: Spread) -> str:
@@ -383,6 +499,16 @@ def tables(r: Results) -> str:
                  f"{m.own_tokens} own): device pages held", m.held,
                  f"{m.held_copying} (sharing off)", f"{m.held / m.held_copying:.2f}",
                  f"{m.shared_pages} + {m.requests} × {m.own_pages}"])
+    e = r.preemption
+    if e is not None:
+        rows.append([f"the same after {e.preempted} of them are offloaded and reloaded: "
+                     "device pages held", e.held, f"{e.held_copying} (copied back)",
+                     f"{e.held / e.held_copying:.2f}", f"{e.held_before} (as before)"])
+        rows.append(["reloaded pages that privately copy a page the cache holds",
+                     e.private_cached, f"{e.private_cached_copying} (copied back)", "", "0"])
+        rows.append(["reload of one request sharing the prompt, µs",
+                     _us(e.reload_us.ours_us), f"{_us(e.reload_us.theirs_us)} (copied back)",
+                     _ratio(e.reload_us.ratio), "report"])
     return md_table(["what", "kvref, sharing", "baseline", "ratio", "target"], rows)
 
 
@@ -405,6 +531,12 @@ def report(r: Results, seconds: float, load: tuple[float, float]) -> str:
         f"{m.shared_pages + m.own_pages}, of which {m.requests} × {m.shared_pages} = "
         f"{m.requests * m.shared_pages} are copies of the prompt.",
         "",
+        *([] if (e := r.preemption) is None else [
+            f"Preemption: after {e.preempted} requests are offloaded and reloaded, "
+            f"**{e.held} pages held** (as before: {e.held_before}); the reloads took "
+            f"{e.pages_taken} pages, against {e.pages_taken_copying} copying every page "
+            f"back ({e.held_copying} held, {e.private_cached_copying} of them private "
+            "copies of cached pages).", ""]),
         f"_Measured in {seconds:.0f} s with `python -m benchmarks.shared_pages"
         f"{' --quick' if r.quick else ''}`; load average {load[0]:.1f} at the start, "
         f"{load[1]:.1f} at the end ({os.cpu_count()} CPUs)._",

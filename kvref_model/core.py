@@ -126,6 +126,11 @@ class Stream:
     # (the sink is never a stream's, so 0 names no page); an offloaded stream
     # keeps only its released slots. () in an abstract read-back (`project`)
     table: tuple[int, ...] = ()
+    # offloaded (sharing): the full-page slots whose page was keyed when the
+    # offload committed. The host copy remembers those keys (each is the
+    # chain of its tokens, so the slot says which); a reload re-attaches the
+    # ones still cached (S29). () otherwise
+    keyed: tuple[int, ...] = ()
 
 
 NO_STREAM = Stream()  # a stream not there yet (frozen: one value serves every lookup)
@@ -225,7 +230,7 @@ def project(s: State) -> State:
     """The state as the page-counting lifecycle model states it: page ids
     and the pool left out (what `kvref.testing`'s abstract read-back of kvref
     gives, and what the features-off equivalence test compares)."""
-    return replace(s, pool=None, streams=tuple((k, replace(v, table=()))
+    return replace(s, pool=None, streams=tuple((k, replace(v, table=(), keyed=()))
                                                for k, v in s.streams))
 
 
@@ -588,6 +593,13 @@ class Model:
     S21_reset_keeps_only_private = True
     S24_match_needs_empty_stream = True
     S26_reclaim_counts_last_reference = True
+    # S29: a reload shares again each page whose remembered key the cache still
+    # holds, rather than copying it back private (issue 28, part 4); off: every
+    # page is copied back, as before. S29k: the page looked up is the one under
+    # the slot's chained key (off: under its own tokens' key alone, the chain
+    # dropped: a page of other tokens before it can be attached)
+    S29_reload_reattaches = True
+    S29k_reattach_by_chained_key = True
     S30_received_never_cached = True  # R55: a peer's KV, or a fork of it
     # retention (specs/retention.md), acting on the labels Scope.windows names
     W2_retire_whole_pages_only = True
@@ -1219,12 +1231,14 @@ class Model:
         for label, _ in off.claimed:
             k = (a.rid, label)
             if label in off.copied:
+                # the host copy remembers which full pages were keyed (S29)
+                keyed = self._keyed(pool, st[k])
                 # only the pages whose last holder it was come free (R53); the
                 # released slots stay, so a reload takes retained ones only (W8)
                 n, pool = self._release(pool, k, st[k].table)
                 freed += n
                 st[k] = replace(self.tab(st[k], (0,) * self.released(st[k])),
-                                offload=OFFLOADED)
+                                offload=OFFLOADED, keyed=keyed)
             elif k in st:
                 st[k] = replace(st[k], offload=RESIDENT)
         return Freed(freed), self._next(
@@ -1243,23 +1257,93 @@ class Model:
             s, streams=_sorted(st), host=tuple(h for h in s.host if h[0] not in dropped),
             offloads=tuple(o for o in s.offloads if o[0] != a.rid))
 
+    def _keyed(self, pool: pool_model.State, v: Stream) -> tuple[int, ...]:
+        """The slots of ``v``'s full pages that are keyed: what its host copy
+        remembers (S29). () without sharing."""
+        if not self.scope.sharing:
+            return ()
+        full = min(v.stored_len // self.scope.page_size, len(v.table))
+        return tuple(i for i in range(full)
+                     if v.table[i] and pool.pages[v.table[i] - 1].key is not None)
+
+    def _reattach(self, s: State, rid: int) -> dict[Key, dict[int, int]]:
+        """Each offloaded stream of ``rid``: its slots whose remembered key the
+        cache holds now, and the page under it (S29)."""
+        pool = s.pool
+        if not self.S29_reload_reattaches or not s.host or pool is None or not any(
+                v.keyed for _, v in s.streams):
+            return {}
+        index = pool.index()
+        st, ps = s.stream_map(), self.scope.page_size
+        out: dict[Key, dict[int, int]] = {}
+        for k, c in s.host:
+            v = st.get(k)
+            if k[0] != rid or v is None or not v.keyed:
+                continue
+            hits, parent = {}, None
+            for i in range(max(v.keyed) + 1):
+                toks = c[i * ps:(i + 1) * ps]
+                key = self.pool.key_of(parent if self.S29k_reattach_by_chained_key else None,
+                                       toks, self.extras(rid))
+                parent = self.pool.key_of(parent, toks, self.extras(rid))
+                if i in v.keyed and key in index:
+                    hits[i] = index[key]
+            if hits:
+                out[k] = hits
+        return out
+
+    def reload_need(self, s: State, rid: int) -> int:
+        """The free pages a reload of ``rid`` takes now (R46): a fresh page per
+        retained slot it does not re-attach, and each free-cached page it
+        re-attaches (once, though two of its streams name it); a page another
+        stream holds costs nothing (S29)."""
+        st = s.stream_map()
+        hits = self._reattach(s, rid)
+        fresh = sum(self.host_need(st.get(k), len(c)) - len(hits.get(k, {}))
+                    for k, c in s.host if k[0] == rid)
+        pool = s.pool
+        cached = {p for h in hits.values() for p in h.values()
+                  if pool is not None and not pool.pages[p - 1].holders}
+        return fresh + len(cached)
+
+    def _attach(self, pool: pool_model.State, k: Key, pages: tuple[int, ...]
+                ) -> pool_model.State:
+        """k takes a reference on each cached page of ``pages`` (by key, as a
+        hit: a free-cached one leaves the LRU in the same section, S5)."""
+        h = self.holder(k)
+        got = list(pool.pages)
+        for p in pages:
+            got[p - 1] = replace(got[p - 1], holders=got[p - 1].holders | {h})
+        return pool_model.State(tuple(got), tuple(p for p in pool.lru if p not in pages),
+                                pool.blank, pool.tables, pool.order)
+
     def do_Reload(self, s: State, a: Reload) -> tuple[Result, State]:
         if self.R6_no_reload_mid_offload and s.offload_of(a.rid) is not None:
             return Flag(False), s
         copies = {k: c for k, c in s.host if k[0] == a.rid}
         st, pool = s.stream_map(), s.pool
         assert pool is not None
-        needed = sum(self.host_need(st.get(k), len(c)) for k, c in copies.items())
-        if not copies or needed > s.free:
+        if not copies or self.reload_need(s, a.rid) > s.free:
             return Flag(False), s  # nothing moves
         if a.copy_error:  # all streams or none: the pages taken go back (R26)
             return Fault("ReloadCopyError"), s
-        for k, c in copies.items():  # in label order (S29)
+        hits = self._reattach(s, a.rid)
+        # first every stream shares its pages the cache still holds, then each
+        # takes fresh ones for the rest: a fresh page never evicts a page the
+        # reload re-attaches (S29)
+        for k in copies:  # in label order (S29)
+            if k in hits:
+                pool = self._attach(pool, k, tuple(hits[k].values()))
+        for k, c in copies.items():
             v = st.get(k, NO_STREAM)
             z = self.released(v) if self.W8_reload_only_retained else 0
-            got, pool = self._alloc(pool, k, self.need(len(c)) - z)
-            st[k] = replace(self.tab(v, (0,) * z + got), stored_len=len(c), contents=c,
-                            offload=RESIDENT)
+            mine = hits.get(k, {})
+            got, pool = self._alloc(pool, k, self.need(len(c)) - z - len(mine))
+            fresh = iter(got)
+            table = (0,) * z + tuple(mine[i] if i in mine else next(fresh)
+                                     for i in range(z, self.need(len(c))))
+            st[k] = replace(self.tab(v, table), stored_len=len(c), contents=c,
+                            offload=RESIDENT, keyed=())
         return Flag(True), self._next(s, st, pool,
                                       host=tuple(h for h in s.host if h[0] not in copies))
 

@@ -492,6 +492,31 @@ def i26(m: Model, s: State) -> Msg:
     return None
 
 
+def i27(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    """S29: a reload shares again each full page whose key its host copy
+    remembers and the cache held before the call (the very cached page, at
+    its slot), and every other page it takes is fresh and private: after
+    preemption by offload, no private copy of a page whose key is cached."""
+    if not isinstance(a, Reload) or r != Flag(True) or s.pool is None or n.pool is None:
+        return None
+    index, st, after, ps = s.pool.index(), s.stream_map(), n.stream_map(), m.scope.page_size
+    for k, c in s.host:
+        if k[0] != a.rid or k not in after:
+            continue
+        v, w = st[k], after[k]
+        keys, parent = {}, None
+        for i in range(len(c) // ps):
+            parent = keys[i] = m.pool.key_of(parent, c[i * ps:(i + 1) * ps], m.extras(k[0]))
+        for i in range(m.released(v), len(w.table)):
+            p = w.table[i]
+            want = index.get(keys[i]) if i in v.keyed and i in keys else None
+            if want is not None and p != want:
+                return f"{k} slot {i}: reloaded into page {p}, the cache holds its key in {want}"
+            if want is None and p and not m.private(n.pool, k, p):
+                return f"{k} slot {i}: reloaded into page {p}, shared or keyed, not its own"
+    return None
+
+
 STATE: dict[str, StatePred] = {
     "I1": i1, "I2": i2, "I3": i3, "I4": i4, "I5": i5, "I6": i6, "I7": i7,
     "I8": i8_state, "I12": i12, "I13": i13, "I18": i18_state,
@@ -499,15 +524,17 @@ STATE: dict[str, StatePred] = {
 }
 TRANSITION: dict[str, StepPred] = {
     "I8": i8, "I9": i9, "I10": i10, "I11": i11, "I14": i14, "I15": i15, "I17": i17,
-    "I18": i18, "I19": i19, "I21": i21, "I22": i22,
+    "I18": i18, "I19": i19, "I21": i21, "I22": i22, "I27": i27,
 }
 # I16 (tp-symmetry) is not a property of one manager: the model is
 # deterministic, so every rank replaying one trace has one free count.
 # tests/distributed checks it on real ranks.
 NOT_IN_MODEL = {"I16": "checked by the distributed test only (the model is one rank)"}
-INVARIANT_IDS = (*(f"I{i}" for i in range(1, 20)), "I21", "I22", "I23", "I24", "I25", "I26")
+INVARIANT_IDS = (*(f"I{i}" for i in range(1, 20)), "I21", "I22", "I23", "I24", "I25", "I26",
+                 "I27")
 # the invariants a scope setting gives content to: without it they hold vacuously
-FEATURE: dict[str, str] = {"I24": "sharing", "I25": "sharing", "I26": "windows"}
+FEATURE: dict[str, str] = {"I24": "sharing", "I25": "sharing", "I26": "windows",
+                           "I27": "sharing"}
 
 
 def applies(i: str, scope: object) -> bool:
@@ -591,6 +618,11 @@ INTERESTING: dict[str, tuple[str, Callable[[Model, State, Action, Result, State]
     "I25": _i("a copy-on-write at plan (a shared or keyed page swapped for a spare)",
               lambda m, s, a, r, n: isinstance(a, Plan) and isinstance(r, Ok)
               and n.pool is not None and n.free == s.free and n.pool != s.pool),
+    "I27": _i("a reload re-attached a page the cache still held",
+              lambda m, s, a, r, n: isinstance(a, Reload) and r == Flag(True)
+              and n.pool is not None and any(
+                  p and not m.private(n.pool, k, p) for k, v in n.streams
+                  if k[0] == a.rid and k in dict(s.host) for p in v.table)),
     "I26": _i("a commit released pages before the window",
               lambda m, s, a, r, n: isinstance(a, Commit) and isinstance(r, Ok | Fault)
               and n.free > s.free),
@@ -609,10 +641,11 @@ INTERESTING: dict[str, tuple[str, Callable[[Model, State, Action, Result, State]
 ON_ACTIONS: dict[str, tuple[type, ...]] = {
     "I8": (Write, Read, Plan, Commit), "I9": (ClearPreplan,), "I14": (OffloadCommit,),
     "I15": (Commit,), "I19": (RetrieveStart, RetrieveComplete), "I21": (Plan, Admit),
+    "I27": (Reload,),
 }
 # the result types it can fail on
 ON_RESULTS: dict[str, tuple[type, ...]] = {
-    "I10": (Refused, Misuse), "I14": (Freed,), "I17": (Fault,),
+    "I10": (Refused, Misuse), "I14": (Freed,), "I17": (Fault,), "I27": (Flag,),
 }
 
 
@@ -664,12 +697,13 @@ INTERESTING_ON: dict[str, tuple[type, ...]] = {
     "I14": (OffloadCommit,), "I15": (Commit,), "I17": (Plan, Commit),
     "I18": (OffloadClaim, Reset, Remove), "I19": (RetrieveStart,), "I21": (Plan,),
     "I23": (OffloadCommit,), "I24": (MatchPrefix,), "I25": (Plan,), "I26": (Commit,),
+    "I27": (Reload,),
 }
 # the result types it can hold on
 INTERESTING_RESULTS: dict[str, tuple[type, ...]] = {
     "I1": (Freed,), "I6": (Flag,), "I7": (Flag,), "I10": (Refused,), "I11": (Refused,),
     "I14": (Freed,), "I17": (Fault,), "I19": (Latched,), "I22": (Refused,),
-    "I23": (Freed,), "I24": (Count,), "I25": (Ok,), "I26": (Ok, Fault),
+    "I23": (Freed,), "I24": (Count,), "I25": (Ok,), "I26": (Ok, Fault), "I27": (Flag,),
 }
 # on a transition whose next state is the very object it left, the cases
 # whose truth is that state's alone: I2 looks only at the next state's pages

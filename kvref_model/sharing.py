@@ -105,6 +105,9 @@ class Stream:
     chain: tuple[Key, ...] = ()  # keys of its first k full pages (registered or hit)
     offloaded: bool = False  # its tokens are on the host; it holds no page
     space: int | None = None  # the label whose KV it holds (a fork's source's); None: own
+    # offloaded: the key each of its full pages had as it went (None: not
+    # keyed); reload shares again the pages the cache holds under them (S29)
+    host_keys: tuple[Key | None, ...] = ()
 
     @property
     def n(self) -> int:
@@ -593,13 +596,16 @@ class SharingModel:
         if not claim:
             return Refused("NOTHING_ON_DEVICE"), s
         pool, streams, freed = s.pool, list(s.streams), 0
+        ps = self.scope.page_size
         for h in claim:  # the host copy holds the tokens; the pages go (R53)
+            st = streams[h]
+            assert st is not None
+            keys = tuple(pool.page(p).key for p in s.table(h)[:st.n // ps])
             n, pool = self._release(pool, h, s.table(h)[::-1])
             freed += n
             pool = self._with_table(pool, h, ())
-            st = streams[h]
-            assert st is not None
-            streams[h] = replace(st, chain=(), offloaded=True)
+            streams[h] = replace(st, chain=(), offloaded=True, host_keys=keys if any(
+                k is not None for k in keys) else ())
         return Count(freed), self._settle(pool, tuple(streams), list(s.slots))
 
     def _Reload(self, s: State, a: Reload) -> tuple[Result, State]:
@@ -610,24 +616,42 @@ class SharingModel:
         if not back:
             return Refused("NOTHING_ON_HOST"), s
         ps = self.scope.page_size
-        need = sum(_ceil(st.n, ps) for h in back if (st := s.streams[h]) is not None)
+        index = {pg.key: p for p, pg in enumerate(s.pool.pages, 1) if pg.key is not None}
+        # S29: the pages the cache still holds under a remembered key are
+        # shared again; a free-cached one costs a free page (once), a held one
+        # nothing
+        hits = {h: {i: index[k] for i, k in enumerate(st.host_keys) if k in index}
+                for h in back if (st := s.streams[h]) is not None}
+        cached = {p for hs in hits.values() for p in hs.values() if not s.pool.page(p).holders}
+        need = len(cached) + sum(_ceil(st.n, ps) - len(hits[h])
+                                 for h in back if (st := s.streams[h]) is not None)
         free = self.num_free(s)
         if need > free:
             return AllocationFailed(need - free), s
         pool, streams, slots = s.pool, list(s.streams), list(s.slots)
-        for h in back:  # into fresh pages, private and unregistered
+        for h in back:  # first every stream shares again, as a hit (S5)
+            pages_h = list(pool.pages)
+            for p in hits[h].values():
+                pages_h[p - 1] = replace(pages_h[p - 1], holders=pages_h[p - 1].holders | {h})
+            pool = replace(pool, pages=tuple(pages_h),
+                           lru=tuple(p for p in pool.lru if p not in hits[h].values()))
+        for h in back:  # then the rest into fresh pages, private and unregistered
             st = streams[h]
             assert st is not None
-            got: tuple[int, ...] = ()
-            if st.n:
-                r, pool = self._pool(pool, pages.Allocate(h, _ceil(st.n, ps)))
+            fresh: tuple[int, ...] = ()
+            if _ceil(st.n, ps) - len(hits[h]):
+                r, pool = self._pool(pool, pages.Allocate(h, _ceil(st.n, ps) - len(hits[h])))
                 assert isinstance(r, pages.Pages)
-                got = r.pages
+                fresh = r.pages
+            it = iter(fresh)
+            got = tuple(hits[h][i] if i in hits[h] else next(it) for i in range(_ceil(st.n, ps)))
             for k, t in enumerate(st.tokens):
+                if k // ps in hits[h]:
+                    continue  # the cache's bytes: its key names these tokens
                 p = got[k // ps]
                 slots[p - 1] = (*slots[p - 1][:k % ps], t, *slots[p - 1][k % ps + 1:])
             pool = self._with_table(pool, h, got)
-            streams[h] = replace(st, offloaded=False)
+            streams[h] = replace(st, offloaded=False, host_keys=())
         return Count(need), self._settle(pool, tuple(streams), slots)
 
 

@@ -169,7 +169,8 @@ class Canon:
 
             streams = [(-1,) if st is None else
                        (*tok(st.tokens), -2, len(st.chain), -2, len(pool.tables[h]),
-                        -3 if st.offloaded else -4, -5 if st.space is None else st.space)
+                        -3 if st.offloaded else -4, -5 if st.space is None else st.space,
+                        -6, *(i for i, k in enumerate(st.host_keys) if k is not None))
                        for h, st in enumerate(s.streams)]
             heads += [(tuple(streams[h] for h in perm), rename, perm) for perm in self.perms]
         least = min(h[0] for h in heads)

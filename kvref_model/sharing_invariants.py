@@ -27,6 +27,7 @@ from kvref_model.sharing import (
     Misuse,
     Ok,
     Reclaimable,
+    Reload,
     Remove,
     Reset,
     ResetPrefixCache,
@@ -195,8 +196,13 @@ def transition_violations(m: SharingModel, s: State, a: object, r: object,
             out += _write_checks(m, s, hd, {dst[full]}, n, "fork's copy")
     if not isinstance(a, MatchPrefix):  # a hit takes cached pages by key, not allocation
         held = {p for p, pg in enumerate(n.pool.pages, 1) if pg.holders}
-        taken = [p for p in (*s.pool.blank, *s.pool.lru) if p in held]
-        first = (*s.pool.blank, *s.pool.lru)[:len(taken)]
+        # a reload shares again, by key, cached pages that keep their key (S29):
+        # not an allocation
+        again = {p for p in s.pool.lru if p in held and n.pool.page(p).key is not None
+                 and n.pool.page(p).key == s.pool.page(p).key} if isinstance(a, Reload) else set()
+        order = tuple(p for p in (*s.pool.blank, *s.pool.lru) if p not in again)
+        taken = [p for p in order if p in held]
+        first = order[:len(taken)]
         if sorted(taken) != sorted(first):
             out.append(("Q9", f"{type(a).__name__} took free pages {taken}, the free "
                               f"order says {first}"))
@@ -322,6 +328,19 @@ def _reclaim_shared(m: SharingModel, s: State, a: object, r: object, n: State) -
 
 
 # the interesting case of each mechanism: the checker reports how often it arose
+def _again(kind: str) -> Pred:
+    """A reload that shares again (S29) a page that was free-cached, or held
+    by another request, before it."""
+    def pred(m: SharingModel, s: State, a: object, r: object, n: State) -> bool:
+        if not isinstance(a, Reload) or not isinstance(r, Count) or n is s:
+            return False
+        mine = {p for h in m.holders_of(a.rid) for p in n.table(h)}
+        was = (set(s.pool.lru) if kind == "cached" else
+               {p for p, pg in enumerate(s.pool.pages, 1) if pg.holders})
+        return bool(mine & was)
+    return pred
+
+
 INTERESTING: dict[str, Pred] = {
     "append copies a shared page (copy-on-write)": _cow_of("shared"),
     "append copies a registered page it holds alone": _cow_of("registered"),
@@ -362,13 +381,15 @@ INTERESTING: dict[str, Pred] = {
         a, ResetPrefixCache) and isinstance(r, Count) and r.n > 0,
     "remove leaves a cached prefix": lambda m, s, a, r, n: isinstance(a, Remove)
         and n is not s and len(n.pool.lru) > len(s.pool.lru),
+    "reload shares again a free-cached page": _again("cached"),
+    "reload shares again a page another request holds": _again("held"),
 }
 
 # the action each interesting case is about (the checker asks only its predicates)
 _ABOUT = {"append": Append, "fork": Fork, "truncate": Truncate, "reset": Reset,
           "cache_prefix": CachePrefix, "hit": MatchPrefix, "match": MatchPrefix,
           "reclaimable": Reclaimable, "reset_prefix_cache": ResetPrefixCache,
-          "remove": Remove}
+          "remove": Remove, "reload": Reload}
 CASE_ACTION: dict[str, type] = {name: _ABOUT[name.split()[0].rstrip(":")]
                                 for name in INTERESTING}
 

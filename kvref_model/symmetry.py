@@ -38,7 +38,8 @@ Symmetry = tuple[Perm, Perm]  # (request permutation, label permutation)
 # the fields the renaming below handles, per class
 KNOWN_FIELDS: dict[type, tuple[str, ...]] = {
     State: ("free", "streams", "host", "current", "staged", "offloads", "leases", "pool"),
-    Stream: ("pages", "stored_len", "contents", "in_flight", "offload", "retrieve", "table"),
+    Stream: ("pages", "stored_len", "contents", "in_flight", "offload", "retrieve", "table",
+             "keyed"),
     Pending: ("step", "phase", "marks", "undo", "fresh", "forked", "basis"),
     Step: ("segments", "pre_forks", "post_forks", "padded", "commit"),
     Seg: ("rid", "label", "span"),
@@ -160,7 +161,7 @@ def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
         names, pool = _pages(s, order, rp, n_labels)
         streams: tuple[Any, ...] = tuple(sorted([
             ((rp[r], lb), v.stored_len, v.contents, v.in_flight, v.offload, v.retrieve,
-             tuple([names[p] for p in v.table])) for (r, lb), v in s.streams]))
+             tuple([names[p] for p in v.table]), v.keyed) for (r, lb), v in s.streams]))
         offloads: tuple[Any, ...] = tuple(sorted([
             (rp[r], tuple(sorted(o.claimed)), tuple(sorted(o.copied)), o.touched)
             for r, o in s.offloads]))
@@ -169,7 +170,7 @@ def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
     if same_labels:
         streams = tuple(sorted([
             ((rp[r], lb), v.pages, v.stored_len, v.contents, v.in_flight, v.offload,
-             v.retrieve) for (r, lb), v in s.streams]))
+             v.retrieve, v.keyed) for (r, lb), v in s.streams]))
         offloads = tuple(sorted([
             (rp[r], tuple(sorted(o.claimed)), tuple(sorted(o.copied)), o.touched)
             for r, o in s.offloads]))
@@ -177,7 +178,7 @@ def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
                 cur, staged, offloads, tuple(sorted([rp[r] for r in s.leases])))
     streams = tuple(sorted([
         ((rp[r], lp[lb]), v.pages, v.stored_len, tuple([tm[t] for t in v.contents]),
-         v.in_flight, v.offload, v.retrieve) for (r, lb), v in s.streams]))
+         v.in_flight, v.offload, v.retrieve, v.keyed) for (r, lb), v in s.streams]))
     host = tuple(sorted([((rp[r], lp[lb]), tuple([tm[t] for t in c]))
                          for (r, lb), c in s.host]))
     offloads = tuple(sorted([

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import re
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,7 +45,11 @@ def rebuild(cls: type[T], data: dict[str, Any]) -> T:
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name not in data and f.default is not dataclasses.MISSING:
+            continue  # a row added since the JSON was recorded: its default
         kind, value = hints[f.name], data[f.name]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType) and value is not None:
+            kind = next(k for k in typing.get_args(kind) if k is not type(None))
         if dataclasses.is_dataclass(kind) and isinstance(kind, type):
             value = rebuild(kind, value)
         elif typing.get_origin(kind) is tuple:

@@ -83,3 +83,20 @@ def test_requests_sharing_a_prompt_hold_its_pages_once(
     assert m["heads_shared"] is True
     assert m["held"] == 64 + 16 * 7
     assert m["held_copying"] == 16 * (64 + 7)
+
+
+def test_preemption_keeps_the_prompt_shared(quick_run: tuple[str, dict[str, Any]]) -> None:
+    text, data = quick_run
+    e = data["results"]["preemption"]
+    assert "after 8 of them are offloaded and reloaded: device pages held" in text
+    # S29: the reload re-attaches every keyed page the cache still holds (the
+    # prompt, held by the others, and each request's own full pages, free but
+    # cached): only the part page is taken fresh
+    assert (e["held_before"], e["held"]) == (64 + 16 * 7, 64 + 16 * 7)
+    assert e["private_cached"] == 0 and e["pages_taken"] == 8 * 7
+    # copied back, each reloaded request holds its own copy of the prompt, and of
+    # its own 6 full pages still in the cache
+    assert e["held_copying"] == 64 + 16 * 7 + 8 * 64
+    assert e["private_cached_copying"] == 8 * 70 and e["pages_taken_copying"] == 8 * 71
+    for side in ("ours_us", "theirs_us", "ratio"):
+        check_spread(e["reload_us"][side])

@@ -364,6 +364,33 @@ class PagePool:
                 else:
                     holders[p] = {h, owner}
 
+    def cached_page(self, key: PageKey) -> int | None:
+        """The page registered under ``key`` now, held or free-cached; None if
+        no page is (never registered, or evicted since)."""
+        with self._lock:
+            return self._index.get(key)
+
+    def attach(self, owner: Owner, pages: Sequence[int]) -> None:
+        """`owner` takes a reference on registered pages by key, held or
+        free-cached (a free-cached one leaves the LRU in the same critical
+        section, S5): a reload sharing again the pages whose keys its host
+        copy remembers (S29). Refused whole, changing nothing
+        (`PageRefError`), if a page is unregistered, listed twice or held by
+        `owner` already."""
+        self._check_owner(owner)
+        pages = list(pages)
+        with self._lock:
+            self._check_distinct(pages, PageRefError, "attach")
+            for p in pages:
+                if self._key[p] is None:
+                    raise PageRefError(f"attach of page {p}: it is not in the prefix cache")
+                if owner in self._holders[p]:
+                    raise PageRefError(f"attach of page {p}: {owner!r} holds it already")
+            for p in pages:
+                if not self._holders[p]:
+                    self._touch(p)
+                self._holders[p].add(owner)
+
     def release(self, owner: Owner, pages: Sequence[int]) -> int:
         """`owner` drops its reference on each page; returns how many became
         free.  A registered page becomes free-cached at the LRU's tail in the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -14,16 +15,22 @@ from kvref.core.cache import KVCache, copy_page_blocks, page_runs
 from kvref.core.runtime import Runtime, default_runtime, fault_hook, shared
 from kvref.observation import HostCopyObservation, HostPoolObservation
 from kvref.offload.outcomes import HostPoolView
+from kvref.prefix.keys import PageKey
 
 
 @dataclass(frozen=True)
 class HostCopy:
-    """One stream's pages on the host, and the lengths they were copied at."""
+    """One stream's pages on the host, and the lengths they were copied at.
+
+    ``keys``: per host page, the prefix-cache key its device page had when the
+    offload committed (None: not keyed); a reload shares again the pages the
+    cache still holds under them instead of copying them back (S29)."""
 
     pages: list[int]
     stored_len: int
     position: int
     released: int
+    keys: tuple[PageKey | None, ...] = ()
 
 
 class CPUPagePool:
@@ -160,6 +167,12 @@ class CPUPagePool:
                 pages=host_pages, stored_len=stored_len, position=position, released=released
             )
 
+    def remember_keys(self, rid: str, label: str, keys: tuple[PageKey | None, ...]) -> None:
+        """Record the keys the copy's device pages had as its offload commits."""
+        with self._lock:
+            copy = self._copies[rid][label]
+            self._copies[rid][label] = dataclasses.replace(copy, keys=keys)
+
     def release(self, host_pages: list[int]) -> None:
         """Return reserved pages that were never recorded."""
         if host_pages:
@@ -176,20 +189,25 @@ class CPUPagePool:
         return copy
 
     def copy_in(
-        self, rid: str, label: str, gpu_kv_cache: torch.Tensor, gpu_page_indices: list[int]
+        self, rid: str, label: str, gpu_kv_cache: torch.Tensor, gpu_page_indices: list[int],
+        slots: list[int] | None = None,
     ) -> HostCopy:
         """Copy a host copy back onto ``gpu_page_indices``; the copy stays in the
-        pool until `drop_reloaded`, so a reload whose later copy fails loses nothing."""
+        pool until `drop_reloaded`, so a reload whose later copy fails loses nothing.
+        ``slots``: only these of its pages, onto ``gpu_page_indices`` in order
+        (a reload that shares the others again, S29)."""
         with self._lock:
             copy = self._copies[rid][label]
-        if len(gpu_page_indices) < len(copy.pages):
+        want = copy.pages if slots is None else [copy.pages[i] for i in slots]
+        if len(gpu_page_indices) < len(want):
             raise ValueError(
                 f"reload of {rid!r}/{label!r} onto {len(gpu_page_indices)} pages; "
-                f"it needs {len(copy.pages)}"
+                f"it needs {len(want)}"
             )
         if self._fault is not None:
             self._fault("reload.copy")
-        self._copy_in(gpu_kv_cache, gpu_page_indices[: len(copy.pages)], copy.pages)
+        if want:
+            self._copy_in(gpu_kv_cache, gpu_page_indices[: len(want)], want)
         return copy
 
     def drop_reloaded(self, rid: str, label: str) -> None:

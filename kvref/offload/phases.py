@@ -32,6 +32,7 @@ from kvref.offload.outcomes import (
     ReloadReason,
     kept_reason,
 )
+from kvref.prefix.keys import PageKey
 
 
 def claimable(streams: Mapping[str, CacheStream]) -> list[tuple[str, CacheStream]]:
@@ -225,6 +226,9 @@ class HostOffload:
             freed = 0
             for label in moved:
                 stream = streams[label]
+                # the host copy remembers its pages' keys, read before they go
+                # (S29): a reload shares again those the cache still holds
+                self.pool.remember_keys(rid, label, self._keys_of(stream))
                 # only pages whose last holder this was go free (R53)
                 freed += self.table.give_back((rid, label), stream.page_indices)
                 # the tokens are on the host: the length stays, the pages go
@@ -253,9 +257,52 @@ class HostOffload:
                 if stream is not None:
                     stream.offloaded = False
 
+    def _keys_of(self, stream: CacheStream) -> tuple[PageKey | None, ...]:
+        """The keys of the stream's full pages, one per host page (None where
+        a page is not keyed); () where nothing is. Under the lock. A windowed
+        stream's pages are never keyed (W9), so only a stream with no slot
+        released has any."""
+        if not self.table.sharing or stream.released:
+            return ()
+        full = stream.page_indices[:stream.stored_len // self.table.page_size]
+        keys = tuple(self.table.pages.key_of(p) for p in full)
+        return keys if any(k is not None for k in keys) else ()
+
+    def _reattach(self, rid: str, labels: Sequence[str]) -> dict[str, dict[int, int]]:
+        """Per label, the host pages whose remembered key the prefix cache
+        holds now, and the device page under it (S29). A key names its tokens,
+        its chain before them and the request's extra keys, so the page under
+        it holds the very bytes the host copy does; a reset cannot have made
+        it stale while the request is on the host (S30 refuses it), and a page
+        evicted and registered again is found only under its new key. Under
+        the lock."""
+        out: dict[str, dict[int, int]] = {}
+        for label in labels:
+            copy = self.pool.copy_of(rid, label)
+            if copy is None or not copy.keys:
+                continue
+            hits = {}
+            for i, key in enumerate(copy.keys):
+                if key is not None and (p := self.table.pages.cached_page(key)) is not None:
+                    hits[i] = p
+            if hits:
+                out[label] = hits
+        return out
+
+    def _reload_labels(self, rid: str) -> list[str]:
+        """The request's labels with a host copy, in the request's label
+        order, not the order the host copies were made: a stream offloaded
+        alone, then its request, would otherwise take its pages first (S29;
+        the sharing lockstep caught the two orders apart). Under the lock."""
+        on_host = set(self.pool.labels(rid))
+        return [label for label in self.table.streams[rid] if label in on_host]
+
     def _reload_refusal(self, rid: str) -> tuple[ReloadReason | None, int]:
-        """Why a reload of ``rid`` moves nothing now (or None), and the device
-        pages its host copies need. Under the lock."""
+        """Why a reload of ``rid`` moves nothing now (or None), and the free
+        pages it takes: a fresh page for each host page it does not share
+        again, and each free-cached page it shares again (once, though two
+        streams name it); a page another stream holds costs nothing (S29).
+        Under the lock."""
         if rid not in self.table.streams:
             return ReloadReason.UNKNOWN_REQUEST, 0
         if rid in self.offloads:
@@ -263,8 +310,13 @@ class HostOffload:
         pool = self.pool
         if not pool.is_offloaded(rid):
             return ReloadReason.NOTHING_ON_HOST, 0
-        needed = sum(pool.num_pages(rid, label) for label in pool.labels(rid))
-        if needed > self.table.pages.num_free:
+        labels = self._reload_labels(rid)
+        hits = self._reattach(rid, labels)
+        pages = self.table.pages
+        cached = {p for h in hits.values() for p in h.values() if not pages.refcount(p)}
+        needed = len(cached) + sum(pool.num_pages(rid, label) - len(hits.get(label, ()))
+                                   for label in labels)
+        if needed > pages.num_free:
             return ReloadReason.DEVICE_FULL, needed
         return None, needed
 
@@ -284,19 +336,29 @@ class HostOffload:
                 short = (needed - table.pages.num_free if reason is ReloadReason.DEVICE_FULL
                          else 0)
                 return ReloadOutcome(reason=reason, pages_short=short)
-            # in the request's label order, not the order the host copies
-            # were made: a stream offloaded alone, then its request, would
-            # otherwise take its pages first (S29; the sharing lockstep
-            # caught the two orders apart)
-            on_host = set(pool.labels(rid))
-            labels = [label for label in table.streams[rid] if label in on_host]
+            labels = self._reload_labels(rid)
+            hits = self._reattach(rid, labels)  # what the count above found
             taken: list[tuple[str, list[int]]] = []
+            tables: dict[str, list[int]] = {}
             try:
+                # first every stream shares again what the cache holds, then
+                # each takes fresh pages for the rest: a fresh page never
+                # evicts a page this reload shares again (S29)
                 for label in labels:
+                    if label in hits:
+                        shared_again = list(hits[label].values())
+                        table.pages.attach((rid, label), shared_again)
+                        taken.append((label, shared_again))
+                for label in labels:
+                    mine = hits.get(label, {})
+                    n = pool.num_pages(rid, label)
+                    slots = [i for i in range(n) if i not in mine]
                     # counted above, under the same lock
-                    pages = table.take((rid, label), pool.num_pages(rid, label))
-                    taken.append((label, pages))
-                    pool.copy_in(rid, label, self._kv_cache.tensor, pages)
+                    fresh = table.take((rid, label), len(slots))
+                    taken.append((label, fresh))
+                    got = iter(fresh)
+                    tables[label] = [mine[i] if i in mine else next(got) for i in range(n)]
+                    pool.copy_in(rid, label, self._kv_cache.tensor, fresh, slots)
             except Exception as err:
                 # all streams or none (R26): the pages go back, the host copies
                 # stay, and a later reload can try again
@@ -307,16 +369,19 @@ class HostOffload:
                     "was reloaded", request_id=rid, label=taken[-1][0] if taken else None,
                 ) from err
             streams = self.table.streams[rid]
-            for label, pages in taken:
+            for label in labels:
                 copy = pool.copy_of(rid, label)
                 assert copy is not None
                 pool.drop_reloaded(rid, label)
                 stream = streams[label]
-                stream.page_indices = pages
+                stream.page_indices = tables[label]
                 stream.stored_len = copy.stored_len
                 stream.position = copy.position
                 stream.released = copy.released
                 stream.offloaded = False
+                # only full pages are shared again: a part page is fresh, so
+                # the tail stays private
+                stream.tail_maybe_shared = False
                 stream.generation += 1
         # outside the lock: orders the H2D copies before attention reads the
         # pages; the pages are already assigned, so no shared state is touched

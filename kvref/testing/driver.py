@@ -166,6 +166,7 @@ class Driver:
 
     def __init__(self, scope: m.Scope, config: DriverConfig | None = None) -> None:
         self.scope = scope
+        self.model = m.Model(scope)  # for the counts the model states (S29's reload_need)
         self.config = config or DriverConfig()
         self.runtime = ManualRuntime()
         self.cfg = KVConfig(
@@ -604,7 +605,8 @@ class Driver:
                 v.pages for v in mine if v.offload == m.RESIDENT)
             got = kv.get_offload_priority(rid_name(rid))
             assert got == claimable, f"R45: priority of r{rid} {got}, model says {claimable}"
-            want = 0 if open_offload else sum(need(len(c)) for c in copies)
+            # S29: fresh pages, and the free-cached pages it shares again
+            want = 0 if open_offload or not copies else self.model.reload_need(model_state, rid)
             got_pages = kv.reload_pages_needed(rid_name(rid))
             assert got_pages == want, f"R46: r{rid} reload needs {got_pages}, model {want}"
         used = sum(need(len(c)) for _, c in model_state.host)
@@ -614,7 +616,7 @@ class Driver:
         if self.said is not None:
             rid, reason, short = self.said
             expected, want_short = refusal_in_model(model_state, rid, reason, ps,
-                                                    self.scope.host_pages)
+                                                    self.scope.host_pages, self.model)
             assert (reason, short) == (expected, want_short), (
                 f"R44: r{rid} refused with {reason} (short {short}); "
                 f"the model's state says {expected} (short {want_short})")
@@ -722,7 +724,7 @@ class Driver:
 
 
 def refusal_in_model(s: m.State, rid: int, said: OffloadReason | ReloadReason | None,
-                     page_size: int, host_pages: int
+                     page_size: int, host_pages: int, model: m.Model | None = None
                      ) -> tuple[OffloadReason | ReloadReason, int]:
     """The reason (and pages short) the model's state gives for refusing what
     kvref refused: a claim when ``said`` is an `OffloadReason`, else a reload."""
@@ -748,7 +750,9 @@ def refusal_in_model(s: m.State, rid: int, said: OffloadReason | ReloadReason | 
         return ReloadReason.OFFLOAD_RUNNING, 0
     if not copies:
         return ReloadReason.NOTHING_ON_HOST, 0
-    needed = sum(-(-len(c) // page_size) for c in copies)
+    # S29: a reload that shares pages again takes fewer (the model counts them)
+    needed = (model.reload_need(s, rid) if model is not None
+              else sum(-(-len(c) // page_size) for c in copies))
     return ReloadReason.DEVICE_FULL, needed - s.free
 
 

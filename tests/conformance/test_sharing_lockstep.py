@@ -411,6 +411,19 @@ SCENARIOS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("reload", {"rid": 0}),
         ("cache_prefix", {"rid": 0, "label": 0, "extra": 0, "flip": False}),
     ],
+    # S29: the offloaded request's keyed pages stay cached (free, or held by
+    # the other request), and its reload shares them again
+    "reload shares again a free-cached page": [
+        ("prefill_the_shared_prompt", {"rid": 0, "label": 0, "k": 5}),
+        ("offload", {"rid": 0}),
+        ("reload", {"rid": 0}),
+    ],
+    "reload shares again a page another request holds": [
+        ("prefill_the_shared_prompt", {"rid": 0, "label": 0, "k": 5}),
+        ("prefill_the_shared_prompt", {"rid": 1, "label": 0, "k": 5}),
+        ("offload", {"rid": 0}),
+        ("reload", {"rid": 0}),
+    ],
 }
 
 
