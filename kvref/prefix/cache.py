@@ -25,24 +25,29 @@ from kvref.prefix.keys import ExtraKeys, Tokens
 
 def extras_for(table: StreamTable, rid: str, space: str) -> ExtraKeys:
     """The extra keys every page of a stream is hashed with: its request's
-    cache salt, and the label whose KV it holds (its own, or for a fork
-    target its source's). Two labels may hold different KV for the same
-    token ids (a draft model's stream beside the target's), so a hit never
-    crosses them; a forked sample holds its source's KV and keys like it."""
+    cache salt, its engine's tagged extra keys, and the label whose KV it
+    holds (its own, or for a fork target its source's). Two labels may hold
+    different KV for the same token ids (a draft model's stream beside the
+    target's), so a hit never crosses them; a forked sample holds its
+    source's KV and keys like it."""
     cfg = table.overrides.get(rid)
     salt = cfg.cache_salt if cfg is not None else None
-    # one tuple per (salt, label), so the keys' encoding of it is found by
-    # identity (`prefix_hash.encode_extras`): encoded once, not per call
-    got = _EXTRAS.get((salt, space))
+    # the engine's tagged keys (`KVReqConfig.extra_keys`), between the salt
+    # and the label; their tags are never "salt" or "label"
+    extra = cfg.extra_keys if cfg is not None else ()
+    # one tuple per (salt, extras, label), so the keys' encoding of it is
+    # found by identity (`prefix_hash.encode_extras`): encoded once, not per call
+    got = _EXTRAS.get((salt, extra, space))
     if got is None:
         if len(_EXTRAS) >= 4096:
             _EXTRAS.clear()  # bounded: many salts rebuild, not grow
-        got = _EXTRAS[(salt, space)] = (
-            ((("salt", salt),) if salt is not None else ()) + (("label", space),))
+        got = _EXTRAS[(salt, extra, space)] = (
+            ((("salt", salt),) if salt is not None else ()) + extra + (("label", space),))
     return got
 
 
-_EXTRAS: dict[tuple[str | None, str], ExtraKeys] = {}
+_EXTRAS: dict[tuple[str | None, tuple[tuple[str, str | bytes | int], ...], str],
+              ExtraKeys] = {}
 
 
 def _settled(stream: CacheStream, rid: str, label: str, call: str) -> None:
@@ -140,14 +145,16 @@ def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
     # hashed from the bytes already checked above, not encoded again
     new_keys = prefix_hash.page_keys(fresh, ps, extras, parent=parent, encoded=fresh_raw)
     # one pass under the pool's lock for the whole run of pages
-    done, err = table.pages.register_chain(
+    done, keyed_now, err = table.pages.register_chain(
         stream.page_indices[len(stream.keys):full], new_keys)
     # deduplicated or not, the key names these tokens: the chain goes on
     stream.keys += new_keys[:done]
     if err is not None:
         raise err
     stream.key_tokens += fresh_raw
-    return done
+    # the pages findable because of this call (S23): a page passed over
+    # under another page's key makes nothing new findable
+    return keyed_now
 
 
 def reset_prefix_cache(table: StreamTable) -> int | ResetRefused:
