@@ -1466,6 +1466,8 @@ class Model:
             return Misuse("StepInFlightError"), s  # a step or a copy is writing it
         if v.stored_len and self.S24_match_needs_empty_stream:
             return Misuse("InvalidArgumentError"), s  # a hit onto a stream that is not empty
+        if a.rid in s.leases:  # R58, R33: a peer may be reading the request's streams
+            return Misuse("PublishLeasedError"), s
         # R58: the stream exists after the call, hit or not, windowed or not,
         # as an admit naming it would make it (R16)
         if k not in st:

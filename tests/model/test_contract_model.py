@@ -47,3 +47,9 @@ def test_cache_prefix_counts_pages_newly_keyed_only() -> None:
                 core.CachePrefix(0, 0), core.CachePrefix(1, 0))
     # r1 computed r0's tokens itself: its pages pass under r0's keys (S11)
     assert rs[-2:] == [core.Count(2), core.Count(0)]
+
+
+def test_match_prefix_while_leased_is_refused_and_makes_no_stream() -> None:
+    m = core.Model(core.Scope(**PS2, sharing=True))
+    rs, s = run(m, core.Ingest(0), *step(0, 0, 2), core.Publish(0), core.MatchPrefix(0, 1, 3))
+    assert rs[-1] == core.Misuse("PublishLeasedError") and (0, 1) not in s.stream_map()

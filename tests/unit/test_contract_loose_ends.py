@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvref import KVReqConfig, KVStep, RetentionPolicy, Segment, StepContext
+from kvref import (
+    KVReqConfig,
+    KVStep,
+    PublishLeasedError,
+    RetentionPolicy,
+    Segment,
+    StepContext,
+)
 from kvref.core.errors import InvalidArgumentError, InvalidConfigError
 from kvref.manager import KVManager
 from tests.unit._manager_fixtures import make_manager
@@ -172,3 +179,12 @@ def test_extra_keys_are_kept_apart_from_the_salt() -> None:
 def test_bad_extra_keys_are_refused_at_construction(bad: object) -> None:
     with pytest.raises(InvalidConfigError, match="extra_keys"):
         KVReqConfig(extra_keys=bad)  # type: ignore[arg-type]
+
+
+def test_match_prefix_while_leased_raises_and_makes_no_stream() -> None:
+    kv = make_manager()
+    compute(kv, "r", 4)
+    assert kv.publish("r")
+    with pytest.raises(PublishLeasedError):
+        kv.match_prefix("r", "other", list(range(5)))
+    assert "other" not in kv.labels("r")
