@@ -4,6 +4,7 @@ The public names are the reference manager's, so engine code written
 against it ports unchanged.
 """
 
+from kvref import _moved
 from kvref.core.allocator import PageAllocator
 from kvref.core.cache import KVCache
 from kvref.core.config import KVConfig, KVLayout, KVReqConfig, KVSpec, RetentionPolicy
@@ -181,3 +182,6 @@ __all__ = [
     "group_by_plan_label",
     "set_default_runtime",
 ]
+
+# the import paths from before the package move, deprecated (kvref._moved)
+_moved.install()

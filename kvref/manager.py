@@ -393,9 +393,11 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         token is always computed (S8); only pages cached under the request's
         ``KVReqConfig.cache_salt`` (S7). The pages are shared: a later write
         past them lands in the stream's own pages. Creates the stream if the
-        request lacks it, as an admit naming it would. 0 with the cache off.
+        request lacks it, hit or not, as an admit naming it would (R58). 0
+        with the cache off.
         Raises, changing nothing: `InvalidArgumentError` for a stream that is
-        not empty or ids that are not 64-bit integers; `StepInFlightError`
+        not empty or ids that are not 64-bit integers (a bool, a bool array or
+        tensor included: a mask passed as ids); `StepInFlightError`
         while a step names the stream; `StreamUnavailableError` while it is
         offloaded or receiving a retrieve; `PublishLeasedError` while the
         request's publication is leased; `UnknownRequestError`.
@@ -407,7 +409,9 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
 
     def cache_prefix(self, rid: str, label: str, token_ids: Tokens, start: int = 0) -> int:
         """Make the stream's full pages of ``token_ids`` findable by
-        `match_prefix`; returns how many pages were newly keyed.
+        `match_prefix`; returns how many pages were newly keyed (findable
+        because of this call: a page passed over under a key another page
+        holds is not counted, S23).
 
         ``token_ids`` are the ids of the stream's tokens ``start ..
         start + len(token_ids) - 1``, committed and final: call it after a
@@ -421,7 +425,8 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         peer's KV is never cached, R55). Raises, changing nothing:
         `InvalidArgumentError` for ids past the committed tokens, a ``start``
         that is not a page boundary at or before the keyed pages' end, or ids
-        that disagree with those named before for a keyed page;
+        that disagree with those named before for a keyed page, or that are
+        not 64-bit integers (a bool, a bool array or tensor included);
         `StreamUnavailableError` while offloaded or receiving a retrieve;
         `StepInFlightError` while a preplanned fork will copy into it (R57);
         `UnknownRequestError`.

@@ -1153,23 +1153,45 @@ class Model:
 
     # --- offload
 
-    def do_OffloadClaim(self, s: State, a: OffloadClaim) -> tuple[Result, State]:
+    def _claim(self, s: State, rid: int) -> tuple[tuple[int, int], ...]:
+        """(label, pages) of each stream a claim of ``rid`` takes now; () when
+        the claim is refused. The claim and the offload priority (R45) both
+        decide with it."""
         if self.scope.host_pages == 0:
             # no host pool (cpu_offload_pages=0): nothing can be claimed, for
             # any request (R44's NO_HOST_POOL), and no handle ever exists
-            return Claimed(()), s
-        st = s.stream_map()
-        mine = {k: v for k, v in st.items() if k[0] == a.rid}
-        if not mine or a.rid in dict(s.offloads):
-            return Claimed(()), s
+            return ()
+        mine = {k: v for k, v in s.streams if k[0] == rid}
+        if not mine or rid in dict(s.offloads):
+            return ()
         if any(v.in_flight for v in mine.values()):  # R4: the whole request
-            return Claimed(()), s
-        if a.rid in s.leases:  # R33: begin_offload's refusal value, as R4's
-            return Claimed(()), s
-        claim = tuple((k[1], v.pages) for k, v in sorted(mine.items())
-                      if v.offload == RESIDENT and v.pages > 0)
+            return ()
+        if rid in s.leases:  # R33: begin_offload's refusal value, as R4's
+            return ()
+        return tuple((k[1], v.pages) for k, v in sorted(mine.items())
+                     if v.offload == RESIDENT and v.pages > 0)
+
+    def offload_priority(self, s: State, rid: int) -> int:
+        """R45: the device pages a claim of ``rid`` would free now: 0 when the
+        claim is refused, and 0 too when it is accepted but frees nothing
+        (every page it holds another request holds as well, R53). A query:
+        the state is unchanged, so it is a function here, not an action."""
+        claim = self._claim(s, rid)
+        if not claim:
+            return 0
+        st = s.stream_map()
+        if s.pool is None:  # a projected state (`project`): page counts, no page ids
+            return sum(pages for _, pages in claim)
+        mine = tuple((self.holder((rid, lb)), tuple(p for p in reversed(st[(rid, lb)].table) if p))
+                     for lb, _ in claim)
+        r, _ = self.pool.step(s.pool, pool_model.Reclaimable(mine))
+        return r.n if isinstance(r, pool_model.Count) else 0
+
+    def do_OffloadClaim(self, s: State, a: OffloadClaim) -> tuple[Result, State]:
+        claim = self._claim(s, a.rid)
         if not claim:
             return Claimed(()), s
+        st = s.stream_map()
         for label, _ in claim:
             st[(a.rid, label)] = replace(st[(a.rid, label)], offload=CLAIMED)
         offloads = dict(s.offloads)
@@ -1547,8 +1569,15 @@ class Model:
             return Misuse("StepInFlightError"), s  # a step or a copy is writing it
         if v.stored_len and self.S24_match_needs_empty_stream:
             return Misuse("InvalidArgumentError"), s  # a hit onto a stream that is not empty
+        if a.rid in s.leases:  # R58, R33: a peer may be reading the request's streams
+            return Misuse("PublishLeasedError"), s
+        # R58: the stream exists after the call, hit or not, windowed or not,
+        # as an admit naming it would make it (R16)
+        if k not in st:
+            st[k] = v
+        made = s if len(st) == len(s.streams) else replace(s, streams=_sorted(st))
         if self.scope.window(a.label) is not None and self.W10_window_never_hits:
-            return Count(0), s  # W10: a windowed label never hits
+            return Count(0), made  # W10: a windowed label never hits
         tokens = (a.label,) * a.length
         assert s.pool is not None
         r, pool = self.pool.step(s.pool, pool_model.Match(self.holder(k), tokens,
@@ -1557,7 +1586,7 @@ class Model:
             return Misuse(r.kind), s
         assert isinstance(r, pool_model.Hit)
         if not r.pages:
-            return Count(0), s
+            return Count(0), made
         # the hit pages, then its old (spare, private) ones
         st[k] = replace(self.tab(v, r.pages + v.table), stored_len=r.num_tokens,
                         contents=tokens[:r.num_tokens])

@@ -639,19 +639,23 @@ class RetentionModel:
             return Count(0), s  # R55: a peer's KV is never registered
         ps, keys, pool, fault = self.scope.page_size, self.keys(st.tokens), s.pool, s.fault
         before = done = st.cached
+        keyed = 0
         for i in range(st.cached, len(keys)):
             p = st.table[i]
             if p is None:
                 break  # a chain cannot continue past a released page
+            fresh = pool.page(p).key is None
             r, pool = self.pool.step(pool, pages.Register(
                 p, keys[i - 1] if i else None, st.tokens[i * ps:(i + 1) * ps], ()))
             if isinstance(r, Misuse):
                 fault = fault or f"the pool refused to register page {p}"
                 break
             done = i + 1
+            # S23: only pages findable because of this call (not deduplicated)
+            keyed += fresh and isinstance(r, pages.Registered) and r.page == p
         if done == before and fault == s.fault:
             return Count(0), s
-        return Count(done - before), self._settle(
+        return Count(keyed), self._settle(
             pool, self._set(s.streams, h, replace(st, cached=done)), list(s.slots), fault)
 
     def _MatchPrefix(self, s: State, a: MatchPrefix) -> tuple[Result, State]:

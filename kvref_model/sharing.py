@@ -530,18 +530,21 @@ class SharingModel:
         if a.tokens[:len(named)] != named[:len(a.tokens)] or any(
                 k != c for k, c in zip(keys, st.chain, strict=False)):
             return Misuse(TOKENS), s  # disagrees with what the stream named before
-        pool, table = s.pool, s.table(h)
+        pool, table, keyed = s.pool, s.table(h), 0
         for i in range(len(st.chain), len(keys)):
+            fresh = pool.page(table[i]).key is None
             r, pool = self._pool(pool, pages.Register(
                 table[i], keys[i - 1] if i else None, a.tokens[i * ps:(i + 1) * ps],
                 self.extras(a.rid, self.space(st, a.label))))
             if isinstance(r, Misuse):
                 return r, s
+            # S23: only pages findable because of this call (not deduplicated)
+            keyed += fresh and isinstance(r, pages.Registered) and r.page == table[i]
         added = max(0, len(keys) - len(st.chain))
         if not added:
             return Count(0), s
         streams = self._set_stream(s, h, replace(st, chain=st.chain + keys[len(st.chain):]))
-        return Count(added), self._settle(pool, streams, list(s.slots))
+        return Count(keyed), self._settle(pool, streams, list(s.slots))
 
     def _MatchPrefix(self, s: State, a: MatchPrefix) -> tuple[Result, State]:
         if not self.in_scope(a.rid, a.label):

@@ -272,13 +272,16 @@ def _fork_drops(m: SharingModel, s: State, a: object, r: object, n: State) -> bo
 
 
 def _dedup(m: SharingModel, s: State, a: object, r: object, n: State) -> bool:
-    if not isinstance(a, CachePrefix) or not isinstance(r, Count) or not r.n:
+    if not isinstance(a, CachePrefix) or not isinstance(r, Count):
         return False
     h = m.holder(a.rid, a.label)
-    st = n.streams[h]
-    assert st is not None
+    st, before = n.streams[h], s.streams[h]
+    if st is None:
+        return False
+    # the pages the chain grew by (the count is only those newly keyed, S23)
+    grown = len(st.chain) - (len(before.chain) if before is not None else 0)
     return any(n.pool.page(n.table(h)[i]).key != st.chain[i]
-               for i in range(len(st.chain) - r.n, len(st.chain)))
+               for i in range(len(st.chain) - grown, len(st.chain)))
 
 
 def _hit(where: str) -> Pred:

@@ -253,12 +253,47 @@ class KVConfig:
         return self.max_num_pages - 1
 
 
+# tags kvref keys every page with itself: an engine's extra key cannot pose as one
+RESERVED_TAGS = frozenset({"salt", "label"})
+
+
+def _extra_keys(value: object) -> tuple[tuple[str, str | bytes | int], ...]:
+    if isinstance(value, str | bytes) or not isinstance(value, tuple | list):
+        raise InvalidConfigError(f"KVReqConfig.extra_keys must be a tuple of (tag, value) "
+                                 f"pairs, got {type(value).__name__}")
+    out: list[tuple[str, str | bytes | int]] = []
+    for item in value:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise InvalidConfigError(f"KVReqConfig.extra_keys: each is a (tag, value) pair, "
+                                     f"got {item!r:.80}")
+        tag, v = item
+        if not isinstance(tag, str) or not tag or tag in RESERVED_TAGS:
+            raise InvalidConfigError(
+                f"KVReqConfig.extra_keys: a tag is a non-empty str other than "
+                f"{sorted(RESERVED_TAGS)} (kvref's own), got {tag!r:.80}")
+        if isinstance(v, bool) or type(v) not in (str, bytes, int):
+            raise InvalidConfigError(
+                f"KVReqConfig.extra_keys[{tag!r}]: a value is a str, bytes or int, got "
+                f"{type(v).__name__}")
+        out.append((tag, v))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class KVReqConfig:
-    """Which labels of a request a (node, graph walk) reads.
+    """Which labels of a request a (node, graph walk) reads, and the keys its
+    pages are cached under.
 
     ``labels`` maps ``(node, walk)`` to its labels; ``(node, "*")`` matches any
     walk of that node. Anything unmapped reads ``default_labels``.
+
+    ``cache_salt``: the tenant; only requests with the same salt share
+    cached pages. ``extra_keys``: ``(tag, value)`` pairs for whatever else
+    the KV depends on (``("lora", "adapter-7")``, ``("mm", image_hash)``,
+    ``("mm_offset", 12)``), a value a ``str``, ``bytes`` or ``int``; tagged
+    in every page key, so two kinds never collide. The tags ``salt`` and
+    ``label`` are kvref's own: `InvalidConfigError`, as for any other
+    malformed pair.
     """
 
     labels: Mapping[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
@@ -268,12 +303,19 @@ class KVReqConfig:
     # prompts from how fast its own are admitted (an extra key of every
     # page hash, kvref.prefix.keys)
     cache_salt: str | None = None
+    # what else this request's KV depends on, each tagged with its kind: a
+    # LoRA adapter (("lora", "adapter-7")), each multimodal input's hash and
+    # offset (("mm", b"<hash>"), ("mm_offset", 12)). Hashed into every page
+    # key with its tag, so two kinds never collide whatever their values
+    # (vLLM 44701 joined untagged extras); encoded once per request
+    extra_keys: tuple[tuple[str, str | bytes | int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidConfigError(
                 f"KVReqConfig.cache_salt must be a str or None, got "
                 f"{type(self.cache_salt).__name__}")
+        object.__setattr__(self, "extra_keys", _extra_keys(self.extra_keys))
         # a bare str is a sequence too, and would route the labels "m", "a", ...
         object.__setattr__(self, "default_labels", _labels("default_labels", self.default_labels))
         if not isinstance(self.labels, Mapping):

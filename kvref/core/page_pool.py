@@ -458,33 +458,37 @@ class PagePool:
             return Registered(page, key)
 
     def register_chain(self, pages: Sequence[int], keys: Sequence[PageKey]
-                       ) -> tuple[int, KVRefError | None]:
+                       ) -> tuple[int, int, KVRefError | None]:
         """`register` of ``pages[i]`` under ``keys[i]`` for each i in order,
         the keys a chain the caller hashed (`prefix_hash.iter_page_keys`) from
         full pages of its tokens: one acquisition of the lock and no record
-        per page. Returns how many were done and the error that stopped the
+        per page. Returns how many were done, how many of those took their
+        key here (findable because of this call: not a page keyed before, nor
+        one whose key another page holds), and the error that stopped the
         rest (None: all), so the caller keeps what a loop of `register` calls
         would have kept before it raised."""
         for page in pages:
             self._check_page(page, PageRegisterError)
         with self._lock:
             holders, have_keys, index = self._holders, self._key, self._index
+            keyed = 0
             for i, (page, key) in enumerate(zip(pages, keys, strict=True)):
                 if holders[page] is None:
-                    return i, PageRegisterError(
+                    return i, keyed, PageRegisterError(
                         f"page {page} is free: it holds nothing committed")
                 have = have_keys[page]
                 if have is not None:
                     if have == key:
                         continue
-                    return i, PageRegisterError(
+                    return i, keyed, PageRegisterError(
                         f"page {page} is registered under other tokens; a registered "
                         "page is immutable")
                 if key in index:
                     continue  # deduplicated: that page keeps the key (S11)
                 index[key] = page
                 have_keys[page] = key
-            return len(pages), None
+                keyed += 1
+            return len(pages), keyed, None
 
     def reset_prefix_cache(self) -> int | ResetRefused:
         """Forget every cached page (after a weight update, say); returns how

@@ -109,6 +109,7 @@ class EvictionCalls:
                 {(rid, label): s.page_indices for label, s in streams.items()})
 
     def get_offload_priority(self, rid: str) -> float:
-        """Higher: offload first; the pages a claim takes now, 0 if it is refused (R45)."""
+        """Higher: offload first; the device pages a claim would free now: 0 if
+        it is refused, and 0 if it would free nothing (every page shared, R45)."""
         validate.request_id(rid, "get_offload_priority")
         return float(self._host_offload.priority(rid)) if self._host_offload else 0.0

@@ -108,7 +108,8 @@ class HostOffload:
                                  self.table.leases.held(rid))
 
     def priority(self, rid: str) -> int:
-        """The device pages a claim of ``rid`` would take now; 0 if refused."""
+        """The device pages a claim of ``rid`` would free now; 0 if refused,
+        and 0 for an accepted claim that frees nothing (R45)."""
         with self.table.lock:
             streams = self.table.streams.get(rid)
             if claim_refusal(streams, rid in self.offloads,

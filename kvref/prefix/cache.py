@@ -28,24 +28,29 @@ from kvref.prefix.keys import ExtraKeys, PageKey, Tokens
 
 def extras_for(table: StreamTable, rid: str, space: str) -> ExtraKeys:
     """The extra keys every page of a stream is hashed with: its request's
-    cache salt, and the label whose KV it holds (its own, or for a fork
-    target its source's). Two labels may hold different KV for the same
-    token ids (a draft model's stream beside the target's), so a hit never
-    crosses them; a forked sample holds its source's KV and keys like it."""
+    cache salt, its engine's tagged extra keys, and the label whose KV it
+    holds (its own, or for a fork target its source's). Two labels may hold
+    different KV for the same token ids (a draft model's stream beside the
+    target's), so a hit never crosses them; a forked sample holds its
+    source's KV and keys like it."""
     cfg = table.overrides.get(rid)
     salt = cfg.cache_salt if cfg is not None else None
-    # one tuple per (salt, label), so the keys' encoding of it is found by
-    # identity (`prefix_hash.encode_extras`): encoded once, not per call
-    got = _EXTRAS.get((salt, space))
+    # the engine's tagged keys (`KVReqConfig.extra_keys`), between the salt
+    # and the label; their tags are never "salt" or "label"
+    extra = cfg.extra_keys if cfg is not None else ()
+    # one tuple per (salt, extras, label), so the keys' encoding of it is
+    # found by identity (`prefix_hash.encode_extras`): encoded once, not per call
+    got = _EXTRAS.get((salt, extra, space))
     if got is None:
         if len(_EXTRAS) >= 4096:
             _EXTRAS.clear()  # bounded: many salts rebuild, not grow
-        got = _EXTRAS[(salt, space)] = (
-            ((("salt", salt),) if salt is not None else ()) + (("label", space),))
+        got = _EXTRAS[(salt, extra, space)] = (
+            ((("salt", salt),) if salt is not None else ()) + extra + (("label", space),))
     return got
 
 
-_EXTRAS: dict[tuple[str | None, str], ExtraKeys] = {}
+_EXTRAS: dict[tuple[str | None, tuple[tuple[str, str | bytes | int], ...], str],
+              ExtraKeys] = {}
 
 
 def _settled(stream: CacheStream, rid: str, label: str, call: str) -> None:
@@ -156,15 +161,20 @@ def _pages_that_filled(table: StreamTable, todo: list[_Todo | None]) -> list[int
         parent = stream.keys[-1] if stream.keys else None
         keyed.append((stream, raw, prefix_hash.next_page_key(
             parent, raw, extras_for(table, rid, stream.space or label))))
-    done, err = table.pages.register_chain(
-        [st.page_indices[len(st.keys)] for st, _, _ in keyed], [k for _, _, k in keyed])
+    pages = [st.page_indices[len(st.keys)] for st, _, _ in keyed]
+    # S23 counts a page only if this call made it findable: not one keyed
+    # before (a hit), nor one passed over because another page has its key
+    unkeyed = [table.pages.key_of(p) is None for p in pages]
+    done, _, err = table.pages.register_chain(pages, [k for _, _, k in keyed])
     # as `_register` entry by entry: the ones before a failure keep their key
     for stream, raw, key in keyed[:done]:
         stream.keys.append(key)
         stream.key_tokens += raw
     if err is not None:
         raise err
-    return [0 if t is None else 1 for t in todo]
+    counts = iter(int(u and table.pages.key_of(p) == k)
+                  for u, p, (_, _, k) in zip(unkeyed, pages, keyed, strict=True))
+    return [0 if t is None else next(counts) for t in todo]
 
 
 # what `_checked` found to key: the stream, its key, the ids, where they start
@@ -222,28 +232,30 @@ def _register(table: StreamTable, todo: _Todo) -> int:
         # of the bytes as given, no slicing of the ids
         key = prefix_hash.next_page_key(stream.keys[-1] if stream.keys else None, raw,
                                         extras)
-        done, err = table.pages.register_chain(stream.page_indices[len(stream.keys):full],
-                                               [key])
+        done, keyed_now, err = table.pages.register_chain(
+            stream.page_indices[len(stream.keys):full], [key])
         if done:
             stream.keys.append(key)
         if err is not None:
             raise err
         stream.key_tokens += raw
-        return done
+        return keyed_now
     fresh = tokens[keyed - start:(full * ps) - start]
     fresh_raw = raw[(keyed - start) * 8:(full * ps - start) * 8]
     parent = stream.keys[-1] if stream.keys else None
     # hashed from the bytes already checked above, not encoded again
     new_keys = prefix_hash.page_keys(fresh, ps, extras, parent=parent, encoded=fresh_raw)
     # one pass under the pool's lock for the whole run of pages
-    done, err = table.pages.register_chain(
+    done, keyed_now, err = table.pages.register_chain(
         stream.page_indices[len(stream.keys):full], new_keys)
     # deduplicated or not, the key names these tokens: the chain goes on
     stream.keys += new_keys[:done]
     if err is not None:
         raise err
     stream.key_tokens += fresh_raw
-    return done
+    # the pages findable because of this call (S23): a page passed over
+    # under another page's key makes nothing new findable
+    return keyed_now
 
 
 def reset_prefix_cache(table: StreamTable) -> int | ResetRefused:

@@ -106,11 +106,20 @@ def token_bytes(tokens: Tokens) -> bytes:
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise InvalidArgumentError(
-                f"token ids must be a 1-D integer array, got {tokens.dtype} of shape "
+                f"token_ids must be a 1-D integer array, got {tokens.dtype} of shape "
                 f"{tokens.shape}")
         if tokens.dtype == np.uint64 and tokens.size and int(tokens.max()) >= 1 << 63:
             raise InvalidArgumentError("a token id does not fit in a signed 64-bit integer")
         return np.ascontiguousarray(tokens, dtype="<i8").tobytes()
+    if str(getattr(tokens, "dtype", "")) == "torch.bool":
+        raise InvalidArgumentError("token_ids must be integer ids, got a torch bool tensor "
+                                   "(a mask passed as ids?)")
+    # bool is an int subclass that struct packs as 0 and 1: refused, as every
+    # other call refuses a bool where it takes an int (one C-level pass)
+    kinds = set(map(type, tokens))
+    if bool in kinds or np.bool_ in kinds:
+        raise InvalidArgumentError("token_ids must be integer ids, got a bool among them "
+                                   "(a mask passed as ids?)")
     try:  # struct packs a list twice as fast as array("q") does, here
         n = len(tokens)
         # a page's worth (every cache_prefix of a decode step) by a kept Struct

@@ -590,19 +590,16 @@ class Driver:
         """The engine's queries (offload priority, reload pages, host pool) and
         the last refusal's typed reason, against the model's state (R44-R46)."""
         kv, ps = self.kv, self.scope.page_size
+        model = m.Model(self.scope)
 
         def need(tokens: int) -> int:
             return -(-tokens // ps)
 
         for rid in range(self.scope.requests):
-            mine = [v for k, v in model_state.streams if k[0] == rid]
             open_offload = model_state.offload_of(rid) is not None
             copies = [c for k, c in model_state.host if k[0] == rid]
-            # R45: 0 exactly when a claim is refused, no host pool included
-            refused = (open_offload or rid in model_state.leases or not self.scope.host_pages
-                       or any(v.in_flight for v in mine))
-            claimable = 0 if refused else sum(
-                v.pages for v in mine if v.offload == m.RESIDENT)
+            # R45: the pages a claim would free; 0 when refused or freeing none
+            claimable = model.offload_priority(model_state, rid)
             got = kv.get_offload_priority(rid_name(rid))
             assert got == claimable, f"R45: priority of r{rid} {got}, model says {claimable}"
             # S29: fresh pages, and the free-cached pages it shares again

@@ -256,7 +256,7 @@ def test_release_table_refuses_as_release_does_and_keeps_lru_order() -> None:
     pages = pool.allocate(a, 6)
     assert isinstance(pages, list)
     keys = page_keys(list(range(24)), 4)
-    assert pool.register_chain(pages[:4], keys[:4]) == (4, None)
+    assert pool.register_chain(pages[:4], keys[:4]) == (4, 4, None)
     pool.share(b, pages[:1])  # page 0 of the table stays held by b
     other = pool.allocate(b, 1)
     assert isinstance(other, list)
