@@ -384,12 +384,12 @@ class PagePool:
             for p in pages:
                 if self._key[p] is None:
                     raise PageRefError(f"attach of page {p}: it is not in the prefix cache")
-                if owner in self._holders[p]:
+                if self._holds(p, owner):
                     raise PageRefError(f"attach of page {p}: {owner!r} holds it already")
             for p in pages:
-                if not self._holders[p]:
+                if self._holders[p] is None:
                     self._touch(p)
-                self._holders[p].add(owner)
+                self._add(p, owner)
 
     def release(self, owner: Owner, pages: Sequence[int]) -> int:
         """`owner` drops its reference on each page; returns how many became

@@ -142,6 +142,8 @@ def test_two_streams_naming_one_shared_page_as_one_call_per_stream(same_ids: boo
         states.append((got, _state(mgr)))
     assert states[0] == states[1]
     if same_ids:
-        assert states[0][0] == [1, 1]
+        # S23 counts the pages the call made findable: the second stream's
+        # page was keyed by the first call already
+        assert states[0][0] == [1, 0]
     else:
         assert states[0][0][0] == "PageRegisterError", states[0][0]
