@@ -172,8 +172,12 @@ def _pages_that_filled(table: StreamTable, todo: list[_Todo | None]) -> list[int
         stream.key_tokens += raw
     if err is not None:
         raise err
-    counts = iter(int(u and table.pages.key_of(p) == k)
-                  for u, p, (_, _, k) in zip(unkeyed, pages, keyed, strict=True))
+    made: list[int] = []
+    seen: set[int] = set()  # a fork's two streams name one shared page: counted once
+    for u, p, (_, _, k) in zip(unkeyed, pages, keyed, strict=True):
+        made.append(int(u and p not in seen and table.pages.key_of(p) == k))
+        seen.add(p)
+    counts = iter(made)
     return [0 if t is None else next(counts) for t in todo]
 
 
