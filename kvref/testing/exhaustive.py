@@ -50,8 +50,9 @@ def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig) -> 
     s = model.init()
     d = Driver(model.scope, config)
     for i, a in enumerate(actions):
-        want, s = model.step(s, a)
-        got = d.apply(a)
+        want, nxt = model.step(s, a)
+        got = d.apply(a, s)
+        s = nxt
         if got != want:
             raise Mismatch(f"step {i} {a}: kvref {got}, model {want}")
         seen = d.observe()  # one snapshot for every check after this call
@@ -59,6 +60,7 @@ def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig) -> 
         if got_state != m.project(s):  # the model's page ids: not read back
             raise Mismatch(f"step {i} {a}: states differ\n  kvref {got_state}\n  model {s}")
         d.check_pages(seen)
+        d.check_page_map(s, seen)
         d.check_host_lengths(s, seen)
         d.check_bytes(s)
         d.check_queries(s)
