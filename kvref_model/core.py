@@ -1410,7 +1410,9 @@ class Model:
         v = s.stream_map().get(k)
         if v is None:
             return Misuse("UnknownRequestError"), s
-        if v.offload == OFFLOADED:
+        if v.offload != RESIDENT or v.retrieve != IDLE:
+            # claimed, offloaded, or a retrieve copies into it (or failed to):
+            # its pages are not the tokens' to key
             return Misuse("StreamUnavailableError"), s
         if self.scope.window(a.label) is not None and self.W9_window_never_cached:
             return Count(0), s  # W9: a windowed label registers nothing
@@ -1438,14 +1440,20 @@ class Model:
         k = (a.rid, a.label)
         st = s.stream_map()
         v = st.get(k, NO_STREAM)
-        if v.offload != RESIDENT:
+        if v.in_flight:
+            return Misuse("StepInFlightError"), s  # the admitted step writes from 0
+        if v.offload != RESIDENT or v.retrieve != IDLE:
+            # offloaded, claimed, or a retrieve copies into it (or failed to)
             return Misuse("StreamUnavailableError"), s
-        if v.in_flight or v.retrieve != IDLE:
-            return Misuse("StepInFlightError"), s  # a step or a copy is writing it
         if v.stored_len and self.S24_match_needs_empty_stream:
             return Misuse("InvalidArgumentError"), s  # a hit onto a stream that is not empty
+        if a.rid in s.leases:
+            return Misuse("PublishLeasedError"), s  # R33: a leased request's streams stay
+        # S24: the stream is created if missing, as an admit naming it would
+        # (R16), hit or not
+        made = s if k in st else replace(s, streams=_sorted({**st, k: v}))
         if self.scope.window(a.label) is not None and self.W10_window_never_hits:
-            return Count(0), s  # W10: a windowed label never hits
+            return Count(0), made  # W10: a windowed label never hits
         tokens = (a.label,) * a.length
         assert s.pool is not None
         r, pool = self.pool.step(s.pool, pool_model.Match(self.holder(k), tokens,
@@ -1454,7 +1462,7 @@ class Model:
             return Misuse(r.kind), s
         assert isinstance(r, pool_model.Hit)
         if not r.pages:
-            return Count(0), s
+            return Count(0), made
         # the hit pages, then its old (spare, private) ones
         st[k] = replace(self.tab(v, r.pages + v.table), stored_len=r.num_tokens,
                         contents=tokens[:r.num_tokens])
