@@ -916,6 +916,8 @@ class Model:
         misuse = self._misused(s, a)
         if misuse is not None:
             return misuse, s
+        if a.preplan and self._views_would_move(s, a.step):
+            return Refused("PreplanRefused"), s
         if not a.preplan and s.current is None and self.stale(s) is not None:
             return Refused("PreplanStale"), s  # R42: clear_preplan and admit afresh
         if not a.preplan and (s.staged is not None or s.current is not None):
@@ -968,6 +970,44 @@ class Model:
         fresh = frozenset(k for k in st if k not in before)
         return Ok(), self._admitted(replace(s, pool=pool), st, s.free - new, a, marks,
                                     tuple(undo), fresh)
+
+    def _views_would_move(self, s: State, step: Step) -> bool:
+        """R67, R57: a preplan's views name pages before it runs; a fork (W5
+        moves a window's released prefix, a copy-on-write fork gives its
+        target other pages) or a copy-on-write the running step cannot see
+        would move them in between, so such a preplan is refused
+        (`PreplanRefused`, nothing changed) until the running step committed."""
+        sc, p = self.scope, s.current
+        forks = step.pre_forks + step.post_forks
+        pending = () if p is None else p.step.post_forks + (
+            () if p.forked else p.step.pre_forks)
+        if sc.windows:
+            if any(sc.window(lb) is not None for fk in forks for lb in fk):
+                return True  # R67: its forks name a windowed label
+            if p is not None:
+                targets = {(r, t) for _, t in pending if sc.window(t) is not None
+                           for r in p.step.padded}
+                if any((g.rid, g.label) in targets for g in step.segments):
+                    return True  # R67: a windowed stream a running fork still writes
+        if not sc.sharing:
+            return False
+        busy = named(p.step) if p is not None else set()
+        if {(r, t) for _, t in forks for r in step.padded} & busy:
+            return True  # R57: its fork targets are pages the running step's views name
+        if pending:
+            return True  # R57: the running step's forks would give targets other pages
+        st, pool, ps = s.stream_map(), s.pool, sc.page_size
+        assert pool is not None
+        for g in step.segments:
+            k = (g.rid, g.label)
+            v = st.get(k)
+            if not g.span or k not in busy or v is None:
+                continue
+            i = v.stored_len // ps
+            if v.stored_len % ps and i < len(v.table) and v.table[i] and not self.private(
+                    pool, k, v.table[i]):
+                return True  # R57: it writes into a shared page the running step reads
+        return False
 
     def _admitted(
         self, s: State, st: dict[Key, Stream], free: int, a: Admit,

@@ -27,9 +27,16 @@ from kvref_model.check import add_scope_arguments, reachable, scope_of
 from kvref_model.protocol import calls
 
 # small enough for CI (every call of the total protocol in every state is a
-# fresh replay); `python -m kvref.testing.exhaustive` takes any scope
+# fresh replay); `python -m kvref.testing.exhaustive` takes any scope. kvref
+# as it ships: the prefix cache on (one salt: the two requests share), and a
+# windowed label with a rollback margin (its W5, W9, W10 answers; a window
+# releasing pages needs more tokens than depth 3 commits, which the lockstep
+# reaches)
 CI_SCOPE = m.Scope(requests=2, labels=2, device_pages=2, host_pages=1, page_size=1,
-                   max_span=1, depth=3)
+                   max_span=1, depth=3, sharing=True, windows=(None, 1), margins=(0, 1))
+# the second configuration: the prefix cache off, no window
+PLAIN_CI_SCOPE = m.Scope(requests=2, labels=2, device_pages=2, host_pages=1, page_size=1,
+                         max_span=1, depth=3)
 
 
 @dataclass
