@@ -585,6 +585,9 @@ class Model:
     S14o_reset_refuses_offloaded = True  # a host copy holds pre-reset KV (issue 27)
     S18_append_copies_on_write = True
     S19_fork_copies_part_page = True
+    # a copy-on-write fork reserves only what it does not share (kvref's
+    # choice; off: the target's whole length, as a copying fork)
+    S19_fork_shares_full_pages = True
     S21_reset_keeps_only_private = True
     S24_match_needs_empty_stream = True
     S26_reclaim_counts_last_reference = True
@@ -762,6 +765,9 @@ class Model:
         s = self._drained(s, a.rid)
         st, pool, offloads = s.stream_map(), s.pool, dict(s.offloads)
         assert pool is not None
+        # private as the call found them: a page two of its streams share is
+        # no stream's to keep, whichever lets go of it first
+        before = pool
         for k, v in st.items():
             if k[0] != a.rid:
                 continue
@@ -770,7 +776,7 @@ class Model:
                 continue
             # S21: a kept (spare) page is private; the released slots are forgotten
             keep = () if a.free else tuple(p for p in v.table if p and (
-                not self.S21_reset_keeps_only_private or self.private(pool, k, p)))
+                not self.S21_reset_keeps_only_private or self.private(before, k, p)))
             _, pool = self._release(pool, k, tuple(p for p in v.table if p not in keep))
             # R12: a committed host copy is forgotten with the tokens
             off = RESIDENT if v.offload == OFFLOADED else v.offload
@@ -841,7 +847,11 @@ class Model:
         return want
 
     def _reservations(self, step: Step, st: dict[Key, Stream],
-                      pool: pool_model.State | None = None) -> dict[Key, int]:
+                      pool: pool_model.State | None = None,
+                      shares: dict[Key, int] | None = None) -> dict[Key, int]:
+        """`reservations`; ``shares`` (filled if given): each fork target's
+        count of its source's full retained pages when its fork runs, the
+        pages a copy-on-write fork shares rather than reserves (S19)."""
         want: dict[Key, int] = {}
         # W3: pages for the retained slots only; a fork target takes its
         # source's released prefix (W5), so a fork of a windowed stream
@@ -863,12 +873,17 @@ class Model:
                         if rel and self.W5_fork_inherits_window:
                             rel[(rid, t)] = rel.get((rid, f), 0)
                         ask((rid, t), length[(rid, f)])
+                        if shares is not None:
+                            shares[(rid, t)] = (length[(rid, f)] // self.scope.page_size
+                                                - rel.get((rid, f), 0))
 
         fork(step.pre_forks)
         for g in step.segments:
             k = (g.rid, g.label)
             base = length[k] if self.R9_fork_then_grow else st.get(k, Stream()).stored_len
-            if g.span > 0:
+            # with S19's sharing count, a segment names its length even with
+            # no span: a target whose held count is 0 then reserves it anew
+            if g.span > 0 or shares is not None:
                 ask(k, base + g.span)
         if step.commit:
             for g in step.segments:
@@ -940,14 +955,20 @@ class Model:
             # processes the lease is all that keeps the peer's bytes (R35)
             return Refused("PublishLeased"), s
         base = self._settled(s) if a.preplan else st
-        want = self.reservations(a.step, base, s.pool)
+        shares: dict[Key, int] | None = (
+            {} if self.scope.sharing and not a.preplan and self.S19_fork_shares_full_pages
+            else None)
+        want = (self._reservations(a.step, base, s.pool, shares) if shares is not None
+                else self.reservations(a.step, base, s.pool))
         if self.R16_admit_makes_named:  # every named stream exists, so a mark covers it
             for k in sorted(keys):
                 want.setdefault(k, 0)
         # a preplan counts what each stream holds once the running step has
         # committed: its window may release pages then (W2) that the preplan needs
         have = {k: (base[k] if k in base else st[k]).pages for k in want if k in st}
-        new = sum(max(0, n - have[k]) if k in st else n for k, n in want.items())
+        if shares is not None:
+            have.update(self._fork_holds(a.step, st, s.pool, shares))
+        new = sum(max(0, n - have.get(k, 0)) for k, n in want.items())
         if new > s.free:
             return Refused("AllocationFailed", new - s.free), s
         undo: list[tuple[Key, Tokens | None]] = []
@@ -970,6 +991,38 @@ class Model:
         fresh = frozenset(k for k in st if k not in before)
         return Ok(), self._admitted(replace(s, pool=pool), st, s.free - new, a, marks,
                                     tuple(undo), fresh)
+
+    def _fork_holds(self, step: Step, st: dict[Key, Stream], pool: pool_model.State | None,
+                    shares: dict[Key, int]) -> dict[Key, int]:
+        """S19 with sharing: what each fork target counts as held at admit. A
+        copy-on-write fork shares its source's full pages, so a target needs
+        private pages only for the rest of its length, less the private
+        pages it holds now. Where that may shrink before its fork runs (a
+        target twice, or one a fork of this step shares onward first) it
+        holds nothing; one a segment also writes holds its private pages
+        (each reserved as a copying fork's)."""
+        assert pool is not None
+        targets: set[Key] = set()
+        sources: set[Key] = set()
+        unsure: set[Key] = set()
+        for f, t in step.pre_forks + step.post_forks:
+            for rid in step.padded:
+                if (rid, t) in targets or (rid, t) in sources:
+                    unsure.add((rid, t))
+                targets.add((rid, t))
+                sources.add((rid, f))
+        writes = {(g.rid, g.label) for g in step.segments if g.span}
+        held: dict[Key, int] = {}
+        for k in targets:
+            v = st.get(k)
+            mine = 0 if v is None else sum(1 for p in v.table if p and self.private(pool, k, p))
+            if k in unsure:
+                held[k] = 0
+            elif k in writes:
+                held[k] = mine
+            else:
+                held[k] = shares.get(k, 0) + mine
+        return held
 
     def _views_would_move(self, s: State, step: Step) -> bool:
         """R67, R57: a preplan's views name pages before it runs; a fork (W5
@@ -1034,6 +1087,11 @@ class Model:
         the pool."""
         fired = False
         fresh = set(p.fresh)
+        # a segment on a pre-fork target grows it from the forked length (R9):
+        # a copy-on-write fork keeps private pages for it
+        spans = ({(g.rid, g.label): g.span for g in p.step.segments}
+                 if forks is p.step.pre_forks else {})
+        sharing = self.scope.sharing and self.S19_fork_copies_part_page
         for f, t in forks:
             for rid in p.step.padded:
                 src, dst = (rid, f), (rid, t)
@@ -1041,18 +1099,23 @@ class Model:
                 if not self._copies(src, length, frozenset(fresh)) or dst not in st:
                     continue
                 fresh.discard(dst)  # written by a fork: a source from here on
-                if fault and not fired and st[src].stored_len > 0:
+                # the copy that can raise: every token's, or with sharing only
+                # the partial last page's (the full ones are shared, S19)
+                moves = st[src].stored_len % self.scope.page_size if sharing \
+                    else st[src].stored_len
+                if fault and not fired and moves > 0:
                     fired = True
                     st[dst], pool = self._fork_pages(st[dst], dst, None, pool)
                     st[dst] = replace(st[dst], stored_len=0, contents=())
                     continue
-                st[dst], pool = self._fork_pages(st[dst], dst, st[src], pool)
+                st[dst], pool = self._fork_pages(st[dst], dst, st[src], pool,
+                                                 spans.get(dst, 0))
                 st[dst] = replace(st[dst], stored_len=st[src].stored_len,
                                   contents=st[src].contents)
         return fired, replace(p, fresh=frozenset(fresh)), pool
 
-    def _fork_pages(self, v: Stream, k: Key, src: Stream | None, pool: pool_model.State
-                    ) -> tuple[Stream, pool_model.State]:
+    def _fork_pages(self, v: Stream, k: Key, src: Stream | None, pool: pool_model.State,
+                    span: int = 0) -> tuple[Stream, pool_model.State]:
         """The target's table after a fork from ``src`` (None: a copy that
         failed, the target emptied). It keeps its private pages (the admit
         reserved them: its high-water list) and lets go of the rest; with
@@ -1075,6 +1138,14 @@ class Model:
             if shared:
                 r, nxt = self.pool.step(pool, pool_model.Share(self.holder(k), shared))
                 pool = nxt if isinstance(r, pool_model.Ok) else pool
+            if self.S19_fork_shares_full_pages:
+                # the private pages past the shared ones: what the rest of its
+                # length needs, or as many as keep the table's old length
+                # (spare pages stay spare); the surplus goes back
+                need = self.need(src.stored_len + span) - full
+                tail = max(need, len(keep) - full)
+                _, pool = self._release(pool, k, keep[tail:])
+                keep = keep[:tail]
         return self.tab(v, (0,) * z + shared + keep), pool
 
     def do_Plan(self, s: State, a: Plan) -> tuple[Result, State]:

@@ -62,6 +62,7 @@ from kvref import (
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.testing.page_checks import check_device_pages
 from kvref_model import core as m
+from kvref_model import pages as pool_model
 
 if TYPE_CHECKING:  # the offload handle's protocol names it; kvref exports none
     from kvref.core.streams import ClaimedStream
@@ -228,6 +229,7 @@ class Driver:
         # task the manager submitted to our runtime (RetrieveComplete runs it)
         self.retrieves: dict[tuple[int, int], Future[Any]] = {}
         self.model_state: m.State | None = None  # what `apply` was handed
+        self.model = m.Model(scope)  # its pool answers what a claim would free
 
     # -- model action -> kvref call -> model result ------------------------------
 
@@ -664,8 +666,7 @@ class Driver:
             # R45: 0 exactly when a claim is refused, no host pool included
             refused = (open_offload or rid in model_state.leases or not self.scope.host_pages
                        or any(v.in_flight for v in mine))
-            claimable = 0 if refused else sum(
-                v.pages for v in mine if v.offload == m.RESIDENT)
+            claimable = 0 if refused else self.claim_frees(model_state, rid)
             got = kv.get_offload_priority(rid_name(rid))
             assert got == claimable, f"R45: priority of r{rid} {got}, model says {claimable}"
             want = 0 if open_offload else sum(need(len(c)) for c in copies)
@@ -682,6 +683,19 @@ class Driver:
             assert (reason, short) == (expected, want_short), (
                 f"R44: r{rid} refused with {reason} (short {short}); "
                 f"the model's state says {expected} (short {want_short})")
+
+    def claim_frees(self, s: m.State, rid: int) -> int:
+        """The pages a claim of ``rid`` takes now (R45): those of its resident
+        streams whose last holder it is (S26: a page another request shares
+        stays), each once; the model's pool counts them."""
+        resident = [(k, v) for k, v in s.streams if k[0] == rid and v.offload == m.RESIDENT]
+        if not self.scope.sharing or s.pool is None:
+            return sum(v.pages for _, v in resident)
+        model = self.model
+        mine = tuple((model.holder(k), tuple(p for p in reversed(v.table) if p))
+                     for k, v in resident)
+        got, _ = model.pool.step(s.pool, pool_model.Reclaimable(tuple(t for t in mine if t[1])))
+        return got.n if isinstance(got, pool_model.Count) else 0
 
     def check_host_lengths(self, model_state: m.State,
                            seen: KVObservation | None = None) -> None:
