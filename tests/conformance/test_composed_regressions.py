@@ -56,9 +56,37 @@ def test_a_preplan_forking_windowed_labels_is_refused() -> None:
     assert replay([m.Ingest(0), m.Admit(step, preplan=True)]) == m.Refused("PreplanRefused")
 
 
-@pytest.mark.xfail(strict=True, reason="open: with sharing on, the model reserves a post-fork "
-                   "target its source's whole length (FORK_RESERVES_TARGET_LENGTH=True), "
-                   "kvref only the copy's partial page (issue 27 part 3, see the report)")
-def test_a_post_fork_with_sharing_reserves_as_kvref() -> None:
+def test_a_post_fork_with_sharing_reserves_only_what_it_does_not_share() -> None:
+    """Model/kvref disagreement, settled as kvref ships it (S19): the model
+    reserved a copy-on-write post-fork target its source's whole length
+    (admit left free=0); kvref reserves only what the fork does not share
+    (free=1), here nothing: page size 1, so no partial page to copy."""
     step = m.Step((m.Seg(0, 1, 1),), post_forks=((1, 2),), padded=(0,))
-    replay([m.Ingest(0), m.Admit(step)])
+    assert replay([m.Ingest(0), m.Admit(step)]) == m.Ok()
+
+
+def test_a_shared_fork_copies_nothing_so_cannot_fault() -> None:
+    """Model bug: a fork that shares every page copies no byte, yet the model
+    raised ForkCopyError for an injected copy fault; kvref runs no copy."""
+    step = m.Step((m.Seg(0, 1, 1),), post_forks=((1, 2),), padded=(0,))
+    assert replay([m.Ingest(0), m.Admit(step), m.Commit(fork_error=True)]) == m.Ok()
+
+
+def test_a_reset_keeps_no_page_two_of_its_streams_share() -> None:
+    """Model bug (S21): a reset that keeps pages judged each page private after
+    the streams before it had let go, so the last of two sharers kept it;
+    kvref judges as the call found them and frees it."""
+    step = m.Step((m.Seg(0, 1, 1),), post_forks=((1, 2),), padded=(0,))
+    trace = [m.Ingest(0), m.Admit(step), m.Commit(), m.Reset(0, free=False)]
+    assert replay(trace) == m.Ok()
+    s = m.Model(SHARING).init()
+    for a in trace:
+        _, s = m.Model(SHARING).step(s, a)
+    assert s.free == SHARING.device_pages
+
+
+def test_the_offload_priority_counts_shared_pages_once() -> None:
+    """Driver bug: R45's check summed the pages of each stream; a claim frees
+    a page two of the request's streams share once (kvref's priority)."""
+    step = m.Step((m.Seg(0, 1, 1),), post_forks=((1, 2),), padded=(0,))
+    replay([m.Ingest(0), m.Admit(step), m.Commit()])  # check_queries runs after each
