@@ -90,3 +90,9 @@ def test_the_offload_priority_counts_shared_pages_once() -> None:
     a page two of the request's streams share once (kvref's priority)."""
     step = m.Step((m.Seg(0, 1, 1),), post_forks=((1, 2),), padded=(0,))
     replay([m.Ingest(0), m.Admit(step), m.Commit()])  # check_queries runs after each
+
+
+def test_reclaimable_of_an_unknown_request_is_a_misuse() -> None:
+    """kvref bug (S28): reclaimable of a request never ingested answered 0;
+    the model (and S28) say UnknownRequestError, as every call naming one."""
+    assert replay([m.Reclaimable(0)]) == m.Misuse("UnknownRequestError")

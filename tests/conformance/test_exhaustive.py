@@ -47,6 +47,8 @@ def test_a_priority_without_a_host_pool_is_found(driver_config: DriverConfig,
     """Planted: with no host pool, the offload priority counts the pages held
     (a victim filter would pick a request it can never evict)."""
     def priority(self: EvictionCalls, rid: str) -> float:
+        if not self.has_request(rid):  # type: ignore[attr-defined]
+            return 0.0
         return float(self.reclaimable(rid))  # type: ignore[attr-defined]
 
     monkeypatch.setattr(EvictionCalls, "get_offload_priority", priority)
