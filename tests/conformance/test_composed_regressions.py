@@ -96,3 +96,11 @@ def test_reclaimable_of_an_unknown_request_is_a_misuse() -> None:
     """kvref bug (S28): reclaimable of a request never ingested answered 0;
     the model (and S28) say UnknownRequestError, as every call naming one."""
     assert replay([m.Reclaimable(0)]) == m.Misuse("UnknownRequestError")
+
+
+def test_a_preplan_of_an_unknown_request_is_a_misuse_before_a_refusal() -> None:
+    """kvref bug: a preplan forking windowed labels for a request never
+    ingested was refused (PreplanRefused) before the unknown request was
+    named; a misuse is reported first."""
+    step = m.Step((m.Seg(0, 0, 0),), pre_forks=((1, 2),), padded=(0,), commit=False)
+    assert replay([m.Admit(step, preplan=True)]) == m.Misuse("UnknownRequestError")
