@@ -590,6 +590,9 @@ class Model:
     S14o_reset_refuses_offloaded = True  # a host copy holds pre-reset KV (issue 27)
     S18_append_copies_on_write = True
     S19_fork_copies_part_page = True
+    # a copy-on-write fork reserves only what it does not share (kvref's
+    # choice; off: the target's whole length, as a copying fork)
+    S19_fork_shares_full_pages = True
     S21_reset_keeps_only_private = True
     S24_match_needs_empty_stream = True
     S26_reclaim_counts_last_reference = True
@@ -774,6 +777,9 @@ class Model:
         s = self._drained(s, a.rid)
         st, pool, offloads = s.stream_map(), s.pool, dict(s.offloads)
         assert pool is not None
+        # private as the call found them: a page two of its streams share is
+        # no stream's to keep, whichever lets go of it first
+        before = pool
         for k, v in st.items():
             if k[0] != a.rid:
                 continue
@@ -782,7 +788,7 @@ class Model:
                 continue
             # S21: a kept (spare) page is private; the released slots are forgotten
             keep = () if a.free else tuple(p for p in v.table if p and (
-                not self.S21_reset_keeps_only_private or self.private(pool, k, p)))
+                not self.S21_reset_keeps_only_private or self.private(before, k, p)))
             _, pool = self._release(pool, k, tuple(p for p in v.table if p not in keep))
             # R12: a committed host copy is forgotten with the tokens
             off = RESIDENT if v.offload == OFFLOADED else v.offload
@@ -853,7 +859,11 @@ class Model:
         return want
 
     def _reservations(self, step: Step, st: dict[Key, Stream],
-                      pool: pool_model.State | None = None) -> dict[Key, int]:
+                      pool: pool_model.State | None = None,
+                      shares: dict[Key, int] | None = None) -> dict[Key, int]:
+        """`reservations`; ``shares`` (filled if given): each fork target's
+        count of its source's full retained pages when its fork runs, the
+        pages a copy-on-write fork shares rather than reserves (S19)."""
         want: dict[Key, int] = {}
         # W3: pages for the retained slots only; a fork target takes its
         # source's released prefix (W5), so a fork of a windowed stream
@@ -875,12 +885,17 @@ class Model:
                         if rel and self.W5_fork_inherits_window:
                             rel[(rid, t)] = rel.get((rid, f), 0)
                         ask((rid, t), length[(rid, f)])
+                        if shares is not None:
+                            shares[(rid, t)] = (length[(rid, f)] // self.scope.page_size
+                                                - rel.get((rid, f), 0))
 
         fork(step.pre_forks)
         for g in step.segments:
             k = (g.rid, g.label)
             base = length[k] if self.R9_fork_then_grow else st.get(k, Stream()).stored_len
-            if g.span > 0:
+            # with S19's sharing count, a segment names its length even with
+            # no span: a target whose held count is 0 then reserves it anew
+            if g.span > 0 or shares is not None:
                 ask(k, base + g.span)
         if step.commit:
             for g in step.segments:
@@ -928,6 +943,8 @@ class Model:
         misuse = self._misused(s, a)
         if misuse is not None:
             return misuse, s
+        if a.preplan and self._views_would_move(s, a.step):
+            return Refused("PreplanRefused"), s
         if not a.preplan and s.current is None and self.stale(s) is not None:
             return Refused("PreplanStale"), s  # R42: clear_preplan and admit afresh
         if not a.preplan and (s.staged is not None or s.current is not None):
@@ -950,14 +967,20 @@ class Model:
             # processes the lease is all that keeps the peer's bytes (R35)
             return Refused("PublishLeased"), s
         base = self._settled(s) if a.preplan else st
-        want = self.reservations(a.step, base, s.pool)
+        shares: dict[Key, int] | None = (
+            {} if self.scope.sharing and not a.preplan and self.S19_fork_shares_full_pages
+            else None)
+        want = (self._reservations(a.step, base, s.pool, shares) if shares is not None
+                else self.reservations(a.step, base, s.pool))
         if self.R16_admit_makes_named:  # every named stream exists, so a mark covers it
             for k in sorted(keys):
                 want.setdefault(k, 0)
         # a preplan counts what each stream holds once the running step has
         # committed: its window may release pages then (W2) that the preplan needs
         have = {k: (base[k] if k in base else st[k]).pages for k in want if k in st}
-        new = sum(max(0, n - have[k]) if k in st else n for k, n in want.items())
+        if shares is not None:
+            have.update(self._fork_holds(a.step, st, s.pool, shares))
+        new = sum(max(0, n - have.get(k, 0)) for k, n in want.items())
         if new > s.free:
             return Refused("AllocationFailed", new - s.free), s
         undo: list[tuple[Key, Tokens | None]] = []
@@ -980,6 +1003,76 @@ class Model:
         fresh = frozenset(k for k in st if k not in before)
         return Ok(), self._admitted(replace(s, pool=pool), st, s.free - new, a, marks,
                                     tuple(undo), fresh)
+
+    def _fork_holds(self, step: Step, st: dict[Key, Stream], pool: pool_model.State | None,
+                    shares: dict[Key, int]) -> dict[Key, int]:
+        """S19 with sharing: what each fork target counts as held at admit. A
+        copy-on-write fork shares its source's full pages, so a target needs
+        private pages only for the rest of its length, less the private
+        pages it holds now. Where that may shrink before its fork runs (a
+        target twice, or one a fork of this step shares onward first) it
+        holds nothing; one a segment also writes holds its private pages
+        (each reserved as a copying fork's)."""
+        assert pool is not None
+        targets: set[Key] = set()
+        sources: set[Key] = set()
+        unsure: set[Key] = set()
+        for f, t in step.pre_forks + step.post_forks:
+            for rid in step.padded:
+                if (rid, t) in targets or (rid, t) in sources:
+                    unsure.add((rid, t))
+                targets.add((rid, t))
+                sources.add((rid, f))
+        writes = {(g.rid, g.label) for g in step.segments if g.span}
+        held: dict[Key, int] = {}
+        for k in targets:
+            v = st.get(k)
+            mine = 0 if v is None else sum(1 for p in v.table if p and self.private(pool, k, p))
+            if k in unsure:
+                held[k] = 0
+            elif k in writes:
+                held[k] = mine
+            else:
+                held[k] = shares.get(k, 0) + mine
+        return held
+
+    def _views_would_move(self, s: State, step: Step) -> bool:
+        """R67, R57: a preplan's views name pages before it runs; a fork (W5
+        moves a window's released prefix, a copy-on-write fork gives its
+        target other pages) or a copy-on-write the running step cannot see
+        would move them in between, so such a preplan is refused
+        (`PreplanRefused`, nothing changed) until the running step committed."""
+        sc, p = self.scope, s.current
+        forks = step.pre_forks + step.post_forks
+        pending = () if p is None else p.step.post_forks + (
+            () if p.forked else p.step.pre_forks)
+        if sc.windows:
+            if any(sc.window(lb) is not None for fk in forks for lb in fk):
+                return True  # R67: its forks name a windowed label
+            if p is not None:
+                targets = {(r, t) for _, t in pending if sc.window(t) is not None
+                           for r in p.step.padded}
+                if any((g.rid, g.label) in targets for g in step.segments):
+                    return True  # R67: a windowed stream a running fork still writes
+        if not sc.sharing:
+            return False
+        busy = named(p.step) if p is not None else set()
+        if {(r, t) for _, t in forks for r in step.padded} & busy:
+            return True  # R57: its fork targets are pages the running step's views name
+        if pending:
+            return True  # R57: the running step's forks would give targets other pages
+        st, pool, ps = s.stream_map(), s.pool, sc.page_size
+        assert pool is not None
+        for g in step.segments:
+            k = (g.rid, g.label)
+            v = st.get(k)
+            if not g.span or k not in busy or v is None:
+                continue
+            i = v.stored_len // ps
+            if v.stored_len % ps and i < len(v.table) and v.table[i] and not self.private(
+                    pool, k, v.table[i]):
+                return True  # R57: it writes into a shared page the running step reads
+        return False
 
     def _admitted(
         self, s: State, st: dict[Key, Stream], free: int, a: Admit,
@@ -1006,6 +1099,11 @@ class Model:
         the pool."""
         fired = False
         fresh = set(p.fresh)
+        # a segment on a pre-fork target grows it from the forked length (R9):
+        # a copy-on-write fork keeps private pages for it
+        spans = ({(g.rid, g.label): g.span for g in p.step.segments}
+                 if forks is p.step.pre_forks else {})
+        sharing = self.scope.sharing and self.S19_fork_copies_part_page
         for f, t in forks:
             for rid in p.step.padded:
                 src, dst = (rid, f), (rid, t)
@@ -1013,18 +1111,23 @@ class Model:
                 if not self._copies(src, length, frozenset(fresh)) or dst not in st:
                     continue
                 fresh.discard(dst)  # written by a fork: a source from here on
-                if fault and not fired and st[src].stored_len > 0:
+                # the copy that can raise: every token's, or with sharing only
+                # the partial last page's (the full ones are shared, S19)
+                moves = st[src].stored_len % self.scope.page_size if sharing \
+                    else st[src].stored_len
+                if fault and not fired and moves > 0:
                     fired = True
                     st[dst], pool = self._fork_pages(st[dst], dst, None, pool)
                     st[dst] = replace(st[dst], stored_len=0, contents=())
                     continue
-                st[dst], pool = self._fork_pages(st[dst], dst, st[src], pool)
+                st[dst], pool = self._fork_pages(st[dst], dst, st[src], pool,
+                                                 spans.get(dst, 0))
                 st[dst] = replace(st[dst], stored_len=st[src].stored_len,
                                   contents=st[src].contents)
         return fired, replace(p, fresh=frozenset(fresh)), pool
 
-    def _fork_pages(self, v: Stream, k: Key, src: Stream | None, pool: pool_model.State
-                    ) -> tuple[Stream, pool_model.State]:
+    def _fork_pages(self, v: Stream, k: Key, src: Stream | None, pool: pool_model.State,
+                    span: int = 0) -> tuple[Stream, pool_model.State]:
         """The target's table after a fork from ``src`` (None: a copy that
         failed, the target emptied). It keeps its private pages (the admit
         reserved them: its high-water list) and lets go of the rest; with
@@ -1047,6 +1150,14 @@ class Model:
             if shared:
                 r, nxt = self.pool.step(pool, pool_model.Share(self.holder(k), shared))
                 pool = nxt if isinstance(r, pool_model.Ok) else pool
+            if self.S19_fork_shares_full_pages:
+                # the private pages past the shared ones: what the rest of its
+                # length needs, or as many as keep the table's old length
+                # (spare pages stay spare); the surplus goes back
+                need = self.need(src.stored_len + span) - full
+                tail = max(need, len(keep) - full)
+                _, pool = self._release(pool, k, keep[tail:])
+                keep = keep[:tail]
         return self.tab(v, (0,) * z + shared + keep), pool
 
     def do_Plan(self, s: State, a: Plan) -> tuple[Result, State]:
@@ -1516,7 +1627,9 @@ class Model:
         v = s.stream_map().get(k)
         if v is None:
             return Misuse("UnknownRequestError"), s
-        if v.offload == OFFLOADED:
+        if v.offload != RESIDENT or v.retrieve != IDLE:
+            # claimed, offloaded, or a retrieve copies into it (or failed to):
+            # its pages are not the tokens' to key
             return Misuse("StreamUnavailableError"), s
         if self.scope.window(a.label) is not None and self.W9_window_never_cached:
             return Count(0), s  # W9: a windowed label registers nothing
@@ -1563,19 +1676,18 @@ class Model:
         k = (a.rid, a.label)
         st = s.stream_map()
         v = st.get(k, NO_STREAM)
-        if v.offload != RESIDENT:
+        if v.in_flight:
+            return Misuse("StepInFlightError"), s  # the admitted step writes from 0
+        if v.offload != RESIDENT or v.retrieve != IDLE:
+            # offloaded, claimed, or a retrieve copies into it (or failed to)
             return Misuse("StreamUnavailableError"), s
-        if v.in_flight or v.retrieve != IDLE:
-            return Misuse("StepInFlightError"), s  # a step or a copy is writing it
         if v.stored_len and self.S24_match_needs_empty_stream:
             return Misuse("InvalidArgumentError"), s  # a hit onto a stream that is not empty
-        if a.rid in s.leases:  # R58, R33: a peer may be reading the request's streams
-            return Misuse("PublishLeasedError"), s
-        # R58: the stream exists after the call, hit or not, windowed or not,
-        # as an admit naming it would make it (R16)
-        if k not in st:
-            st[k] = v
-        made = s if len(st) == len(s.streams) else replace(s, streams=_sorted(st))
+        if a.rid in s.leases:
+            return Misuse("PublishLeasedError"), s  # R33: a leased request's streams stay
+        # S24: the stream is created if missing, as an admit naming it would
+        # (R16), hit or not
+        made = s if k in st else replace(s, streams=_sorted({**st, k: v}))
         if self.scope.window(a.label) is not None and self.W10_window_never_hits:
             return Count(0), made  # W10: a windowed label never hits
         tokens = (a.label,) * a.length

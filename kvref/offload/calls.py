@@ -102,9 +102,10 @@ class EvictionCalls:
         """Device pages that would go free if the request let all of its go:
         a page another request also holds (a shared prefix) is not counted,
         and one two of its own streams share is counted once (S13); 0 once
-        offloaded."""
+        offloaded. `UnknownRequestError` for a request never ingested or
+        removed (S28), as every call naming one."""
         with self._lock:
-            streams = self._streams.get(rid, {})
+            streams = self._table.request(rid)
             return self._table.pages.reclaimable(
                 {(rid, label): s.page_indices for label, s in streams.items()})
 

@@ -24,6 +24,7 @@ from kvref.core.stream_table import StreamTable
 from kvref.core.streams import CacheStream
 from kvref.prefix import keys as prefix_hash
 from kvref.prefix.keys import ExtraKeys, PageKey, Tokens
+from kvref.stepping.admission import IDLE, retrieve_state
 
 
 def extras_for(table: StreamTable, rid: str, space: str) -> ExtraKeys:
@@ -58,7 +59,10 @@ def _settled(stream: CacheStream, rid: str, label: str, call: str) -> None:
     if stream.offloaded:
         raise StreamUnavailableError(f"{call} of a stream an offload claims or holds; "
                                      "reload it first", request_id=rid, label=label)
-    if stream.read_future is not None or stream.read_error is not None:
+    # a copy that has landed leaves the stream settled: its outcome is read
+    # off the future here, as a readiness check would (observe() reports
+    # such a stream idle, and so must these calls)
+    if retrieve_state(stream) != IDLE:
         raise StreamUnavailableError(f"{call} of a stream a retrieve copies into (or failed "
                                      "to)", request_id=rid, label=label)
 

@@ -138,14 +138,6 @@ class Stepping:
                     raise InvalidArgumentError(
                         f"fork {from_label!r} -> {to_label!r} between labels of different "
                         "retention windows or rollback margins", label=to_label)
-            if ctx.is_preplan:
-                unwindowed = self._window_forks_pending(step, padded, windows)
-                if unwindowed is not None:
-                    return AdmitOutcome(ok=False, reason=unwindowed)
-        if ctx.is_preplan and self._table.sharing:
-            unplannable = self._views_would_move(step, padded, settled)
-            if unplannable is not None:
-                return AdmitOutcome(ok=False, reason=unplannable)
         free = self._table.pages.num_free
         sharing = self._table if self._table.sharing else None
         if plain:
@@ -156,6 +148,15 @@ class Stepping:
             self.running = RunningStep(step, padded, set(self._apply(grant)))
             return ADMIT_OK
         validate.step_streams(all_streams, step, padded)
+        # refusals after every misuse is ruled out (an unknown request first)
+        if ctx.is_preplan and windows:
+            unwindowed = self._window_forks_pending(step, padded, windows)
+            if unwindowed is not None:
+                return AdmitOutcome(ok=False, reason=unwindowed)
+        if ctx.is_preplan and self._table.sharing:
+            unplannable = self._views_would_move(step, padded, settled)
+            if unplannable is not None:
+                return AdmitOutcome(ok=False, reason=unplannable)
         keys = admission.named_keys(step, padded)
         refused = admission.refusal(all_streams, keys) or admission.leased_fork_target(
             step, padded, self._table.leases.held)

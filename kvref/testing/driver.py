@@ -12,9 +12,14 @@ failing rule sequence says which action it was.
 
 Token values: the model tracks, per stored position, which label first wrote
 it (retrieved tokens get ``labels + label``). The driver writes
-``value(rid, token, position)`` into every K and V element of that slot, so
-reading a stream back through its pages checks content (I7) and, because
-the request id is in the value, isolation between requests (I8).
+``value(writer, token, position)`` into every K and V element of that slot,
+so reading a stream back through its pages checks content (I7). The writer
+is the request with sharing off, so the value also checks isolation between
+requests (I8); with sharing on it is the request's salt group, since a page
+another request of that salt computed and `match_prefix` attached holds
+that request's bytes for the same tokens, legitimately (and the token
+identity names the label, so a write into a page another label's stream
+holds still reads back wrong there).
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ from kvref import (
     PublishRefused,
     ReloadOutcome,
     ReloadReason,
+    ResetRefused,
+    RetentionPolicy,
     RetrieveState,
     Segment,
     StepContext,
@@ -55,6 +62,7 @@ from kvref import (
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.testing.page_checks import check_device_pages
 from kvref_model import core as m
+from kvref_model import pages as pool_model
 
 if TYPE_CHECKING:  # the offload handle's protocol names it; kvref exports none
     from kvref.core.streams import ClaimedStream
@@ -93,6 +101,11 @@ class ManagerUnderTest(Protocol):
     def truncate(self, rid: str, label: str, new_len: int) -> int: ...
     def read_stream(self, rid: str, label: str = "main") -> torch.Tensor: ...
     def layer_view(self, layer_idx: int | None = None) -> torch.Tensor: ...
+    def cache_prefix(self, rid: str, label: str, token_ids: Sequence[int],
+                     start: int = 0) -> int: ...
+    def match_prefix(self, rid: str, label: str, token_ids: Sequence[int]) -> int: ...
+    def reset_prefix_cache(self) -> int | ResetRefused: ...
+    def reclaimable(self, rid: str) -> int: ...
     @property
     def num_free_pages(self) -> int: ...
     def observe(self) -> KVObservation: ...
@@ -109,9 +122,21 @@ def rid_name(rid: int) -> str:
     return f"r{rid}"
 
 
-def value(rid: int, token: int, position: int) -> float:
+def value(writer: int, token: int, position: int) -> float:
     """Exact in float32 and bf16-distinguishable for the small scopes used here."""
-    return float(rid * 4096 + token * 256 + position + 1)
+    return float(writer * 4096 + token * 256 + position + 1)
+
+
+def writer_of(scope: m.Scope, rid: int) -> int:
+    """Whose bytes a position of ``rid`` holds: its own with sharing off;
+    with sharing on its salt group's (the first request of its salt), since
+    the prefix cache lets requests of one salt share the pages of the same
+    tokens, and no others."""
+    if not scope.sharing:
+        return rid
+    if not scope.salts:
+        return 0
+    return scope.salts.index(scope.salts[rid])
 
 
 def default_factory(**kwargs: Any) -> ManagerUnderTest:
@@ -123,10 +148,6 @@ class DriverConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     factory: ManagerFactory = default_factory
-    # kvref_model.core specifies a cache whose every page has one holder: forks
-    # copy, nothing is cached. Shared pages are kvref_model.sharing's, and
-    # tests/conformance/test_sharing_lockstep.py drives them
-    sharing: bool = False
 
 
 # the KVRefError kinds an injected fault surfaces as: a fault, not a misuse
@@ -174,7 +195,10 @@ class Driver:
             max_num_pages=scope.device_pages + 1,  # + the sink
             page_size=scope.page_size, num_qo_heads=1,
             cpu_offload_pages=scope.host_pages, publish_lease_s=LEASE_S,
-            enable_prefix_caching=self.config.sharing,
+            enable_prefix_caching=scope.sharing,
+            # each windowed label of the scope, with its rollback margin
+            retention={label_name(i): RetentionPolicy(w, scope.margin(i))
+                       for i, w in enumerate(scope.windows) if w is not None},
         )
         self.kv = self.config.factory(
             cfg=self.cfg, name="kv", joint_comm_group=None,
@@ -205,12 +229,18 @@ class Driver:
         # (rid, label) -> the future of the last retrieve started into it: the
         # task the manager submitted to our runtime (RetrieveComplete runs it)
         self.retrieves: dict[tuple[int, int], Future[Any]] = {}
+        self.model_state: m.State | None = None  # what `apply` was handed
+        self.model = m.Model(scope)  # its pool answers what a claim would free
 
     # -- model action -> kvref call -> model result ------------------------------
 
-    def apply(self, action: m.Action) -> m.Result:
+    def apply(self, action: m.Action, state: m.State | None = None) -> m.Result:
+        """Run ``action`` on kvref; ``state``: the model's state it runs from,
+        which a `CachePrefix` needs (the ids of the tokens the stream holds
+        are the engine's knowledge, kept by the model here)."""
         handler = getattr(self, "_" + type(action).__name__)
         self.said = None
+        self.model_state = state
         try:
             result: m.Result = handler(action)
         except KVRefError as err:
@@ -221,7 +251,8 @@ class Driver:
     def _Ingest(self, a: m.Ingest) -> m.Result:
         names = tuple(label_name(i) for i in range(self.scope.labels))
         # a retrieve names one label through the walk, so readiness is that label's
-        overrides = KVReqConfig(labels={("node", n): (n,) for n in names})
+        overrides = KVReqConfig(labels={("node", n): (n,) for n in names},
+                                cache_salt=self.scope.salts[a.rid] if self.scope.salts else None)
         self.kv.ingest_request(rid_name(a.rid), overrides)
         return m.Ok()
 
@@ -305,10 +336,10 @@ class Driver:
         for plan_label, out in self.outputs.items():
             rows: list[float] = []
             for view in out.views:
-                rid = int(view.request_id[1:])
+                writer = writer_of(self.scope, int(view.request_id[1:]))
                 token = m.LABEL_NAMES.index(view.label)
                 start = view.length - view.to_compute
-                rows += [value(rid, token, p) for p in range(start, view.length)]
+                rows += [value(writer, token, p) for p in range(start, view.length)]
             shape = (len(rows), self.cfg.num_kv_heads, self.cfg.head_dim)
             kv = torch.tensor(rows, dtype=torch.float32).view(-1, 1, 1).expand(shape)
             kv = kv.to(self.config.device, self.config.dtype)
@@ -487,7 +518,8 @@ class Driver:
         assert src.admit(step, ctx).ok
         src.plan(step, ctx)
         token = self.scope.labels + label
-        rows = torch.tensor([value(rid, token, p) for p in range(length)])
+        writer = writer_of(self.scope, rid)
+        rows = torch.tensor([value(writer, token, p) for p in range(length)])
         kv = rows.view(-1, 1, 1).expand(length, 1, cfg.head_dim).to(self.config.dtype)
         for layer in range(cfg.num_layers):
             src.write_kv(kv.to(self.config.device), kv.to(self.config.device), layer_idx=layer,
@@ -534,6 +566,40 @@ class Driver:
 
     def _Truncate(self, a: m.Truncate) -> m.Result:
         return m.Freed(self.kv.truncate(rid_name(a.rid), label_name(a.label), a.new_len))
+
+    # -- the prefix cache (Scope.sharing) ----------------------------------------
+
+    def _CachePrefix(self, a: m.CachePrefix) -> m.Result:
+        # the ids of the tokens the stream committed, as a careful engine names
+        # them: up to its first page no write filled, whose KV nobody computed
+        # (the model keys no further, and kvref cannot know it was not written)
+        assert self.model_state is not None, "CachePrefix needs the model's state: apply(a, s)"
+        v = self.model_state.stream_map().get((a.rid, a.label))
+        ids = list(v.contents) if v is not None else []
+        if m.UNWRITTEN in ids:
+            ps = self.scope.page_size
+            ids = ids[: ids.index(m.UNWRITTEN) // ps * ps]
+        return m.Count(self.kv.cache_prefix(rid_name(a.rid), label_name(a.label), ids))
+
+    def _MatchPrefix(self, a: m.MatchPrefix) -> m.Result:
+        # the ids of a prompt of the label's own tokens (a token's identity is
+        # the label that computes it)
+        ids = [a.label] * a.length
+        return m.Count(self.kv.match_prefix(rid_name(a.rid), label_name(a.label), ids))
+
+    def _ResetPrefixCache(self, a: m.ResetPrefixCache) -> m.Result:
+        got = self.kv.reset_prefix_cache()
+        if isinstance(got, ResetRefused):
+            if got.streams_offloaded:  # S30: a host copy holds pre-reset KV
+                return m.Refused("RequestOffloading")
+            return m.Refused("ResetRefused", got.pages_held)
+        return m.Count(got)
+
+    def _NumFree(self, a: m.NumFree) -> m.Result:
+        return m.Count(self.kv.num_free_pages)
+
+    def _Reclaimable(self, a: m.Reclaimable) -> m.Result:
+        return m.Count(self.kv.reclaimable(rid_name(a.rid)))
 
     # -- kvref state -> model state ---------------------------------------------
 
@@ -618,6 +684,19 @@ class Driver:
                 f"R44: r{rid} refused with {reason} (short {short}); "
                 f"the model's state says {expected} (short {want_short})")
 
+    def claim_frees(self, s: m.State, rid: int) -> int:
+        """The pages a claim of ``rid`` takes now (R45): those of its resident
+        streams whose last holder it is (S26: a page another request shares
+        stays), each once; the model's pool counts them."""
+        resident = [(k, v) for k, v in s.streams if k[0] == rid and v.offload == m.RESIDENT]
+        if not self.scope.sharing or s.pool is None:
+            return sum(v.pages for _, v in resident)
+        model = self.model
+        mine = tuple((model.holder(k), tuple(p for p in reversed(v.table) if p))
+                     for k, v in resident)
+        got, _ = model.pool.step(s.pool, pool_model.Reclaimable(tuple(t for t in mine if t[1])))
+        return got.n if isinstance(got, pool_model.Count) else 0
+
     def check_host_lengths(self, model_state: m.State,
                            seen: KVObservation | None = None) -> None:
         """Each host copy holds exactly the tokens the model put on the host."""
@@ -663,17 +742,60 @@ class Driver:
             assert len(held) == len(set(held)), "I6: a host page in two copies"
             assert pool.free + len(held) + pool.pending_free == pool.capacity, "I6"
 
+    def check_page_map(self, model_state: m.State, seen: KVObservation | None = None) -> None:
+        """The model's page ids against kvref's, by structure: the slots of the
+        streams' tables pair them one to one (each model page is one kvref
+        page and back), and paired pages have the same holders and are keyed
+        alike; the released slots (W2) agree, and as many free pages are
+        cached. The numbering itself is each side's own."""
+        pool = model_state.pool
+        if pool is None:
+            return
+        seen = seen if seen is not None else self.observe()
+        ps, labels = self.scope.page_size, self.scope.labels
+        to_kv: dict[int, int] = {}
+        to_model: dict[int, int] = {}
+        for (rid, label), v in model_state.streams:
+            mine = seen.stream(rid_name(rid), label_name(label))
+            where = f"{rid_name(rid)}/{label_name(label)}"
+            released = m.Model.released(v)
+            assert released * ps == mine.released or not v.table, (
+                f"W2: {where} released {mine.released} tokens, the model {released * ps}")
+            held = tuple(p for p in v.table if p)
+            assert len(held) == len(mine.pages), (
+                f"{where} holds pages {mine.pages}, the model's table is {v.table}")
+            for p, q in zip(held, mine.pages, strict=True):
+                assert to_kv.setdefault(p, q) == q and to_model.setdefault(q, p) == p, (
+                    f"{where}: model page {p} is kvref page {q}, but elsewhere "
+                    f"{to_kv[p]} / {to_model[q]}: a page shared on one side only")
+        for p, q in to_kv.items():
+            page, theirs = pool.page(p), seen.page(q)
+            want = {(rid_name(h // labels), label_name(h % labels)) for h in page.holders}
+            assert set(theirs.holders) == want, (
+                f"page {q} (model {p}) held by {sorted(map(str, theirs.holders))}, the "
+                f"model says {sorted(want)}")
+            assert (theirs.key is None) == (page.key is None), (
+                f"page {q} (model {p}) keyed {theirs.key is not None}, the model "
+                f"{page.key is not None}")
+        assert len(seen.free_cached) == len(pool.lru), (
+            f"{len(seen.free_cached)} free pages cached, the model {len(pool.lru)}")
+
     def check_bytes(self, model_state: m.State) -> None:
-        """I7: every resident stream reads back, through its pages, as the model's contents."""
+        """I7: every resident stream reads back, through its pages, as the
+        model's contents; a windowed stream its window (W1), what it released
+        is not read back."""
         for (rid, label), s in model_state.streams:
             if s.offload != m.RESIDENT or s.retrieve != m.IDLE:
                 continue
             got = self.kv.read_stream(rid_name(rid), label_name(label)).float()
+            w = self.scope.window(label)
+            first = 0 if w is None else max(0, s.stored_len - w)
             # a position no write filled (committed before it was written) holds
             # unspecified bytes: only the written ones are compared
-            written = [p for p, t in enumerate(s.contents) if t != m.UNWRITTEN]
-            got = got[:, written]
-            want = torch.tensor([value(rid, s.contents[p], p) for p in written])
+            written = [p for p, t in enumerate(s.contents) if t != m.UNWRITTEN and p >= first]
+            got = got[:, [p - first for p in written]]
+            writer = writer_of(self.scope, rid)
+            want = torch.tensor([value(writer, s.contents[p], p) for p in written])
             # through the cache dtype, as the writes were: in bf16 the identities
             # round (and may collide), so that variant checks less
             want = want.to(self.config.dtype).float()

@@ -27,9 +27,16 @@ from kvref_model.check import add_scope_arguments, reachable, scope_of
 from kvref_model.protocol import calls
 
 # small enough for CI (every call of the total protocol in every state is a
-# fresh replay); `python -m kvref.testing.exhaustive` takes any scope
+# fresh replay); `python -m kvref.testing.exhaustive` takes any scope. kvref
+# as it ships: the prefix cache on (one salt: the two requests share), and a
+# windowed label with a rollback margin (its W5, W9, W10 answers; a window
+# releasing pages needs more tokens than depth 3 commits, which the lockstep
+# reaches)
 CI_SCOPE = m.Scope(requests=2, labels=2, device_pages=2, host_pages=1, page_size=1,
-                   max_span=1, depth=3)
+                   max_span=1, depth=3, sharing=True, windows=(None, 1), margins=(0, 1))
+# the second configuration: the prefix cache off, no window
+PLAIN_CI_SCOPE = m.Scope(requests=2, labels=2, device_pages=2, host_pages=1, page_size=1,
+                         max_span=1, depth=3)
 
 
 @dataclass
@@ -50,8 +57,9 @@ def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig) -> 
     s = model.init()
     d = Driver(model.scope, config)
     for i, a in enumerate(actions):
-        want, s = model.step(s, a)
-        got = d.apply(a)
+        want, nxt = model.step(s, a)
+        got = d.apply(a, s)
+        s = nxt
         if got != want:
             raise Mismatch(f"step {i} {a}: kvref {got}, model {want}")
         seen = d.observe()  # one snapshot for every check after this call
@@ -59,6 +67,7 @@ def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig) -> 
         if got_state != m.project(s):  # the model's page ids: not read back
             raise Mismatch(f"step {i} {a}: states differ\n  kvref {got_state}\n  model {s}")
         d.check_pages(seen)
+        d.check_page_map(s, seen)
         d.check_host_lengths(s, seen)
         d.check_bytes(s)
         d.check_queries(s)

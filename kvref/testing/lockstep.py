@@ -30,9 +30,19 @@ from kvref_model import core as m
 from kvref_model.invariants import violations
 from kvref_model.protocol import enabled
 
-SCOPE = m.Scope(requests=3, labels=3, device_pages=6, host_pages=4, page_size=2, max_span=3)
+# kvref as it ships (KVConfig's defaults: the prefix cache on), with two
+# windowed labels that may fork into each other (W5) and a rollback margin,
+# and salts so that two requests share cached pages and the third does not
+SCOPE = m.Scope(requests=3, labels=3, device_pages=6, host_pages=4, page_size=2, max_span=3,
+                sharing=True, windows=(None, 2, 2), margins=(0, 1, 1),
+                salts=("a", "a", "b"))
+# the second configuration: the prefix cache off, no window (every page has
+# one holder, forks copy)
+PLAIN_SCOPE = m.Scope(requests=3, labels=3, device_pages=6, host_pages=4, page_size=2,
+                      max_span=3)
 NIGHTLY_SCOPE = m.Scope(requests=4, labels=4, device_pages=12, host_pages=8, page_size=3,
-                        max_span=5)
+                        max_span=5, sharing=True, windows=(None, None, 4, 4),
+                        margins=(0, 0, 2, 2), salts=("a", "a", "b", "a"))
 
 # rule -> times it ran; outcome kind -> count (the end-of-run coverage report)
 RULES: collections.Counter[str] = collections.Counter()
@@ -50,6 +60,12 @@ def steps(model: m.Model, s: m.State, ready: list[int]) -> st.SearchStrategy[m.S
     )
     pair = st.tuples(st.integers(0, sc.labels - 1), st.integers(0, sc.labels - 1)).filter(
         lambda p: p[0] != p[1])
+    # a fork between labels of different retention is a misuse (W5): mostly
+    # forks that run, among labels that keep alike
+    alike = [(f, t) for f in range(sc.labels) for t in range(sc.labels)
+             if f != t and (sc.window(f), sc.margin(f)) == (sc.window(t), sc.margin(t))]
+    if alike and len(alike) < sc.labels * (sc.labels - 1):
+        pair = st.one_of(st.sampled_from(alike), st.sampled_from(alike), pair)
 
     @st.composite
     def build(draw: Any) -> m.Step:
@@ -103,7 +119,51 @@ def careless(model: m.Model, s: m.State) -> st.SearchStrategy[m.Action]:
         # a step whose context lost its padded requests: with forks, malformed (R40)
         st.builds(m.Admit, step.map(lambda g: replace(g, padded=())), st.booleans()),
         st.builds(m.ReleasePublished, rid), st.just(m.LeaseTimeout()),
+        *prefix_calls(model, rid, label),
     )
+
+
+def prefix_calls(model: m.Model, rid: st.SearchStrategy[int],
+                 label: st.SearchStrategy[int]) -> list[st.SearchStrategy[m.Action]]:
+    """The prefix cache's calls, with any arguments (a scope with sharing on)."""
+    sc = model.scope
+    if not sc.sharing:
+        return []
+    longest = sc.device_pages * sc.page_size + 1
+    return [st.builds(m.CachePrefix, rid, label),
+            st.builds(m.MatchPrefix, rid, label, st.integers(0, longest)),
+            st.just(m.ResetPrefixCache()), st.just(m.NumFree()),
+            st.builds(m.Reclaimable, rid)]
+
+
+def events(model: m.Model, before: m.State, action: m.Action, got: m.Result,
+           after: m.State) -> list[str]:
+    """What the shared pages and windows did in this call, by the model's
+    states: the coverage names the run must reach (`run_lockstep`)."""
+    sc = model.scope
+    out = []
+    if isinstance(action, m.MatchPrefix) and isinstance(got, m.Count) and (
+            sc.window(action.label) is None):
+        out.append("MatchPrefix (hit)" if got.n else "MatchPrefix (miss)")
+    if isinstance(action, m.CachePrefix) and isinstance(got, m.Count) and got.n:
+        out.append("CachePrefix (keyed)")
+    if isinstance(action, m.ResetPrefixCache):
+        out.append(f"ResetPrefixCache ({type(got).__name__})")
+    old = before.stream_map()
+    for k, v in after.streams:
+        w = old.get(k)
+        if w is None:
+            continue
+        if m.Model.released(v) > m.Model.released(w) and v.table:
+            out.append("window release")
+        # a slot that held a page and now holds another: a copy-on-write (S18)
+        if any(p and q and p != q for p, q in zip(w.table, v.table, strict=False)):
+            out.append("copy-on-write")
+    if before.pool is not None and after.pool is not None and (
+            len(after.pool.lru) < len(before.pool.lru)
+            and not isinstance(action, (m.MatchPrefix, m.ResetPrefixCache))):
+        out.append("cached page evicted")
+    return out
 
 
 def fault_name(action: m.Action) -> str | None:
@@ -139,11 +199,13 @@ class Lockstep(RuleBasedStateMachine):
         if fault is not None:
             RULES[fault] += 1
         want, nxt = self.model.step(self.state, action)
+        for name in events(self.model, self.state, action, want, nxt):
+            RULES[name] += 1
         before = self.driver.cache_bytes()
         seen = self.driver.observe()
         owners = self.driver.page_owners(seen)
         generations = self.driver.generations(seen)
-        got = self.driver.apply(action)
+        got = self.driver.apply(action, self.state)
         after = self.driver.observe()
         self.driver.check_generations(generations, self.driver.generations(after))
         OUTCOMES[f"{type(action).__name__} -> {type(got).__name__}"
@@ -455,7 +517,11 @@ class Lockstep(RuleBasedStateMachine):
         ready = set(self.ready())
         streams = self.state.stream_map()
         held = {(r, lb) for (r, lb), v in streams.items() if r in ready and v.stored_len > 0}
-        pairs = [(f, t) for f in labels for t in labels if f != t]
+        # labels of one retention: a fork between others is a misuse (W5),
+        # and these rules are about forks that run
+        sc = self.scope
+        pairs = [(f, t) for f in labels for t in labels
+                 if f != t and (sc.window(f), sc.margin(f)) == (sc.window(t), sc.margin(t))]
         if kind == "held":
             return [(f, t) for f, t in pairs if any((r, f) in held and (r, t) in held
                                                     for r in ready)]
@@ -590,6 +656,68 @@ class Lockstep(RuleBasedStateMachine):
         a manager that forgets its running step to be found in CI's budget."""
         self.run(m.Admit(data.draw(steps(self.model, self.state, self.ready()))))
 
+    # -- the prefix cache (a scope with sharing on) ------------------------------
+
+    @precondition(lambda self: self.has(m.CachePrefix))
+    @rule(data=st.data())
+    def cache_prefix(self, data: st.DataObject) -> None:
+        self.run(self.draw_enabled(data, m.CachePrefix))
+
+    @precondition(lambda self: self.has(m.MatchPrefix))
+    @rule(data=st.data())
+    def match_prefix(self, data: st.DataObject) -> None:
+        a = self.draw_enabled(data, m.MatchPrefix)
+        assert isinstance(a, m.MatchPrefix)
+        # a prompt of any length up to the longest: a shorter one hits a
+        # prefix of the chain, one of 0 or 1 token never hits (S8)
+        self.run(m.MatchPrefix(a.rid, a.label, data.draw(st.integers(0, a.length),
+                                                         label="prompt length")))
+
+    @precondition(lambda self: self.scope.sharing and self.state.current is None
+                  and self.state.staged is None and bool(self.ready()))
+    @rule(data=st.data())
+    def share_a_prompt(self, data: st.DataObject) -> None:
+        """The prefix cache's use: a request computes a prompt, keys it, and
+        another request (of its salt, or not) starts from it; then both
+        decode, the second through a copy-on-write of the last shared page."""
+        sc = self.scope
+        rid = data.draw(st.sampled_from(self.ready()), label="computes")
+        label = data.draw(st.sampled_from([lb for lb in range(sc.labels)
+                                           if sc.window(lb) is None]), label="label")
+        span = data.draw(st.integers(1, sc.max_span), label="prompt")
+        self.run_whole(m.Step((m.Seg(rid, label, span),), padded=(rid,)))
+        self.run(m.CachePrefix(rid, label))
+        other = data.draw(st.integers(0, sc.requests - 1), label="finds")
+        self.run(m.Ingest(other))
+        v = self.state.stream_map().get((rid, label))
+        length = (v.stored_len if v is not None else 0) + data.draw(st.integers(0, 2))
+        if self.has(m.MatchPrefix):
+            self.run(m.MatchPrefix(other, label, length))
+        for r in sorted({rid, other}):
+            if r in self.ready() and self.state.current is None:
+                self.run_whole(m.Step((m.Seg(r, label, 1),), padded=(r,)))
+        self.agrees_with_model()
+
+    def run_whole(self, step: m.Step) -> None:
+        """admit, plan, write, commit of ``step``, as far as the model lets it go."""
+        if self.state.current is not None or self.state.staged is not None:
+            return
+        if self.run(m.Admit(step)) not in (m.Ok(), m.NotReady()):
+            return
+        self.run_enabled(m.Plan(), m.Write(), m.Commit())
+
+    @precondition(lambda self: self.has(m.ResetPrefixCache))
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.run(m.ResetPrefixCache())
+
+    @precondition(lambda self: self.has(m.Reclaimable))
+    @rule(data=st.data())
+    def counts(self, data: st.DataObject) -> None:
+        """The counting queries: free pages, and what a request would give back."""
+        self.run(m.NumFree())
+        self.run(self.draw_enabled(data, m.Reclaimable))
+
     @rule(data=st.data())
     def careless_call(self, data: st.DataObject) -> None:
         """Any call, in any state, misuse included: one rule among ~25, so about
@@ -604,6 +732,7 @@ class Lockstep(RuleBasedStateMachine):
         got = self.driver.abstract(self.state, seen)
         assert got == m.project(self.state), f"kvref state\n  {got}\nmodel state\n  {self.state}"
         self.driver.check_pages(seen)
+        self.driver.check_page_map(self.state, seen)
         self.driver.check_host_lengths(self.state, seen)
         self.driver.check_bytes(self.state)
         self.driver.check_queries(self.state)
@@ -666,8 +795,15 @@ def run_lockstep(config: DriverConfig, scope: m.Scope = SCOPE,
                   "RetrieveStart (stale)", "RetrieveComplete (publisher moved)",
                   "overlap (promoted)"}
         # the prefix cache's actions are issued only in a scope with sharing
-        # on, which this harness does not drive yet (issue 27, part 3)
+        # on; there, its cases too: a hit and a miss, a key added, a reset
+        # done and refused, a copy-on-write, a cached page evicted
         issued = [t for t in m.ACTIONS if scope.sharing or t not in m.SHARING_ACTIONS]
+        if scope.sharing:
+            faults |= {"MatchPrefix (hit)", "MatchPrefix (miss)", "CachePrefix (keyed)",
+                       "ResetPrefixCache (Count)", "ResetPrefixCache (Refused)",
+                       "copy-on-write", "cached page evicted"}
+        if any(w is not None for w in scope.windows):
+            faults.add("window release")
         never = ({t.__name__ for t in issued} | faults) - set(RULES)
         if never:
             raise AssertionError(f"actions never exercised: {sorted(never)}")

@@ -10,6 +10,7 @@ copies this file into a project outside the checkout as it is.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from kvref import (
     PublishedKVInfo,
     PublishRefused,
     ReloadOutcome,
+    ResetRefused,
     StepContext,
 )
 
@@ -112,6 +114,19 @@ class ComposedManager:
 
     def layer_view(self, layer_idx: int | None = None) -> torch.Tensor:
         return self._inner.layer_view(layer_idx)
+
+    def cache_prefix(self, rid: str, label: str, token_ids: Sequence[int],
+                     start: int = 0) -> int:
+        return self._inner.cache_prefix(rid, label, token_ids, start)
+
+    def match_prefix(self, rid: str, label: str, token_ids: Sequence[int]) -> int:
+        return self._inner.match_prefix(rid, label, token_ids)
+
+    def reset_prefix_cache(self) -> int | ResetRefused:
+        return self._inner.reset_prefix_cache()
+
+    def reclaimable(self, rid: str) -> int:
+        return self._inner.reclaimable(rid)
 
     @property
     def num_free_pages(self) -> int:

@@ -1,0 +1,106 @@
+"""Mismatches the composed harness (kvref in its shipped configuration:
+the prefix cache on, windowed labels) found between kvref and the one model,
+each kept as the shortest trace that showed it, replayed on both."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvref.testing.driver import DriverConfig
+from kvref.testing.exhaustive import run_trace
+from kvref_model import core as m
+
+SHARING = m.Scope(requests=2, labels=3, device_pages=2, host_pages=1, page_size=1,
+                  max_span=2, sharing=True, windows=(None, 1, 1), margins=(0, 1, 1))
+
+
+def replay(trace: list[m.Action]) -> m.Result:
+    """The trace on the model and on kvref, every call compared; the last result."""
+    model = m.Model(SHARING)
+    run_trace(model, trace, DriverConfig())
+    s, got = model.init(), None
+    for a in trace:
+        got, s = model.step(s, a)
+    assert got is not None
+    return got
+
+
+@pytest.mark.parametrize("label", [0, 1])
+def test_a_match_that_misses_makes_the_stream(label: int) -> None:
+    """Model hole (S24 says the stream is created, hit or not): the model made
+    it only on a hit; kvref made it on a miss and on a windowed label (W10)."""
+    assert replay([m.Ingest(0), m.MatchPrefix(0, label, 4)]) == m.Count(0)
+
+
+@pytest.mark.parametrize("call", [m.CachePrefix(0, 0), m.MatchPrefix(0, 0, 4)])
+def test_prefix_calls_after_a_retrieve_landed(call: m.Action) -> None:
+    """kvref bug: with the copy landed (observe() already said idle), the
+    prefix calls still raised StreamUnavailableError until a readiness
+    check collected the future. The model's CachePrefix had the converse
+    hole: a stream a retrieve copies into was not refused at all."""
+    got = replay([m.Ingest(0), m.RetrieveStart(0, 0, 2), m.RetrieveComplete(0, 0, ok=True),
+                  call])
+    assert got == (m.Count(0) if isinstance(call, m.CachePrefix)
+                   else m.Misuse("InvalidArgumentError"))
+
+
+def test_prefix_call_while_a_retrieve_copies() -> None:
+    assert replay([m.Ingest(0), m.RetrieveStart(0, 0, 2), m.CachePrefix(0, 0)]) == m.Misuse(
+        "StreamUnavailableError")
+
+
+def test_a_preplan_forking_windowed_labels_is_refused() -> None:
+    """Model hole (R67): kvref refuses a preplan whose forks name a windowed
+    label (PreplanRefused); the model admitted it."""
+    step = m.Step((m.Seg(0, 0, 0),), pre_forks=((1, 2),), padded=(0,))
+    assert replay([m.Ingest(0), m.Admit(step, preplan=True)]) == m.Refused("PreplanRefused")
+
+
+def test_a_post_fork_with_sharing_reserves_only_what_it_does_not_share() -> None:
+    """Model/kvref disagreement, settled as kvref ships it (S19): the model
+    reserved a copy-on-write post-fork target its source's whole length
+    (admit left free=0); kvref reserves only what the fork does not share
+    (free=1), here nothing: page size 1, so no partial page to copy."""
+    step = m.Step((m.Seg(0, 1, 1),), post_forks=((1, 2),), padded=(0,))
+    assert replay([m.Ingest(0), m.Admit(step)]) == m.Ok()
+
+
+def test_a_shared_fork_copies_nothing_so_cannot_fault() -> None:
+    """Model bug: a fork that shares every page copies no byte, yet the model
+    raised ForkCopyError for an injected copy fault; kvref runs no copy."""
+    step = m.Step((m.Seg(0, 1, 1),), post_forks=((1, 2),), padded=(0,))
+    assert replay([m.Ingest(0), m.Admit(step), m.Commit(fork_error=True)]) == m.Ok()
+
+
+def test_a_reset_keeps_no_page_two_of_its_streams_share() -> None:
+    """Model bug (S21): a reset that keeps pages judged each page private after
+    the streams before it had let go, so the last of two sharers kept it;
+    kvref judges as the call found them and frees it."""
+    step = m.Step((m.Seg(0, 1, 1),), post_forks=((1, 2),), padded=(0,))
+    trace = [m.Ingest(0), m.Admit(step), m.Commit(), m.Reset(0, free=False)]
+    assert replay(trace) == m.Ok()
+    s = m.Model(SHARING).init()
+    for a in trace:
+        _, s = m.Model(SHARING).step(s, a)
+    assert s.free == SHARING.device_pages
+
+
+def test_the_offload_priority_counts_shared_pages_once() -> None:
+    """Driver bug: R45's check summed the pages of each stream; a claim frees
+    a page two of the request's streams share once (kvref's priority)."""
+    step = m.Step((m.Seg(0, 1, 1),), post_forks=((1, 2),), padded=(0,))
+    replay([m.Ingest(0), m.Admit(step), m.Commit()])  # check_queries runs after each
+
+
+def test_reclaimable_of_an_unknown_request_is_a_misuse() -> None:
+    """kvref bug (S28): reclaimable of a request never ingested answered 0;
+    the model (and S28) say UnknownRequestError, as every call naming one."""
+    assert replay([m.Reclaimable(0)]) == m.Misuse("UnknownRequestError")
+
+
+def test_a_preplan_of_an_unknown_request_is_a_misuse_before_a_refusal() -> None:
+    """kvref bug: a preplan forking windowed labels for a request never
+    ingested was refused (PreplanRefused) before the unknown request was
+    named; a misuse is reported first."""
+    step = m.Step((m.Seg(0, 0, 0),), pre_forks=((1, 2),), padded=(0,), commit=False)
+    assert replay([m.Admit(step, preplan=True)]) == m.Misuse("UnknownRequestError")
