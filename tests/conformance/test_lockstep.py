@@ -9,7 +9,13 @@ import pytest
 from hypothesis import settings
 
 from kvref.testing.driver import DriverConfig
-from kvref.testing.lockstep import NIGHTLY_SCOPE, PLAIN_SCOPE, SCOPE, run_lockstep
+from kvref.testing.lockstep import (
+    NIGHTLY_SCOPE,
+    SCOPE,
+    SHIPPED_NIGHTLY_SCOPE,
+    SHIPPED_SCOPE,
+    run_lockstep,
+)
 
 
 def test_lockstep(driver_config: DriverConfig, capsys: pytest.CaptureFixture[str]) -> None:
@@ -18,9 +24,15 @@ def test_lockstep(driver_config: DriverConfig, capsys: pytest.CaptureFixture[str
         print("\n" + coverage)
 
 
-def test_lockstep_without_sharing_or_windows(driver_config: DriverConfig) -> None:
-    """The second configuration: the prefix cache off, no window."""
-    print(run_lockstep(driver_config, PLAIN_SCOPE))
+@pytest.mark.nightly
+@pytest.mark.xfail(strict=False, reason="issue 27: open CachePrefix-count and free-cached "
+                   "disagreements with sharing on, found at 250 examples")
+@pytest.mark.parametrize("scope", [SHIPPED_SCOPE, SHIPPED_NIGHTLY_SCOPE],
+                         ids=["ci-size", "nightly-size"])
+def test_lockstep_as_shipped(driver_config: DriverConfig, scope: object) -> None:
+    """The prefix cache on, windowed labels with a margin, two salts."""
+    examples = int(os.environ.get("KVREF_NIGHTLY_EXAMPLES", "20000"))
+    print(run_lockstep(driver_config, scope, settings(max_examples=examples)))  # type: ignore[arg-type]
 
 
 @pytest.mark.nightly
