@@ -261,29 +261,24 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         `PublishLeasedError` while its publication is leased (R33).
         """
         validate.request_id(rid, "remove_request")
-        with self._lock:
-            # the common case, a finished request with no retrieve ever
-            # started: the checks and the release under one acquisition
-            streams = self._streams.get(rid)
-            if streams is None:
-                return
-            self._refuse_if_in_flight(rid, "remove")
-            self._table.leases.refuse(rid, "remove")
-            if all(s.read_future is None for s in streams.values()):
-                self._release_request(rid, streams)
-                return
+        drained = False
         while True:
-            self._drain_reads(rid)
             with self._lock:
                 streams = self._streams.get(rid)
                 if streams is None:
                     return
                 self._refuse_if_in_flight(rid, "remove")
                 self._table.leases.refuse(rid, "remove")
-                if self._reads_pending(streams):
-                    continue  # a retrieve started between the drain and the lock
-                self._release_request(rid, streams)
-                return
+                # the common case, a finished request with no retrieve ever
+                # started, releases under the first acquisition, no drain;
+                # after a drain, a retrieve started between it and the lock
+                # means draining again
+                if (not self._reads_pending(streams) if drained
+                        else all(s.read_future is None for s in streams.values())):
+                    self._release_request(rid, streams)
+                    return
+            self._drain_reads(rid)
+            drained = True
 
     def _release_request(self, rid: str, streams: dict[str, CacheStream]) -> None:
         """`remove_request`'s release, under the lock, its checks passed."""

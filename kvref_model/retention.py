@@ -118,6 +118,9 @@ class Stream:
     retired: tuple[int, ...] = ()  # only RELEASE_FROM_LIVE_SLOTS=False keeps it (vLLM 42571)
     # filled by a retrieve: a peer's KV, never registered (R55); a fork target inherits it
     received: bool = False
+    # offloaded: the key each slot's page had as it went (None: not keyed);
+    # reload shares again the pages the cache still holds under them (S29)
+    host_keys: tuple[Key | None, ...] = ()
 
     @property
     def n(self) -> int:
@@ -591,10 +594,15 @@ class RetentionModel:
         for h in hs:
             st = streams[h]
             assert st is not None
+            # full pages only: a part page's key names tokens the stream no
+            # longer holds all of (a truncate into it)
+            keys = tuple(None if q is None or i >= st.n // self.scope.page_size
+                         else pool.page(q).key for i, q in enumerate(st.table))
             got, pool, fault = self._release(pool, h, self._drop_list(st), fault)
             freed += got
             streams = self._set(streams, h, replace(
-                st, table=(None,) * len(st.table), cached=0, offloaded=True, retired=()))
+                st, table=(None,) * len(st.table), cached=0, offloaded=True, retired=(),
+                host_keys=keys if any(k is not None for k in keys) else ()))
         return Count(freed), self._settle(pool, streams, list(s.slots), fault)
 
     def _Reload(self, s: State, a: Reload) -> tuple[Result, State]:
@@ -609,22 +617,42 @@ class RetentionModel:
         def first_slot(st: Stream) -> int:  # W8: released slots stay released
             return st.released // ps if self.RELOAD_ONLY_RETAINED else 0
 
-        need = {h: max(0, len(st.table) - first_slot(st)) for h in hs
+        index = {pg.key: q for q, pg in enumerate(s.pool.pages, 1) if pg.key is not None}
+        # S29: a slot whose remembered key the cache still holds shares that
+        # page again (a free-cached one costs a free page, once; a held one
+        # nothing); the other retained slots take fresh pages from the host
+        hits = {h: {i: index[k] for i, k in enumerate(st.host_keys)
+                    if i >= first_slot(st) and k is not None and k in index}
+                for h in hs if (st := s.streams[h]) is not None}
+        cached = {q for hh in hits.values() for q in hh.values()
+                  if not s.pool.page(q).holders}
+        need = {h: max(0, len(st.table) - first_slot(st)) - len(hits[h]) for h in hs
                 if (st := s.streams[h]) is not None}
+        total = sum(need.values()) + len(cached)
         free = self.num_free(s)
-        if sum(need.values()) > free:
-            return AllocationFailed(sum(need.values()) - free), s
+        if total > free:
+            return AllocationFailed(total - free), s
         pool, streams, slots = s.pool, s.streams, list(s.slots)
+        for h in hs:  # first every stream shares again, as a hit does (S5)
+            pages_h = list(pool.pages)
+            for q in hits[h].values():
+                pages_h[q - 1] = replace(pages_h[q - 1], holders=pages_h[q - 1].holders | {h})
+            pool = replace(pool, pages=tuple(pages_h),
+                           lru=tuple(q for q in pool.lru if q not in hits[h].values()))
         for h in hs:
             st = streams[h]
             assert st is not None
             got, pool = self._alloc(pool, h, need[h])
             lo = first_slot(st)
-            table = st.table[:lo] + got
+            it = iter(got)
+            table = st.table[:lo] + tuple(hits[h][i] if i in hits[h] else next(it)
+                                          for i in range(lo, len(st.table)))
             for j in range(max(st.released, lo * ps), st.n):  # the host copy's tokens
-                self._write(slots, table[j // ps], j, st.tokens[j])
-            streams = self._set(streams, h, replace(st, table=table, offloaded=False))
-        return Count(sum(need.values())), self._settle(pool, streams, slots, s.fault)
+                if j // ps not in hits[h]:  # a shared page holds the cache's bytes
+                    self._write(slots, table[j // ps], j, st.tokens[j])
+            streams = self._set(streams, h, replace(st, table=table, offloaded=False,
+                                                    host_keys=()))
+        return Count(total), self._settle(pool, streams, slots, s.fault)
 
     def _CachePrefix(self, s: State, a: CachePrefix) -> tuple[Result, State]:
         found = self._existing(s, a.rid, a.label)
