@@ -22,6 +22,8 @@ taken from the runtime seam (kvref.core.runtime), as `PageAllocator` does.
 
 from __future__ import annotations
 
+import itertools
+
 from collections import Counter, deque
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -313,6 +315,18 @@ class PagePool:
             for p in out:
                 holders[p] = owner  # a free page: no holder before
             return out
+
+    def peek(self, n: int) -> list[int]:
+        """The pages `allocate` of ``n`` would hand out, in order, nothing taken
+        and no key dropped: a caller that must name its pages to a call that
+        can still fail (a retrieve's copy) takes them only once it succeeded,
+        so a failure leaves the prefix cache as it was."""
+        with self._lock:
+            if n > len(self._blank) + len(self._lru):
+                raise InvalidArgumentError(f"cannot peek {n} pages: "
+                                           f"{len(self._blank) + len(self._lru)} free")
+            out = list(itertools.islice(self._blank, n))
+            return out + list(itertools.islice(self._lru, n - len(out)))
 
     def match(self, owner: Owner, tokens: Tokens, extras: ExtraKeys = (), *,
               encoded: bytes | None = None) -> PrefixHit:

@@ -272,10 +272,11 @@ class Retrieval:
             self._copy_on_write(rid, label)
         kept = self._kept(stream, released)
         short = pages_for(info.seq_len, ps) - released // ps - len(kept)
-        got: list[int] = []
-        if short > 0:
-            # counted by the caller, under the same lock
-            got = self._table.take((rid, label), short)
+        # counted by the caller, under the same lock; named to the copy but
+        # taken only once it started: taking first evicted free-cached pages
+        # that a failed start then gave back blank, their keys lost (the
+        # shipped-configuration lockstep found the cache one page short)
+        got = self._table.pages.peek(short) if short > 0 else []
         pages = kept + got  # slot released // ps onward
         try:
             # both lists by position: a released slot (never read) names the sink
@@ -287,14 +288,15 @@ class Retrieval:
                 source=(source, label, info.generation),
             )
         except Exception as err:
-            if got:
-                self._table.give_back((rid, label), got)
             if created:
                 del streams[label]
             return AdmitRuntimeError(
                 f"KV retrieve could not start: {type(err).__name__}: {err}",
                 request_id=rid, label=label,
             )
+        if got:
+            taken = self._table.take((rid, label), short)
+            assert taken == got, f"peeked pages {got}, allocated {taken}"
         # the pages of slots now released go (tail first, W7); the copy writes
         # none of them. Set here, with stored_len: the copy's landing changes
         # neither (admission.retrieve_state only clears the future)
