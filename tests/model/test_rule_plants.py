@@ -1,0 +1,61 @@
+"""Shared-page and window rules switched off in the one model, each found by
+its checker (kvref_model.check) through the invariant named here, in a scope
+small enough for CI; the model with every rule passes the same scopes.
+
+These replace the retiring sharing and retention models' plant tests
+(tests/conformance/test_sharing_plants.py, test_retention_plants.py) rule by
+rule where the one model has the rule. The pool's own rules (S4-S13) are the
+pool model's plants (tests/conformance/test_page_pool_plants.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvref_model.check import explore
+from kvref_model.core import Model, Scope
+from kvref_model.reference import without
+from kvref_model.search import Report
+
+SHARED = Scope(requests=2, labels=2, device_pages=3, host_pages=1, page_size=2, max_span=2,
+               depth=5, sharing=True)
+# label 1 windowed (W=1) with a rollback margin of one token
+WINDOWED = Scope(requests=2, labels=2, device_pages=3, host_pages=1, page_size=2, max_span=2,
+                 depth=6, sharing=True, windows=(None, 1), margins=(0, 1))
+
+# rule switched off -> (the defect, its scope, the invariant that finds it)
+PLANTS: dict[str, tuple[str, Scope, str]] = {
+    "S18": ("missing copy-on-write: a write lands in a shared or keyed page", SHARED, "I24"),
+    "S19": ("a fork shares the source's part page instead of copying it", SHARED, "I17"),
+    "S21": ("reset_request(free=False) keeps a shared or keyed page as spare", SHARED, "I25"),
+    "W6": ("a truncate into the released prefix: the window's tokens are gone",
+           WINDOWED, "I26"),
+    "W9": ("a windowed label's pages are cached: the window's release leaves them on "
+           "the LRU (vLLM 42948)", WINDOWED, "I27"),
+}
+
+
+def check(model: Model) -> Report:
+    rep = Report()
+    for _ in explore(model, report=rep, workers=1, states=False):
+        pass
+    return rep
+
+
+@pytest.mark.parametrize("rule", sorted(PLANTS))
+def test_checker_finds_the_rule_removed(rule: str, capsys: pytest.CaptureFixture[str]) -> None:
+    what, scope, invariant = PLANTS[rule]
+    rep = check(without(rule)(scope))
+    assert invariant in rep.violations, (rule, sorted(rep.violations))
+    msg, trace = rep.violations[invariant]
+    assert trace, "a counterexample is a trace from the first state"
+    with capsys.disabled():
+        print(f"\n  without {rule} ({what}): {invariant} after {len(trace)} calls, "
+              f"{rep.states} states: {msg}")
+
+
+@pytest.mark.parametrize("scope", [SHARED, WINDOWED], ids=["shared", "windowed"])
+def test_the_clean_model_passes_the_same_scopes(scope: Scope) -> None:
+    rep = check(Model(scope))
+    assert not rep.violations, sorted(rep.violations)
+    assert rep.complete
