@@ -59,3 +59,22 @@ def test_the_clean_model_passes_the_same_scopes(scope: Scope) -> None:
     rep = check(Model(scope))
     assert not rep.violations, sorted(rep.violations)
     assert rep.complete
+
+
+# every label windowed (label 0 is full attention in every other scope): the
+# clean one model breaks I18 and I6 at depth 8, open (issue 27 part 1: a window
+# released while a request is published, or offloaded)
+ALL_WINDOWED = Scope(requests=2, labels=1, device_pages=3, host_pages=1, page_size=2,
+                     max_span=2, depth=8, sharing=True, windows=(1,), margins=(1,))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open: I18 (publish of r0 over an admitted step on a windowed label; its commit "
+    "releases window pages of the leased stream) and I6 (offload claim and copy of a "
+    "windowed stream, then reset_request(free=False): the host holds 2 pages of 1)"))
+def test_the_clean_model_passes_a_scope_where_every_label_is_windowed() -> None:
+    rep = Report()
+    for _ in explore(Model(ALL_WINDOWED), report=rep, workers=1, states=False,
+                     keep_going=True):
+        pass
+    assert not rep.violations, {i: msg for i, (msg, _) in rep.violations.items()}
