@@ -313,3 +313,24 @@ def publish_forgets_released(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Retrieval, "publish", publish)
 
 
+
+
+# --- issue 27 part 5: new plants at the seams (found by the composed layers
+# once their clean run passes the CI budget; not yet run there)
+
+
+def received_kv_cached(mp: pytest.MonkeyPatch) -> None:
+    """S30/R55 off: cache_prefix keys a stream whose KV a peer sent (a
+    retrieve, or a fork of it), so a later match hits KV nobody computed
+    here."""
+    orig = prefix_cache.cache_prefix
+
+    def bad(table: StreamTable, rid: str, label: str, tokens: object, start: int = 0) -> int:
+        stream = table.stream(rid, label)
+        received, stream.received = stream.received, False
+        try:
+            return orig(table, rid, label, tokens, start)  # type: ignore[arg-type]
+        finally:
+            stream.received = received
+
+    mp.setattr(prefix_cache, "cache_prefix", bad)
