@@ -26,6 +26,7 @@ from kvref_model.core import (
     WRITTEN,
     Action,
     Admit,
+    CachePrefix,
     ClearPreplan,
     Commit,
     Count,
@@ -42,6 +43,7 @@ from kvref_model.core import (
     Ok,
     Plan,
     Read,
+    Reclaimable,
     Refused,
     Reload,
     Remove,
@@ -517,24 +519,55 @@ def i27(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
     return None
 
 
+def i28(m: Model, s: State) -> Msg:
+    """W9, W10: no page a windowed stream holds is keyed, so a window's
+    release never leaves a cached page on the LRU that pushes another
+    stream's prefix toward eviction (vLLM 42948), and a hit never attaches
+    pages before a window (the retired retention model's V5, V11)."""
+    pool = s.pool
+    if pool is None or not m.scope.windows:
+        return None
+    for k, v in s.streams:
+        if m.scope.window(k[1]) is None:
+            continue
+        keyed = [p for p in v.table if p and pool.pages[p - 1].key is not None]
+        if keyed:
+            return f"{k} is windowed and holds keyed pages {keyed}"
+    return None
+
+
+def i29(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    """S26, S13: reclaimable counts the pages removing the request frees: those
+    whose last reference it holds, each once (SGLang 35270; the retired
+    sharing model's Q10)."""
+    if not isinstance(a, Reclaimable) or not isinstance(r, Count) or s.pool is None:
+        return None
+    got, after = m.step(s, Remove(a.rid))
+    if not isinstance(got, Ok):
+        return None
+    if r.n != after.free - s.free:
+        return f"reclaimable says {r.n}, removing {a.rid} frees {after.free - s.free}"
+    return None
+
+
 STATE: dict[str, StatePred] = {
     "I1": i1, "I2": i2, "I3": i3, "I4": i4, "I5": i5, "I6": i6, "I7": i7,
     "I8": i8_state, "I12": i12, "I13": i13, "I18": i18_state,
-    "I23": i23, "I24": i24, "I25": i25, "I26": i26,
+    "I23": i23, "I24": i24, "I25": i25, "I26": i26, "I28": i28,
 }
 TRANSITION: dict[str, StepPred] = {
     "I8": i8, "I9": i9, "I10": i10, "I11": i11, "I14": i14, "I15": i15, "I17": i17,
-    "I18": i18, "I19": i19, "I21": i21, "I22": i22, "I27": i27,
+    "I18": i18, "I19": i19, "I21": i21, "I22": i22, "I27": i27, "I29": i29,
 }
 # I16 (tp-symmetry) is not a property of one manager: the model is
 # deterministic, so every rank replaying one trace has one free count.
 # tests/distributed checks it on real ranks.
 NOT_IN_MODEL = {"I16": "checked by the distributed test only (the model is one rank)"}
 INVARIANT_IDS = (*(f"I{i}" for i in range(1, 20)), "I21", "I22", "I23", "I24", "I25", "I26",
-                 "I27")
+                 "I27", "I28", "I29")
 # the invariants a scope setting gives content to: without it they hold vacuously
 FEATURE: dict[str, str] = {"I24": "sharing", "I25": "sharing", "I26": "windows",
-                           "I27": "sharing"}
+                           "I27": "sharing", "I28": "windows", "I29": "sharing"}
 
 
 def applies(i: str, scope: object) -> bool:
@@ -626,6 +659,12 @@ INTERESTING: dict[str, tuple[str, Callable[[Model, State, Action, Result, State]
     "I26": _i("a commit released pages before the window",
               lambda m, s, a, r, n: isinstance(a, Commit) and isinstance(r, Ok | Fault)
               and n.free > s.free),
+    "I28": _i("a prefix-cache call on a windowed stream",
+              lambda m, s, a, r, n: isinstance(a, MatchPrefix | CachePrefix)
+              and m.scope.window(a.label) is not None),
+    "I29": _i("reclaimable counted pages a removal would free",
+              lambda m, s, a, r, n: isinstance(a, Reclaimable) and isinstance(r, Count)
+              and r.n > 0),
 }
 
 
@@ -641,11 +680,12 @@ INTERESTING: dict[str, tuple[str, Callable[[Model, State, Action, Result, State]
 ON_ACTIONS: dict[str, tuple[type, ...]] = {
     "I8": (Write, Read, Plan, Commit), "I9": (ClearPreplan,), "I14": (OffloadCommit,),
     "I15": (Commit,), "I19": (RetrieveStart, RetrieveComplete), "I21": (Plan, Admit),
-    "I27": (Reload,),
+    "I27": (Reload,), "I29": (Reclaimable,),
 }
 # the result types it can fail on
 ON_RESULTS: dict[str, tuple[type, ...]] = {
     "I10": (Refused, Misuse), "I14": (Freed,), "I17": (Fault,), "I27": (Flag,),
+    "I29": (Count,),
 }
 
 
@@ -697,13 +737,14 @@ INTERESTING_ON: dict[str, tuple[type, ...]] = {
     "I14": (OffloadCommit,), "I15": (Commit,), "I17": (Plan, Commit),
     "I18": (OffloadClaim, Reset, Remove), "I19": (RetrieveStart,), "I21": (Plan,),
     "I23": (OffloadCommit,), "I24": (MatchPrefix,), "I25": (Plan,), "I26": (Commit,),
-    "I27": (Reload,),
+    "I27": (Reload,), "I28": (MatchPrefix, CachePrefix), "I29": (Reclaimable,),
 }
 # the result types it can hold on
 INTERESTING_RESULTS: dict[str, tuple[type, ...]] = {
     "I1": (Freed,), "I6": (Flag,), "I7": (Flag,), "I10": (Refused,), "I11": (Refused,),
     "I14": (Freed,), "I17": (Fault,), "I19": (Latched,), "I22": (Refused,),
     "I23": (Freed,), "I24": (Count,), "I25": (Ok,), "I26": (Ok, Fault), "I27": (Flag,),
+    "I29": (Count,),
 }
 # on a transition whose next state is the very object it left, the cases
 # whose truth is that state's alone: I2 looks only at the next state's pages

@@ -1,0 +1,81 @@
+"""Shared-page and window rules switched off in the one model, each found by
+its checker (kvref_model.check) through the invariant named here, in a scope
+small enough for CI; the model with every rule passes the same scopes.
+
+These replace the retiring sharing and retention models' plant tests
+(tests/conformance/test_sharing_plants.py, test_retention_plants.py) rule by
+rule where the one model has the rule. The pool's own rules (S4-S13) are the
+pool model's plants (tests/conformance/test_page_pool_plants.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvref_model.check import explore
+from kvref_model.core import Model, Scope
+from kvref_model.reference import without
+from kvref_model.search import Report
+
+SHARED = Scope(requests=2, labels=2, device_pages=3, host_pages=1, page_size=2, max_span=2,
+               depth=5, sharing=True)
+# label 1 windowed (W=1) with a rollback margin of one token
+WINDOWED = Scope(requests=2, labels=2, device_pages=3, host_pages=1, page_size=2, max_span=2,
+                 depth=6, sharing=True, windows=(None, 1), margins=(0, 1))
+
+# rule switched off -> (the defect, its scope, the invariant that finds it)
+PLANTS: dict[str, tuple[str, Scope, str]] = {
+    "S18": ("missing copy-on-write: a write lands in a shared or keyed page", SHARED, "I24"),
+    "S19": ("a fork shares the source's part page instead of copying it", SHARED, "I17"),
+    "S21": ("reset_request(free=False) keeps a shared or keyed page as spare", SHARED, "I25"),
+    "W6": ("a truncate into the released prefix: the window's tokens are gone",
+           WINDOWED, "I26"),
+    "W9": ("a windowed label's pages are cached: the window's release leaves them on "
+           "the LRU (vLLM 42948)", WINDOWED, "I28"),
+}
+
+
+def check(model: Model) -> Report:
+    rep = Report()
+    for _ in explore(model, report=rep, workers=1, states=False):
+        pass
+    return rep
+
+
+@pytest.mark.parametrize("rule", sorted(PLANTS))
+def test_checker_finds_the_rule_removed(rule: str, capsys: pytest.CaptureFixture[str]) -> None:
+    what, scope, invariant = PLANTS[rule]
+    rep = check(without(rule)(scope))
+    assert invariant in rep.violations, (rule, sorted(rep.violations))
+    msg, trace = rep.violations[invariant]
+    assert trace, "a counterexample is a trace from the first state"
+    with capsys.disabled():
+        print(f"\n  without {rule} ({what}): {invariant} after {len(trace)} calls, "
+              f"{rep.states} states: {msg}")
+
+
+@pytest.mark.parametrize("scope", [SHARED, WINDOWED], ids=["shared", "windowed"])
+def test_the_clean_model_passes_the_same_scopes(scope: Scope) -> None:
+    rep = check(Model(scope))
+    assert not rep.violations, sorted(rep.violations)
+    assert rep.complete
+
+
+# every label windowed (label 0 is full attention in every other scope): the
+# clean one model breaks I18 and I6 at depth 8, with or without sharing, also
+# at main 42ff7d5; open (issue 27 part 1: a window released while a request is
+# published, or offloaded)
+ALL_WINDOWED = Scope(requests=1, labels=1, device_pages=3, host_pages=1, page_size=2,
+                     max_span=2, depth=8, windows=(1,), margins=(1,))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open: I18 (publish of r0 over an admitted step on a windowed label; its commit "
+    "releases window pages of the leased stream) and I6 (offload claim and copy of a "
+    "windowed stream, then reset_request(free=False): the host holds 2 pages of 1)"))
+def test_the_clean_model_passes_a_scope_where_every_label_is_windowed() -> None:
+    rep = Report()
+    for _ in explore(Model(ALL_WINDOWED), report=rep, workers=1, states=False,
+                     keep_going=True):
+        pass
+    assert not rep.violations, {i: msg for i, (msg, _) in rep.violations.items()}
