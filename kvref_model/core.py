@@ -679,15 +679,18 @@ class Model:
         w = self.scope.window(label)
         return 0 if w is None else max(0, n - w - self.scope.margin(label))
 
+    def retired_slots(self, label: int, n: int) -> int:
+        """W2: the slots wholly before the window of a stream of ``n`` tokens."""
+        first = self.window_first(label, n)
+        return first // self.scope.page_size if self.W2_retire_whole_pages_only else \
+            self.need(first)
+
     def _retire(self, k: Key, v: Stream, pool: pool_model.State
                 ) -> tuple[Stream, pool_model.State]:
         """W2: the pages wholly before the window go; their slots stay, empty."""
-        first = self.window_first(k[1], v.stored_len)
-        if not first:
+        upto = min(self.retired_slots(k[1], v.stored_len), len(v.table))
+        if not upto:
             return v, pool
-        upto = first // self.scope.page_size if self.W2_retire_whole_pages_only else \
-            self.need(first)
-        upto = min(upto, len(v.table))
         if not any(v.table[:upto]):
             return v, pool
         _, pool = self._release(pool, k, v.table[:upto])
@@ -899,7 +902,14 @@ class Model:
                 ask(k, base + g.span)
         if step.commit:
             for g in step.segments:
-                length[(g.rid, g.label)] += g.span
+                k = (g.rid, g.label)
+                length[k] += g.span
+                if rel and g.span:
+                    # W2: the commit retires the window's old pages before its
+                    # post-forks run, so a post-fork target inherits the
+                    # larger released prefix (a W=2 post-fork reserved a page
+                    # more than it can ever hold; the shipped lockstep found it)
+                    rel[k] = max(rel.get(k, 0), self.retired_slots(g.label, length[k]))
         fork(step.post_forks)
         if self.scope.sharing and self.S18_append_copies_on_write and pool is not None:
             # a page the step writes into that is shared or registered needs a

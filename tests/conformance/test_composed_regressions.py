@@ -8,15 +8,16 @@ import pytest
 
 from kvref.testing.driver import DriverConfig
 from kvref.testing.exhaustive import run_trace
+from kvref.testing.lockstep import SHIPPED_SCOPE
 from kvref_model import core as m
 
 SHARING = m.Scope(requests=2, labels=3, device_pages=2, host_pages=1, page_size=1,
                   max_span=2, sharing=True, windows=(None, 1, 1), margins=(0, 1, 1))
 
 
-def replay(trace: list[m.Action]) -> m.Result:
+def replay(trace: list[m.Action], scope: m.Scope = SHARING) -> m.Result:
     """The trace on the model and on kvref, every call compared; the last result."""
-    model = m.Model(SHARING)
+    model = m.Model(scope)
     run_trace(model, trace, DriverConfig())
     s, got = model.init(), None
     for a in trace:
@@ -104,3 +105,29 @@ def test_a_preplan_of_an_unknown_request_is_a_misuse_before_a_refusal() -> None:
     named; a misuse is reported first."""
     step = m.Step((m.Seg(0, 0, 0),), pre_forks=((1, 2),), padded=(0,), commit=False)
     assert replay([m.Admit(step, preplan=True)]) == m.Misuse("UnknownRequestError")
+
+
+def test_a_retrieve_that_cannot_start_leaves_the_prefix_cache() -> None:
+    """kvref bug: a retrieve took its pages (evicting a free-cached one, its
+    key dropped) before starting the copy, and a start that raised gave them
+    back blank: the cache lost a page the model still held. Pages are now
+    named to the copy first and taken once it started."""
+    step = m.Step((m.Seg(0, 0, 1),), padded=(0,))
+    trace = [m.Ingest(0), m.Admit(step), m.Plan(), m.Write(), m.Commit(),
+             m.CachePrefix(0, 0), m.Truncate(0, 0, 0), m.Ingest(1),
+             m.RetrieveStart(1, 0, 2, start_error=True), m.MatchPrefix(1, 0, 2)]
+    assert replay(trace) == m.Count(1)  # the page cached before the failed start
+
+
+def test_a_post_fork_after_a_window_release_reserves_the_window() -> None:
+    """Model bug (W2, S19): the commit retires a windowed stream's old pages
+    before its post-forks run, so a post-fork target inherits the larger
+    released prefix; the model counted the prefix from before the commit and
+    refused (AllocationFailed) what kvref admitted. Found by the lockstep in
+    the shipped scope (page size 2, W=2 with margin 1)."""
+    def whole(step: m.Step) -> list[m.Action]:
+        return [m.Admit(step), m.Plan(), m.Write(), m.Commit()]
+    trace = [m.Ingest(0), *whole(m.Step((m.Seg(0, 2, 3),), padded=(0,))),
+             *whole(m.Step((m.Seg(0, 2, 1), m.Seg(0, 1, 1)), padded=(0,)))]
+    step = m.Step((m.Seg(0, 2, 2),), pre_forks=((2, 1),), post_forks=((2, 1),), padded=(0,))
+    assert replay([*trace, m.Admit(step)], SHIPPED_SCOPE) == m.Ok()
