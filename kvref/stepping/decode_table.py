@@ -40,6 +40,10 @@ _span = operator.attrgetter("span")
 
 Array = np.ndarray[Any, Any]
 
+# below this many rows, `decode_tables` builds the table afresh in the time
+# the kept table's fixed numpy set-up takes (a few dozen small array ops)
+SMALL_BATCH = 32
+
 
 class DecodePlan:
     """What `DecodeTable.plan` hands out: the host table, the write slots,
@@ -99,8 +103,11 @@ class DecodeTable:
         """The tables of a decode step (every span 1, one label) over
         ``streams`` (its segments' streams, as its admit found them);
         ``grown``: the rows whose admit appended pages (one generation bump
-        each). None when the step is not a decode step of one label."""
+        each). None when the step is not a decode step of one label, or has
+        fewer than `SMALL_BATCH` rows."""
         n = len(streams)
+        if n < SMALL_BATCH:
+            return None  # a few rows are built afresh as fast as updated
         kept = self._streams
         if kept is not None and len(kept) == n and all(map(operator.is_, streams, kept)) and (
                 all(map(operator.is_, segments, self._segments))

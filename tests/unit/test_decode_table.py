@@ -21,12 +21,20 @@ import torch
 
 from kvref.core.config import RetentionPolicy
 from kvref.manager import KVManager
+from kvref.stepping import decode_table
 from kvref.stepping.plan import KVPlanOutputs, plan_tables
 from kvref.stepping.step import KVStep, StepContext
 from kvref.testing import plan_oracle
 from tests.unit._manager_fixtures import Driver, Key, fill, make_manager, token_values
 
 PS = 4
+
+
+@pytest.fixture(autouse=True)
+def kept_from_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kept table plans batches of any size here (in production from
+    `SMALL_BATCH` rows): these batches have four."""
+    monkeypatch.setattr(decode_table, "SMALL_BATCH", 1)
 
 
 class Checked:
