@@ -20,11 +20,12 @@ from kvref.stepping.plan import KVPlanOutputs, SequenceView, group_by_plan_label
 from kvref.stepping.step import KVStep
 
 
-def scratch_views(kv: Any, step: KVStep) -> dict[str, list[SequenceView]]:
+def scratch_views(kv: Any, step: KVStep, obs: Any = None) -> dict[str, list[SequenceView]]:
     """The views a plan of ``step`` makes over ``kv``'s state now (after its
-    pre-forks ran): per plan label, each segment's stream sliced to its
-    length, from its first retained page; a zero-length one has none."""
-    obs = kv.observe()
+    pre-forks ran; ``obs``: `KVManager.observe` of it, if taken): per plan
+    label, each segment's stream sliced to its length, from its first
+    retained page; a zero-length one has none."""
+    obs = kv.observe() if obs is None else obs
     ps = obs.page_size
     out: dict[str, list[SequenceView]] = {}
     for plan_label, segments in group_by_plan_label(step.segments,
@@ -44,10 +45,11 @@ def scratch_views(kv: Any, step: KVStep) -> dict[str, list[SequenceView]]:
 def mismatch(kv: Any, step: KVStep, outputs: KVPlanOutputs) -> str | None:
     """What in ``outputs`` (the plan of ``step``, just made, not a promoted
     preplan) differs from the tables built from scratch; None when nothing."""
-    expected = scratch_views(kv, step)
+    obs = kv.observe()
+    expected = scratch_views(kv, step, obs)
     if list(expected) != list(outputs):
         return f"plan labels {list(outputs)}, expected {list(expected)}"
-    ps = kv.observe().page_size
+    ps = obs.page_size
     for plan_label, views in expected.items():
         got = outputs[plan_label]
         want, _, _ = plan_tables(views, ps, torch.device("cpu"))
