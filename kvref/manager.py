@@ -447,7 +447,10 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         a stream named twice, or an entry that is not a 4-tuple.
         """
         with self._lock:
-            targets = self._stepping.fork_targets() if self._table.sharing else frozenset()
+            stepping = self._stepping
+            # only a staged preplan or a running step's copying forks name targets
+            targets = stepping.fork_targets() if self._table.sharing and (
+                stepping.preplan is not None or stepping.running is not None) else frozenset()
             return prefix_cache.cache_prefixes(self._table, calls, targets)
 
     def cached_tokens(self, rid: str, label: str = "main") -> int:

@@ -471,7 +471,8 @@ class PagePool:
             self._key[page] = key
             return Registered(page, key)
 
-    def register_chain(self, pages: Sequence[int], keys: Sequence[PageKey]
+    def register_chain(self, pages: Sequence[int], keys: Sequence[PageKey],
+                       took: list[bool] | None = None
                        ) -> tuple[int, int, KVRefError | None]:
         """`register` of ``pages[i]`` under ``keys[i]`` for each i in order,
         the keys a chain the caller hashed (`prefix_hash.iter_page_keys`) from
@@ -480,7 +481,8 @@ class PagePool:
         key here (findable because of this call: not a page keyed before, nor
         one whose key another page holds), and the error that stopped the
         rest (None: all), so the caller keeps what a loop of `register` calls
-        would have kept before it raised."""
+        would have kept before it raised. ``took`` gets, per page done,
+        whether it took its key here."""
         for page in pages:
             self._check_page(page, PageRegisterError)
         with self._lock:
@@ -493,15 +495,21 @@ class PagePool:
                 have = have_keys[page]
                 if have is not None:
                     if have == key:
+                        if took is not None:
+                            took.append(False)
                         continue
                     return i, keyed, PageRegisterError(
                         f"page {page} is registered under other tokens; a registered "
                         "page is immutable")
                 if key in index:
+                    if took is not None:
+                        took.append(False)
                     continue  # deduplicated: that page keeps the key (S11)
                 index[key] = page
                 have_keys[page] = key
                 keyed += 1
+                if took is not None:
+                    took.append(True)
             return len(pages), keyed, None
 
     def reset_prefix_cache(self) -> int | ResetRefused:

@@ -15,7 +15,9 @@ Each function runs under the stream table's lock, which `KVManager` holds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+import hashlib
+import struct
+from collections.abc import Callable, Sequence, Set
 
 from kvref import validate
 from kvref.core.errors import InvalidArgumentError, StepInFlightError, StreamUnavailableError
@@ -120,6 +122,9 @@ def cache_prefixes(table: StreamTable, calls: Sequence[tuple[str, str, Tokens, i
     """See `KVManager.cache_prefixes`: every call checked before any pages are
     keyed (S31), so a misuse in one changes nothing. ``fork_targets``: the
     streams a preplanned fork will copy into (R57, as `cache_prefix`)."""
+    fast = _one_page_each(table, calls, fork_targets) if type(calls) is list else None
+    if fast is not None:
+        return fast
     if isinstance(calls, str | bytes) or not isinstance(calls, Sequence):
         raise InvalidArgumentError(
             f"cache_prefixes takes a sequence of (request_id, label, token_ids, start), "
@@ -165,24 +170,102 @@ def _pages_that_filled(table: StreamTable, todo: list[_Todo | None]) -> list[int
         parent = stream.keys[-1] if stream.keys else None
         keyed.append((stream, raw, prefix_hash.next_page_key(
             parent, raw, extras_for(table, rid, stream.space or label))))
-    pages = [st.page_indices[len(st.keys)] for st, _, _ in keyed]
-    # S23 counts a page only if this call made it findable: not one keyed
-    # before (a hit), nor one passed over because another page has its key
-    unkeyed = [table.pages.key_of(p) is None for p in pages]
-    done, _, err = table.pages.register_chain(pages, [k for _, _, k in keyed])
+    made = _key_filled(table, [(st, raw, key, st.page_indices[len(st.keys)])
+                               for st, raw, key in keyed])
+    counts = iter(made)
+    return [0 if t is None else next(counts) for t in todo]
+
+
+def _key_filled(table: StreamTable, keyed: list[tuple[CacheStream, bytes, PageKey, int]]
+                ) -> list[int]:
+    """Register each stream's page that just filled under its key, in one
+    pool call; returns per entry whether the page became findable here."""
+    took: list[bool] = []
+    done, _, err = table.pages.register_chain([p for _, _, _, p in keyed],
+                                              [k for _, _, k, _ in keyed], took)
     # as `_register` entry by entry: the ones before a failure keep their key
-    for stream, raw, key in keyed[:done]:
+    for stream, raw, key, _ in keyed[:done]:
         stream.keys.append(key)
         stream.key_tokens += raw
     if err is not None:
         raise err
-    made: list[int] = []
-    seen: set[int] = set()  # a fork's two streams name one shared page: counted once
-    for u, p, (_, _, k) in zip(unkeyed, pages, keyed, strict=True):
-        made.append(int(u and p not in seen and table.pages.key_of(p) == k))
-        seen.add(p)
-    counts = iter(made)
-    return [0 if t is None else next(counts) for t in todo]
+    # S23 counts a page only if this call made it findable: not one keyed
+    # before (a hit), nor one passed over because another page has its key;
+    # a fork's two streams naming one shared page count it once (the second
+    # finds the key the first gave it)
+    return [int(t) for t in took]
+
+
+def _one_page_each(table: StreamTable, calls: Sequence[object],
+                   fork_targets: Set[tuple[str, str]]) -> list[int] | None:
+    """`cache_prefixes` of a decode step's batch, each entry naming, as a list
+    of ints, just the page after its stream's chain, every check of
+    `_checked` passed: one pass, no record per entry. None, changing
+    nothing, when any entry is otherwise (the general path then decides,
+    and raises what it finds)."""
+    ps = table.page_size
+    if not table.sharing or not calls:
+        return None
+    streams_of = table.streams
+    windows = table.windows
+    fields = _PAGE_FIELDS.get(ps)
+    if fields is None:
+        fields = _PAGE_FIELDS[ps] = (prefix_hash.page_packer(ps),
+                                     prefix_hash.page_count_field(ps))
+    pack, count = fields
+    seen: set[tuple[str, str]] = set()
+    keyed: list[tuple[CacheStream, bytes, PageKey, int]] = []
+    sha, join = hashlib.sha256, b"".join
+    root, child = prefix_hash.ROOT_FIELD, prefix_hash.CHILD_FIELD
+    overrides = table.overrides
+    for call in calls:
+        if type(call) is not tuple or len(call) != 4:
+            return None
+        rid, label, tokens, start = call
+        if type(rid) is not str or type(label) is not str or type(start) is not int or (
+                type(tokens) is not list or len(tokens) != ps):
+            return None
+        streams = streams_of.get(rid)
+        stream = streams.get(label) if streams is not None else None
+        if stream is None or stream.offloaded or stream.received or (
+                stream.read_future is not None or stream.read_error is not None):
+            return None
+        keys = stream.keys
+        if start != len(keys) * ps or start + ps > stream.stored_len or (
+                windows and label in windows):
+            return None
+        name = (rid, label)
+        if name in seen or name in fork_targets:
+            return None
+        seen.add(name)
+        if set(map(type, tokens)) != {int}:
+            return None  # a bool, a numpy scalar: the general path checks it
+        try:
+            raw = pack(*tokens)
+        except struct.error:
+            return None  # an id past 64 bits: the general path refuses it
+        space = stream.space or label
+        # a request with no salt and no extra keys (most): its label's
+        # encoding, kept once per label, not built per call
+        cfg = overrides.get(rid)
+        plain = cfg is None or (cfg.cache_salt is None and not cfg.extra_keys)
+        tail = _LABEL_TAILS.get(space) if plain else None
+        if tail is None:
+            tail = prefix_hash.encode_extras(extras_for(table, rid, space))
+            if plain:
+                if len(_LABEL_TAILS) >= 4096:
+                    _LABEL_TAILS.clear()  # bounded, as `_EXTRAS`
+                _LABEL_TAILS[space] = tail
+        parent = child + keys[-1] if keys else root
+        keyed.append((stream, raw, sha(join((parent, count, raw, tail))).digest(),
+                      stream.page_indices[len(keys)]))
+    return _key_filled(table, keyed)
+
+
+# page size -> (`prefix_hash.page_packer`, `prefix_hash.page_count_field`)
+_PAGE_FIELDS: dict[int, tuple[Callable[..., bytes], bytes]] = {}
+# label -> the encoded extra keys of a stream of it with no salt and no extras
+_LABEL_TAILS: dict[str, bytes] = {}
 
 
 # what `_checked` found to key: the stream, its key, the ids, where they start

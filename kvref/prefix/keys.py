@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,8 @@ Tokens = Sequence[int] | np.ndarray[Any, Any]
 
 _ROOT = b"\x00"
 _CHILD = b"\x01"
+# the parent field's prefixes, for a caller that builds a page's message itself
+ROOT_FIELD, CHILD_FIELD = _ROOT, _CHILD
 
 
 def _u64(n: int) -> bytes:
@@ -130,6 +132,18 @@ def token_bytes(tokens: Tokens) -> bytes:
 
 # the page sizes engines use, each packed by a Struct built once
 _PAGE_PACK = {n: struct.Struct(f"<{n}q") for n in (1, 8, 16, 32, 64, 128, 256)}
+
+
+def page_packer(page_size: int) -> Callable[..., bytes]:
+    """``pack(*ids)``: a page's ids as `token_bytes` encodes them, for ints
+    already checked to be plain ints (raises struct.error past 64 bits)."""
+    got = _PAGE_PACK.get(page_size)
+    return (got or struct.Struct(f"<{page_size}q")).pack
+
+
+def page_count_field(page_size: int) -> bytes:
+    """The token-count field of a full page's message (field 2)."""
+    return _u64(page_size)
 
 
 def _parent_field(parent: PageKey | None) -> bytes:

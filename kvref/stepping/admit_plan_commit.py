@@ -27,6 +27,7 @@ from kvref.core.errors import (
 from kvref.core.stream_table import Key, StreamTable, released_after
 from kvref.core.streams import CacheStream
 from kvref.stepping import admission
+from kvref.stepping.decode_table import DecodeTable
 from kvref.stepping.forks import Forks
 from kvref.stepping.graph_staging import GraphStaging
 from kvref.stepping.plan import (
@@ -75,6 +76,8 @@ class Stepping:
         self.preplan: StagedPreplan | None = None
         # plan label -> this step's write addressing, from plan until commit (R27)
         self.current_plan_states: dict[str, KVPlanState] = {}
+        # the last decode step's page table, updated by the next (issue 28)
+        self.decode_table = DecodeTable(table.page_size, device)
 
     # -- admit ---------------------------------------------------------------
 
@@ -145,7 +148,10 @@ class Stepping:
                                           self._max_seq_len, padded=padded, sharing=sharing)
             if isinstance(grant, AdmitFailedReason):
                 return AdmitOutcome(ok=False, reason=grant)
-            self.running = RunningStep(step, padded, set(self._apply(grant)))
+            streams: list[CacheStream] = []
+            grown: list[int] = []
+            created = self._apply(grant, streams, grown)
+            self.running = RunningStep(step, padded, set(created), streams=streams, grown=grown)
             return ADMIT_OK
         validate.step_streams(all_streams, step, padded)
         # refusals after every misuse is ruled out (an unknown request first)
@@ -278,9 +284,12 @@ class Stepping:
                 request_id=key[0], label=key[1])
         return _stale(key, staged.basis[key], stream.stored_len if stream else None)
 
-    def _apply(self, grant: admission.Grant) -> list[Key]:
+    def _apply(self, grant: admission.Grant, streams_out: list[CacheStream] | None = None,
+               grown: list[int] | None = None) -> list[Key]:
         """Make a grant real: create each named stream that is missing, give it
-        the pages it is short, and mark it in flight. Returns the created keys."""
+        the pages it is short, and mark it in flight. Returns the created keys;
+        ``streams_out`` gets each claim's stream, ``grown`` the claims that
+        took pages (what the kept decode table is told of)."""
         created: list[Key] = []
         # first, while nothing else changed: a copy that raises leaves the
         # streams as they were, each copied one private and as it read
@@ -289,7 +298,8 @@ class Stepping:
         for (rid, label), _ in grant.privatise:
             self._forks.privatise(rid, label)
         take = self._table.take
-        for rid, streams, label, stream, short in grant.claims:
+        keep = streams_out.append if streams_out is not None else None
+        for i, (rid, streams, label, stream, short) in enumerate(grant.claims):
             if stream is None:
                 stream = streams[label] = CacheStream()
                 created.append((rid, label))
@@ -297,7 +307,11 @@ class Stepping:
                 # admission counted these under the same lock
                 stream.page_indices += take((rid, label), short)
                 stream.generation += 1
+                if grown is not None:
+                    grown.append(i)
             stream.step_in_flight = True
+            if keep is not None:
+                keep(stream)
         return created
 
     def clear_preplan(self) -> None:
@@ -377,10 +391,27 @@ class Stepping:
         else:
             validate.padded_known(ctx.padded_request_ids, self._table.streams)
         self._forks.run_pre(running)
-        outputs, states = self._build_plan(step, ctx, {})
+        # a plain decode step from the kept table, any other built afresh
+        kept = self._decode_plan(running, ctx) if running.streams is not None else None
+        outputs, states = kept if kept is not None else self._build_plan(step, ctx, {})
         running.planned = True
         self.current_plan_states = states
         return outputs
+
+    def _decode_plan(self, running: RunningStep, ctx: StepContext
+                     ) -> tuple[KVPlanOutputs, dict[str, KVPlanState]] | None:
+        """A plain decode step's plan from the kept table (`DecodeTable`), or
+        None when the step is not one it plans."""
+        assert running.streams is not None
+        segments = running.shape[0] if running.shape is not None else running.step.segments
+        got = self.decode_table.plan(segments, running.streams, running.grown)
+        if got is None:
+            return None
+        running.table_planned = True
+        out = KVPlanOutput(cpu_indptrs=got.indptrs, views=got.views)
+        label = segments[0].label
+        return KVPlanOutputs({label: out}), {
+            label: self._staging.leased(got.state, ctx.slot_lease, label)}
 
     def _build_plan(
         self, step: KVStep, ctx: StepContext, fork_len: Mapping[Key, int],
@@ -464,15 +495,19 @@ class Stepping:
              if lb in all_streams.get(r, {})}
             if self.preplan is not None else None
         )
-        for rid, label in admission.named_keys(step, running.padded):
-            stream = all_streams[rid][label]
+        # a plain admit's streams are the ones the step names (R2), looked up once
+        named = running.streams if running.streams is not None else [
+            all_streams[rid][label] for rid, label in admission.named_keys(step, running.padded)]
+        for stream in named:
             # cleared whether or not the step keeps its tokens: a step
             # with commit=False still read these pages, and a mark left
             # set would make the request unevictable
             if staged_marks is None or stream not in staged_marks:
                 stream.step_in_flight = False
         if step.commit:
-            self._add_spans(step)
+            self._add_spans(step, running.streams)
+            if running.table_planned:
+                self.decode_table.committed()
         # post-forks copy what this step just wrote, so after the spans land
         try:
             self._forks.run(running, step.post_forks)
@@ -481,16 +516,17 @@ class Stepping:
         if fault is not None:
             raise fault
 
-    def _add_spans(self, step: KVStep) -> None:
+    def _add_spans(self, step: KVStep, streams: list[CacheStream] | None) -> None:
+        """``streams``: the segments' streams, as a plain admit found them."""
         all_streams = self._table.streams
         # asked once per commit, not per segment: most caches window nothing,
         # and this loop runs for every request of every decode step
         windows = self._table.windows
-        for seg in step.segments:
+        for i, seg in enumerate(step.segments):
             span = seg.span
             if not span:
                 continue
-            stream = all_streams[seg.request_id][seg.label]
+            stream = streams[i] if streams is not None else all_streams[seg.request_id][seg.label]
             if stream.offloaded:
                 # unreachable under R2-R5; kept as the last defence,
                 # loudly, because it drops a committed span (I15)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -202,13 +202,39 @@ def build_paged_indptrs(views: Sequence[SequenceView], page_size: int) -> PagedI
     )
 
 
-@dataclass
 class KVPlanOutput:
-    """One plan label's page table, on the host and (after plan) on device."""
+    """One plan label's page table, on the host and (after plan) on device.
 
-    cpu_indptrs: PagedIndptrs
-    views: list[SequenceView]
-    cuda_indptrs: PagedIndptrs | None = None
+    ``views`` may be given as a function building them: a decode step's plan
+    (`kvref.stepping.decode_table`) makes them from its own table when first
+    read, since most steps never read them.
+    """
+
+    __slots__ = ("_make_views", "_views", "cpu_indptrs", "cuda_indptrs")
+
+    def __init__(self, cpu_indptrs: PagedIndptrs,
+                 views: list[SequenceView] | Callable[[], list[SequenceView]],
+                 cuda_indptrs: PagedIndptrs | None = None) -> None:
+        self.cpu_indptrs = cpu_indptrs
+        self.cuda_indptrs = cuda_indptrs
+        if callable(views):
+            self._views: list[SequenceView] | None = None
+            self._make_views: Callable[[], list[SequenceView]] | None = views
+        else:
+            self._views, self._make_views = views, None
+
+    @property
+    def views(self) -> list[SequenceView]:
+        views = self._views
+        if views is None:
+            assert self._make_views is not None
+            views = self._views = self._make_views()
+            self._make_views = None
+        return views
+
+    @views.setter
+    def views(self, views: list[SequenceView]) -> None:
+        self._views, self._make_views = views, None
 
     @property
     def is_decode(self) -> bool:
@@ -216,6 +242,10 @@ class KVPlanOutput:
 
     def get_total_len(self) -> int:
         return sum(v.to_compute for v in self.views)
+
+    def __repr__(self) -> str:
+        return (f"KVPlanOutput(cpu_indptrs={self.cpu_indptrs!r}, views={self.views!r}, "
+                f"cuda_indptrs={self.cuda_indptrs!r})")
 
 
 class ViewRows(NamedTuple):

@@ -57,6 +57,14 @@ class RunningStep:
     copy_forks: bool = False
     # what the step held at admit (a promoted preplan's: at its admit)
     shape: StepShape | None = None
+    # a plain admit's streams, one per segment in order, and the rows it
+    # appended pages to: what plan and commit reuse instead of looking up
+    # every stream again (issue 28); None after any other admit
+    streams: list[CacheStream] | None = None
+    grown: list[int] = field(default_factory=list)
+    # planned by the kept decode table (`kvref.stepping.decode_table`): its
+    # commit tells the table
+    table_planned: bool = False
 
     def __post_init__(self) -> None:
         if self.shape is None:

@@ -59,6 +59,7 @@ from kvref import (
     StepContext,
     TransferEngineInfo,
 )
+from kvref.testing import plan_oracle
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.testing.page_checks import check_device_pages
 from kvref_model import core as m
@@ -319,6 +320,9 @@ class Driver:
                 return m.Ok()
             else:
                 self.outputs = self.kv.plan(self.step[1], self.step[2])
+                # a kept table's row left stale shows here, before any write
+                wrong = plan_oracle.mismatch(self.kv, self.step[1], self.outputs)
+                assert wrong is None, f"plan differs from its tables built from scratch: {wrong}"
             self.written = {}
             self.last_rows = {label: sum(v.to_compute for v in out.views)
                               for label, out in self.outputs.items()}

@@ -289,6 +289,37 @@ class Lockstep(RuleBasedStateMachine):
             self.run(action)
             self.agrees_with_model()
 
+    @precondition(lambda self: self.state.staged is None and self.state.current is None
+                  and bool(self.ready()))
+    @rule(data=st.data())
+    def decode_step(self, data: st.DataObject) -> None:
+        """Decode steps of one token over the ready requests' label 0, whole,
+        as an engine repeats them, with one other call drawn between each
+        two: the page table kvref keeps across such steps (issue 28) is then
+        updated past a truncate, an offload, a reset, a retrieve, a fork..."""
+        self.driver.combine = False
+        for i in range(data.draw(st.integers(2, 4), label="decode steps")):
+            if i:
+                between = [a for a in self.enabled_of(object) if not isinstance(
+                    a, (m.Admit, m.Plan, m.Write, m.Commit))]
+                if between:
+                    self.run(data.draw(st.sampled_from(between), label="between"))
+                    self.agrees_with_model()
+            ready = tuple(self.ready())
+            if not ready or self.state.current is not None or self.state.staged is not None:
+                return
+            step = m.Step(tuple(m.Seg(rid, 0, 1) for rid in ready), padded=ready,
+                          commit=data.draw(st.sampled_from([True, True, True, False]),
+                                           label="decode commits"))
+            self.run(m.Admit(step))
+            for action in (m.Plan(), m.Write(), m.Commit()):
+                if self.state.current is None or not any(
+                    type(a) is type(action) for a in enabled(self.model, self.state)
+                ):
+                    continue
+                self.run(action)
+                self.agrees_with_model()
+
     @precondition(lambda self: self.state.staged is None and bool(self.ready()))
     @rule(data=st.data())
     def admit_preplan(self, data: st.DataObject) -> None:

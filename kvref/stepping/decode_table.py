@@ -1,0 +1,202 @@
+"""A decode batch's page table, kept across steps (issue 28).
+
+`decode_tables` builds a step's table from every view; a decode batch,
+step after step, changes few of its rows: each stream's length grows by
+one, and a stream crossing into a new page gains one page. This keeps the
+rows of the last decode step planned (per row: the stream, its view length,
+page count, released offset and pages) and updates only the rows that
+changed. Which rows changed is read off ``CacheStream.generation``, which
+every change to a stream's pages or length bumps and nothing lowers: a row
+whose stream holds the generation the table expects (what it was at the
+last plan, plus the bumps the stepping itself made and told the table of:
+a commit of the planned step, an admit's appended pages) changed only by
+those; any other row (a copy-on-write swap, a window release, a truncate,
+an offload, a fork, a reset, a retrieve) is read again from its stream.
+
+Outputs are the same bytes `decode_tables` gives over the same state
+(tests/unit/test_decode_table.py and the lockstep compare them); each plan
+hands out fresh buffers, so a caller holding an earlier plan's tables sees
+them unchanged. The views are built from the plan's own table on first
+read: most decode steps never read them.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvref.core.streams import CacheStream
+from kvref.stepping.plan import KVPlanState, PagedIndptrs, SequenceView, host_to_device
+from kvref.stepping.step import Segment
+
+_generation = operator.attrgetter("generation")
+_stored = operator.attrgetter("stored_len")
+_released = operator.attrgetter("released")
+_span = operator.attrgetter("span")
+
+Array = np.ndarray[Any, Any]
+
+# below this many rows, `decode_tables` builds the table afresh in the time
+# the kept table's fixed numpy set-up takes (a few dozen small array ops)
+SMALL_BATCH = 32
+
+
+class DecodePlan:
+    """What `DecodeTable.plan` hands out: the host table, the write slots,
+    and the plan-time rows the views are built from when first read."""
+
+    __slots__ = ("gens", "indptrs", "offset", "segments", "state", "table", "view_len")
+
+    def __init__(self, segments: Sequence[Segment], table: Array, indptrs: PagedIndptrs,
+                 state: KVPlanState, gens: Array, view_len: Array, offset: Array) -> None:
+        self.segments, self.table, self.indptrs, self.state = segments, table, indptrs, state
+        self.gens, self.view_len, self.offset = gens, view_len, offset
+
+    def views(self) -> list[SequenceView]:
+        """The step's views as `_sequence_views` builds them, from this plan's
+        table (its own buffer) and the generations read when it was made."""
+        n = len(self.segments)
+        kv = self.table[n + 1:2 * n + 2].tolist()
+        idx = self.table[3 * n + 2:]
+        return [SequenceView(seg.request_id, seg.label, idx[kv[i]:kv[i + 1]].tolist(),
+                             length, 1, gen, off)
+                for i, (seg, length, gen, off) in enumerate(zip(
+                    self.segments, self.view_len.tolist(), self.gens.tolist(),
+                    self.offset.tolist(), strict=True))]
+
+
+class DecodeTable:
+    """The rows of the last decode step planned, for the next one to update."""
+
+    def __init__(self, page_size: int, device: torch.device) -> None:
+        self._ps = page_size
+        self._device = device
+        # the rows' streams, in the step's order; None: nothing kept
+        self._streams: list[CacheStream] | None = None
+        self._segments: Sequence[Segment] = ()
+        # per row at the last plan: the stream's generation, the view's length
+        # (past its released offset), its pages, the released offset
+        self._gens: Array = np.empty(0, dtype=np.int64)
+        self._view_len: Array = np.empty(0, dtype=np.int64)
+        self._npages: Array = np.empty(0, dtype=np.int64)
+        self._offset: Array = np.empty(0, dtype=np.int64)
+        self._kv: Array = np.zeros(1, dtype=np.int64)  # row i's pages: indices[kv[i]:kv[i+1]]
+        self._indices: Array = np.empty(0, dtype=np.int32)
+        self._qo: Array = np.zeros(1, dtype=np.int64)
+        # commits of a step this table planned since its last plan: each added
+        # one token to every row and bumped its generation once
+        self.commits = 0
+
+    def forget(self) -> None:
+        self._streams = None
+
+    def committed(self) -> None:
+        """The step this table last planned was committed, keeping its tokens."""
+        self.commits += 1
+
+    def plan(self, segments: Sequence[Segment], streams: list[CacheStream],
+             grown: Sequence[int]) -> DecodePlan | None:
+        """The tables of a decode step (every span 1, one label) over
+        ``streams`` (its segments' streams, as its admit found them);
+        ``grown``: the rows whose admit appended pages (one generation bump
+        each). None when the step is not a decode step of one label, or has
+        fewer than `SMALL_BATCH` rows."""
+        n = len(streams)
+        if n < SMALL_BATCH:
+            return None  # a few rows are built afresh as fast as updated
+        kept = self._streams
+        if kept is not None and len(kept) == n and all(map(operator.is_, streams, kept)) and (
+                all(map(operator.is_, segments, self._segments))
+                or list(map(_span, segments)).count(1) == n):
+            self._segments = segments
+            return self._update(streams, grown)
+        if not n or list(map(_span, segments)).count(1) != n or len(
+                {s.label for s in segments}) != 1:
+            # kept: the next decode step of the kept rows reads again only
+            # the rows this step changed
+            return None
+        self._streams, self._segments = streams, segments
+        self._qo = np.arange(n + 1, dtype=np.int64)
+        return self._rebuild(streams)
+
+    def _rebuild(self, streams: list[CacheStream]) -> DecodePlan:
+        """Every row afresh from its stream."""
+        n = len(streams)
+        gens = np.fromiter(map(_generation, streams), np.int64, n)
+        offset = np.fromiter(map(_released, streams), np.int64, n)
+        view_len = np.fromiter(map(_stored, streams), np.int64, n) + 1 - offset
+        npages = -(-view_len // self._ps)
+        indices = np.concatenate([s.pages_array()[:k] for s, k in zip(
+            streams, npages.tolist(), strict=True)]) if n else self._indices[:0]
+        return self._emit(gens, view_len, npages, offset, indices)
+
+    def _update(self, streams: list[CacheStream], grown: Sequence[int]) -> DecodePlan:
+        n = len(streams)
+        gens = np.fromiter(map(_generation, streams), np.int64, n)
+        expect = self._gens + self.commits
+        if grown:
+            expect[list(grown)] += 1
+        dirty = np.flatnonzero(gens != expect)
+        if dirty.size == n:
+            return self._rebuild(streams)  # every row moved
+        view_len = self._view_len + self.commits
+        offset = self._offset
+        if dirty.size:
+            # read again from their streams: what changed them is unknown here
+            offset = offset.copy()
+            for i in dirty.tolist():
+                s = streams[i]
+                offset[i] = s.released
+                view_len[i] = s.stored_len + 1 - s.released
+        npages = -(-view_len // self._ps)
+        changed = np.flatnonzero(npages != self._npages)
+        if dirty.size:
+            changed = np.union1d(changed, dirty)
+        indices = self._indices
+        if changed.size:
+            # the unchanged runs of rows copied as slices, the changed rows
+            # from their streams' kept page arrays
+            kv = self._kv.tolist()
+            pieces: list[Array] = []
+            prev = 0
+            for i, k in zip(changed.tolist(), npages[changed].tolist(), strict=True):
+                pieces.append(indices[kv[prev]:kv[i]])
+                pieces.append(streams[i].pages_array()[:k])
+                prev = i + 1
+            pieces.append(indices[kv[prev]:])
+            indices = np.concatenate(pieces)
+        return self._emit(gens, view_len, npages, offset, indices)
+
+    def _emit(self, gens: Array, view_len: Array, npages: Array, offset: Array,
+              indices: Array) -> DecodePlan:
+        """Keep the rows, and hand out a fresh copy of the tables."""
+        n = gens.shape[0]
+        ps = self._ps
+        kv = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(npages, out=kv[1:])
+        pos = view_len - 1
+        off = pos % ps
+        # one int32 buffer, as `decode_tables`: qo, kv, last page lengths, indices
+        table = np.concatenate((self._qo, kv, off + 1, indices)).astype(np.int32)
+        b = (n + 1, 2 * n + 2, 3 * n + 2)
+        indptrs = PagedIndptrs(
+            qo_indptr=torch.from_numpy(table[:b[0]]),
+            paged_kv_indptr=torch.from_numpy(table[b[0]:b[1]]),
+            paged_kv_last_page_len=torch.from_numpy(table[b[1]:b[2]]),
+            paged_kv_indices=torch.from_numpy(table[b[2]:]),
+        )
+        host = np.concatenate((indices[kv[:-1] + pos // ps], off))
+        if self._device.type == "cpu":
+            page_t, offset_t = torch.from_numpy(host[:n]), torch.from_numpy(host[n:])
+        else:
+            both = host_to_device(torch.from_numpy(host), self._device)  # one H2D
+            page_t, offset_t = both[:n], both[n:]
+        state = KVPlanState(token_to_page=page_t, token_to_cache=offset_t, total_tokens=n)
+        self._gens, self._view_len, self._npages, self._offset = gens, view_len, npages, offset
+        self._kv, self._indices = kv, indices
+        self.commits = 0
+        return DecodePlan(self._segments, table, indptrs, state, gens, view_len, offset)

@@ -1,0 +1,171 @@
+"""The kept decode table (`kvref.stepping.decode_table`, issue 28) hands out,
+step after step, what the tables built from scratch over the same state
+hold: every plan below is compared with `kvref.testing.plan_oracle` (page
+table and views) and with `plan_tables`' write slots, and the token bytes
+each step wrote are read back (`Driver.check`).
+
+Between the decode steps of one batch, each call that changes a stream
+other than by the step itself runs: a copy-on-write swap (a truncate into a
+page a fork shares), a window release, a truncate, an offload and reload,
+a fork, a reset (keeping or freeing pages), a remove and re-ingest, a
+registration, an uncommitted step, a prefill step of another shape.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from kvref.core.config import RetentionPolicy
+from kvref.manager import KVManager
+from kvref.stepping import decode_table
+from kvref.stepping.plan import KVPlanOutputs, plan_tables
+from kvref.stepping.step import KVStep, StepContext
+from kvref.testing import plan_oracle
+from tests.unit._manager_fixtures import Driver, Key, fill, make_manager, token_values
+
+PS = 4
+
+
+@pytest.fixture(autouse=True)
+def kept_from_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kept table plans batches of any size here (in production from
+    `SMALL_BATCH` rows): these batches have four."""
+    monkeypatch.setattr(decode_table, "SMALL_BATCH", 1)
+
+
+class Checked:
+    """Wraps ``mgr.plan``: each plan is compared with its scratch build."""
+
+    def __init__(self, mgr: KVManager) -> None:
+        self.mgr = mgr
+        self.kept = 0  # plans the kept table made (views built lazily)
+        self._plan = mgr.plan
+        mgr.plan = self.plan  # type: ignore[method-assign]
+
+    def plan(self, step: KVStep, ctx: StepContext) -> KVPlanOutputs:
+        out = self._plan(step, ctx)
+        if ctx.is_preplan:
+            return out
+        self.kept += any(o._views is None for o in out.values())
+        wrong = plan_oracle.mismatch(self.mgr, step, out)
+        assert wrong is None, wrong
+        views = plan_oracle.scratch_views(self.mgr, step)
+        for label, vs in views.items():
+            _, want, _ = plan_tables(vs, PS, torch.device("cpu"))
+            got = self.mgr._current_plan_states[label]
+            assert got.total_tokens == want.total_tokens
+            for a, b in ((got.token_to_page, want.token_to_page),
+                         (got.token_to_cache, want.token_to_cache)):
+                assert a.dtype == b.dtype and torch.equal(a, b), (label, a, b)
+        return out
+
+
+class WindowDriver(Driver):
+    """`Driver` whose rows name absolute positions: a windowed view's length
+    counts from its released offset."""
+
+    def write_planned(self, outputs: KVPlanOutputs) -> dict[str, list[tuple[Key, int, int]]]:
+        cfg = self.mgr.config
+        rows_by_label: dict[str, list[tuple[Key, int, int]]] = {}
+        for plan_label, out in outputs.items():
+            rows = rows_by_label[plan_label] = [
+                ((v.request_id, v.label), self.tag((v.request_id, v.label)), v.offset + pos)
+                for v in out.views for pos in range(v.length - v.to_compute, v.length)]
+            for layer in range(cfg.num_layers):
+                kv = torch.stack([token_values(tag, pos, layer, cfg.num_kv_heads, cfg.head_dim)
+                                  for _, tag, pos in rows])
+                self.mgr.write_kv(kv[:, 0].contiguous(), kv[:, 1].contiguous(),
+                                  layer_idx=layer, label=plan_label)
+        return rows_by_label
+
+
+def tokens(rid: str, n: int) -> list[int]:
+    """Token ids by position: the same ids for a position at every call."""
+    return [ord(rid[-1]) * 1000 + i for i in range(n)]
+
+
+def run(seed: int, **cfg: Any) -> int:
+    rng = random.Random(seed)
+    window = cfg["retention"]["main"].context_budget if cfg.get("retention") else None
+    mgr = make_manager(pages=160, page_size=PS, cpu_pages=64, heads=1, head_dim=2,
+                       layers=1, **cfg)
+    checked = Checked(mgr)
+    drv = WindowDriver(mgr)
+    batch = ["a", "b", "c", "d"]
+    drv.ingest(*batch)
+    for rid in batch:
+        fill(drv, rid, rng.randint(1, 9))
+
+    def trim(rid: str, label: str, n: int) -> None:
+        drv.model[(rid, label)] = drv.model[(rid, label)][:n]
+
+    for _ in range(60):
+        live = [r for r in batch if mgr.stored_len(r) > 0]
+        op = rng.choice(["decode"] * 6 + ["no-commit", "truncate", "cow", "offload",
+                                          "fork", "reset", "remove", "register", "prefill"])
+        rid = rng.choice(live)
+        n = mgr.stored_len(rid)
+        if op == "truncate" and n > 1 and not cfg.get("retention"):
+            new = rng.randrange(1, n)
+            mgr.truncate(rid, "main", new)
+            trim(rid, "main", new)
+        elif op == "cow" and n > PS and not cfg.get("retention"):
+            # a fork shares main's full pages; a truncate into one of them
+            # leaves main's last page shared: its next write copies it first
+            drv.step([(rid, "main", 1)], post_forks=[("main", "side")])
+            new = (mgr.stored_len(rid) // PS - 1) * PS + rng.randint(1, PS - 1)
+            mgr.truncate(rid, "main", new)
+            trim(rid, "main", new)
+        elif op == "offload":
+            if mgr.offload(rid):
+                assert mgr.reload(rid)
+        elif op == "fork" and not cfg.get("retention"):
+            # another label forked onto main: main's pages become the source's
+            fill(drv, rid, rng.randint(1, 6), label="other")
+            drv.step([(rid, "other", 1)], post_forks=[("other", "main")])
+        elif op == "reset":
+            mgr.reset_request(rid, free=rng.random() < 0.5)
+            for key in [k for k in drv.model if k[0] == rid]:
+                drv.model[key] = []
+            fill(drv, rid, rng.randint(1, 9))
+        elif op == "remove":
+            mgr.remove_request(rid)
+            for key in [k for k in drv.model if k[0] == rid]:
+                del drv.model[key]
+            drv.ingest(rid)
+            fill(drv, rid, rng.randint(1, 9))
+        elif op == "register" and n >= PS:
+            mgr.cache_prefix(rid, "main", tokens(rid, n))
+        elif op == "prefill":
+            drv.step([(rid, "main", rng.randint(2, 5))])
+        # then a decode step of the whole batch (or one that keeps nothing)
+        drv.step([(r, "main", 1) for r in batch], commit=op != "no-commit")
+        for r in batch:
+            # a windowed stream reads back its last W tokens (W1)
+            got = mgr.read_stream(r, "main")
+            want = drv.expected(r, "main")
+            assert torch.equal(got, want[:, want.shape[1] - got.shape[1]:]), r
+            assert got.shape[1] == min(want.shape[1], window or want.shape[1]), r
+    return checked.kept
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kept_table_matches_a_rebuild(seed: int) -> None:
+    kept = run(seed)
+    assert kept > 30  # the kept table planned most decode steps
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_kept_table_matches_a_rebuild_without_sharing(seed: int) -> None:
+    assert run(seed, sharing=False) > 30
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kept_table_matches_a_rebuild_under_a_window(seed: int) -> None:
+    """Each decode step past the window releases a page of some streams."""
+    policy = RetentionPolicy(context_budget=6)
+    assert run(seed, retention={"main": policy}) > 30
