@@ -735,6 +735,26 @@ class Lockstep(RuleBasedStateMachine):
                 self.run_whole(m.Step((m.Seg(r, label, 1),), padded=(r,)))
         self.agrees_with_model()
 
+    @precondition(lambda self: any(w is not None for w in self.scope.windows)
+                  and self.state.current is None and self.state.staged is None
+                  and bool(self.ready()))
+    @rule(data=st.data())
+    def slide_a_window(self, data: st.DataObject) -> None:
+        """A windowed stream decoded past its window and margin, so that a
+        commit releases its first pages (W2); then a step that reads it from
+        its first retained page. Drawn steps reach a release seldom (two or
+        three steps on one windowed label in a row)."""
+        sc = self.scope
+        rid = data.draw(st.sampled_from(self.ready()), label="request")
+        label = data.draw(st.sampled_from([lb for lb in range(sc.labels)
+                                           if sc.window(lb) is not None]), label="window")
+        for _ in range(data.draw(st.integers(2, 4), label="steps")):
+            if rid not in self.ready():
+                break
+            self.run_whole(m.Step((m.Seg(rid, label, data.draw(
+                st.integers(1, sc.max_span), label="span")),), padded=(rid,)))
+        self.agrees_with_model()
+
     def run_whole(self, step: m.Step) -> None:
         """admit, plan, write, commit of ``step``, as far as the model lets it go."""
         if self.state.current is not None or self.state.staged is not None:
