@@ -166,9 +166,9 @@ def _plants() -> dict[str, set[str]]:
     """Every planted bug's name, by the file that registers it."""
     from kvref.testing.vllm_plants import PLANTS as VLLM
     from tests.concurrency.test_publish_races import PLANTED
+    from tests.conformance.test_feature_plants import PLANTS as FEATURES
     from tests.conformance.test_mutations import MUTANTS
     from tests.conformance.test_page_pool_plants import PLANTS as POOL
-    from tests.conformance.test_feature_plants import PLANTS as FEATURES
     from tests.support.sched_planted import DATA_RACES, RACES
 
     validate = _load(ROOT / "tests" / "unit" / "_plant_validate.py")
