@@ -131,6 +131,12 @@ class Stream:
     # chain of its tokens, so the slot says which); a reload re-attaches the
     # ones still cached (S29). () otherwise
     keyed: tuple[int, ...] = ()
+    # (sharing) its first full pages whose keys it has worked out: keyed by
+    # its CachePrefix, found by a hit, or passed over because another page
+    # had the key. A CachePrefix goes on from there and never retries those
+    # (S23, as vLLM's cached-block count); a fork target takes its source's;
+    # a truncate, a reset or an offload commit cuts it (`Model.step`)
+    chain: int = 0
 
 
 NO_STREAM = Stream()  # a stream not there yet (frozen: one value serves every lookup)
@@ -742,9 +748,21 @@ class Model:
                 type(self), "do_" + type(a).__name__)
         result: Result
         result, nxt = handler(self, s, a)
+        if self.scope.sharing and nxt is not s:
+            nxt = self._cut_chains(nxt)
         assert isinstance(result, RESULTS)
         assert isinstance(nxt, State)
         return result, nxt
+
+    def _cut_chains(self, s: State) -> State:
+        """A chain names full pages of committed tokens: one past its stream's
+        length (a truncate, a reset, an emptied fork target) is cut there."""
+        ps = self.scope.page_size
+        if all(v.chain <= v.stored_len // ps for _, v in s.streams):
+            return s
+        return replace(s, streams=tuple(
+            (k, v if v.chain <= v.stored_len // ps else replace(v, chain=v.stored_len // ps))
+            for k, v in s.streams))
 
     # --- requests
 
@@ -1128,12 +1146,12 @@ class Model:
                 if fault and not fired and moves > 0:
                     fired = True
                     st[dst], pool = self._fork_pages(st[dst], dst, None, pool)
-                    st[dst] = replace(st[dst], stored_len=0, contents=())
+                    st[dst] = replace(st[dst], stored_len=0, contents=(), chain=0)
                     continue
                 st[dst], pool = self._fork_pages(st[dst], dst, st[src], pool,
                                                  spans.get(dst, 0))
                 st[dst] = replace(st[dst], stored_len=st[src].stored_len,
-                                  contents=st[src].contents)
+                                  contents=st[src].contents, chain=st[src].chain)
         return fired, replace(p, fresh=frozenset(fresh)), pool
 
     def _fork_pages(self, v: Stream, k: Key, src: Stream | None, pool: pool_model.State,
@@ -1381,7 +1399,7 @@ class Model:
                 n, pool = self._release(pool, k, st[k].table)
                 freed += n
                 st[k] = replace(self.tab(st[k], (0,) * self.released(st[k])),
-                                offload=OFFLOADED, keyed=keyed)
+                                offload=OFFLOADED, keyed=keyed, chain=0)
             elif k in st:
                 st[k] = replace(st[k], offload=RESIDENT)
         return Freed(freed), self._next(
@@ -1645,7 +1663,11 @@ class Model:
             return Count(0), s  # W9: a windowed label registers nothing
         ps, pool, parent, added = self.scope.page_size, s.pool, None, 0
         assert pool is not None
-        for i in range(min(v.stored_len // ps, len(v.table))):
+        for i in range(v.chain):  # the chain so far: keyed or passed over (S23)
+            parent = self.pool.key_of(parent, v.contents[i * ps:(i + 1) * ps],
+                                      self.extras(a.rid))
+        chain = v.chain
+        for i in range(v.chain, min(v.stored_len // ps, len(v.table))):
             tokens = v.contents[i * ps:(i + 1) * ps]
             if not v.table[i] or not self._cachable(tokens):
                 break  # a chain goes no further than its first gap
@@ -1657,9 +1679,12 @@ class Model:
             assert isinstance(r, pool_model.Registered)
             added += fresh and r.page == v.table[i]  # a key another page had: S11
             parent = self.pool.key_of(parent, tokens, self.extras(a.rid))
-        if pool is s.pool:
+            chain = i + 1
+        if pool is s.pool and chain == v.chain:
             return Count(0), s
-        return Count(added), replace(s, pool=pool)
+        st = s.stream_map()
+        st[k] = replace(v, chain=chain)
+        return Count(added), replace(s, pool=pool, streams=_sorted(st))
 
     def cache_prefixes(self, s: State, keys: tuple[Key, ...]
                        ) -> tuple[tuple[Result, ...] | Misuse, State]:
@@ -1711,7 +1736,7 @@ class Model:
             return Count(0), made
         # the hit pages, then its old (spare, private) ones
         st[k] = replace(self.tab(v, r.pages + v.table), stored_len=r.num_tokens,
-                        contents=tokens[:r.num_tokens])
+                        contents=tokens[:r.num_tokens], chain=len(r.pages))
         return Count(r.num_tokens), self._next(s, st, pool)
 
     def do_ResetPrefixCache(self, s: State, a: ResetPrefixCache) -> tuple[Result, State]:

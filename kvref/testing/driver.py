@@ -634,7 +634,7 @@ class Driver:
                 pages=len(s.pages), stored_len=s.stored_len,
                 contents=known.contents if known is not None else (),
                 in_flight=s.in_flight, offload=OFFLOAD_STATE[s.offload],
-                retrieve=RETRIEVE_STATE[s.retrieve],
+                retrieve=RETRIEVE_STATE[s.retrieve], chain=s.keyed_pages,
             )
         host = []
         for c in seen.host.copies if seen.host is not None else ():

@@ -131,3 +131,38 @@ def test_a_post_fork_after_a_window_release_reserves_the_window() -> None:
              *whole(m.Step((m.Seg(0, 2, 1), m.Seg(0, 1, 1)), padded=(0,)))]
     step = m.Step((m.Seg(0, 2, 2),), pre_forks=((2, 1),), post_forks=((2, 1),), padded=(0,))
     assert replay([*trace, m.Admit(step)], SHIPPED_SCOPE) == m.Ok()
+
+
+def test_a_page_passed_over_stays_passed_over() -> None:
+    """Model hole (S23): a cache_prefix goes on from where its stream's chain
+    ends; a page passed over because another page had its key is not keyed
+    later, when that page is evicted (kvref, as vLLM's cached-block count).
+    The model walked every call from the first page and keyed it then. Found
+    by the shipped-configuration lockstep; the model now keeps each stream's
+    chain (`Stream.chain`), which the driver reads back as `keyed_pages`."""
+    trace = [m.Ingest(rid=2),
+             m.Admit(m.Step((m.Seg(rid=2, label=0, span=3),), padded=(2,))),
+             m.Plan(),
+             m.Write(),
+             m.Commit(),
+             m.CachePrefix(rid=2, label=0),
+             m.Ingest(rid=1),
+             m.Admit(m.Step((m.Seg(rid=1, label=0, span=1),), padded=(1,))),
+             m.Commit(),
+             m.Admit(m.Step((m.Seg(rid=2, label=0, span=2), m.Seg(rid=1, label=1, span=2)),
+                            pre_forks=((2, 1), (1, 2)), padded=(1, 2), commit=False)),
+             m.Commit(),
+             m.Admit(m.Step((m.Seg(rid=1, label=1, span=3),), padded=(1,)), preplan=True),
+             m.ClearPreplan(),
+             m.Reset(rid=2, free=True),
+             m.Admit(m.Step((m.Seg(rid=2, label=0, span=2),), padded=(2,))),
+             m.Plan(),
+             m.Write(),
+             m.Commit(),
+             m.CachePrefix(rid=2, label=0),
+             m.Admit(m.Step((m.Seg(rid=2, label=0, span=1),), padded=(2,))),
+             m.Commit(),
+             m.Admit(m.Step((m.Seg(rid=2, label=0, span=2),), padded=(2,))),
+             m.CachePrefix(rid=2, label=0)]
+    assert replay(trace[:-1], SHIPPED_SCOPE) == m.Ok()
+    assert replay(trace, SHIPPED_SCOPE) == m.Count(0)
