@@ -11,8 +11,9 @@ from the initial state, and a SHA-256 of the sorted transition set, every
 state, call and result written as plain nested tuples of field values, with
 the one model's page ids (`table`, `pool`) left out, and its sharing-only
 fields (`keyed`, `chain`) checked to be at their defaults and left out.
-Equal hashes mean equal sets. (Until this test, tests/model/frozen/ held a copy of that model and the
-sets were compared directly: the same check, at 30 s of CI.)
+Equal hashes mean equal sets. (Until this test, tests/model/frozen/ held a
+copy of that model and the sets were compared directly: the same check, at
+30 s of CI.)
 
 To regenerate (only if the old model's figures are in doubt: they describe
 a fixed commit):
