@@ -1,6 +1,6 @@
-"""The bounded checkers' shared ends: run a search to its report, and print
-the report as a table (kvref_model.pages_check, kvref_model.sharing_check,
-kvref_model.retention_check). kvref_model.check, the lifecycle's checker, prints its own."""
+"""A bounded checker's ends: run a search to its report, and print the
+report as a table (kvref_model.pages_check, the pool model's checker).
+kvref_model.check, the one model's checker, prints its own."""
 
 from __future__ import annotations
 

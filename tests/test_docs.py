@@ -154,7 +154,7 @@ PLANT_REGISTRIES = (
     "tests/support/sched_planted.py",
     "tests/concurrency/test_publish_races.py",
     "tests/conformance/test_page_pool_plants.py",
-    "tests/conformance/test_sharing_kvref_plants.py",
+    "tests/conformance/test_feature_plants.py",
     "tests/model/test_mutations.py",
     "tests/unit/_plant_validate.py",
     "kvref/testing/vllm_plants.py",
@@ -166,9 +166,9 @@ def _plants() -> dict[str, set[str]]:
     """Every planted bug's name, by the file that registers it."""
     from kvref.testing.vllm_plants import PLANTS as VLLM
     from tests.concurrency.test_publish_races import PLANTED
+    from tests.conformance.test_feature_plants import PLANTS as FEATURES
     from tests.conformance.test_mutations import MUTANTS
     from tests.conformance.test_page_pool_plants import PLANTS as POOL
-    from tests.conformance.test_sharing_kvref_plants import PLANTS as SHARING
     from tests.support.sched_planted import DATA_RACES, RACES
 
     validate = _load(ROOT / "tests" / "unit" / "_plant_validate.py")
@@ -180,7 +180,7 @@ def _plants() -> dict[str, set[str]]:
         "tests/support/sched_planted.py": {race.name for race in (*RACES, *DATA_RACES)},
         "tests/concurrency/test_publish_races.py": set(PLANTED),
         "tests/conformance/test_page_pool_plants.py": set(POOL),
-        "tests/conformance/test_sharing_kvref_plants.py": set(SHARING),
+        "tests/conformance/test_feature_plants.py": set(FEATURES),
         "tests/model/test_mutations.py": model_mutants,
         "tests/unit/_plant_validate.py": {plant[0] for plant in validate.PLANTS},
         "kvref/testing/vllm_plants.py": set(VLLM),

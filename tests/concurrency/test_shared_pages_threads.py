@@ -12,7 +12,8 @@ checker thread reads every settled stream back, and checks the page
 invariant (`check_device_pages`: reference counts equal the tables naming
 each page, spare pages private), under the manager's lock.
 
-The model of shared pages is `kvref_model.sharing`; this layer checks what a
+The model of shared pages is the one model (`kvref_model.core` with sharing
+on); this layer checks what a
 model of one thread cannot: the lock discipline over the page pool and the
 streams together (the detector, R31), and that no interleaving of a hit
 with an offload, a removal or an eviction loses a page or serves wrong KV.

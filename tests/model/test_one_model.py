@@ -1,88 +1,12 @@
-"""Features off reproduce today: the one model (kvref_model.core) with
-sharing and windows off reaches exactly the states and transitions of the
-page-counting lifecycle model it grew from (tests/model/frozen/core_v0.py, a
-frozen copy of kvref_model/core.py at c4e7395, explored with its own
-protocol), state for state under the projection page ids -> page counts."""
+"""The one model (kvref_model.core): its projection, and the mechanisms
+together as scenarios (issue 27, part 1). That with sharing and windows off
+it is the page-counting model it grew from is tests/model/test_features_off.py."""
 
 from __future__ import annotations
 
-from dataclasses import fields, is_dataclass
 from typing import Any
 
-import pytest
-
 from kvref_model import core
-from kvref_model.protocol import calls
-from kvref_model.reference import ReferenceModel
-from tests.model.frozen import core_v0 as v0
-from tests.model.frozen import protocol_v0
-from tests.model.frozen.reference_v0 import ReferenceModel as ReferenceV0
-
-# the one model's page ids, and the keyed slots a host copy remembers (S29;
-# always () with sharing off): projected away
-DROP = {"table", "pool", "keyed"}
-
-
-def norm(x: Any) -> Any:
-    """A value of either model as plain nested tuples (class names kept)."""
-    if is_dataclass(x) and not isinstance(x, type):
-        return (type(x).__name__,
-                *(norm(getattr(x, f.name)) for f in fields(x) if f.name not in DROP))
-    if isinstance(x, tuple):
-        return tuple(norm(y) for y in x)
-    if isinstance(x, frozenset):
-        return ("set", *sorted((norm(y) for y in x), key=repr))
-    return x
-
-
-def explore(model: Any, issue: Any, depth: int) -> tuple[set[Any], set[Any]]:
-    """Every state within `depth` calls and every transition, normalised."""
-    memo: dict[Any, Any] = {}
-
-    def norm_state(s: Any) -> Any:
-        got = memo.get(s)
-        if got is None:
-            got = memo[s] = norm(s)
-        return got
-
-    states, trans = {norm(model.init())}, set()
-    seen = {model.init()}
-    level = [model.init()]
-    for _ in range(depth):
-        nxt = []
-        for s in level:
-            ns = norm_state(s)
-            for a in issue(model, s):
-                r, n = model.step(s, a)
-                nn = norm_state(n)
-                trans.add((ns, norm(a), norm(r), nn))
-                states.add(nn)
-                if n not in seen:
-                    seen.add(n)
-                    nxt.append(n)
-        level = nxt
-    return states, trans
-
-
-SCOPES = [
-    (dict(), 4),
-    (dict(page_size=2, max_span=2, device_pages=3), 3),
-    (dict(requests=1, labels=3, device_pages=4, host_pages=2), 3),
-]
-
-
-@pytest.mark.parametrize(("kw", "depth"), SCOPES)
-@pytest.mark.parametrize("variant", ["kvref", "reference"])
-def test_features_off_is_todays_model(kw: dict[str, int], depth: int, variant: str) -> None:
-    new_cls, old_cls = ((core.Model, v0.Model) if variant == "kvref"
-                        else (ReferenceModel, ReferenceV0))
-    new = new_cls(core.Scope(**kw, depth=depth))
-    old = old_cls(v0.Scope(**kw, depth=depth))
-    got_states, got_trans = explore(new, calls, depth)
-    want_states, want_trans = explore(old, protocol_v0.calls, depth)
-    assert len(want_states) > 100
-    assert got_states == want_states
-    assert got_trans == want_trans
 
 
 def test_projection_is_what_the_read_back_compares() -> None:

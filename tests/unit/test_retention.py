@@ -1,7 +1,7 @@
 """Sliding-window retention in KVManager (issue 19; specs/retention.md W1-W14,
 rules R63-R68): each mechanism on a windowed label, with the bytes read
-back. The lockstep against kvref_model.retention is
-tests/conformance/test_retention_lockstep.py."""
+back. The lockstep against the one model (windows in its scope) is
+kvref.testing.lockstep's SHIPPED_SCOPE."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A fork of a windowed stream reserves only the pages its target must hold:
 the source's retained slots (issue 27, defects 1 and 2). Found first by
-the retention lockstep without sharing (tests/conformance/
-test_retention_lockstep.py, `test_retention_lockstep_without_sharing*`);
+the retention lockstep without sharing (since retired, issue 27);
 these are the issue's reproductions, kept as regression tests.
 
 Before the fix `reserve` counted a fork target's own released slots as

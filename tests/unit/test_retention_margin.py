@@ -1,8 +1,9 @@
 """The rollback margin (W15 of specs/retention.md): a windowed label keeps k
 tokens past its window, so a speculative step's rollback of up to k tokens
 is always legal, and the truncate check still uses W alone. The lockstep
-against the model is tests/conformance/test_retention_lockstep.py (its
-MARGIN scope); its plants (e) and (f) are in test_retention_kvref_plants.py."""
+against the one model is the composed lockstep (SHIPPED_SCOPE keeps a
+margin); its plants (e) and (f) are traces in
+tests/conformance/test_feature_plants.py."""
 
 from __future__ import annotations
 

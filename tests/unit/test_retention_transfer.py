@@ -1,6 +1,7 @@
 """publish and retrieve over windowed labels (W16, W17 of specs/retention.md;
 R69): two managers of one process, the local transfer engine. The lockstep
-against kvref_model.retention's Retrieve is tests/conformance/test_retention_lockstep.py."""
+against the one model is tests/conformance/test_feature_plants.py; these tests
+find the kvref plants (g) and (h), which its harness cannot drive."""
 
 from __future__ import annotations
 
