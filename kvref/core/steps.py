@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 Fork = tuple[str, str]  # (from_label, to_label), applied to each padded request
 
@@ -96,3 +97,15 @@ def group_by_plan_label(
             # stable: within a label, the batch's request order is kept
             segs.sort(key=lambda s: rank_in_group[s.label])
     return grouped
+
+
+class StepForks(Protocol):
+    """What publish and retrieve ask of the step mechanism (`kvref.stepping.
+    admit_plan_commit.Stepping` answers): whether a running or staged step
+    still forks onto a request (R50), and a copy-on-write of a stream's
+    shared last page before a retrieve writes into it (R52). Called under
+    the table's lock."""
+
+    def forks_pending(self, rid: str) -> bool: ...
+
+    def copy_on_write(self, rid: str, label: str) -> None: ...
