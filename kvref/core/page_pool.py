@@ -1,10 +1,9 @@
 """Reference-counted device pages with a chained-hash prefix cache (issue 18).
 
-`PagePool` is what the manager will call instead of `PageAllocator` once
-pages are shared: it hands out pages, counts who holds each, keeps full
-pages of committed tokens findable by their chained key
-(`kvref.prefix.keys`), and evicts free cached pages least recently used
-first.  Its executable spec is `kvref_model.pages`; the rules are
+`PagePool` holds the manager's device pages: it hands them out, counts
+who holds each, keeps full pages of committed tokens findable by their
+chained key (`kvref.core.page_keys`), and evicts free cached pages least
+recently used first.  Its executable spec is `kvref_model.pages`; the rules are
 specs/shared-pages.md (S1..).
 
 Holders.  A page is held by *owners*: any hashable value naming one holder
