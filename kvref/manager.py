@@ -146,18 +146,16 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         self._comm_group = joint_comm_group
         self._rank = joint_comm_group.rank if joint_comm_group is not None else 0
         self._world_size = joint_comm_group.world_size if joint_comm_group is not None else 1
-        # publish asks stepping whether a step still forks onto the request
-        # (R50); stepping is built below, so the question is late-bound
         forks = Forks(self._table, self.kv_cache)
-        self._retrieval = Retrieval(self._table, self._transfer, self._rank,
-                                    self._world_size, name,
-                                    lambda rid: self._stepping.forks_pending(rid),
-                                    forks.copy_on_write)
         self._graph_staging = GraphStaging(self._device)
         # admit, plan and commit each check their step; one walk per step object
         self._validate_step = validate.StepValidator()
         self._stepping = Stepping(self._table, forks,
                                   self._graph_staging, self._device, name, cfg.max_seq_len)
+        # publish and retrieve ask stepping about forks (R50, R52) through
+        # `StepForks`, nothing else of it
+        self._retrieval = Retrieval(self._table, self._transfer, self._rank,
+                                    self._world_size, name, self._stepping)
         self.reset_default_cursors()
 
     @classmethod
@@ -288,7 +286,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
             stream.generation += 1
         offload = self._offloads.pop(rid, None)
         if offload is not None:
-            offload._cancelled = True
+            offload.cancel()
         if self._cpu_pool is not None:
             self._cpu_pool.remove_request(rid)
         del self._streams[rid]

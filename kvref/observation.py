@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Hashable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvref.core.streams import OffloadState as OffloadState
+from kvref.core.streams import RetrieveState as RetrieveState
 
 if TYPE_CHECKING:
     from kvref.core.page_pool import PagePool
@@ -29,22 +31,6 @@ if TYPE_CHECKING:
     from kvref.core.streams import CacheStream
     from kvref.offload.handle import Offload
     from kvref.offload.host_pool import CPUPagePool
-
-
-class OffloadState(enum.Enum):
-    """Where a stream's KV is, as the offload mechanism sees it."""
-
-    RESIDENT = "resident"  # on device pages, usable by steps
-    CLAIMED = "claimed"  # an open offload claimed it (between claim and commit/abandon)
-    OFFLOADED = "offloaded"  # committed to the host: `reload` brings it back
-
-
-class RetrieveState(enum.Enum):
-    """A stream's retrieve (`admit_retrieve`), as the next admit would see it."""
-
-    IDLE = "idle"  # none running, none failed
-    PENDING = "pending"  # a copy is still writing its pages
-    FAILED = "failed"  # a copy failed: latched until reset or removal (I11)
 
 
 class PageState(enum.Enum):
@@ -164,19 +150,6 @@ class KVObservation:
                      if (c.request_id, c.label) == (rid, label)), None)
 
 
-def retrieve_state(read_future: Future[Any] | None,
-                   read_error: BaseException | None) -> RetrieveState:
-    """A stream's retrieve state from its future and its latched error."""
-    if read_error is not None:
-        return RetrieveState.FAILED
-    if read_future is None:
-        return RetrieveState.IDLE
-    if not read_future.done():
-        return RetrieveState.PENDING
-    # done: a failure not yet latched (the next admit latches it) is a failure
-    return RetrieveState.FAILED if read_future.exception() is not None else RetrieveState.IDLE
-
-
 def take(table: StreamTable, pool: PagePool, offloads: Mapping[str, Offload],
          host: CPUPagePool | None) -> KVObservation:
     """The snapshot; the caller holds the manager's lock (``table.lock``)."""
@@ -190,7 +163,7 @@ def take(table: StreamTable, pool: PagePool, offloads: Mapping[str, Offload],
             request_id=rid, label=label, stored_len=s.stored_len,
             pages=tuple(s.page_indices), generation=s.generation, released=s.released,
             in_flight=s.step_in_flight, offload=where,
-            retrieve=retrieve_state(s.read_future, s.read_error), received=s.received,
+            retrieve=s.retrieve, received=s.received,
             keyed_pages=len(s.keys))
 
     requests: dict[str, Mapping[str, StreamObservation]] = {}

@@ -29,8 +29,14 @@ from kvref.core.errors import (
     PublishedInfoError,
     UnknownRequestError,
 )
-from kvref.stepping.plan import group_by_plan_label
-from kvref.stepping.step import BucketKey, KVStep, Segment, SlotLease, StepContext
+from kvref.core.steps import (
+    BucketKey,
+    KVStep,
+    Segment,
+    SlotLease,
+    StepContext,
+    group_by_plan_label,
+)
 from kvref.transfer.published import KVSequenceInfo, PublishedKVInfo, PublishRefused
 
 

@@ -1,10 +1,9 @@
 """Reference-counted device pages with a chained-hash prefix cache (issue 18).
 
-`PagePool` is what the manager will call instead of `PageAllocator` once
-pages are shared: it hands out pages, counts who holds each, keeps full
-pages of committed tokens findable by their chained key
-(`kvref.prefix.keys`), and evicts free cached pages least recently used
-first.  Its executable spec is `kvref_model.pages`; the rules are
+`PagePool` holds the manager's device pages: it hands them out, counts
+who holds each, keeps full pages of committed tokens findable by their
+chained key (`kvref.core.page_keys`), and evicts free cached pages least
+recently used first.  Its executable spec is `kvref_model.pages`; the rules are
 specs/shared-pages.md (S1..).
 
 Holders.  A page is held by *owners*: any hashable value naming one holder
@@ -28,18 +27,32 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvref.core import page_keys as prefix_hash
 from kvref.core.errors import InvalidArgumentError, KVRefError
+from kvref.core.page_keys import ExtraKeys, PageKey, Tokens
+from kvref.core.refusals import AllocationFailed
 from kvref.core.runtime import Runtime, default_runtime, shared
-from kvref.prefix import keys as prefix_hash
-from kvref.prefix.keys import ExtraKeys, PageKey, Tokens
-from kvref.stepping.step import AllocationFailed
+
+# Page 0 never belongs to a stream. Padded slots of a captured graph write
+# here, so the scatter the graph recorded cannot land in a live request's KV.
+# The manager's pool reserves it (``reserved=SINK_PAGE + 1``).
+SINK_PAGE = 0
 
 Owner = Hashable
 _O = TypeVar("_O", bound=Hashable)
 
 __all__ = [
-    "AllocationFailed", "Owner", "PageNotWritableError", "PagePool", "PagePoolCorruptedError",
-    "PageRefError", "PageRegisterError", "PoolSnapshot", "PrefixHit", "Registered",
+    "SINK_PAGE",
+    "AllocationFailed",
+    "Owner",
+    "PageNotWritableError",
+    "PagePool",
+    "PagePoolCorruptedError",
+    "PageRefError",
+    "PageRegisterError",
+    "PoolSnapshot",
+    "PrefixHit",
+    "Registered",
     "ResetRefused",
 ]
 

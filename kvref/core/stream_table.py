@@ -19,17 +19,15 @@ admit copies that one first (`cow_needed`).
 
 from __future__ import annotations
 
-import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvref.core.config import KVReqConfig
 from kvref.core.errors import UnknownRequestError
 from kvref.core.page_pool import PagePool
 from kvref.core.runtime import Runtime
 from kvref.core.streams import CacheStream
-from kvref.transfer.lease import LeaseTable
 
 Key = tuple[str, str]  # (request id, label)
 
@@ -48,6 +46,17 @@ def released_after(released: int, length: int, keep: int, page_size: int) -> int
     retrieve (W16) all ask here."""
     return max(released, max(0, length - keep) // page_size * page_size)
 
+class PublishLeases(Protocol):
+    """The publish leases every mechanism asks about (R33, R34)."""
+
+    def take(self, rid: str) -> None: ...
+    def release(self, rid: str) -> None: ...
+    def held(self, rid: str) -> bool: ...
+    def leased(self) -> list[str]: ...
+    def refuse(self, rid: str, what: str) -> None:
+        """Raise `PublishLeasedError` if ``rid`` is leased."""
+
+
 @dataclass
 class StreamTable:
     """Streams per request, the device page pool, and the lock over both."""
@@ -60,8 +69,10 @@ class StreamTable:
     # Passed in: the runtime seam may hand a recording container
     streams: dict[str, dict[str, CacheStream]] = field(default_factory=dict)
     overrides: dict[str, KVReqConfig] = field(default_factory=dict)
-    # publish leases (R33): offload, reset and remove read them under ``lock``
-    leases: LeaseTable = field(default_factory=lambda: LeaseTable(None, time.monotonic))
+    # publish leases (R33): offload, reset and remove read them under
+    # ``lock``. Passed in (`kvref.transfer.lease.LeaseTable`): a lease is the
+    # transfer layer's, and core stands below it
+    leases: PublishLeases = field(kw_only=True)
     # KVConfig.enable_prefix_caching: forks share full pages and the prefix
     # cache is on; off, every page has one holder, as before sharing
     sharing: bool = True

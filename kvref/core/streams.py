@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +12,22 @@ import numpy as np
 # the empty page array a new stream starts with (never written: a stream's
 # first pages allocate a buffer of its own)
 _NO_PAGES: np.ndarray[Any, Any] = np.empty(0, dtype=np.int32)
+
+
+class OffloadState(enum.Enum):
+    """Where a stream's KV is, as the offload mechanism sees it."""
+
+    RESIDENT = "resident"  # on device pages, usable by steps
+    CLAIMED = "claimed"  # an open offload claimed it (between claim and commit/abandon)
+    OFFLOADED = "offloaded"  # committed to the host: `reload` brings it back
+
+
+class RetrieveState(enum.Enum):
+    """A stream's retrieve (`admit_retrieve`), as the next admit would see it."""
+
+    IDLE = "idle"  # none running, none failed
+    PENDING = "pending"  # a copy is still writing its pages
+    FAILED = "failed"  # a copy failed: latched until reset or removal (I11)
 
 
 class CacheStream:
@@ -98,6 +115,21 @@ class CacheStream:
         self._pages_buf: np.ndarray[Any, Any] = _NO_PAGES
         self._pages_n = 0
         self._pages_arr: np.ndarray[Any, Any] = _NO_PAGES  # buf[:n], kept
+
+    @property
+    def retrieve(self) -> RetrieveState:
+        """The stream's retrieve (`admit_retrieve`) as the next admit would
+        see it, from ``read_error`` and ``read_future``; reading it latches
+        nothing (`kvref.stepping.admission.retrieve_state` does)."""
+        if self.read_error is not None:
+            return RetrieveState.FAILED
+        fut = self.read_future
+        if fut is None:
+            return RetrieveState.IDLE
+        if not fut.done():
+            return RetrieveState.PENDING
+        # done: a failure not yet latched (the next admit latches it) is a failure
+        return RetrieveState.FAILED if fut.exception() is not None else RetrieveState.IDLE
 
     def pages_array(self) -> np.ndarray[Any, Any]:
         """``page_indices`` as int32, kept across steps: written again only

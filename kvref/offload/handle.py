@@ -64,8 +64,7 @@ class Offload:
         self._refusals: dict[str, OffloadReason] = {}
         self._outcome: OffloadOutcome | None = None
         self._open = True
-        # set by `remove_request` under the manager's lock: the request is
-        # gone, so every later phase does nothing
+        # `cancel`: the request is gone, so every later phase does nothing
         self._cancelled = False
 
     @property
@@ -79,6 +78,11 @@ class Offload:
     @property
     def cancelled(self) -> bool:
         return self._cancelled
+
+    def cancel(self) -> None:
+        """The request is gone (`remove_request`, under the manager's lock):
+        every later phase of this offload does nothing."""
+        self._cancelled = True
 
     @property
     def copied(self) -> list[str]:

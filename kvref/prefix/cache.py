@@ -20,12 +20,12 @@ import struct
 from collections.abc import Callable, Sequence, Set
 
 from kvref import validate
+from kvref.core import page_keys as prefix_hash
 from kvref.core.errors import InvalidArgumentError, StepInFlightError, StreamUnavailableError
+from kvref.core.page_keys import ExtraKeys, PageKey, Tokens
 from kvref.core.page_pool import ResetRefused
 from kvref.core.stream_table import StreamTable
 from kvref.core.streams import CacheStream
-from kvref.prefix import keys as prefix_hash
-from kvref.prefix.keys import ExtraKeys, PageKey, Tokens
 from kvref.stepping.admission import IDLE, retrieve_state
 
 

@@ -1,204 +1,22 @@
-"""Chained SHA-256 keys of full pages of tokens, for the prefix cache.
+"""The prefix cache's page keys: `kvref.core.page_keys`, where the page pool
+that indexes pages by them can reach them without importing upward. This
+module keeps the import path engines and the docs use."""
 
-A page's key is ``SHA-256(message)``, 32 bytes, where the message is, in
-order (integers are unsigned 64-bit little-endian unless said otherwise):
+from kvref.core.page_keys import (
+    DIGEST_SIZE,
+    ExtraKeys,
+    ExtraValue,
+    PageKey,
+    Tokens,
+    encode_extras,
+    iter_page_keys,
+    next_page_key,
+    page_key,
+    page_keys,
+    token_bytes,
+)
 
-1. the parent: ``b"\\x00"`` for a stream's first page, else ``b"\\x01"``
-   followed by the previous page's 32-byte key;
-2. the page's token count, then each token id as a *signed* 64-bit
-   little-endian integer (the bytes of ``array("q")``, or of a numpy integer
-   array cast to ``"<i8"``): no pickling, no ``repr``;
-3. the extra keys (a LoRA name, a tenant's ``cache_salt``, a multimodal
-   hash: anything else the page's KV depends on or must be kept apart by):
-   their count, then for each a tag and a value, each length-prefixed, the
-   value after a type byte (``s`` a UTF-8 string, ``b`` bytes, ``i`` a decimal
-   integer).
-
-Every field is fixed-size or length-prefixed, so the message is parsed back
-uniquely: two different (parent, tokens, extras) never give one message,
-and ``(("lora", "a"), ("salt", "bc"))`` never encodes like
-``(("lora", "ab"), ("salt", "c"))`` (vLLM 44701 joined untagged extra keys
-into one tuple). A collision of two keys is then a SHA-256 collision.
-Because each key covers its parent's, a key names the whole prefix: a page
-hits only under the same tokens before it, and the same extra keys.
-"""
-
-from __future__ import annotations
-
-import functools
-import hashlib
-import struct
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
-
-import numpy as np
-
-from kvref.core.errors import InvalidArgumentError
-
-DIGEST_SIZE = 32
-PageKey = bytes
-ExtraValue = str | bytes | int
-ExtraKeys = Sequence[tuple[str, ExtraValue]]
-Tokens = Sequence[int] | np.ndarray[Any, Any]
-
-_ROOT = b"\x00"
-_CHILD = b"\x01"
-# the parent field's prefixes, for a caller that builds a page's message itself
-ROOT_FIELD, CHILD_FIELD = _ROOT, _CHILD
-
-
-def _u64(n: int) -> bytes:
-    return n.to_bytes(8, "little")
-
-
-def encode_extras(extras: ExtraKeys) -> bytes:
-    """The tagged, length-prefixed encoding of the extra keys (field 3)."""
-    # the very tuple encoded before (a stream's, `extras_for` keeps one per
-    # salt and label): found by identity, no check of its items
-    seen = _BY_ID.get(id(extras))
-    if seen is not None and seen[0] is extras:
-        return seen[1]
-    # a stream's extras are the same on every call: encoded once. Only exact
-    # types are cached, since True == 1 and "a" == a str subclass would share
-    # an entry while one of them encodes otherwise (or is refused)
-    if type(extras) is tuple and all(
-            type(item) is tuple and len(item) == 2 and type(item[0]) is str
-            and type(item[1]) in _PLAIN for item in extras):
-        got = _encoded_extras(extras)
-        if len(_BY_ID) >= 4096:
-            _BY_ID.clear()  # bounded: a workload of many salts re-encodes, not grows
-        # the entry holds the tuple, so its id is not reused while it is here
-        _BY_ID[id(extras)] = (extras, got)
-        return got
-    return _encode_extras(extras)
-
-
-_PLAIN = (str, bytes, int)
-_BY_ID: dict[int, tuple[object, bytes]] = {}
-
-
-@functools.lru_cache(maxsize=4096)
-def _encoded_extras(extras: tuple[tuple[str, ExtraValue], ...]) -> bytes:
-    return _encode_extras(extras)
-
-
-def _encode_extras(extras: ExtraKeys) -> bytes:
-    out = [_u64(len(extras))]
-    for item in extras:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise InvalidArgumentError(f"an extra key is a (tag: str, value) pair, got {item!r}")
-        tag, value = item
-        if isinstance(value, str):
-            kind, raw = b"s", value.encode()
-        elif isinstance(value, bytes):
-            kind, raw = b"b", value
-        elif isinstance(value, int) and not isinstance(value, bool):
-            kind, raw = b"i", str(value).encode()
-        else:
-            raise InvalidArgumentError(
-                f"extra key {tag!r}: the value must be str, bytes or int, got "
-                f"{type(value).__name__}")
-        t = tag.encode()
-        out += [_u64(len(t)), t, kind, _u64(len(raw)), raw]
-    return b"".join(out)
-
-
-def token_bytes(tokens: Tokens) -> bytes:
-    """Token ids as signed 64-bit little-endian integers, back to back."""
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise InvalidArgumentError(
-                f"token_ids must be a 1-D integer array, got {tokens.dtype} of shape "
-                f"{tokens.shape}")
-        if tokens.dtype == np.uint64 and tokens.size and int(tokens.max()) >= 1 << 63:
-            raise InvalidArgumentError("a token id does not fit in a signed 64-bit integer")
-        return np.ascontiguousarray(tokens, dtype="<i8").tobytes()
-    if str(getattr(tokens, "dtype", "")) == "torch.bool":
-        raise InvalidArgumentError("token_ids must be integer ids, got a torch bool tensor "
-                                   "(a mask passed as ids?)")
-    # bool is an int subclass that struct packs as 0 and 1: refused, as every
-    # other call refuses a bool where it takes an int (one C-level pass)
-    kinds = set(map(type, tokens))
-    if bool in kinds or np.bool_ in kinds:
-        raise InvalidArgumentError("token_ids must be integer ids, got a bool among them "
-                                   "(a mask passed as ids?)")
-    try:  # struct packs a list twice as fast as array("q") does, here
-        n = len(tokens)
-        # a page's worth (every cache_prefix of a decode step) by a kept Struct
-        return (_PAGE_PACK.get(n) or struct.Struct(f"<{n}q")).pack(*tokens)
-    except (struct.error, TypeError) as err:
-        raise InvalidArgumentError(f"token ids must be 64-bit integers: {err}") from None
-
-
-# the page sizes engines use, each packed by a Struct built once
-_PAGE_PACK = {n: struct.Struct(f"<{n}q") for n in (1, 8, 16, 32, 64, 128, 256)}
-
-
-def page_packer(page_size: int) -> Callable[..., bytes]:
-    """``pack(*ids)``: a page's ids as `token_bytes` encodes them, for ints
-    already checked to be plain ints (raises struct.error past 64 bits)."""
-    got = _PAGE_PACK.get(page_size)
-    return (got or struct.Struct(f"<{page_size}q")).pack
-
-
-def page_count_field(page_size: int) -> bytes:
-    """The token-count field of a full page's message (field 2)."""
-    return _u64(page_size)
-
-
-def _parent_field(parent: PageKey | None) -> bytes:
-    if parent is None:
-        return _ROOT
-    if not isinstance(parent, bytes) or len(parent) != DIGEST_SIZE:
-        raise InvalidArgumentError(
-            f"a parent key is the {DIGEST_SIZE}-byte key of the previous page, got "
-            f"{parent!r:.80}")
-    return _CHILD + parent
-
-
-def page_key(parent: PageKey | None, tokens: Tokens, extras: ExtraKeys = ()) -> PageKey:
-    """The key of one page holding `tokens`, after the page keyed `parent`."""
-    tb = token_bytes(tokens)
-    return hashlib.sha256(b"".join((_parent_field(parent), _u64(len(tb) // 8), tb,
-                                    encode_extras(extras)))).digest()
-
-
-def iter_page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
-                   parent: PageKey | None = None, pages: int | None = None,
-                   encoded: bytes | None = None) -> Iterator[PageKey]:
-    """The chained keys of the whole pages of `tokens` (at most `pages` of
-    them), lazily: a caller that stops at the first miss hashes no further.
-    The tokens and the extra keys are encoded once for the whole chain;
-    ``encoded``: `token_bytes` of `tokens`, where the caller has it already."""
-    if page_size <= 0:
-        raise InvalidArgumentError(f"page_size must be positive, got {page_size}")
-    n = len(tokens) // page_size
-    if pages is not None:
-        n = min(n, max(pages, 0))
-    if n == 0:
-        return
-    # only what is hashed is encoded
-    tb = memoryview(token_bytes(tokens[:n * page_size]) if encoded is None else encoded)
-    count, tail, step = _u64(page_size), encode_extras(extras), 8 * page_size
-    sha, join = hashlib.sha256, b"".join
-    prev = _parent_field(parent)
-    for i in range(n):
-        key = sha(join((prev, count, tb[i * step:(i + 1) * step], tail))).digest()
-        yield key
-        prev = _CHILD + key
-
-
-def page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
-              parent: PageKey | None = None, pages: int | None = None,
-              encoded: bytes | None = None) -> list[PageKey]:
-    """`iter_page_keys` as a list: what an engine computes once per prompt."""
-    return list(iter_page_keys(tokens, page_size, extras, parent=parent, pages=pages,
-                               encoded=encoded))
-
-
-def next_page_key(parent: PageKey | None, encoded: bytes, extras: ExtraKeys = ()) -> PageKey:
-    """The key of the one page whose ids `encoded` holds (`token_bytes`),
-    after the page keyed `parent`: `page_key` without encoding the ids again,
-    for a page that just filled (`KVManager.cache_prefixes`)."""
-    return hashlib.sha256(b"".join((_parent_field(parent), _u64(len(encoded) // 8), encoded,
-                                    encode_extras(extras)))).digest()
+__all__ = [
+    "DIGEST_SIZE", "ExtraKeys", "ExtraValue", "PageKey", "Tokens", "encode_extras",
+    "iter_page_keys", "next_page_key", "page_key", "page_keys", "token_bytes",
+]

@@ -274,6 +274,11 @@ class Stepping:
         return staged is not None and rid in staged.ctx.padded_request_ids and bool(
             staged.step.pre_forks or staged.step.post_forks)
 
+    def copy_on_write(self, rid: str, label: str) -> None:
+        """Make the stream's shared last page private (`Forks.copy_on_write`),
+        for a retrieve that writes into it (R52). Called under the table's lock."""
+        self._forks.copy_on_write(rid, label)
+
     def _stale_reason(self, staged: StagedPreplan, key: Key) -> PreplanStale:
         stream = self._table.streams.get(key[0], {}).get(key[1])
         if stream is not None and stream.stored_len == staged.basis[key]:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from kvref.stepping.step import Fork, Segment
-
-# Page 0 never belongs to a stream. Padded slots of a captured graph write
-# here, so the scatter the graph recorded cannot land in a live request's KV.
-SINK_PAGE = 0
+from kvref.core.page_pool import SINK_PAGE as SINK_PAGE
+from kvref.core.steps import Fork
+from kvref.core.steps import group_by_plan_label as group_by_plan_label
 
 
 def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -294,37 +292,6 @@ class KVPlanOutputs(dict[str, KVPlanOutput]):
                                                              row + v.to_compute)
                     row += v.to_compute
         return rows.get((request_id, label))
-
-
-def group_by_plan_label(
-    segments: Iterable[Segment], combined_labels: Sequence[Sequence[str]] = ()
-) -> dict[str, list[Segment]]:
-    """Segments per plan label; a combined group is label-major under its first label.
-
-    Label-major (every ``main`` segment, then every ``cfg`` one) is what lets
-    attention treat a combined batch as one ragged batch with one write.
-    """
-    if not combined_labels:
-        segments = list(segments)
-        if len({s.label for s in segments}) <= 1:
-            # one label (every plain decode step): one group, in order
-            return {segments[0].label: segments} if segments else {}
-    plan_label_of: dict[str, str] = {}
-    rank_in_group: dict[str, int] = {}
-    for group in combined_labels:
-        for rank, label in enumerate(group):
-            if label in plan_label_of:
-                raise ValueError(f"label {label!r} is in two combined groups")
-            plan_label_of[label] = group[0]
-            rank_in_group[label] = rank
-    grouped: dict[str, list[Segment]] = {}
-    for s in segments:
-        grouped.setdefault(plan_label_of.get(s.label, s.label), []).append(s)
-    for plan_label, segs in grouped.items():
-        if len(segs) > 1 and plan_label in rank_in_group:
-            # stable: within a label, the batch's request order is kept
-            segs.sort(key=lambda s: rank_in_group[s.label])
-    return grouped
 
 
 @dataclass

@@ -886,14 +886,7 @@ def refusal_in_model(s: m.State, rid: int, said: OffloadReason | ReloadReason | 
 def retrieve_state(s: Any) -> str:
     """The model's retrieve state of a stream object (the scheduled tests'
     read of one); the driver itself reads `StreamObservation.retrieve`."""
-    if s.read_error is not None:
-        return m.FAILED
-    fut = s.read_future
-    if fut is None:
-        return m.IDLE
-    if not fut.done():
-        return m.PENDING
-    return m.FAILED if fut.exception() is not None else m.IDLE
+    return RETRIEVE_STATE[s.retrieve]
 
 
 def outcome(out: AdmitOutcome) -> m.Result:

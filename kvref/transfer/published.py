@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvref.core.refusals import AdmitFailedReason, AdmitRuntimeError
 from kvref.core.resource import PublishedInfo
-from kvref.stepping.step import AdmitFailedReason, AdmitRuntimeError
 
 
 @dataclass

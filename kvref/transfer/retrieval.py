@@ -11,7 +11,6 @@ failed or stale copy is latched on it (I11) until reset or removal.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from kvref.core.errors import (
@@ -19,6 +18,7 @@ from kvref.core.errors import (
     PublishedInfoError,
     StepInFlightError,
 )
+from kvref.core.steps import StepForks
 from kvref.core.stream_table import StreamTable, pages_for, released_after
 from kvref.core.streams import CacheStream
 from kvref.stepping import admission
@@ -44,20 +44,14 @@ from kvref.transfer.published import (
 logger = logging.getLogger(__name__)
 
 
-def _no_shared_pages(rid: str, label: str) -> None:
-    raise AssertionError(f"copy-on-write of {rid!r}/{label!r} in a cache that shares no pages")
-
-
 class Retrieval:
     """Publish and retrieve over one stream table and one transfer engine."""
 
     def __init__(self, table: StreamTable, transfer: KVTransferManager, rank: int,
-                 world_size: int, name: str,
-                 forks_pending: Callable[[str], bool] = lambda rid: False,
-                 copy_on_write: Callable[[str, str], None] | None = None) -> None:
+                 world_size: int, name: str, stepping: StepForks) -> None:
         self._table = table
-        self._forks_pending = forks_pending
-        self._copy_on_write = copy_on_write or _no_shared_pages
+        # the step mechanism, asked through `StepForks` only
+        self._stepping = stepping
         self._transfer = transfer
         self._rank = rank
         self._world_size = world_size
@@ -91,7 +85,7 @@ class Retrieval:
                     message="unknown request (never ingested, or removed): nothing to "
                     "publish", request_id=request_id))
             refused: AdmitFailedReason | None = self._publish_refusal(request_id, streams)
-            if refused is None and self._forks_pending(request_id):
+            if refused is None and self._stepping.forks_pending(request_id):
                 # R50: under the lease, nothing may overwrite what it names
                 refused = ForkPending(
                     message="a running or staged step still forks onto this request: "
@@ -269,7 +263,7 @@ class Retrieval:
         if old_len >= released and self._table.cow_needed((rid, label), stream):
             # the copy lands after the stream's last token, in its partial
             # page: made private first, as an admit's write is (R52)
-            self._copy_on_write(rid, label)
+            self._stepping.copy_on_write(rid, label)
         kept = self._kept(stream, released)
         short = pages_for(info.seq_len, ps) - released // ps - len(kept)
         # counted by the caller, under the same lock; named to the copy but

@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvref.core import page_keys as prefix_hash
 from kvref.core.page_pool import PageNotWritableError, PagePool, PageRefError, Registered
-from kvref.prefix import keys as prefix_hash
 from kvref_model.pages import variant
 from kvref_model.pages_check import SCOPE, check
 from tests.conformance.test_page_pool_lockstep import PagePoolLockstep

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from concurrent.futures import Future
 from types import MappingProxyType
 from typing import Any
 
@@ -25,6 +26,7 @@ from kvref import (
     StepContext,
     TransferEngineInfo,
 )
+from kvref.core.streams import CacheStream
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.testing.page_checks import check_device_pages
 
@@ -193,6 +195,25 @@ def test_a_window_release_is_observed() -> None:
     assert s.stored_len == 20 and s.released > 0 and s.released % PS == 0
     assert len(s.pages) == -(-(s.stored_len - s.released) // PS)
     assert kv.observe().host is None  # no host pool configured
+
+
+def test_stream_retrieve_state_from_its_fields() -> None:
+    """`CacheStream.retrieve` names the model's state (IDLE, PENDING,
+    FAILED) from the future and the latched error, and latches nothing."""
+    s = CacheStream()
+    assert s.retrieve is RetrieveState.IDLE
+    fut: Future[None] = Future()
+    s.read_future = fut
+    assert s.retrieve is RetrieveState.PENDING
+    fut.set_result(None)
+    assert s.retrieve is RetrieveState.IDLE
+    failed: Future[None] = Future()
+    failed.set_exception(RuntimeError("copy failed"))
+    s.read_future = failed
+    assert s.retrieve is RetrieveState.FAILED
+    assert s.read_future is failed and s.read_error is None  # read, not latched
+    s.read_future, s.read_error = None, RuntimeError("latched")
+    assert s.retrieve is RetrieveState.FAILED
 
 
 def test_retrieve_states() -> None:
