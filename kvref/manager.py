@@ -421,7 +421,8 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         that disagree with those named before for a keyed page, or that are
         not 64-bit integers (a bool, a bool array or tensor included);
         `StreamUnavailableError` while offloaded or receiving a retrieve;
-        `StepInFlightError` while a preplanned fork will copy into it (R57);
+        `StepInFlightError` while a fork of an admitted step (preplanned, or
+        running and not yet run) will still write into it (R57, S32);
         `UnknownRequestError`.
         """
         validate.request_id(rid, "cache_prefix")
@@ -429,8 +430,8 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         with self._lock:
             if self._table.sharing and self._stepping.copies_into(rid, label):
                 raise StepInFlightError(
-                    "cache_prefix of a stream a preplanned fork will copy into; commit "
-                    "that step first (R57)", request_id=rid, label=label)
+                    "cache_prefix of a stream an admitted fork will still write into; "
+                    "commit that step first (R57, S32)", request_id=rid, label=label)
             return prefix_cache.cache_prefix(self._table, rid, label, token_ids, start)
 
     def cache_prefixes(self, calls: Sequence[tuple[str, str, Tokens, int]]) -> list[int]:

@@ -610,6 +610,8 @@ class Model:
     S29_reload_reattaches = True
     S29k_reattach_by_chained_key = True
     S30_received_never_cached = True  # R55: a peer's KV, or a fork of it
+    # S32: cache_prefix refuses a stream an admitted fork will still write into
+    S32_no_key_under_a_pending_fork = True
     # retention (specs/retention.md), acting on the labels Scope.windows names
     W2_retire_whole_pages_only = True
     W5_fork_inherits_window = True
@@ -1659,6 +1661,10 @@ class Model:
             # claimed, offloaded, or a retrieve copies into it (or failed to):
             # its pages are not the tokens' to key
             return Misuse("StreamUnavailableError"), s
+        if self.S32_no_key_under_a_pending_fork and self._fork_pending_into(s, k):
+            # S32: the fork would find the private page its admit counted on
+            # keyed (and no page left to write into), or copy into a keyed page
+            return Misuse("StepInFlightError"), s
         if self.scope.window(a.label) is not None and self.W9_window_never_cached:
             return Count(0), s  # W9: a windowed label registers nothing
         ps, pool, parent, added = self.scope.page_size, s.pool, None, 0
@@ -1685,6 +1691,18 @@ class Model:
         st = s.stream_map()
         st[k] = replace(v, chain=chain)
         return Count(added), replace(s, pool=pool, streams=_sorted(st))
+
+    @staticmethod
+    def _fork_pending_into(s: State, k: Key) -> bool:
+        """Whether a fork still to run writes into ``k``: the staged preplan's,
+        the running step's post-forks, and its pre-forks until its plan ran them."""
+        for p in (s.current, s.staged):
+            if p is None:
+                continue
+            forks = p.step.post_forks + (() if p.forked else p.step.pre_forks)
+            if any((rid, t) == k for _, t in forks for rid in p.step.padded):
+                return True
+        return False
 
     def cache_prefixes(self, s: State, keys: tuple[Key, ...]
                        ) -> tuple[tuple[Result, ...] | Misuse, State]:

@@ -121,7 +121,7 @@ def cache_prefixes(table: StreamTable, calls: Sequence[tuple[str, str, Tokens, i
                    fork_targets: Set[tuple[str, str]]) -> list[int]:
     """See `KVManager.cache_prefixes`: every call checked before any pages are
     keyed (S31), so a misuse in one changes nothing. ``fork_targets``: the
-    streams a preplanned fork will copy into (R57, as `cache_prefix`)."""
+    streams an admitted fork will still write into (R57, S32, as `cache_prefix`)."""
     fast = _one_page_each(table, calls, fork_targets) if type(calls) is list else None
     if fast is not None:
         return fast
@@ -146,8 +146,8 @@ def cache_prefixes(table: StreamTable, calls: Sequence[tuple[str, str, Tokens, i
         named.add((rid, label))
         if (rid, label) in fork_targets:
             raise StepInFlightError(
-                f"cache_prefixes entry {i}: a stream a preplanned fork will copy into; "
-                "commit that step first (R57)", request_id=rid, label=label)
+                f"cache_prefixes entry {i}: a stream an admitted fork will still write "
+                "into; commit that step first (R57, S32)", request_id=rid, label=label)
         todo.append(_checked(table, rid, label, tokens, start))
     filled = _pages_that_filled(table, todo)
     if filled is not None:

@@ -244,25 +244,24 @@ class Stepping:
                                       "running step committed")
 
     def copies_into(self, rid: str, label: str) -> bool:
-        """Whether a fork still to run copies into this stream's own pages (a
-        preplanned step's, R57): nothing may register them meanwhile, or the
-        copy would write into a page the prefix cache names."""
-        staged, running = self.preplan, self.running
-        steps = [(staged.step, staged.ctx.padded_request_ids)] if staged else []
-        if running is not None and running.copy_forks:
-            steps.append((running.step, running.padded))
-        return any(to == label and rid in padded
-                   for step, padded in steps for _, to in (*step.pre_forks, *step.post_forks))
+        """Whether a fork still to run writes into this stream (a staged
+        preplan's, R57; the running step's pre-forks before its plan ran them,
+        and its post-forks, S32): nothing may register its pages meanwhile, or
+        the fork would write into a page the prefix cache names, or find the
+        private page its admit counted on keyed and none left to write into."""
+        return (rid, label) in self.fork_targets()
 
     def fork_targets(self) -> frozenset[tuple[str, str]]:
         """Every stream `copies_into` is True of, found once (a batch of
         `cache_prefixes` asks of many streams in one call)."""
         staged, running = self.preplan, self.running
-        steps = [(staged.step, staged.ctx.padded_request_ids)] if staged else []
-        if running is not None and running.copy_forks:
-            steps.append((running.step, running.padded))
-        return frozenset((rid, to) for step, padded in steps for rid in padded
-                         for _, to in (*step.pre_forks, *step.post_forks))
+        pending = [(staged.step.pre_forks + staged.step.post_forks,
+                    staged.ctx.padded_request_ids)] if staged else []
+        if running is not None:
+            pending.append(((() if running.forked else running.step.pre_forks)
+                            + running.step.post_forks, running.padded))
+        return frozenset((rid, to) for forks, padded in pending for rid in padded
+                         for _, to in forks)
 
     def forks_pending(self, rid: str) -> bool:
         """Whether the running or the staged step still has forks to apply to

@@ -186,3 +186,20 @@ def test_a_windowed_fork_targets_view_counts_from_its_first_retained_page() -> N
     views = [v for out in (d.outputs or {}).values() for v in out.views]
     assert [(v.offset, v.length) for v in views] == [(2, 4)]
     d.check_views()
+
+
+def test_no_key_under_a_pending_fork() -> None:
+    """Model and kvref defect (S32): between an admit whose pre-fork targets a
+    stream and its plan, cache_prefix keyed the target's private page that
+    the admit counted on; at plan the fork gave it to the cache and the
+    write found no page (kvref raised a plain KVRefError, the model broke I3).
+    Found by the one model's checker at one request, two labels, page size 1."""
+    scope = m.Scope(requests=1, labels=2, device_pages=3, host_pages=3, page_size=1,
+                    max_span=2, sharing=True)
+    first = m.Step((m.Seg(0, 0, 1),), pre_forks=((0, 1),), padded=(0,))
+    then = m.Step((m.Seg(0, 0, 1),), pre_forks=((1, 0),), padded=(0,))
+    trace = [m.Ingest(0), m.Admit(first), m.Plan(), m.Write(), m.Commit(), m.Admit(then),
+             m.CachePrefix(0, 0)]
+    assert replay(trace, scope) == m.Misuse("StepInFlightError")
+    assert replay([*trace, m.Plan(), m.Write(), m.Commit(), m.CachePrefix(0, 0)],
+                  scope) == m.Count(1)
