@@ -255,11 +255,11 @@ class Stepping:
         """Every stream `copies_into` is True of, found once (a batch of
         `cache_prefixes` asks of many streams in one call)."""
         staged, running = self.preplan, self.running
-        pending = [(staged.step.pre_forks + staged.step.post_forks,
+        pending = [((*staged.step.pre_forks, *staged.step.post_forks),
                     staged.ctx.padded_request_ids)] if staged else []
         if running is not None:
-            pending.append(((() if running.forked else running.step.pre_forks)
-                            + running.step.post_forks, running.padded))
+            pending.append(((*(() if running.forked else running.step.pre_forks),
+                             *running.step.post_forks), running.padded))
         return frozenset((rid, to) for forks, padded in pending for rid in padded
                          for _, to in forks)
 
