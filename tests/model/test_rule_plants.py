@@ -23,6 +23,14 @@ SHARED = Scope(requests=2, labels=2, device_pages=3, host_pages=1, page_size=2, 
 WINDOWED = Scope(requests=2, labels=2, device_pages=3, host_pages=1, page_size=2, max_span=2,
                  depth=6, sharing=True, windows=(None, 1), margins=(0, 1))
 
+# the CI budget: the same scopes with one request find every plant within a
+# few seconds each (the two-request scopes: nightly, below)
+SHARED_1 = Scope(requests=1, labels=2, device_pages=3, host_pages=1, page_size=2, max_span=2,
+                 depth=6, sharing=True)
+WINDOWED_1 = Scope(requests=1, labels=2, device_pages=3, host_pages=1, page_size=2,
+                   max_span=2, depth=6, sharing=True, windows=(None, 1), margins=(0, 1))
+SMALL = {id(SHARED): SHARED_1, id(WINDOWED): WINDOWED_1}
+
 # rule switched off -> (the defect, its scope, the invariant that finds it)
 PLANTS: dict[str, tuple[str, Scope, str]] = {
     "S18": ("missing copy-on-write: a write lands in a shared or keyed page", SHARED, "I24"),
@@ -42,9 +50,13 @@ def check(model: Model) -> Report:
     return rep
 
 
+@pytest.mark.parametrize("small", [
+    pytest.param(True, id="ci"), pytest.param(False, id="full", marks=pytest.mark.nightly)])
 @pytest.mark.parametrize("rule", sorted(PLANTS))
-def test_checker_finds_the_rule_removed(rule: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_checker_finds_the_rule_removed(rule: str, small: bool,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
     what, scope, invariant = PLANTS[rule]
+    scope = SMALL[id(scope)] if small else scope
     rep = check(without(rule)(scope))
     assert invariant in rep.violations, (rule, sorted(rep.violations))
     msg, trace = rep.violations[invariant]
@@ -54,7 +66,13 @@ def test_checker_finds_the_rule_removed(rule: str, capsys: pytest.CaptureFixture
               f"{rep.states} states: {msg}")
 
 
-@pytest.mark.parametrize("scope", [SHARED, WINDOWED], ids=["shared", "windowed"])
+# SHARED_1 is not here: the clean model breaks I3 there (a cache_prefix on a
+# stream an admitted step pre-forks onto; kvref's plan raises a plain
+# KVRefError on the same trace): open, issue 27 part 1
+@pytest.mark.parametrize("scope", [
+    pytest.param(WINDOWED_1, id="windowed-1"),
+    pytest.param(SHARED, id="shared", marks=pytest.mark.nightly),
+    pytest.param(WINDOWED, id="windowed", marks=pytest.mark.nightly)])
 def test_the_clean_model_passes_the_same_scopes(scope: Scope) -> None:
     rep = check(Model(scope))
     assert not rep.violations, sorted(rep.violations)
@@ -71,6 +89,7 @@ ALL_WINDOWED = Scope(requests=1, labels=1, device_pages=3, host_pages=1, page_si
                      max_span=2, depth=8, windows=(1,), margins=(1,))
 
 
+@pytest.mark.nightly
 @pytest.mark.xfail(strict=True, reason=(
     "open: I18 (publish of r0 over an admitted step on a windowed label; its commit "
     "releases window pages of the leased stream; kvref does the same)"))
