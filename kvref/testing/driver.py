@@ -338,8 +338,10 @@ class Driver:
             for view in out.views:
                 writer = writer_of(self.scope, int(view.request_id[1:]))
                 token = m.LABEL_NAMES.index(view.label)
-                start = view.length - view.to_compute
-                rows += [value(writer, token, p) for p in range(start, view.length)]
+                # a windowed view counts from its first retained page (W1):
+                # ``offset`` tokens in, so the positions written are past it
+                end = view.offset + view.length
+                rows += [value(writer, token, p) for p in range(end - view.to_compute, end)]
             shape = (len(rows), self.cfg.num_kv_heads, self.cfg.head_dim)
             kv = torch.tensor(rows, dtype=torch.float32).view(-1, 1, 1).expand(shape)
             kv = kv.to(self.config.device, self.config.dtype)
@@ -669,7 +671,7 @@ class Driver:
             want = 0 if open_offload or not copies else self.model.reload_need(model_state, rid)
             got_pages = kv.reload_pages_needed(rid_name(rid))
             assert got_pages == want, f"R46: r{rid} reload needs {got_pages}, model {want}"
-        # a windowed copy takes its retained slots only (W8): the model's count
+        # the model's count: a windowed copy holds its retained pages only (W8)
         used = model.host_used(model_state)
         view = kv.host_pool()
         assert (view.capacity, view.used, view.free) == (
@@ -822,9 +824,13 @@ class Driver:
                 stream = seen.stream(v.request_id, v.label)
                 where = f"view of {v.request_id}/{v.label}"
                 assert v.to_compute == spans[(v.request_id, v.label)], where
-                assert v.length == stream.stored_len + v.to_compute, (
-                    f"{where}: length {v.length}, stream holds {stream.stored_len} + "
-                    f"{v.to_compute}")
+                # a windowed stream's view starts at its first retained page
+                # (W1): its length counts from there, ``offset`` tokens in
+                assert v.offset == stream.released, (
+                    f"{where}: offset {v.offset}, the stream released {stream.released}")
+                assert v.offset + v.length == stream.stored_len + v.to_compute, (
+                    f"{where}: length {v.length} from token {v.offset}, stream holds "
+                    f"{stream.stored_len} + {v.to_compute}")
                 assert tuple(v.page_idxs) == stream.pages[: -(-v.length // ps)], (
                     f"{where}: pages {v.page_idxs} vs {stream.pages}")
                 assert v.generation == stream.generation, (
