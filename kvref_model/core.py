@@ -187,6 +187,10 @@ class Offload:
     claimed: tuple[tuple[int, int], ...]  # (label, pages held at claim)
     copied: frozenset[int] = frozenset()
     touched: bool = False  # a claimed stream changed: the generation guard fails
+    # (label, host pages) of each copy, counted when it ran: the copy holds
+    # them until the commit or abandon, whatever a reset or remove of the
+    # claimed stream does to its window's released slots meanwhile (I6)
+    hosted: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, eq=True, unsafe_hash=False)
@@ -1348,8 +1352,15 @@ class Model:
     def host_used(self, s: State) -> int:
         if not self.scope.windows:
             return sum(self.need(len(c)) for _, c in s.host)
-        st = s.stream_map()
-        return sum(self.host_need(st.get(k), len(c)) for k, c in s.host)
+        st, offs = s.stream_map(), dict(s.offloads)
+        used = 0
+        for k, c in s.host:
+            off = offs.get(k[0])
+            # a copy of an open offload: what it took when it ran; a committed
+            # one: the stream keeps its released slots (W8)
+            got = dict(off.hosted).get(k[1]) if off is not None else None
+            used += self.host_need(st.get(k), len(c)) if got is None else got
+        return used
 
     def do_OffloadCopy(self, s: State, a: OffloadCopy) -> tuple[Result, State]:
         off = s.offload_of(a.rid)
@@ -1374,7 +1385,11 @@ class Model:
             _, nxt = self.do_OffloadAbandon(s, OffloadAbandon(a.rid))
             return Fault("OffloadCopyError"), nxt
         offloads = dict(s.offloads)
-        offloads[a.rid] = replace(off, copied=off.copied | {a.label})
+        off = replace(off, copied=off.copied | {a.label})
+        if self.scope.windows:  # without, a copy's pages are its tokens' (host_used)
+            off = replace(off, hosted=tuple(sorted(
+                (*off.hosted, (a.label, self.host_need(v, v.stored_len))))))
+        offloads[a.rid] = off
         host = dict(s.host)
         host[k] = v.contents
         return Flag(True), replace(

@@ -43,7 +43,7 @@ KNOWN_FIELDS: dict[type, tuple[str, ...]] = {
     Pending: ("step", "phase", "marks", "undo", "fresh", "forked", "basis"),
     Step: ("segments", "pre_forks", "post_forks", "padded", "commit"),
     Seg: ("rid", "label", "span"),
-    Offload: ("claimed", "copied", "touched"),
+    Offload: ("claimed", "copied", "touched", "hosted"),
 }
 
 
@@ -70,12 +70,15 @@ def symmetries(scope: Scope) -> list[Symmetry]:
 
 
 def _key(k: Any) -> Any:
-    """A pool key (kvref_model.pages.Key, a chain) as nested tuples."""
+    """A pool key (kvref_model.pages.Key, a chain) as nested tuples; no key
+    is (), not None: encodings are compared (`min`), and a page or parent with
+    no key can stand where another renaming has a key, which None and a tuple
+    cannot (a TypeError)."""
     got = _KEYS.get(k)
     if got is None:
         if len(_KEYS) > 1 << 14:
             _KEYS.clear()
-        got = _KEYS[k] = (None if k is None else (_key(k.parent), k.tokens, k.extras))
+        got = _KEYS[k] = (() if k is None else (_key(k.parent), k.tokens, k.extras))
     return got
 
 
@@ -163,7 +166,7 @@ def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
             ((rp[r], lb), v.stored_len, v.contents, v.in_flight, v.offload, v.retrieve,
              tuple([names[p] for p in v.table]), v.keyed, v.chain) for (r, lb), v in s.streams]))
         offloads: tuple[Any, ...] = tuple(sorted([
-            (rp[r], tuple(sorted(o.claimed)), tuple(sorted(o.copied)), o.touched)
+            (rp[r], tuple(sorted(o.claimed)), tuple(sorted(o.copied)), o.touched, o.hosted)
             for r, o in s.offloads]))
         return (s.free, streams, tuple(sorted([((rp[r], lb), c) for (r, lb), c in s.host])),
                 cur, staged, offloads, tuple(sorted([rp[r] for r in s.leases])), pool)
@@ -172,7 +175,7 @@ def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
             ((rp[r], lb), v.pages, v.stored_len, v.contents, v.in_flight, v.offload,
              v.retrieve, v.keyed, v.chain) for (r, lb), v in s.streams]))
         offloads = tuple(sorted([
-            (rp[r], tuple(sorted(o.claimed)), tuple(sorted(o.copied)), o.touched)
+            (rp[r], tuple(sorted(o.claimed)), tuple(sorted(o.copied)), o.touched, o.hosted)
             for r, o in s.offloads]))
         return (s.free, streams, tuple(sorted([((rp[r], lb), c) for (r, lb), c in s.host])),
                 cur, staged, offloads, tuple(sorted([rp[r] for r in s.leases])))
@@ -183,7 +186,8 @@ def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
                          for (r, lb), c in s.host]))
     offloads = tuple(sorted([
         (rp[r], tuple(sorted([(lp[lb], n) for lb, n in o.claimed])),
-         tuple(sorted([lp[lb] for lb in o.copied])), o.touched) for r, o in s.offloads]))
+         tuple(sorted([lp[lb] for lb in o.copied])), o.touched,
+         tuple(sorted([(lp[lb], n) for lb, n in o.hosted]))) for r, o in s.offloads]))
     return (s.free, streams, host, cur, staged, offloads, tuple(sorted([rp[r] for r in s.leases])))
 
 
@@ -313,7 +317,8 @@ def rename(s: State, rp: Perm, lp: Perm, n_labels: int) -> State:
         current=step(s.current), staged=step(s.staged),
         offloads=tuple(sorted(
             (rp[r], Offload(tuple(sorted((lp[lb], n) for lb, n in o.claimed)),
-                            frozenset(lp[lb] for lb in o.copied), o.touched))
+                            frozenset(lp[lb] for lb in o.copied), o.touched,
+                            tuple(sorted((lp[lb], n) for lb, n in o.hosted))))
             for r, o in s.offloads)),
         leases=tuple(sorted(rp[r] for r in s.leases)),
     )

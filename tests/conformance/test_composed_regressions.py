@@ -168,6 +168,20 @@ def test_a_page_passed_over_stays_passed_over() -> None:
     assert replay(trace, SHIPPED_SCOPE) == m.Count(0)
 
 
+def test_a_windowed_copy_keeps_its_host_pages_through_a_reset() -> None:
+    """Model and harness hole (issue 27, I6): a copy of a windowed stream
+    takes its retained slots only (W8); the model recounted it from the
+    stream after a keep-pages reset (2 host pages of 1) and the harness
+    counted every token's page (R46). kvref was right: used 1."""
+    scope = m.Scope(requests=1, labels=1, device_pages=3, host_pages=1, page_size=2,
+                    max_span=2, windows=(1,), margins=(1,))
+    two = m.Step((m.Seg(0, 0, 2),), padded=(0,))
+    got = replay([m.Ingest(0), m.Admit(two), m.Commit(), m.Admit(two), m.Commit(),
+                  m.OffloadClaim(0), m.OffloadCopy(0, 0), m.Reset(0, free=False),
+                  m.OffloadCommit(0)], scope)
+    assert got == m.Freed(0)
+
+
 def test_a_windowed_fork_targets_view_counts_from_its_first_retained_page() -> None:
     """Harness bug: the lockstep's check of plan's views compared a view's
     length with the stream's whole length; a windowed stream's view counts

@@ -24,6 +24,14 @@ SHARED = Scope(requests=2, labels=2, device_pages=3, host_pages=1, page_size=2, 
 WINDOWED = Scope(requests=2, labels=2, device_pages=3, host_pages=1, page_size=2, max_span=2,
                  depth=6, sharing=True, windows=(None, 1), margins=(0, 1))
 
+# the CI budget: the same scopes with one request find every plant within a
+# few seconds each (the two-request scopes: nightly, below)
+SHARED_1 = Scope(requests=1, labels=2, device_pages=3, host_pages=1, page_size=2, max_span=2,
+                 depth=6, sharing=True)
+WINDOWED_1 = Scope(requests=1, labels=2, device_pages=3, host_pages=1, page_size=2,
+                   max_span=2, depth=6, sharing=True, windows=(None, 1), margins=(0, 1))
+SMALL = {id(SHARED): SHARED_1, id(WINDOWED): WINDOWED_1}
+
 # rule switched off -> (the defect, its scope, the invariant that finds it)
 PLANTS: dict[str, tuple[str, Scope, str]] = {
     "S18": ("missing copy-on-write: a write lands in a shared or keyed page", SHARED, "I24"),
@@ -43,9 +51,13 @@ def check(model: Model) -> Report:
     return rep
 
 
+@pytest.mark.parametrize("small", [
+    pytest.param(True, id="ci"), pytest.param(False, id="full", marks=pytest.mark.nightly)])
 @pytest.mark.parametrize("rule", sorted(PLANTS))
-def test_checker_finds_the_rule_removed(rule: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_checker_finds_the_rule_removed(rule: str, small: bool,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
     what, scope, invariant = PLANTS[rule]
+    scope = SMALL[id(scope)] if small else scope
     rep = check(without(rule)(scope))
     assert invariant in rep.violations, (rule, sorted(rep.violations))
     msg, trace = rep.violations[invariant]
@@ -55,7 +67,13 @@ def test_checker_finds_the_rule_removed(rule: str, capsys: pytest.CaptureFixture
               f"{rep.states} states: {msg}")
 
 
-@pytest.mark.parametrize("scope", [SHARED, WINDOWED], ids=["shared", "windowed"])
+# SHARED_1 is not here: the clean model breaks I3 there (a cache_prefix on a
+# stream an admitted step pre-forks onto; kvref's plan raises a plain
+# KVRefError on the same trace): open, issue 27 part 1
+@pytest.mark.parametrize("scope", [
+    pytest.param(WINDOWED_1, id="windowed-1"),
+    pytest.param(SHARED, id="shared", marks=pytest.mark.nightly),
+    pytest.param(WINDOWED, id="windowed", marks=pytest.mark.nightly)])
 def test_the_clean_model_passes_the_same_scopes(scope: Scope) -> None:
     rep = check(Model(scope))
     assert not rep.violations, sorted(rep.violations)
@@ -63,17 +81,19 @@ def test_the_clean_model_passes_the_same_scopes(scope: Scope) -> None:
 
 
 # every label windowed (label 0 is full attention in every other scope): the
-# clean one model breaks I18 and I6 at depth 8, with or without sharing, also
-# at main 42ff7d5; open (issue 27 part 1: a window released while a request is
-# published, or offloaded)
+# clean one model breaks I18 at depth 8 (I6 there is fixed: a copy holds the
+# host pages it took, tests/model/test_model_defects.py). Open, and kvref
+# does the same (run_trace agrees call for call): a commit on a windowed label
+# releases the window's pages of a request whose publication is leased, pages
+# the peer may still be copying (R33 vs W2; issue 27 part 1)
 ALL_WINDOWED = Scope(requests=1, labels=1, device_pages=3, host_pages=1, page_size=2,
                      max_span=2, depth=8, windows=(1,), margins=(1,))
 
 
+@pytest.mark.nightly
 @pytest.mark.xfail(strict=True, reason=(
     "open: I18 (publish of r0 over an admitted step on a windowed label; its commit "
-    "releases window pages of the leased stream) and I6 (offload claim and copy of a "
-    "windowed stream, then reset_request(free=False): the host holds 2 pages of 1)"))
+    "releases window pages of the leased stream; kvref does the same)"))
 def test_the_clean_model_passes_a_scope_where_every_label_is_windowed() -> None:
     rep = Report()
     for _ in explore(Model(ALL_WINDOWED), report=rep, workers=1, states=False,

@@ -1,0 +1,43 @@
+"""Defects of the clean one model found by its own checker (issue 27,
+modelfix), each kept at the scope and trace that showed it."""
+
+from __future__ import annotations
+
+from kvref_model import core as m
+from kvref_model.invariants import i6
+from kvref_model.pages import Key
+from kvref_model.symmetry import _key
+
+ALL_WINDOWED = m.Scope(requests=1, labels=1, device_pages=3, host_pages=1, page_size=2,
+                       max_span=2, depth=8, windows=(1,), margins=(1,))
+TWO = m.Step((m.Seg(0, 0, 2),), padded=(0,))
+# a windowed stream of 4 tokens holds 1 page (slot 0 released); its copy takes
+# 1 host page; a keep-pages reset then makes the stream whole-table again
+OFFLOAD_THEN_RESET = [m.Ingest(0), m.Admit(TWO), m.Commit(), m.Admit(TWO), m.Commit(),
+                      m.OffloadClaim(0), m.OffloadCopy(0, 0), m.Reset(0, free=False)]
+
+
+def test_a_copy_holds_the_host_pages_it_took_when_it_ran() -> None:
+    """I6: the host use of an open offload's copy was worked out from the
+    stream as it is now; after a reset of the claimed stream (its released
+    slots forgotten) the 1-page copy counted 2 of the 1 host page."""
+    model = m.Model(ALL_WINDOWED)
+    s = model.init()
+    for a in OFFLOAD_THEN_RESET:
+        _, s = model.step(s, a)
+        assert i6(model, s) is None, (a, i6(model, s))
+    assert model.host_used(s) == 1
+    r, s = model.step(s, m.OffloadCommit(0))  # touched: the guard abandons
+    assert r == m.Freed(0) and not s.host and model.host_used(s) == 0
+
+
+def test_keys_encode_comparably_with_no_key() -> None:
+    """symmetry.key took the least of the renamings' encodings; a page with
+    no key (None) against one with a key (a tuple) in the same place raised
+    TypeError (--requests 2 --labels 1 --page-size 1 --max-span 1 --windows ""
+    --margins "" --depth 0, about 21,000 states in)."""
+    k = Key(None, (0,), ())
+    encs = [((0,), _key(None)), ((0,), _key(k)), ((0,), _key(Key(k, (1,), ())))]
+    assert min(encs) == ((0,), _key(None))
+    assert len({_key(None), _key(k)}) == 2
+
