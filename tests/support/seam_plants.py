@@ -187,7 +187,7 @@ def stale_window(mp: pytest.MonkeyPatch) -> None:
         stream.released = upto * ps
         return self.give_back(key, go)
 
-    def add_position(self: object, step: object) -> None:
+    def add_position(self: object, step: object, streams: object = None) -> None:
         # position moves by the span, not to the length
         for seg in step.segments:  # type: ignore[attr-defined]
             if seg.span:
