@@ -13,27 +13,33 @@ from hypothesis import strategies as st
 
 from kvref_model import core as m
 from tests.concurrency.programs import choices, programs
-from tests.support.sched_harness import Op, Program, StepOp, replay, run_once
+from tests.support.sched_harness import SCOPES, Op, Program, StepOp, replay, run_once
 from tests.support.sched_planted import STEP0, dfs_count
 from tests.support.scheduler import PCT, Replay
 
-# sized for CI (~90 s for the whole concurrency suite on two cores); the
-# nightly profile's max_examples applies to the nightly test below
-CI = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# sized for CI (~90 s for the whole concurrency suite on two cores), split
+# between kvref's default configuration and the plain one; the nightly
+# profile's max_examples applies to the nightly test below
+CI = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.parametrize("scope", sorted(SCOPES))
 @CI
-@given(programs(), choices())
-def test_drawn_schedules(progs: list[Program], schedule: list[int]) -> None:
+@given(data=st.data())
+def test_drawn_schedules(scope: str, data: st.DataObject) -> None:
     # the lockset check off in the CI's bulk runs (its cost); on in the DFS
     # suites, the known races and the nightly draws
-    run_once(progs, Replay(schedule), lockset=False)
+    progs = data.draw(programs(sharing=SCOPES[scope].sharing), label="programs")
+    schedule = data.draw(choices(), label="schedule")
+    run_once(progs, Replay(schedule), lockset=False, scope=SCOPES[scope])
 
 
+@pytest.mark.parametrize("scope", sorted(SCOPES))
 @CI
-@given(programs(), st.integers(0, 2**32 - 1), st.integers(2, 3))
-def test_pct(progs: list[Program], seed: int, depth: int) -> None:
-    run_once(progs, PCT(seed, depth, steps=80), lockset=False)
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1), depth=st.integers(2, 3))
+def test_pct(scope: str, data: st.DataObject, seed: int, depth: int) -> None:
+    progs = data.draw(programs(sharing=SCOPES[scope].sharing), label="programs")
+    run_once(progs, PCT(seed, depth, steps=80), lockset=False, scope=SCOPES[scope])
 
 
 SMALL = {
@@ -49,9 +55,10 @@ SMALL = {
 }
 
 
+@pytest.mark.parametrize("scope", sorted(SCOPES))
 @pytest.mark.parametrize("name", sorted(SMALL))
-def test_dfs_every_schedule_up_to_two_preemptions(name: str) -> None:
-    n = dfs_count(SMALL[name], bound=2, budget=5000)
+def test_dfs_every_schedule_up_to_two_preemptions(name: str, scope: str) -> None:
+    n = dfs_count(SMALL[name], bound=2, budget=5000, scope=SCOPES[scope])
     assert 1 < n < 5000, f"{name}: {n} schedules"
 
 
