@@ -16,7 +16,7 @@ from tests.support.shared_programs import CASES, explore
 # after a hit and a truncate into the shared page, the copy-on-write admit's
 # reserved page is in the model's table at admit (pages 3) and only in a
 # claim in kvref's (pages 2), so the first schedule already differs.
-# tests/conformance/test_interaction_plants.py replays it sequentially
+# tests/conformance/test_open_seams.py replays it sequentially
 OPEN = {"copy-on-write against reset"}
 
 

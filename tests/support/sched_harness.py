@@ -728,6 +728,7 @@ class Stats:
 
 
 __all__ = [
-    "PLAIN_SCOPE", "SCOPE", "SCOPES", "SHIPPED_SCOPE", "ConcurrentModel", "Harness", "Linearizer", "Op", "Program", "Setup", "StepOp",
-    "describe", "replay", "retrieve_state", "run_once",
+    "PLAIN_SCOPE", "SCOPE", "SCOPES", "SHIPPED_SCOPE", "ConcurrentModel", "Harness",
+    "Linearizer", "Op", "Program", "Setup", "StepOp", "describe", "replay", "retrieve_state",
+    "run_once",
 ]
