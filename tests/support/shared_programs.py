@@ -69,6 +69,20 @@ def _retrieve_lands(got: dict[m.Action, list[m.Result]]) -> None:
     assert got[m.RetrieveStart(2, 2, 5)] in ([m.Ok()], [m.NotReady()]), got
 
 
+def _window_offloaded(got: dict[m.Action, list[m.Result]]) -> None:
+    # the window's retained pages go to the host in any order (the other
+    # request's commit takes no page the offload needs)
+    assert got[m.OffloadCommit(0)] == [m.Freed(2)], got
+
+
+def steps(rid: int, label: int, *spans: int) -> tuple[m.Action, ...]:
+    """Whole steps as set-up calls: admit, plan, write, commit each."""
+    out: list[m.Action] = []
+    for span in spans:
+        out += [m.Admit(step(rid, label, span).step), m.Plan(), m.Write(), m.Commit()]
+    return tuple(out)
+
+
 # a request's first four tokens in two full pages, keyed
 CACHED = ((0, 4), (1, 0), (2, 0))
 SMALL = replace(SHIPPED_SCOPE, device_pages=4, host_pages=2)
@@ -94,6 +108,12 @@ CASES = {
     "window release against a retrieve's copy": Case(
         (Program("engine", [Op("retrieve", 2, 2, 5), step(0, 2, 3), step(0, 2, 3)]),),
         Setup(((0, 0), (1, 0), (2, 0)), ()), SHIPPED_SCOPE, _retrieve_lands),
+    # an offload copy of a windowed stream that released a page, while
+    # another request's windowed commit releases one
+    "window release against an offload copy": Case(
+        (Program("worker", [Op("offload", 0)]), Program("engine", [step(1, 2, 3)])),
+        Setup(((0, 0), (1, 0), (2, 0)), (), steps(0, 2, 3, 3) + steps(1, 2, 3)),
+        SHIPPED_SCOPE, _window_offloaded),
 }
 
 
