@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvref.testing.exhaustive import CI_SCOPE
 from kvref.testing.lockstep import SHIPPED_SCOPE
 from tests.support import seam_plants
-from tests.support.plant_layers import Found, lockstep, schedules, traces
+from tests.support.plant_layers import Found, exhaustive, lockstep, schedules, traces
 from tests.support.seam_traces import TRACES
 
 # plant -> (layer, trace or program, the call / schedule at which it is found)
@@ -127,3 +128,16 @@ def test_the_clean_tree_passes_the_lockstep_budget() -> None:
 def test_the_lockstep_finds_the_plant(name: str) -> None:
     found = lockstep(getattr(seam_plants, name), SHIPPED_SCOPE, LOCKSTEP_EXAMPLES)
     assert found.at is not None, f"{name} survived {found.ran} lockstep examples"
+
+
+# the exhaustive replay over CI_SCOPE (whose clean run, 14,318 transitions,
+# is tests/conformance/test_exhaustive.py's): depth 3 reaches the seams that
+# take three calls; found at these transitions, about 30 s each here
+EXHAUSTIVE_FINDS = {"received_kv_cached": 11_850, "reset_cache_while_offloaded": 11_666}
+
+
+@pytest.mark.nightly
+@pytest.mark.parametrize("name", sorted(EXHAUSTIVE_FINDS))
+def test_the_exhaustive_replay_finds_the_plant(name: str) -> None:
+    found = exhaustive(getattr(seam_plants, name), CI_SCOPE)
+    assert found.at is not None and found.at <= EXHAUSTIVE_FINDS[name], (found.at, found.ran)
