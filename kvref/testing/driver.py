@@ -824,9 +824,13 @@ class Driver:
                 stream = seen.stream(v.request_id, v.label)
                 where = f"view of {v.request_id}/{v.label}"
                 assert v.to_compute == spans[(v.request_id, v.label)], where
-                assert v.length == stream.stored_len + v.to_compute, (
-                    f"{where}: length {v.length}, stream holds {stream.stored_len} + "
-                    f"{v.to_compute}")
+                # a windowed stream's view starts at its first retained page
+                # (W1): its length counts from there, ``offset`` tokens in
+                assert v.offset == stream.released, (
+                    f"{where}: offset {v.offset}, the stream released {stream.released}")
+                assert v.offset + v.length == stream.stored_len + v.to_compute, (
+                    f"{where}: length {v.length} from token {v.offset}, stream holds "
+                    f"{stream.stored_len} + {v.to_compute}")
                 assert tuple(v.page_idxs) == stream.pages[: -(-v.length // ps)], (
                     f"{where}: pages {v.page_idxs} vs {stream.pages}")
                 assert v.generation == stream.generation, (

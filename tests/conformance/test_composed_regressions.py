@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvref.testing.driver import DriverConfig
+from kvref.testing.driver import Driver, DriverConfig
 from kvref.testing.exhaustive import run_trace
 from kvref.testing.lockstep import SHIPPED_SCOPE
 from kvref_model import core as m
@@ -166,3 +166,23 @@ def test_a_page_passed_over_stays_passed_over() -> None:
              m.CachePrefix(rid=2, label=0)]
     assert replay(trace[:-1], SHIPPED_SCOPE) == m.Ok()
     assert replay(trace, SHIPPED_SCOPE) == m.Count(0)
+
+
+def test_a_windowed_fork_targets_view_counts_from_its_first_retained_page() -> None:
+    """Harness bug: the lockstep's check of plan's views compared a view's
+    length with the stream's whole length; a windowed stream's view counts
+    from its first retained page (W1), ``offset`` tokens in. Found by the
+    shipped-configuration lockstep: a pre-fork target inheriting a released
+    prefix (W5), view length 4 at offset 2 of 6 tokens."""
+    trace = [m.Ingest(2), m.RetrieveStart(2, 2, 3), m.RetrieveComplete(2, 2, ok=True),
+             m.Admit(m.Step((m.Seg(2, 2, 3), m.Seg(2, 0, 3)), padded=(2,))), m.Commit(),
+             m.Admit(m.Step((m.Seg(2, 1, 0),), pre_forks=((2, 1),), padded=(2,))), m.Plan()]
+    model, d = m.Model(SHIPPED_SCOPE), Driver(SHIPPED_SCOPE, DriverConfig())
+    s = model.init()
+    for a in trace:
+        want, nxt = model.step(s, a)
+        assert d.apply(a, s) == want, a
+        s = nxt
+    views = [v for out in (d.outputs or {}).values() for v in out.views]
+    assert [(v.offset, v.length) for v in views] == [(2, 4)]
+    d.check_views()

@@ -1,5 +1,7 @@
 """kvref and the model in lockstep (the machine is `kvref.testing.lockstep`,
-shipped so that engine teams can run it against their own factory)."""
+shipped so that engine teams can run it against their own factory): first
+in the configuration kvref ships (the prefix cache on, windowed labels with
+a rollback margin, two salts), then with the prefix cache off and no window."""
 
 from __future__ import annotations
 
@@ -11,31 +13,25 @@ from hypothesis import settings
 from kvref.testing.driver import DriverConfig
 from kvref.testing.lockstep import (
     NIGHTLY_SCOPE,
+    PLAIN_NIGHTLY_SCOPE,
+    PLAIN_SCOPE,
     SCOPE,
-    SHIPPED_NIGHTLY_SCOPE,
-    SHIPPED_SCOPE,
     run_lockstep,
 )
+from kvref_model.core import Scope
 
 
-def test_lockstep(driver_config: DriverConfig, capsys: pytest.CaptureFixture[str]) -> None:
-    coverage = run_lockstep(driver_config, SCOPE)
+@pytest.mark.parametrize("scope", [SCOPE, PLAIN_SCOPE], ids=["as-shipped", "sharing-off"])
+def test_lockstep(driver_config: DriverConfig, scope: Scope,
+                  capsys: pytest.CaptureFixture[str]) -> None:
+    coverage = run_lockstep(driver_config, scope)
     with capsys.disabled():
         print("\n" + coverage)
 
 
 @pytest.mark.nightly
-@pytest.mark.xfail(strict=False, reason="issue 27: open CachePrefix-count and free-cached "
-                   "disagreements with sharing on, found at 250 examples")
-@pytest.mark.parametrize("scope", [SHIPPED_SCOPE, SHIPPED_NIGHTLY_SCOPE],
-                         ids=["ci-size", "nightly-size"])
-def test_lockstep_as_shipped(driver_config: DriverConfig, scope: object) -> None:
-    """The prefix cache on, windowed labels with a margin, two salts."""
+@pytest.mark.parametrize("scope", [NIGHTLY_SCOPE, PLAIN_NIGHTLY_SCOPE],
+                         ids=["as-shipped", "sharing-off"])
+def test_lockstep_nightly(driver_config: DriverConfig, scope: Scope) -> None:
     examples = int(os.environ.get("KVREF_NIGHTLY_EXAMPLES", "20000"))
-    print(run_lockstep(driver_config, scope, settings(max_examples=examples)))  # type: ignore[arg-type]
-
-
-@pytest.mark.nightly
-def test_lockstep_nightly(driver_config: DriverConfig) -> None:
-    examples = int(os.environ.get("KVREF_NIGHTLY_EXAMPLES", "20000"))
-    print(run_lockstep(driver_config, NIGHTLY_SCOPE, settings(max_examples=examples)))
+    print(run_lockstep(driver_config, scope, settings(max_examples=examples)))
