@@ -338,8 +338,10 @@ class Driver:
             for view in out.views:
                 writer = writer_of(self.scope, int(view.request_id[1:]))
                 token = m.LABEL_NAMES.index(view.label)
-                start = view.length - view.to_compute
-                rows += [value(writer, token, p) for p in range(start, view.length)]
+                # a windowed view counts from its first retained page (W1):
+                # ``offset`` tokens in, so the positions written are past it
+                end = view.offset + view.length
+                rows += [value(writer, token, p) for p in range(end - view.to_compute, end)]
             shape = (len(rows), self.cfg.num_kv_heads, self.cfg.head_dim)
             kv = torch.tensor(rows, dtype=torch.float32).view(-1, 1, 1).expand(shape)
             kv = kv.to(self.config.device, self.config.dtype)
