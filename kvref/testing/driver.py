@@ -660,9 +660,6 @@ class Driver:
         kv, ps = self.kv, self.scope.page_size
         model = m.Model(self.scope)
 
-        def need(tokens: int) -> int:
-            return -(-tokens // ps)
-
         for rid in range(self.scope.requests):
             open_offload = model_state.offload_of(rid) is not None
             copies = [c for k, c in model_state.host if k[0] == rid]
@@ -674,7 +671,8 @@ class Driver:
             want = 0 if open_offload or not copies else self.model.reload_need(model_state, rid)
             got_pages = kv.reload_pages_needed(rid_name(rid))
             assert got_pages == want, f"R46: r{rid} reload needs {got_pages}, model {want}"
-        used = sum(need(len(c)) for _, c in model_state.host)
+        # the model's count: a windowed copy holds its retained pages only (W8)
+        used = model.host_used(model_state)
         view = kv.host_pool()
         assert (view.capacity, view.used, view.free) == (
             self.scope.host_pages, used, self.scope.host_pages - used), f"R46: {view}"
