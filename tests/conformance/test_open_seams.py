@@ -24,17 +24,6 @@ OPEN: dict[str, tuple[m.Scope, list[m.Action], str]] = {
         SHARED, [m.Ingest(0), *run(0, 0, 3), m.Admit(_PREPLANNED_FORK, preplan=True),
                  m.Plan(preplan=True), m.Admit(_PREPLANNED_FORK), m.Plan(), m.Commit()],
         "after the promoted plan: free 4 in kvref, 5 in the model"),
-    "offload of a window that released a page": (
-        *TRACES["offload of a window"],
-        "R46 after the copy: the host pool's use counts the released slots"),
-    "a write after a fork between windows": (
-        TRACES["fork of a window"][0],
-        [m.Ingest(0), *run(0, 1, 3), *run(0, 1, 3), *run(0, 1, 1, pre=((1, 2),))],
-        "I7: the source's token 6 reads back the bytes of position 4"),
-    "a window written in steps of 1, 2, 2, 1 tokens": (
-        SHARED, [m.Ingest(0), *run(0, 2, 1), *run(0, 2, 2), *run(0, 2, 2), *run(0, 2, 1)],
-        "I7: token 5 of the windowed stream (W=2, margin 1) reads position 3's bytes; "
-        "with the prefix cache off too (found by the scheduler's drawn programs)"),
 }
 
 
