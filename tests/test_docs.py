@@ -155,6 +155,7 @@ PLANT_REGISTRIES = (
     "tests/concurrency/test_publish_races.py",
     "tests/conformance/test_page_pool_plants.py",
     "tests/conformance/test_feature_plants.py",
+    "tests/conformance/test_interaction_plants.py",
     "tests/model/test_mutations.py",
     "tests/unit/_plant_validate.py",
     "kvref/testing/vllm_plants.py",
@@ -167,6 +168,7 @@ def _plants() -> dict[str, set[str]]:
     from kvref.testing.vllm_plants import PLANTS as VLLM
     from tests.concurrency.test_publish_races import PLANTED
     from tests.conformance.test_feature_plants import PLANTS as FEATURES
+    from tests.conformance.test_interaction_plants import BLOCKED, FOUND_AT
     from tests.conformance.test_mutations import MUTANTS
     from tests.conformance.test_page_pool_plants import PLANTS as POOL
     from tests.support.sched_planted import DATA_RACES, RACES
@@ -181,6 +183,8 @@ def _plants() -> dict[str, set[str]]:
         "tests/concurrency/test_publish_races.py": set(PLANTED),
         "tests/conformance/test_page_pool_plants.py": set(POOL),
         "tests/conformance/test_feature_plants.py": set(FEATURES),
+        "tests/conformance/test_interaction_plants.py": {
+            n.split("@")[0] for n in (*FOUND_AT, *BLOCKED)},
         "tests/model/test_mutations.py": model_mutants,
         "tests/unit/_plant_validate.py": {plant[0] for plant in validate.PLANTS},
         "kvref/testing/vllm_plants.py": set(VLLM),

@@ -22,7 +22,7 @@ RIDS = st.integers(0, SCOPE.requests - 1)
 
 
 @st.composite
-def step_ops(draw: Any) -> StepOp:
+def step_ops(draw: Any, sharing: bool = False) -> StepOp:
     rid = draw(RIDS)
     label = draw(st.integers(0, SCOPE.labels - 1))
     span = draw(st.integers(0, SCOPE.max_span))
@@ -30,19 +30,34 @@ def step_ops(draw: Any) -> StepOp:
     forks = ((0, 1),) if fork != "none" else ()
     step = m.Step((m.Seg(rid, label, span),), forks if fork == "pre" else (),
                   forks if fork == "post" else (), (rid,), draw(st.booleans()))
-    return StepOp(step, draw(st.sampled_from(["run", "run", "preplan", "clear"])))
+    modes = ["run", "run", "preplan", "clear"]
+    if sharing and forks:
+        # a preplanned copy-on-write fork disagrees with the model on the
+        # clean tree (open, issue 27: tests/conformance/test_open_seams.py);
+        # steered clear of until it is settled
+        modes = ["run"]
+    return StepOp(step, draw(st.sampled_from(modes)))
 
 
 def worker_ops() -> st.SearchStrategy[Op]:
     return st.builds(Op, st.sampled_from(["offload", "offload", "reload"]), RIDS)
 
 
-def lifecycle_ops(rids: st.SearchStrategy[int] = RIDS) -> st.SearchStrategy[Op]:
-    return st.one_of(
+def lifecycle_ops(rids: st.SearchStrategy[int] = RIDS,
+                  sharing: bool = False) -> st.SearchStrategy[Op]:
+    """Reset, remove, re-ingest; with the prefix cache on, a prefix hit
+    (match_prefix of up to three pages of the label's tokens) and
+    reset_prefix_cache too."""
+    ops = [
         st.builds(Op, st.just("reset"), rids, st.just(0), st.integers(0, 1)),
         st.builds(Op, st.just("remove"), rids),
         st.builds(Op, st.just("ingest"), rids),
-    )
+    ]
+    if sharing:
+        ops += [st.builds(Op, st.just("match"), rids, st.integers(0, SCOPE.labels - 1),
+                          st.integers(2, 3 * SCOPE.page_size + 1)),
+                st.just(Op("resetcache", 0))]
+    return st.one_of(*ops)
 
 
 def transfer_ops(rids: st.SearchStrategy[int] = RIDS) -> st.SearchStrategy[Op]:
@@ -51,16 +66,18 @@ def transfer_ops(rids: st.SearchStrategy[int] = RIDS) -> st.SearchStrategy[Op]:
 
 
 @st.composite
-def programs(draw: Any, avoid_known_races: bool = False) -> list[Program]:
-    """Two to four threads. ``avoid_known_races`` steers clear of the races
+def programs(draw: Any, avoid_known_races: bool = False, sharing: bool = True
+             ) -> list[Program]:
+    """Two to four threads (``sharing``: for a scope with the prefix cache
+    on, whose calls the lifecycle threads make too). ``avoid_known_races`` steers clear of the races
     test_known_races.py pins down (all fixed now; kept to bisect a regression
     there from one elsewhere): no reset/remove of a request the engine
     retrieves into or the worker offloads."""
     others = draw(st.lists(st.sampled_from(["worker", "life", "life2"]), min_size=1,
                            max_size=3, unique=True))
     ops = st.lists
-    engine = draw(ops(st.one_of(step_ops(), step_ops(), transfer_ops()), min_size=1,
-                      max_size=4))
+    engine = draw(ops(st.one_of(step_ops(sharing), step_ops(sharing), transfer_ops()),
+                      min_size=1, max_size=4))
     progs = [Program("engine", engine)]
     xfer_rids = {op.rid for op in engine if isinstance(op, Op)}
     offloaded: set[int] = set()
@@ -73,10 +90,11 @@ def programs(draw: Any, avoid_known_races: bool = False) -> list[Program]:
         else every
     for name in ("life", "life2"):
         if name in others:
-            life = draw(ops(lifecycle_ops(st.sampled_from(every)), min_size=1, max_size=3))
+            life = draw(ops(lifecycle_ops(st.sampled_from(every), sharing), min_size=1,
+                            max_size=3))
             # a reset/remove of a request the known races involve becomes an ingest
-            life = [op if op.kind == "ingest" or op.rid in free else Op("ingest", op.rid)
-                    for op in life]
+            life = [op if op.kind in ("ingest", "match", "resetcache") or op.rid in free
+                    else Op("ingest", op.rid) for op in life]
             progs.append(Program(name, life))
     return progs
 

@@ -8,32 +8,64 @@ A failure prints the programs, the linearization and ``schedule=[...]``;
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from kvref_model import core as m
 from tests.concurrency.programs import choices, programs
-from tests.support.sched_harness import Op, Program, StepOp, replay, run_once
+from tests.support.sched_harness import SCOPES, Op, Program, StepOp, replay, run_once
 from tests.support.sched_planted import STEP0, dfs_count
 from tests.support.scheduler import PCT, Replay
 
 # sized for CI (~90 s for the whole concurrency suite on two cores); the
 # nightly profile's max_examples applies to the nightly test below
 CI = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# kvref's default configuration: open disagreements on the clean tree (issue
+# 27, tests/conformance/test_open_seams.py: a windowed label written in steps
+# of 1, 2, 2, 1 tokens reads back another position's bytes) make these fail
+# at some draws until they are settled; not shrunk meanwhile (a failure
+# prints its programs and schedule), and at half the plain budget
+SHIPPED = settings(CI, max_examples=150, phases=[Phase.explicit, Phase.generate])
+OPEN = pytest.mark.xfail(strict=False, reason="open disagreements, issue 27 (test_open_seams)")
 
 
-@CI
-@given(programs(), choices())
-def test_drawn_schedules(progs: list[Program], schedule: list[int]) -> None:
+def drawn(scope: str, data: st.DataObject) -> None:
     # the lockset check off in the CI's bulk runs (its cost); on in the DFS
     # suites, the known races and the nightly draws
-    run_once(progs, Replay(schedule), lockset=False)
+    progs = data.draw(programs(sharing=SCOPES[scope].sharing), label="programs")
+    schedule = data.draw(choices(), label="schedule")
+    run_once(progs, Replay(schedule), lockset=False, scope=SCOPES[scope])
+
+
+def pct_run(scope: str, data: st.DataObject, seed: int, depth: int) -> None:
+    progs = data.draw(programs(sharing=SCOPES[scope].sharing), label="programs")
+    run_once(progs, PCT(seed, depth, steps=80), lockset=False, scope=SCOPES[scope])
 
 
 @CI
-@given(programs(), st.integers(0, 2**32 - 1), st.integers(2, 3))
-def test_pct(progs: list[Program], seed: int, depth: int) -> None:
-    run_once(progs, PCT(seed, depth, steps=80), lockset=False)
+@given(data=st.data())
+def test_drawn_schedules(data: st.DataObject) -> None:
+    drawn("plain", data)
+
+
+@OPEN
+@SHIPPED
+@given(data=st.data())
+def test_drawn_schedules_as_shipped(data: st.DataObject) -> None:
+    drawn("shipped", data)
+
+
+@CI
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1), depth=st.integers(2, 3))
+def test_pct(data: st.DataObject, seed: int, depth: int) -> None:
+    pct_run("plain", data, seed, depth)
+
+
+@OPEN
+@SHIPPED
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1), depth=st.integers(2, 3))
+def test_pct_as_shipped(data: st.DataObject, seed: int, depth: int) -> None:
+    pct_run("shipped", data, seed, depth)
 
 
 SMALL = {
@@ -49,9 +81,10 @@ SMALL = {
 }
 
 
+@pytest.mark.parametrize("scope", sorted(SCOPES))
 @pytest.mark.parametrize("name", sorted(SMALL))
-def test_dfs_every_schedule_up_to_two_preemptions(name: str) -> None:
-    n = dfs_count(SMALL[name], bound=2, budget=5000)
+def test_dfs_every_schedule_up_to_two_preemptions(name: str, scope: str) -> None:
+    n = dfs_count(SMALL[name], bound=2, budget=5000, scope=SCOPES[scope])
     assert 1 < n < 5000, f"{name}: {n} schedules"
 
 

@@ -10,6 +10,7 @@ from kvref.testing.driver import Driver, DriverConfig
 from kvref.testing.exhaustive import run_trace
 from kvref.testing.lockstep import SHIPPED_SCOPE
 from kvref_model import core as m
+from tests.support.seam_traces import SHARED, TRACES, run
 
 SHARING = m.Scope(requests=2, labels=3, device_pages=2, host_pages=1, page_size=1,
                   max_span=2, sharing=True, windows=(None, 1, 1), margins=(0, 1, 1))
@@ -217,3 +218,32 @@ def test_no_key_under_a_pending_fork() -> None:
     assert replay(trace, scope) == m.Misuse("StepInFlightError")
     assert replay([*trace, m.Plan(), m.Write(), m.Commit(), m.CachePrefix(0, 0)],
                   scope) == m.Count(1)
+
+
+def test_a_write_after_a_fork_between_windows() -> None:
+    """Harness bug in kvref/testing/driver.py: a windowed view's written
+    positions ignored its offset (the first retained page), so a window
+    written past a release read back another position's bytes (I7: the
+    source's token 6 read position 4's). Found by the controlled
+    scheduler's programs."""
+    scope = TRACES["fork of a window"][0]
+    trace = [m.Ingest(0), *run(0, 1, 3), *run(0, 1, 3), *run(0, 1, 1, pre=((1, 2),))]
+    assert replay(trace, scope) == m.Ok()
+
+
+def test_a_window_written_in_steps_of_1_2_2_1_tokens() -> None:
+    """Harness bug in kvref/testing/driver.py: a windowed view's written
+    positions ignored its offset, so token 5 of a W=2 (margin 1) stream read
+    position 3's bytes (I7), with the prefix cache on or off. Found by the
+    controlled scheduler's programs (its drawn steps of 1, 2, 2, 1 tokens)."""
+    trace = [m.Ingest(0), *run(0, 2, 1), *run(0, 2, 2), *run(0, 2, 2), *run(0, 2, 1)]
+    assert replay(trace, SHARED) == m.Ok()
+
+
+def test_offload_of_a_window_that_released_a_page() -> None:
+    """Harness bug in kvref/testing/driver.py: the R46 host-use check
+    counted a windowed stream's released slots, where a host copy holds its
+    retained pages only (W8). Found by the controlled scheduler's programs
+    (a window release against an offload)."""
+    scope, trace = TRACES["offload of a window"]
+    assert replay(trace, scope) == m.Ok()

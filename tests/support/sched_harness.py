@@ -46,7 +46,16 @@ from tests.support.scheduler import (
     Strategy,
 )
 
-SCOPE = m.Scope(requests=3, labels=2, device_pages=8, host_pages=4, page_size=2, max_span=3)
+# kvref as it ships (KVConfig's defaults: the prefix cache on): labels 0 and 1
+# full attention, so a fork between them shares pages copy-on-write, and
+# label 2 windowed (W=2) with a rollback margin of 1
+SHIPPED_SCOPE = m.Scope(requests=3, labels=3, device_pages=8, host_pages=4, page_size=2,
+                        max_span=3, sharing=True, windows=(None, None, 2), margins=(0, 0, 1))
+# the second configuration: the prefix cache off, no window
+PLAIN_SCOPE = m.Scope(requests=3, labels=3, device_pages=8, host_pages=4, page_size=2,
+                      max_span=3)
+SCOPE = SHIPPED_SCOPE
+SCOPES = {"shipped": SHIPPED_SCOPE, "plain": PLAIN_SCOPE}
 
 
 @dataclass(frozen=True)
@@ -344,6 +353,8 @@ class Linearizer:
             raise AssertionError(f"kvref state\n  {got}\nmodel state\n  {self.state}\n"
                                  + self.render())
         d.check_pages()
+        # page ids by structure: holders and keys (sharing on), released slots
+        d.check_page_map(self.state)
         d.check_host_lengths(self.state)
         if final:
             d.check_bytes(self.state)
@@ -372,7 +383,9 @@ class StepOp:
 class Op:
     """Any other thread's call: offload / reload / reset / remove / ingest / retrieve /
     publish / release (release_published) / move (the publisher of the retrieve
-    with the same rid, label and n moves: `PublisherMoves`)."""
+    with the same rid, label and n moves: `PublisherMoves`); with the prefix
+    cache on, match (match_prefix of n of the label's tokens) / resetcache
+    (reset_prefix_cache); truncate (to n tokens)."""
 
     kind: str
     rid: int
@@ -396,6 +409,9 @@ class Setup:
 
     lengths: tuple[tuple[int, int], ...] = ((0, 3), (1, 2), (2, 2))
     offloaded: tuple[int, ...] = (1,)
+    # then these model actions, in order (a CachePrefix keys what the
+    # stream committed, as the model states it)
+    calls: tuple[m.Action, ...] = ()
 
 
 class Harness:
@@ -517,6 +533,10 @@ class Harness:
                 self.run_step(StepOp(m.Step((m.Seg(rid, 0, n),), padded=(rid,))))
         for rid in setup.offloaded:
             self.kv.offload(rid_name(rid))
+        for a in setup.calls:
+            lin.replay()  # the model's state after every call so far
+            state = lin.state
+            lin.call(a, lambda a=a, state=state: d.apply(a, state))  # type: ignore[misc]
         for p in programs:
             for op in p.ops:
                 if isinstance(op, Op) and op.kind == "retrieve":
@@ -603,6 +623,14 @@ class Harness:
                 return m.Ok()
 
             lin.call(PublisherMoves(op.rid, op.label), move)
+        elif op.kind == "match":
+            a_match = m.MatchPrefix(op.rid, op.label, op.n)
+            lin.call(a_match, lambda: d.apply(a_match))
+        elif op.kind == "resetcache":
+            lin.call(m.ResetPrefixCache(), lambda: d.apply(m.ResetPrefixCache()))
+        elif op.kind == "truncate":
+            a_cut = m.Truncate(op.rid, op.label, op.n)
+            lin.call(a_cut, lambda: d.apply(a_cut))
         elif op.kind == "retrieve":
             info = self.published[(op.rid, op.label, op.n)]
 
@@ -618,7 +646,27 @@ class Harness:
         else:
             raise ValueError(op.kind)
 
-    def run(self, programs: Sequence[Program], setup: Setup | None = None) -> None:
+    def drain(self) -> None:
+        """After the threads: every lease released and every request removed,
+        each checked on the model; then no device page may be left held or
+        missing (a leak), and no host page."""
+        lin, d = self.lin, self.driver
+        for rid in range(self.scope.requests):
+            for a in (m.ReleasePublished(rid), m.Remove(rid)):
+                lin.call(a, lambda a=a: d.apply(a))  # type: ignore[misc]
+        with self.detector.ignoring():
+            lin.check(final=True)
+            seen = self.kv.observe()
+        held = [pg for pg in seen.pages if pg.holders]
+        if held or self.kv.num_free_pages != self.scope.device_pages:
+            raise AssertionError(
+                f"leak: every request removed, {self.kv.num_free_pages} of "
+                f"{self.scope.device_pages} pages free, held: {held}")
+        if seen.host is not None and seen.host.copies:
+            raise AssertionError(f"leak: host copies left {seen.host.copies}")
+
+    def run(self, programs: Sequence[Program], setup: Setup | None = None,
+            drain: bool = False) -> None:
         self.setup(setup or Setup(), programs)
 
         def body(p: Program) -> Callable[[], None]:
@@ -631,6 +679,8 @@ class Harness:
             self.sched.run([(p.name, body(p)) for p in programs])
             with self.detector.ignoring():
                 self.lin.check(final=True)
+            if drain:
+                self.drain()
         except ScheduleFailure as err:
             raise ScheduleFailure(f"{err}\n{self.races()}{describe(programs)}",
                                   err.schedule) from None
@@ -656,9 +706,9 @@ def describe(programs: Sequence[Program]) -> str:
 
 
 def run_once(programs: Sequence[Program], strategy: Strategy, setup: Setup | None = None,
-             **kwargs: Any) -> Harness:
+             drain: bool = False, **kwargs: Any) -> Harness:
     h = Harness(strategy, **kwargs)
-    h.run(programs, setup)
+    h.run(programs, setup, drain)
     return h
 
 
@@ -678,6 +728,7 @@ class Stats:
 
 
 __all__ = [
-    "SCOPE", "ConcurrentModel", "Harness", "Linearizer", "Op", "Program", "Setup", "StepOp",
-    "describe", "replay", "retrieve_state", "run_once",
+    "PLAIN_SCOPE", "SCOPE", "SCOPES", "SHIPPED_SCOPE", "ConcurrentModel", "Harness",
+    "Linearizer", "Op", "Program", "Setup", "StepOp", "describe", "replay", "retrieve_state",
+    "run_once",
 ]

@@ -300,12 +300,13 @@ def dfs(race: Race, bound: int, budget: int, lockset: bool = True) -> Detection:
     return Detection(None, time.perf_counter() - t0, message=f"{n} schedules, none failed")
 
 
-def dfs_count(programs: Sequence[Program], bound: int, budget: int) -> int:
+def dfs_count(programs: Sequence[Program], bound: int, budget: int,
+              scope: m.Scope | None = None) -> int:
     """How many schedules DFS visits (all pass, or the first failure raises)."""
     prefix: list[int] | None = []
     n = 0
     while prefix is not None and n < budget:
         n += 1
-        h = run_once(programs, Prefix(prefix))
+        h = run_once(programs, Prefix(prefix), **({"scope": scope} if scope else {}))
         prefix = next_dfs_prefix(h.sched.trace, bound)
     return n

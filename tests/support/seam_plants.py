@@ -11,12 +11,13 @@ from collections.abc import Callable
 
 import pytest
 
-from kvref.core.stream_table import Key, StreamTable
+from kvref.core.stream_table import Key, StreamTable, released_after
 from kvref.core.streams import CacheStream
 from kvref.manager import KVManager
 from kvref.offload.calls import EvictionCalls
+from kvref.offload.phases import HostOffload
 from kvref.prefix import cache as prefix_cache
-from kvref.stepping import truncation
+from kvref.stepping import admission, truncation
 from kvref.stepping.forks import Forks
 from kvref.transfer.published import KVSequenceInfo, PublishedKVInfo
 from kvref.transfer.retrieval import Retrieval
@@ -315,8 +316,9 @@ def publish_forgets_released(mp: pytest.MonkeyPatch) -> None:
 
 
 
-# --- issue 27 part 5: new plants at the seams (found by the composed layers
-# once their clean run passes the CI budget; not yet run there)
+# --- issue 27 part 5: plants at the seams of two mechanisms. Which composed
+# layer finds each, within what budget, and at which example:
+# tests/conformance/test_interaction_plants.py (`FOUND_BY`)
 
 
 def received_kv_cached(mp: pytest.MonkeyPatch) -> None:
@@ -334,3 +336,243 @@ def received_kv_cached(mp: pytest.MonkeyPatch) -> None:
             stream.received = received
 
     mp.setattr(prefix_cache, "cache_prefix", bad)
+
+
+def offload_commit_frees_shared_pages(mp: pytest.MonkeyPatch) -> None:
+    """vLLM 42571 class (shared pages x offload): the offload commit frees
+    every page the stream lists, dropping the other holders' references too
+    (as a free by block id would), so a page another stream still reads
+    goes back to the free list (R53 off)."""
+    orig = HostOffload.commit
+
+    def commit(self: HostOffload, offload: object, claims: object, copied: object) -> object:
+        table = self.table
+        give_back = table.give_back
+
+        def free_all(key: Key, pages: list[int]) -> int:
+            for p in pages:
+                for holder in table.pages.holders(p) - {key}:
+                    table.pages.release(holder, [p])
+            return give_back(key, pages)
+
+        table.give_back = free_all  # type: ignore[method-assign]
+        try:
+            return orig(self, offload, claims, copied)  # type: ignore[arg-type]
+        finally:
+            del table.give_back
+
+    mp.setattr(HostOffload, "commit", commit)
+
+
+class _NoCow:
+    """`admission.Sharing` that never asks for a copy-on-write."""
+
+    def __init__(self, inner: admission.Sharing) -> None:
+        self.inner = inner
+
+    def cow_needed(self, key: Key, stream: CacheStream) -> bool:
+        return False
+
+    def private_count(self, key: Key, stream: CacheStream) -> int:
+        return self.inner.private_count(key, stream)
+
+
+def preplan_skips_copy_on_write(mp: pytest.MonkeyPatch) -> None:
+    """Shared pages x preplan (R52 at R57): a preplanned admit writing into a
+    shared partial page (after a truncate into it) reserves and makes no
+    private copy, so the promoted step writes into the other holder's page."""
+    orig = admission.reserve
+
+    def reserve(*args: object, **kwargs: object) -> object:
+        if kwargs.get("copy_forks") and kwargs.get("sharing") is not None:
+            kwargs["sharing"] = _NoCow(kwargs["sharing"])  # type: ignore[arg-type]
+        return orig(*args, **kwargs)  # type: ignore[arg-type]
+
+    mp.setattr(admission, "reserve", reserve)
+
+
+def offload_copy_forgets_the_window(mp: pytest.MonkeyPatch) -> None:
+    """Windows x offload (W8 off): the offload's host copy of a windowed
+    stream records it as if nothing were released, so the host holds the
+    retained pages under slots from 0 and a reload puts the window's
+    tokens at the released positions."""
+    from kvref.offload.host_pool import CPUPagePool
+
+    orig = HostOffload.copy_to_host
+
+    def copy_to_host(self: HostOffload, offload: object, claim: object) -> object:
+        record = self.pool.record
+
+        def record_from_zero(rid: str, label: str, pages: list[int], stored_len: int,
+                             position: int, released: int) -> None:
+            record(rid, label, pages, stored_len - released, position - released, 0)
+
+        self.pool.record = record_from_zero  # type: ignore[method-assign]
+        try:
+            return orig(self, offload, claim)  # type: ignore[arg-type]
+        finally:
+            del self.pool.record
+
+    assert hasattr(CPUPagePool, "record")
+    mp.setattr(HostOffload, "copy_to_host", copy_to_host)
+
+
+def match_attaches_after_the_lock(mp: pytest.MonkeyPatch) -> None:
+    """Shared pages x eviction, a race: match_prefix looks its pages up
+    before it takes the manager's lock (the pool's own lock makes the
+    lookup itself safe) and attaches what it found under it, without
+    looking again, as a lookup-then-allocate scheduler does. An allocation
+    that evicts a free-cached page in between hands it to another stream,
+    and the hit attaches it anyway: two streams, one page, other tokens."""
+    from kvref.prefix import keys as prefix_hash
+
+    def match_prefix(self: KVManager, rid: str, label: str, token_ids: object) -> int:
+        table = self._table
+        extras = prefix_cache.extras_for(table, rid, label)
+        hit = table.pages.lookup(token_ids, extras)  # type: ignore[arg-type]
+        with self._lock:
+            stream = table.request(rid).get(label)
+            if (not hit.num_tokens or (stream is not None and stream.stored_len)
+                    or not table.sharing or table.window(label) is not None):
+                return prefix_cache.match_prefix(table, rid, label, token_ids)  # type: ignore[arg-type]
+            stream = table.request(rid).setdefault(label, CacheStream())
+            key = (rid, label)
+            for p in hit.pages:  # attached as looked up, held or free-cached
+                if table.pages.refcount(p):
+                    table.pages.share(key, [p])  # held: by a sharer, or since evicted
+                else:
+                    table.pages.attach(key, [p])
+            n = hit.num_tokens
+            stream.page_indices = list(hit.pages) + stream.page_indices
+            stream.stored_len = stream.position = n
+            stream.keys = list(hit.keys)
+            raw = prefix_hash.token_bytes(token_ids)  # type: ignore[arg-type]
+            stream.key_tokens = bytearray(raw[:n * 8])
+            stream.generation += 1
+            return n
+
+    mp.setattr(KVManager, "match_prefix", match_prefix)
+
+
+def reset_clears_the_sharers_chain(mp: pytest.MonkeyPatch) -> None:
+    """Shared pages x reset: reset_request of one request drops the key
+    chain of every stream that shares a page with it, the other sharer's
+    too, so its next cache_prefix re-keys pages it had keyed (and its
+    count of keyed pages is wrong)."""
+    orig = KVManager.reset_request
+
+    def reset(self: KVManager, rid: str, free: bool = False) -> None:
+        mine = {p for s in self._streams.get(rid, {}).values() for p in s.page_indices}
+        others = [s for r, streams in self._streams.items() if r != rid
+                  for s in streams.values() if mine & set(s.page_indices)]
+        orig(self, rid, free)
+        for s in others:
+            s.keys = []
+            s.key_tokens = bytearray()
+
+    mp.setattr(KVManager, "reset_request", reset)
+
+
+def fork_drops_the_margin(mp: pytest.MonkeyPatch) -> None:
+    """Windows x fork (W15 at W5): the fork target's window is worked out
+    without its rollback margin, so it releases the margin's page at the
+    fork and a rollback into the margin is refused there."""
+    orig = Forks.apply
+
+    def apply(self: Forks, rid: str, from_label: str, to_label: str,
+              created: set[Key], span: int = 0, copy: bool = False) -> None:
+        orig(self, rid, from_label, to_label, created, span, copy)
+        table = self._table
+        w = table.window(to_label)
+        dst = table.streams[rid][to_label]
+        if w is None or not dst.stored_len:
+            return
+        released = released_after(dst.released, dst.stored_len, w, table.page_size)
+        drop = (released - dst.released) // table.page_size
+        if drop > 0:
+            go = dst.page_indices[:drop]
+            dst.page_indices = dst.page_indices[drop:]
+            dst.released = released
+            table.give_back((rid, to_label), go)
+
+    mp.setattr(Forks, "apply", apply)
+
+
+def fork_reserves_released_slots(mp: pytest.MonkeyPatch) -> None:
+    """Windows x fork reservation (issue 27 defect 1 back): a step with forks
+    (or a preplan) counts every stream from slot 0, released slots
+    included, so a fork of a windowed stream reserves pages for slots
+    nobody holds: refused where it fits, or spare pages kept."""
+    orig = admission.reserve
+
+    def reserve(table: object, *args: object, **kwargs: object) -> object:
+        streams = [s for req in table.values() for s in req.values()]  # type: ignore[attr-defined]
+        released = [s.released for s in streams]
+        for s in streams:
+            s.released = 0
+        try:
+            return orig(table, *args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            for s, r in zip(streams, released, strict=True):
+                s.released = r
+
+    mp.setattr(admission, "reserve", reserve)
+
+
+def reset_cache_while_offloaded(mp: pytest.MonkeyPatch) -> None:
+    """Prefix cache x offload (issue 27 defect 3 back, S30 off):
+    reset_prefix_cache is accepted while a request is offloaded, so a
+    reload and a cache_prefix make KV from before the reset findable."""
+    orig = prefix_cache.reset_prefix_cache
+
+    def reset(table: StreamTable) -> object:
+        return table.pages.reset_prefix_cache()
+
+    assert orig is not None
+    mp.setattr(prefix_cache, "reset_prefix_cache", reset)
+
+
+def reload_reattaches_without_a_reference(mp: pytest.MonkeyPatch) -> None:
+    """Shared pages x reload (S29): the reload puts the cached pages its host
+    copy's keys find back into the stream's table without taking a
+    reference, so the page is free (or another's only) while it reads it."""
+    orig = HostOffload.reload
+
+    def reload(self: HostOffload, rid: str) -> object:
+        pages = self.table.pages
+        pages.attach = lambda owner, ps: None  # type: ignore[method-assign]
+        try:
+            return orig(self, rid)
+        finally:
+            del pages.attach
+
+    mp.setattr(HostOffload, "reload", reload)
+
+
+def truncate_forgets_the_shared_tail(mp: pytest.MonkeyPatch) -> None:
+    """Shared pages x truncate (R52 after R54): a truncate into a shared full
+    page does not mark the tail as maybe shared, so the next write lands in
+    the page the other holder reads."""
+    orig = truncation.truncate
+
+    def truncate(table: StreamTable, rid: str, label: str, new_len: int) -> int:
+        freed = orig(table, rid, label, new_len)
+        table.stream(rid, label).tail_maybe_shared = False
+        return freed
+
+    mp.setattr(truncation, "truncate", truncate)
+
+
+def failed_fork_keeps_shared_pages(mp: pytest.MonkeyPatch) -> None:
+    """Shared pages x faults (R26 at R51): a fork copy that fails empties its
+    target but leaves it holding the pages it shared, as spare pages: the
+    next write into the target lands in a page another stream reads."""
+    def emptied(self: Forks, rid: str, label: str, dst: CacheStream) -> None:
+        dst.stored_len = 0
+        dst.position = 0
+        dst.released = 0
+        dst.keys = []
+        dst.key_tokens = bytearray()
+        dst.generation += 1
+
+    mp.setattr(Forks, "_emptied", emptied)

@@ -1,0 +1,84 @@
+"""Short traces at the seams of two mechanisms, replayed on the model and
+kvref together (`kvref.testing.exhaustive.run_trace`: results, states, page
+holders and keys, host lengths and bytes after every call). Each reaches
+the state one interaction plant breaks; tests/conformance/
+test_interaction_plants.py runs them clean and with each plant."""
+
+from __future__ import annotations
+
+from kvref.testing.lockstep import SHIPPED_SCOPE as LOCKSTEP_SCOPE
+from kvref_model import core as m
+from tests.support.sched_harness import SHIPPED_SCOPE as SCHED_SCOPE
+
+# full attention on labels 0 and 1 (a fork between them shares pages and
+# the prefix cache keys them), label 2 windowed (W=2, margin 1)
+SHARED = SCHED_SCOPE
+# labels 1 and 2 windowed alike (W=2, margin 1): forks between windows
+WINDOWS = LOCKSTEP_SCOPE
+
+
+def run(rid: int, label: int, span: int, pre: tuple[tuple[int, int], ...] = (),
+        preplan: bool = False) -> list[m.Action]:
+    """An engine's whole step: admit, plan, write, commit (a preplan first
+    staged and planned, then promoted)."""
+    step = m.Step((m.Seg(rid, label, span),), pre_forks=pre, padded=(rid,))
+    head: list[m.Action] = [m.Admit(step, preplan=True), m.Plan(preplan=True)] if preplan \
+        else []
+    return [*head, m.Admit(step), m.Plan(), m.Write(), m.Commit()]
+
+
+# r0 computes four tokens (two full pages) and keys them; r1 hits them
+SHARED_PREFIX = [m.Ingest(0), *run(0, 0, 4), m.CachePrefix(0, 0), m.Ingest(1),
+                 m.MatchPrefix(1, 0, 5)]
+
+TRACES: dict[str, tuple[m.Scope, list[m.Action]]] = {
+    # the sharer's pages offloaded, then reloaded (shared again, S29)
+    "offload and reload under a sharer": (SHARED, [
+        *SHARED_PREFIX, m.OffloadClaim(0), m.OffloadCopy(0, 0), m.OffloadCommit(0),
+        m.Reload(0), *run(1, 0, 1)]),
+    # one sharer reset; the other keys on
+    "reset of one sharer": (SHARED, [
+        *SHARED_PREFIX, m.Reset(1, False), *run(0, 0, 2), m.CachePrefix(0, 0)]),
+    # reset_prefix_cache while a request is on the host (S30)
+    "prefix reset while offloaded": (SHARED, [
+        m.Ingest(0), *run(0, 0, 2), m.CachePrefix(0, 0), m.OffloadClaim(0),
+        m.OffloadCopy(0, 0), m.OffloadCommit(0), m.ResetPrefixCache(), m.Reload(0)]),
+    # a windowed stream that released a page, offloaded and reloaded (W8)
+    "offload of a window": (SHARED, [
+        m.Ingest(0), *run(0, 2, 3), *run(0, 2, 3), m.OffloadClaim(0), m.OffloadCopy(0, 2),
+        m.OffloadCommit(0), m.Reload(0), *run(0, 2, 1)]),
+    # a fork between windowed labels once the source released a page (W5,
+    # W15), and a rollback of the target into its margin
+    "fork of a window": (WINDOWS, [
+        m.Ingest(0), *run(0, 1, 3), *run(0, 1, 3), *run(0, 1, 0, pre=((1, 2),)),
+        m.Truncate(0, 2, 5)]),
+    # a copy-on-write fork onto a keyed target, then the target keys on (S23)
+    "fork onto a keyed stream": (SHARED, [
+        m.Ingest(0), *run(0, 1, 2), m.CachePrefix(0, 1), *run(0, 0, 3), m.CachePrefix(0, 0),
+        *run(0, 0, 0, pre=((0, 1),)), *run(0, 1, 3), m.CachePrefix(0, 1)]),
+    # a keyed stream truncated back (a rejected draft), then decoded on
+    "truncate of a keyed stream": (SHARED, [
+        m.Ingest(0), *run(0, 0, 4), m.CachePrefix(0, 0), m.Truncate(0, 0, 2),
+        *run(0, 0, 2), m.CachePrefix(0, 0)]),
+    # a step with a fork that also writes a windowed stream which released a page
+    "fork beside a window's writer": (WINDOWS, [
+        m.Ingest(0), *run(0, 1, 3), *run(0, 1, 3), m.Ingest(1), *run(1, 1, 1),
+        m.Admit(m.Step((m.Seg(0, 1, 2),), pre_forks=((1, 2),), padded=(0,)))]),
+    # a copy-on-write fork whose copy of the partial page fails (R26, R51)
+    "failed copy-on-write fork": (SHARED, [
+        m.Ingest(0), *run(0, 0, 3), *run(0, 0, 0, pre=((0, 1),)),
+        m.Admit(m.Step((m.Seg(0, 0, 0),), pre_forks=((0, 1),), padded=(0,))),
+        m.Plan(fork_error=True), m.Commit(), *run(0, 1, 2)]),
+    # a peer's KV received, then cache_prefix and a match (R55)
+    "received KV keyed": (SHARED, [
+        m.Ingest(0), m.RetrieveStart(0, 0, 4), m.RetrieveComplete(0, 0, True),
+        m.CachePrefix(0, 0), m.Ingest(1), m.MatchPrefix(1, 0, 5)]),
+    # a retrieve into a windowed stream (W16)
+    "retrieve into a window": (SHARED, [
+        m.Ingest(0), *run(0, 2, 2), m.RetrieveStart(0, 2, 6), m.RetrieveComplete(0, 2, True)]),
+    # a shared page truncated into, then written (R52, R54), plainly and preplanned
+    "write after a truncate into a shared page": (SHARED, [
+        *SHARED_PREFIX, m.Truncate(1, 0, 3), *run(1, 0, 1)]),
+    "preplanned write after a truncate into a shared page": (SHARED, [
+        *SHARED_PREFIX, m.Truncate(1, 0, 3), *run(1, 0, 1, preplan=True)]),
+}
