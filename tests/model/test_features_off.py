@@ -44,8 +44,8 @@ DATA = Path(__file__).with_name("features_off.json")
 # not in the page-counting model: the one model's page ids, and (sharing's
 # alone, so at their defaults here: checked) the keyed slots a host copy
 # remembers (S29) and the length of a stream's chain of keys (S23)
-DROP = {"table", "pool", "keyed", "chain"}
-SHARING_ONLY = {"keyed", "chain"}
+DROP = {"table", "pool", "keyed", "chain", "hosted"}
+SHARING_ONLY = {"keyed", "chain", "hosted"}  # hosted: windows only (W8)
 
 # (variant, scope keywords, depth), sharing and windows off (Scope's defaults)
 CASES: dict[str, tuple[str, dict[str, int], int]] = {
