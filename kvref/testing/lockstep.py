@@ -281,6 +281,11 @@ class Lockstep(RuleBasedStateMachine):
         """
         self.driver.combine = data.draw(st.booleans(), label="combined labels")
         self.run(m.Admit(data.draw(steps(self.model, self.state, self.ready()))))
+        self.finish_step()
+
+    def finish_step(self) -> None:
+        """Plan, write and commit of the admitted step, each while the model
+        enables it, every one checked against the model."""
         for action in (m.Plan(), m.Write(), m.Commit()):
             if self.state.current is None or not any(
                 type(a) is type(action) for a in enabled(self.model, self.state)
@@ -312,13 +317,7 @@ class Lockstep(RuleBasedStateMachine):
                           commit=data.draw(st.sampled_from([True, True, True, False]),
                                            label="decode commits"))
             self.run(m.Admit(step))
-            for action in (m.Plan(), m.Write(), m.Commit()):
-                if self.state.current is None or not any(
-                    type(a) is type(action) for a in enabled(self.model, self.state)
-                ):
-                    continue
-                self.run(action)
-                self.agrees_with_model()
+            self.finish_step()
 
     @precondition(lambda self: self.state.staged is None and bool(self.ready()))
     @rule(data=st.data())
