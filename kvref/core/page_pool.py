@@ -23,7 +23,6 @@ taken from the runtime seam (kvref.core.runtime), as `PageAllocator` does.
 from __future__ import annotations
 
 import itertools
-
 from collections import Counter, deque
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
