@@ -303,7 +303,7 @@ def rename(s: State, rp: Perm, lp: Perm, n_labels: int) -> State:
                             key=lambda u: (u[0], u[1] is not None, u[1] or ())))
         return Pending(new, p.phase, frozenset(map(key, p.marks)), undo,
                        frozenset(map(key, p.fresh)), p.forked,
-                       tuple(sorted((key(k), n) for k, n in p.basis)))
+                       tuple(sorted((key(k), n) for k, n in p.basis)), p.preplanned)
 
     return State(
         free=s.free,
