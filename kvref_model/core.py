@@ -178,8 +178,8 @@ class Pending:
     # the streams both name, what that step leaves once it commits as admitted;
     # promotion checks them (R42)
     basis: tuple[tuple[Key, int], ...] = ()
-    # admitted as a preplan (kept at promotion): its views name pages built
-    # before its forks ran, so its forks copy, as without sharing (R57)
+    # admitted as a preplan with forks, sharing on (kept at promotion): its
+    # views name pages built before its forks ran, so they copy (R57)
     preplanned: bool = False
 
 
@@ -1154,8 +1154,11 @@ class Model:
             marks = frozenset(k for k in marks if k in {(g.rid, g.label) for g in a.step.segments})
         for k in marks:
             st[k] = replace(st[k], in_flight=True)
+        # set only where it changes what the forks do: no new states elsewhere
+        copies = (a.preplan and self.scope.sharing and self.S18_append_copies_on_write
+                  and bool(a.step.pre_forks or a.step.post_forks))
         p = Pending(a.step, ADMITTED, marks, undo if a.preplan else (), fresh,
-                    preplanned=a.preplan)
+                    preplanned=copies)
         if a.preplan:
             return replace(s, free=free, streams=_sorted(st), staged=replace(
                 p, basis=self._basis(s, a.step)))

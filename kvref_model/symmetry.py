@@ -40,7 +40,7 @@ KNOWN_FIELDS: dict[type, tuple[str, ...]] = {
     State: ("free", "streams", "host", "current", "staged", "offloads", "leases", "pool"),
     Stream: ("pages", "stored_len", "contents", "in_flight", "offload", "retrieve", "table",
              "keyed", "chain"),
-    Pending: ("step", "phase", "marks", "undo", "fresh", "forked", "basis"),
+    Pending: ("step", "phase", "marks", "undo", "fresh", "forked", "basis", "preplanned"),
     Step: ("segments", "pre_forks", "post_forks", "padded", "commit"),
     Seg: ("rid", "label", "span"),
     Offload: ("claimed", "copied", "touched"),

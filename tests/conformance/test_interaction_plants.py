@@ -69,11 +69,10 @@ def test_the_clean_tree_passes_the_trace(target: str) -> None:
 def test_the_clean_tree_passes_every_schedule_of_the_programs() -> None:
     # run clean, every schedule, by tests/concurrency/test_shared_programs.py
     # (not again here: the same DFS, its cost paid once)
-    from tests.concurrency.test_shared_programs import OPEN
     from tests.support.shared_programs import CASES
 
     programs = {t for layer, t, _ in FOUND_AT.values() if layer == "scheduler"}
-    assert programs <= set(CASES) - OPEN
+    assert programs <= set(CASES)
 
 
 @pytest.mark.parametrize("name", sorted(FOUND_AT))

@@ -18,9 +18,10 @@ from tests.model.frozen import core_v0 as v0
 from tests.model.frozen import protocol_v0
 from tests.model.frozen.reference_v0 import ReferenceModel as ReferenceV0
 
-# the one model's page ids, and the keyed slots a host copy remembers (S29;
-# always () with sharing off): projected away
-DROP = {"table", "pool", "keyed"}
+# the one model's page ids, the keyed slots a host copy remembers (S29;
+# always () with sharing off), and whether a step's forks copy as a
+# preplan's (R57; always False with sharing off): projected away
+DROP = {"table", "pool", "keyed", "preplanned"}
 
 
 def norm(x: Any) -> Any:
