@@ -178,6 +178,9 @@ class Pending:
     # the streams both name, what that step leaves once it commits as admitted;
     # promotion checks them (R42)
     basis: tuple[tuple[Key, int], ...] = ()
+    # admitted as a preplan with forks, sharing on (kept at promotion): its
+    # views name pages built before its forks ran, so they copy (R57)
+    preplanned: bool = False
 
 
 @dataclass(frozen=True)
@@ -712,7 +715,9 @@ class Model:
              spans: bool = True) -> pool_model.State:
         """S18/W11: each page a segment writes into that is shared or
         registered is swapped for a private one: a spare page the admit
-        reserved for it (the table's tail), else a free one; the old released."""
+        reserved for it (the table's tail), else a free one; the old released.
+        Run at admit (kvref copies there); plan and an unplanned commit run
+        it again, a no-op unless a page the step writes became shared since."""
         if not (self.scope.sharing and self.S18_append_copies_on_write):
             return pool
         targets = {(r, t) for _, t in step.pre_forks for r in step.padded}
@@ -937,7 +942,7 @@ class Model:
         fork(step.post_forks)
         if self.scope.sharing and self.S18_append_copies_on_write and pool is not None:
             # a page the step writes into that is shared or registered needs a
-            # private copy: one page more, swapped in at plan (S18, R52, R57)
+            # private copy: one page more, swapped in at admit (S18, R52, R57)
             targets = {(r, t) for _, t in step.pre_forks for r in step.padded}
             for g in step.segments:
                 k = (g.rid, g.label)
@@ -1015,6 +1020,11 @@ class Model:
         if shares is not None:
             have.update(self._fork_holds(a.step, st, s.pool, shares))
         new = sum(max(0, n - have.get(k, 0)) for k, n in want.items())
+        # R57: a preplan's fork targets are made private at admit: each page
+        # another stream holds or the cache names is copied into a fresh one,
+        # counted here (its forks then copy into the pages its views name)
+        privatise = self._shared_in_targets(a.step, st, s.pool) if a.preplan else {}
+        new += sum(len(v) for v in privatise.values())
         if new > s.free:
             return Refused("AllocationFailed", new - s.free), s
         undo: list[tuple[Key, Tokens | None]] = []
@@ -1026,6 +1036,18 @@ class Model:
             v = st.get(k, NO_STREAM)
             got, pool = self._alloc(pool, k, n - have.get(k, 0))
             st[k] = self.tab(v, v.table + got)
+        for k, idx in privatise.items():
+            got, pool = self._alloc(pool, k, len(idx))
+            table = list(st[k].table)
+            old = tuple(table[i] for i in idx)
+            for i, q in zip(idx, got, strict=True):
+                table[i] = q
+            _, pool = self._release(pool, k, old)
+            st[k] = self.tab(st[k], tuple(table))
+        # S18/R52: the copy-on-write is made at admit, into the page it just
+        # reserved (kvref copies there, so a failed copy changes nothing and
+        # the stream never holds the reserved page beside the shared one)
+        pool = self._cow(st, pool, a.step)
         before = s.stream_map()
         # a pre-fork target to rewind, where a preplan runs its forks (R11 off);
         # under R11 there is none, and a running step may still move it (R41)
@@ -1035,8 +1057,29 @@ class Model:
                     undo.append(((rid, t), before[(rid, t)].contents))
         marks = frozenset(k for k in keys if k in st)
         fresh = frozenset(k for k in st if k not in before)
-        return Ok(), self._admitted(replace(s, pool=pool), st, s.free - new, a, marks,
+        # a copy-on-write or a privatising copy may let go of a keyed page it
+        # held last: free-cached then, so free is the pool's count (S18, R57)
+        free = len(pool.blank) + len(pool.lru) if self.scope.sharing else s.free - new
+        return Ok(), self._admitted(replace(s, pool=pool), st, free, a, marks,
                                     tuple(undo), fresh)
+
+    def _shared_in_targets(self, step: Step, st: dict[Key, Stream],
+                           pool: pool_model.State | None) -> dict[Key, tuple[int, ...]]:
+        """R57: the table slots of a preplan's fork targets whose page is not
+        private to the target (another holder, or a key)."""
+        if not (self.scope.sharing and self.S18_append_copies_on_write) or pool is None:
+            return {}
+        out: dict[Key, tuple[int, ...]] = {}
+        for _, t in step.pre_forks + step.post_forks:
+            for rid in step.padded:
+                v = st.get((rid, t))
+                if v is None:
+                    continue
+                idx = tuple(i for i, p in enumerate(v.table)
+                            if p and not self.private(pool, (rid, t), p))
+                if idx:
+                    out[(rid, t)] = idx
+        return out
 
     def _fork_holds(self, step: Step, st: dict[Key, Stream], pool: pool_model.State | None,
                     shares: dict[Key, int]) -> dict[Key, int]:
@@ -1117,7 +1160,11 @@ class Model:
             marks = frozenset(k for k in marks if k in {(g.rid, g.label) for g in a.step.segments})
         for k in marks:
             st[k] = replace(st[k], in_flight=True)
-        p = Pending(a.step, ADMITTED, marks, undo if a.preplan else (), fresh)
+        # set only where it changes what the forks do: no new states elsewhere
+        copies = (a.preplan and self.scope.sharing and self.S18_append_copies_on_write
+                  and bool(a.step.pre_forks or a.step.post_forks))
+        p = Pending(a.step, ADMITTED, marks, undo if a.preplan else (), fresh,
+                    preplanned=copies)
         if a.preplan:
             return replace(s, free=free, streams=_sorted(st), staged=replace(
                 p, basis=self._basis(s, a.step)))
@@ -1137,7 +1184,9 @@ class Model:
         # a copy-on-write fork keeps private pages for it
         spans = ({(g.rid, g.label): g.span for g in p.step.segments}
                  if forks is p.step.pre_forks else {})
-        sharing = self.scope.sharing and self.S19_fork_copies_part_page
+        # R57: a preplanned step's forks copy into the private pages its
+        # admit made and reserved; they share nothing
+        sharing = self.scope.sharing and self.S19_fork_copies_part_page and not p.preplanned
         for f, t in forks:
             for rid in p.step.padded:
                 src, dst = (rid, f), (rid, t)
@@ -1155,13 +1204,13 @@ class Model:
                     st[dst] = replace(st[dst], stored_len=0, contents=(), chain=0)
                     continue
                 st[dst], pool = self._fork_pages(st[dst], dst, st[src], pool,
-                                                 spans.get(dst, 0))
+                                                 spans.get(dst, 0), share=not p.preplanned)
                 st[dst] = replace(st[dst], stored_len=st[src].stored_len,
                                   contents=st[src].contents, chain=st[src].chain)
         return fired, replace(p, fresh=frozenset(fresh)), pool
 
     def _fork_pages(self, v: Stream, k: Key, src: Stream | None, pool: pool_model.State,
-                    span: int = 0) -> tuple[Stream, pool_model.State]:
+                    span: int = 0, share: bool = True) -> tuple[Stream, pool_model.State]:
         """The target's table after a fork from ``src`` (None: a copy that
         failed, the target emptied). It keeps its private pages (the admit
         reserved them: its high-water list) and lets go of the rest; with
@@ -1177,7 +1226,7 @@ class Model:
             return self.tab(v, keep), pool
         z = self.released(src) if self.W5_fork_inherits_window else 0
         shared: tuple[int, ...] = ()
-        if self.scope.sharing:
+        if self.scope.sharing and share:
             full = src.stored_len // self.scope.page_size if self.S19_fork_copies_part_page \
                 else self.need(src.stored_len)
             shared = tuple(q for q in src.table[z:full] if q)

@@ -40,7 +40,7 @@ KNOWN_FIELDS: dict[type, tuple[str, ...]] = {
     State: ("free", "streams", "host", "current", "staged", "offloads", "leases", "pool"),
     Stream: ("pages", "stored_len", "contents", "in_flight", "offload", "retrieve", "table",
              "keyed", "chain"),
-    Pending: ("step", "phase", "marks", "undo", "fresh", "forked", "basis"),
+    Pending: ("step", "phase", "marks", "undo", "fresh", "forked", "basis", "preplanned"),
     Step: ("segments", "pre_forks", "post_forks", "padded", "commit"),
     Seg: ("rid", "label", "span"),
     Offload: ("claimed", "copied", "touched", "hosted"),
@@ -307,7 +307,7 @@ def rename(s: State, rp: Perm, lp: Perm, n_labels: int) -> State:
                             key=lambda u: (u[0], u[1] is not None, u[1] or ())))
         return Pending(new, p.phase, frozenset(map(key, p.marks)), undo,
                        frozenset(map(key, p.fresh)), p.forked,
-                       tuple(sorted((key(k), n) for k, n in p.basis)))
+                       tuple(sorted((key(k), n) for k, n in p.basis)), p.preplanned)
 
     return State(
         free=s.free,

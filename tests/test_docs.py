@@ -168,7 +168,7 @@ def _plants() -> dict[str, set[str]]:
     from kvref.testing.vllm_plants import PLANTS as VLLM
     from tests.concurrency.test_publish_races import PLANTED
     from tests.conformance.test_feature_plants import PLANTS as FEATURES
-    from tests.conformance.test_interaction_plants import BLOCKED, FOUND_AT
+    from tests.conformance.test_interaction_plants import FOUND_AT
     from tests.conformance.test_mutations import MUTANTS
     from tests.conformance.test_page_pool_plants import PLANTS as POOL
     from tests.support.sched_planted import DATA_RACES, RACES
@@ -184,7 +184,7 @@ def _plants() -> dict[str, set[str]]:
         "tests/conformance/test_page_pool_plants.py": set(POOL),
         "tests/conformance/test_feature_plants.py": set(FEATURES),
         "tests/conformance/test_interaction_plants.py": {
-            n.split("@")[0] for n in (*FOUND_AT, *BLOCKED)},
+            n.split("@")[0] for n in FOUND_AT},
         "tests/model/test_mutations.py": model_mutants,
         "tests/unit/_plant_validate.py": {plant[0] for plant in validate.PLANTS},
         "kvref/testing/vllm_plants.py": set(VLLM),

@@ -12,17 +12,8 @@ import pytest
 from tests.support.sched_harness import SHIPPED_SCOPE
 from tests.support.shared_programs import CASES, explore
 
-# an open disagreement on the clean tree (issue 27, reported to the lead):
-# after a hit and a truncate into the shared page, the copy-on-write admit's
-# reserved page is in the model's table at admit (pages 3) and only in a
-# claim in kvref's (pages 2), so the first schedule already differs.
-# tests/conformance/test_open_seams.py replays it sequentially
-OPEN = {"copy-on-write against reset"}
 
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="open: copy-on-write admit"))
-    if n in OPEN else n for n in sorted(CASES)])
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_every_schedule_up_to_two_preemptions(name: str) -> None:
     n = explore(CASES[name])
     assert n > 1, f"{name}: one schedule only, nothing raced"

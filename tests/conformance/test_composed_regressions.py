@@ -247,3 +247,70 @@ def test_offload_of_a_window_that_released_a_page() -> None:
     (a window release against an offload)."""
     scope, trace = TRACES["offload of a window"]
     assert replay(trace, scope) == m.Ok()
+
+
+def test_a_copy_on_write_admit_after_a_truncate_into_a_shared_page() -> None:
+    """Model/kvref disagreement, settled as kvref ships it (S18, R52: the
+    admit of a step that writes into a shared partial page "reserves a page
+    and copies it first"): kvref copies at admit, in place in the stream's
+    table, so a copy that raises changes nothing and the stream never holds
+    the reserved page beside the shared one (as R57's privatising admit).
+    The model reserved the page at the table's tail and swapped it in at
+    plan: between admit and plan its stream held 3 pages and still shared
+    the partial one, kvref's 2 and private. Free pages agreed (5), so the
+    difference was only where the reserved page was recorded; the model
+    now makes the copy at admit, and the plants that wait on it
+    (`preplan_skips_copy_on_write`, `truncate_forgets_the_shared_tail`)
+    are found by their traces."""
+    scope, trace = TRACES["write after a truncate into a shared page"]
+    admit = trace.index(m.Truncate(1, 0, 3)) + 1
+    assert replay(trace[:admit + 1], scope) == m.Ok()  # the admit: both sides agree
+    s = m.Model(scope).init()
+    for a in trace[:admit + 1]:
+        _, s = m.Model(scope).step(s, a)
+    writer, reader = s.stream_map()[(1, 0)], s.stream_map()[(0, 0)]
+    assert writer.pages == 2 and writer.table[1] != reader.table[1]  # copied at admit
+    assert s.free == scope.device_pages - 3
+    assert replay(trace, scope) == m.Ok()
+
+
+def test_a_preplanned_copy_on_write_fork_copies() -> None:
+    """Model bug (R57: a preplan's forks copy, as without sharing, into
+    targets whose every page is made private at admit): the model's
+    promoted preplan shared the source's full page with the target, so the
+    plan left 5 pages free, kvref 4 (the target's two pages its own). The
+    model now keeps `Pending.preplanned` through promotion, copies its
+    forks, and makes a fork target's shared pages private at the preplan's
+    admit (counted in its reservation), as kvref's `Forks.privatise`."""
+    fork = m.Step((m.Seg(0, 0, 0),), pre_forks=((0, 1),), padded=(0,), commit=False)
+    trace = [m.Ingest(0), *run(0, 0, 3), m.Admit(fork, preplan=True), m.Plan(preplan=True),
+             m.Admit(fork), m.Plan(), m.Commit()]
+    assert replay(trace, SHARED) == m.Ok()
+    s = m.Model(SHARED).init()
+    for a in trace:
+        _, s = m.Model(SHARED).step(s, a)
+    assert s.free == SHARED.device_pages - 4
+
+
+def test_a_preplanned_fork_onto_a_target_that_shares_privatises_it() -> None:
+    """R57 at admit: a preplanned fork onto a target that shares its
+    source's full page (an earlier copy-on-write fork) copies that page
+    into a fresh one at the preplan's admit; the model kept it shared (and
+    its copying fork would then have let it go)."""
+    fork = m.Step((m.Seg(0, 0, 1),), post_forks=((0, 1),), padded=(0,))
+    trace = [m.Ingest(0), *run(0, 0, 3), *run(0, 0, 0, pre=((0, 1),)),
+             m.Admit(fork, preplan=True), m.Plan(preplan=True), m.Admit(fork), m.Plan(),
+             m.Write(), m.Commit(), *run(0, 1, 2)]
+    assert replay(trace, SHARED) == m.Ok()
+
+
+def test_a_copy_on_write_admit_letting_go_of_the_last_reference_frees_it() -> None:
+    """Model bug in the copy at admit (found by the controlled scheduler's
+    copy-on-write-against-reset program, schedule 57): with the other
+    sharer removed, the writer held the keyed partial page last; the copy
+    let it go, free-cached, yet the admit counted free as before the copy
+    (I1, I23: free 5, the pool 6). kvref frees it; the model's free is now
+    the pool's count."""
+    scope, trace = TRACES["write after a truncate into a shared page"]
+    at = trace.index(m.Truncate(1, 0, 3)) + 1
+    assert replay([*trace[:at], m.Remove(0), *trace[at:]], scope) == m.Ok()

@@ -133,10 +133,8 @@ def test_the_plant_is_found(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
         replay(case.scope, case.trace)
 
 
-@pytest.mark.xfail(strict=True, raises=Mismatch, reason=(
-    "open: after a truncate into a page two streams share, the copy-on-write admit's "
-    "page is in the model's table at admit (3 pages), not yet in kvref's (2); free agrees"))
 def test_copy_on_write_admit_after_a_truncate() -> None:
+    # was an open disagreement: the model now makes the copy at admit, as kvref does
     replay(SHARED, [*FORKED, m.Truncate(0, 1, 3), *step(0, 1, 1)])
 
 

@@ -44,19 +44,13 @@ FOUND_AT: dict[str, tuple[str, str, int]] = {
     "offload_commit_frees_shared_pages@scheduler": ("scheduler", "hit against offload", 1),
     "offload_copy_forgets_the_window": ("scheduler", "window release against an offload copy",
                                         1),
+    "offload_copy_forgets_the_window@trace": ("trace", "offload of a window", 11),
+    # found once the model made the copy-on-write at admit, as kvref does
+    # (S18, R52; issue 27's first open disagreement)
+    "preplan_skips_copy_on_write": ("trace", "preplanned write after a truncate into a shared page",
+                                    10),
+    "truncate_forgets_the_shared_tail": ("trace", "write after a truncate into a shared page", 10),
 }
-
-# plants whose trace the clean tree fails today (open disagreements, issue
-# 27, reported to the lead): strict, so that the fix turns them into findings
-BLOCKED: dict[str, tuple[str, str]] = {
-    "preplan_skips_copy_on_write": (
-        "preplanned write after a truncate into a shared page",
-        "the copy-on-write admit's reserved page: in the model's table, in a claim in kvref's"),
-    "truncate_forgets_the_shared_tail": (
-        "write after a truncate into a shared page",
-        "the copy-on-write admit's reserved page: in the model's table, in a claim in kvref's"),
-}
-
 
 def run(layer: str, target: str, plant: seam_plants.Plant | None) -> Found:
     if layer == "scheduler":
@@ -75,11 +69,10 @@ def test_the_clean_tree_passes_the_trace(target: str) -> None:
 def test_the_clean_tree_passes_every_schedule_of_the_programs() -> None:
     # run clean, every schedule, by tests/concurrency/test_shared_programs.py
     # (not again here: the same DFS, its cost paid once)
-    from tests.concurrency.test_shared_programs import OPEN
     from tests.support.shared_programs import CASES
 
     programs = {t for layer, t, _ in FOUND_AT.values() if layer == "scheduler"}
-    assert programs <= set(CASES) - OPEN
+    assert programs <= set(CASES)
 
 
 @pytest.mark.parametrize("name", sorted(FOUND_AT))
@@ -90,15 +83,6 @@ def test_the_plant_is_found(name: str) -> None:
     assert found.at is not None, f"{name} survived the {layer} ({target}, {found.ran} run)"
     # where it was found when recorded: later means the layer got weaker
     assert found.at <= at, f"{name} found at {found.at}, recorded {at}: {found.message}"
-
-
-@pytest.mark.xfail(strict=True, reason="the clean tree fails the trace (open disagreement)")
-@pytest.mark.parametrize("name", sorted(BLOCKED))
-def test_a_blocked_plant_is_found_once_the_clean_tree_passes(name: str) -> None:
-    target, why = BLOCKED[name]
-    clean = run("trace", target, None)
-    assert clean.at is None, f"clean: {why}: {clean.message}"
-    assert run("trace", target, getattr(seam_plants, name)).at is not None
 
 
 def test_twelve_interaction_plants_are_found_in_ci() -> None:

@@ -44,7 +44,7 @@ DATA = Path(__file__).with_name("features_off.json")
 # not in the page-counting model: the one model's page ids, and (sharing's
 # alone, so at their defaults here: checked) the keyed slots a host copy
 # remembers (S29) and the length of a stream's chain of keys (S23)
-DROP = {"table", "pool", "keyed", "chain", "hosted"}
+DROP = {"table", "pool", "keyed", "chain", "hosted", "preplanned"}
 SHARING_ONLY = {"keyed", "chain", "hosted"}  # hosted: windows only (W8)
 
 # (variant, scope keywords, depth), sharing and windows off (Scope's defaults)

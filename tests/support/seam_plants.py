@@ -7,6 +7,7 @@ own locksteps found; tests/conformance/test_seam_plants.py runs them."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import pytest
@@ -382,11 +383,15 @@ def preplan_skips_copy_on_write(mp: pytest.MonkeyPatch) -> None:
     shared partial page (after a truncate into it) reserves and makes no
     private copy, so the promoted step writes into the other holder's page."""
     orig = admission.reserve
+    signature = inspect.signature(orig)
 
     def reserve(*args: object, **kwargs: object) -> object:
-        if kwargs.get("copy_forks") and kwargs.get("sharing") is not None:
-            kwargs["sharing"] = _NoCow(kwargs["sharing"])  # type: ignore[arg-type]
-        return orig(*args, **kwargs)  # type: ignore[arg-type]
+        # bound by name: the manager passes ``sharing`` by position
+        bound = signature.bind(*args, **kwargs)
+        sharing = bound.arguments.get("sharing")
+        if bound.arguments.get("copy_forks") and sharing is not None:
+            bound.arguments["sharing"] = _NoCow(sharing)  # type: ignore[arg-type]
+        return orig(*bound.args, **bound.kwargs)  # type: ignore[arg-type]
 
     mp.setattr(admission, "reserve", reserve)
 
