@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
-from kvref.core.config import KVConfig, KVLayout, RetentionPolicy
+from kvref.core.config import KVConfig, KVLayout, KVReqConfig, RetentionPolicy
 from kvref.manager import KVManager
 from kvref.stepping.plan import KVPlanOutputs
 from kvref.stepping.step import Fork, KVStep, Segment, StepContext
+from kvref.testing.manual_runtime import ManualRuntime
 from kvref.testing.page_checks import check_device_pages
 from kvref.transfer.engine import TransferEngineInfo
+from kvref.transfer.published import PublishedKVInfo
 
 Key = tuple[str, str]
 
@@ -232,3 +234,41 @@ def fill(drv: Driver, rid: str, n: int, label: str = "main", chunk: int | None =
         span = left if chunk is None else min(chunk, left)
         drv.step([(rid, label, span)])
         left -= span
+
+
+def offloadable(pages: int = 32, cpu_pages: int = 16,
+                runtime: ManualRuntime | None = None) -> Driver:
+    """Request ``a``: ``main`` 6 tokens over three steps (generation >= 2), and
+    a host pool to offload it to."""
+    mgr = KVManager(make_cfg(pages=pages, page_size=4, cpu_pages=cpu_pages), "kv", None,
+                    TransferEngineInfo(), "cpu", dtype=torch.float32, runtime=runtime)
+    d = Driver(mgr)
+    d.ingest("a")
+    fill(d, "a", 6, chunk=2)
+    return d
+
+
+def publisher(pages: int = 16, page_size: int = 4, cpu_pages: int = 0) -> Driver:
+    """``r``: ``main`` 10 tokens (3 pages), ``cfg`` 3 tokens (1 page)."""
+    d = Driver(make_manager(pages=pages, page_size=page_size, cpu_pages=cpu_pages))
+    d.ingest("r")
+    fill(d, "r", 10)
+    fill(d, "r", 3, "cfg")
+    return d
+
+
+def consumer(rt: ManualRuntime, pages: int = 16, cpu_pages: int = 0,
+             labels: tuple[str, ...] = ("main", "cfg")) -> KVManager:
+    """A manager with request ``r`` ingested (no tokens), whose copies the
+    hand-driven runtime ``rt`` completes."""
+    dst = KVManager(make_cfg(pages=pages, page_size=4, cpu_pages=cpu_pages), "kv", None,
+                    TransferEngineInfo(), "cpu", dtype=torch.float32, runtime=rt)
+    dst.ingest_request("r", KVReqConfig(default_labels=labels))
+    return dst
+
+
+def publish_now(d: Driver) -> PublishedKVInfo:
+    """``r``'s publication (the test expects publish to succeed)."""
+    pub = d.mgr.publish("r")
+    assert isinstance(pub, PublishedKVInfo)
+    return pub

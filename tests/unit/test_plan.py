@@ -9,15 +9,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvref.stepping.plan import (
+    SINK_PAGE,
+    KVPlanOutputs,
+    KVPlanState,
     SequenceView,
     build_paged_indptrs,
     decode_plan_state,
+    decode_tables,
     group_by_plan_label,
     packed_plan_state,
 )
 from kvref.stepping.step import KVStep, Segment, StepContext
 
 CPU = torch.device("cpu")
+# ``meta`` is the one non-CPU device every build has: it checks where the
+# write slots are placed (the host-to-device branch) without a GPU.
+META = torch.device("meta")
 
 
 def test_build_paged_indptrs_csr() -> None:
@@ -272,3 +279,104 @@ def test_stream_page_array_follows_its_list() -> None:
                                   40, 1, 0, offset=32)
     assert view.page_idxs == s.page_indices[2:5] and view.num_pages == 3
     assert view.page_at(1) == s.page_indices[3]
+
+
+# -- plan states, where tables are placed, forks and combined groups in the plan
+
+
+def _static_state(capacity: int) -> KVPlanState:
+    """A graph-captured state: buffers of ``capacity`` slots, filled with junk."""
+    return KVPlanState(
+        token_to_page=torch.full((capacity,), 99, dtype=torch.int64),
+        token_to_cache=torch.full((capacity,), 99, dtype=torch.int64),
+        total_tokens=0,
+    )
+
+
+def _live_state(pages: list[int], offsets: list[int]) -> KVPlanState:
+    return KVPlanState(
+        token_to_page=torch.tensor(pages, dtype=torch.int64),
+        token_to_cache=torch.tensor(offsets, dtype=torch.int64),
+        total_tokens=len(pages),
+    )
+
+
+def test_static_state_accepts_a_bucket_as_large_as_its_buffers() -> None:
+    # the largest bucket a buffer was built for must fit it exactly
+    static = _static_state(4)
+    static.copy_(_live_state([5, 6, 7], [1, 2, 3]), capture_len=4)
+    assert static.token_to_page.tolist() == [5, 6, 7, SINK_PAGE]
+    assert static.token_to_cache.tolist() == [1, 2, 3, 0]
+    assert static.total_tokens == 3
+
+
+def test_static_state_refuses_a_bucket_past_its_buffers_naming_the_remedy() -> None:
+    static = _static_state(4)
+    with pytest.raises(ValueError, match="build_cuda_graph_buffers with a larger max_seq_len"):
+        static.copy_(_live_state([5], [1]), capture_len=5)
+    assert static.token_to_page.tolist() == [99] * 4  # nothing staged
+
+
+def test_static_state_refuses_more_tokens_than_the_bucket() -> None:
+    static = _static_state(8)
+    with pytest.raises(ValueError, match="do not fit a bucket of 2"):
+        static.copy_(_live_state([5, 6, 7], [1, 2, 3]), capture_len=2)
+
+
+def _decode_views() -> list[SequenceView]:
+    return [SequenceView("a", "main", [3, 7], 6, 1, 0), SequenceView("b", "main", [5], 1, 1, 0)]
+
+
+def test_decode_slots_are_placed_on_the_requested_device() -> None:
+    state = decode_plan_state(_decode_views(), 4, META)
+    for t in (state.token_to_page, state.token_to_cache):
+        assert t.device == META
+        assert tuple(t.shape) == (2,)
+    assert state.total_tokens == 2
+
+
+def test_fused_decode_tables_place_slots_on_the_requested_device() -> None:
+    indptrs, state = decode_tables(_decode_views(), 4, META)
+    for t in (state.token_to_page, state.token_to_cache):
+        assert t.device == META
+        assert tuple(t.shape) == (2,)
+    # the page table stays on the host: plan copies it once, with the rest
+    assert indptrs.paged_kv_indices.device.type == "cpu"
+    assert indptrs.paged_kv_indices.tolist() == [3, 7, 5]
+
+
+def test_packed_slots_are_placed_on_the_requested_device() -> None:
+    views = [SequenceView("a", "main", [3, 7], 6, 3, 0)]
+    state = packed_plan_state(build_paged_indptrs(views, 4), 4, 3, META)
+    for t in (state.token_to_page, state.token_to_cache):
+        assert t.device == META
+        assert tuple(t.shape) == (3,)
+
+
+def test_page_table_moves_whole_to_the_requested_device() -> None:
+    host = build_paged_indptrs(_decode_views(), 4)
+    moved = host.to_device(META)
+    for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"):
+        t = getattr(moved, name)
+        assert t.device == META, name
+        assert t.shape == getattr(host, name).shape, name
+
+
+def test_plan_outputs_carry_the_steps_forks_as_tuples() -> None:
+    outs = KVPlanOutputs({}, pre_forks=[("main", "cfg")], post_forks=[("cfg", "aux")])
+    assert outs.pre_forks == (("main", "cfg"),)
+    assert outs.post_forks == (("cfg", "aux"),)
+    assert KVPlanOutputs({}).pre_forks == () == KVPlanOutputs({}).post_forks
+
+
+def test_a_combined_pair_is_planned_label_major() -> None:
+    # exactly two segments, given cfg first: the group still plans main first
+    grouped = group_by_plan_label(
+        [Segment("a", "cfg", 1), Segment("a", "main", 1)], [("main", "cfg")])
+    assert list(grouped) == ["main"]
+    assert [s.label for s in grouped["main"]] == ["main", "cfg"]
+
+
+def test_a_label_in_two_combined_groups_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="label 'cfg' is in two combined groups"):
+        group_by_plan_label([Segment("a", "main", 1)], [("main", "cfg"), ("aux", "cfg")])

@@ -8,7 +8,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _manager_fixtures import Driver, assert_same, check_conservation, fill, make_cfg, snapshot
+from _manager_fixtures import (
+    Driver,
+    assert_same,
+    check_conservation,
+    fill,
+    make_cfg,
+    snapshot,
+)
 
 from kvref import (
     AdmitOutcome,
@@ -33,6 +40,7 @@ from kvref.core.errors import (
 )
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.transfer.engine import StaleSourceError
+from kvref.transfer.lease import LeaseTable
 
 LEASE_S = 30.0
 
@@ -358,3 +366,41 @@ def test_a_refused_reset_does_not_drain(src, dst, rt) -> None:  # type: ignore[n
         with pytest.raises(PublishLeasedError):
             call()
     assert rt.pending and rt.deferred == 0
+
+
+# -- the lease table itself ---------------------------------------------------
+
+
+class _Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_leased_lists_exactly_the_requests_whose_lease_is_live() -> None:
+    clock = _Clock()
+    leases = LeaseTable(10.0, clock)
+    leases.take("a")
+    clock.now += 5.0
+    leases.take("b")
+    assert sorted(leases.leased()) == ["a", "b"]
+    clock.now += 5.0  # a's deadline: expired, b still has 5 s
+    assert leases.leased() == ["b"]
+    leases.release("b")
+    assert leases.leased() == []
+
+
+def test_a_leased_refusal_names_the_call_and_the_remedy() -> None:
+    leases = LeaseTable(None, _Clock())
+    leases.take("r")
+    with pytest.raises(PublishLeasedError) as info:
+        leases.refuse("r", "truncate")
+    assert str(info.value) == (
+        "request 'r': truncate while its publication is leased to a peer; "
+        "release_published it first (or let the lease expire)")
+    assert info.value.request_id == "r"
+    leases.refuse("s", "truncate")  # no lease: no refusal

@@ -8,6 +8,7 @@ error and changes nothing (R38).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -25,14 +26,21 @@ from _manager_fixtures import (
 from kvref.core.config import KVReqConfig
 from kvref.core.errors import (
     InvalidArgumentError,
+    KVRefError,
+    PublishLeasedError,
     StepInFlightError,
     StreamUnavailableError,
     UnknownRequestError,
 )
 from kvref.manager import KVManager
-from kvref.stepping.step import KVStep, Segment, StepContext
+from kvref.stepping.step import (
+    KVStep,
+    Segment,
+    StepContext,
+)
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.transfer.engine import TransferEngineInfo
+from kvref.transfer.published import PublishedKVInfo
 
 
 def _cut(drv: Driver, rid: str, label: str, new_len: int) -> int:
@@ -244,3 +252,99 @@ def test_allowed_once_the_retrieve_landed(retrieving: tuple[KVManager, ManualRun
     want = dst.read_stream("r")[:, :3].clone()
     assert dst.truncate("r", "main", 3) == 1
     assert torch.equal(dst.read_stream("r"), want)
+
+
+# -- each refusal pinned whole: text, request and label (KVRefError's contract)
+
+
+def _truncate_refused(mgr: KVManager, err: type[KVRefError], label: str, new_len: int,
+                      message: str) -> None:
+    before = snapshot(mgr)
+    with pytest.raises(err) as info:
+        mgr.truncate("r", label, new_len)
+    assert str(info.value) == f"request 'r' label {label!r}: {message}"
+    assert (info.value.request_id, info.value.label) == ("r", label)
+    assert_same(before, snapshot(mgr))
+
+
+def test_truncate_in_flight_names_the_stream_and_the_remedy(drv: Driver) -> None:
+    fill(drv, "r", 6)
+    fill(drv, "r", 3, "cfg")
+    step = KVStep([Segment("r", "cfg", 2)])
+    ctx = StepContext(["r"])
+    assert drv.mgr.admit(step, ctx).ok
+    _truncate_refused(drv.mgr, StepInFlightError, "cfg", 1,
+                      "truncate while a step names the stream; commit it first")
+
+
+def test_truncate_of_an_offloaded_stream_names_it_and_the_remedy(drv: Driver) -> None:
+    fill(drv, "r", 6)
+    fill(drv, "r", 3, "cfg")
+    assert drv.mgr.offload("r") > 0
+    _truncate_refused(drv.mgr, StreamUnavailableError, "cfg", 1,
+                      "truncate of a stream an offload claims or holds; reload it first")
+
+
+def test_truncate_past_the_end_names_the_stream_and_both_lengths(drv: Driver) -> None:
+    fill(drv, "r", 6)
+    fill(drv, "r", 3, "cfg")
+    _truncate_refused(drv.mgr, InvalidArgumentError, "cfg", 4,
+                      "truncate to 4 tokens; the stream holds 3")
+
+
+def test_truncate_of_a_leased_stream_is_refused_until_released() -> None:
+    # R33: a peer may still be copying the pages a truncate would free
+    rt = ManualRuntime()
+    cfg = dataclasses.replace(make_cfg(pages=16, page_size=4), publish_lease_s=None)
+    mgr = KVManager(cfg, "kv", None, TransferEngineInfo(), "cpu", dtype=torch.float32,
+                    runtime=rt)
+    d = Driver(mgr)
+    d.ingest("r")
+    fill(d, "r", 6)
+    fill(d, "r", 3, "cfg")
+    assert isinstance(mgr.publish("r"), PublishedKVInfo)
+    before = snapshot(mgr)
+    with pytest.raises(PublishLeasedError) as info:
+        mgr.truncate("r", "cfg", 1)
+    assert str(info.value) == (
+        "request 'r': truncate while its publication is leased to a peer; "
+        "release_published it first (or let the lease expire)")
+    assert info.value.request_id == "r"
+    assert_same(before, snapshot(mgr))
+    mgr.release_published("r")
+    assert mgr.truncate("r", "cfg", 1) == 0
+    assert mgr.stored_len("r", "cfg") == 1
+
+
+@pytest.fixture
+def retrieving_cfg() -> Iterator[tuple[KVManager, ManualRuntime]]:
+    """A manager with a retrieve of ``r/cfg`` (5 tokens) still copying."""
+    src = make_manager(pages=8, page_size=4)
+    d = Driver(src)
+    d.ingest("r")
+    fill(d, "r", 5, "cfg")
+    rt = ManualRuntime()
+    dst = KVManager(make_cfg(pages=8, page_size=4), "kv", None, TransferEngineInfo(), "cpu",
+                    dtype=torch.float32, runtime=rt)
+    dst.ingest_request("r", KVReqConfig(default_labels=("cfg",)))
+    pub = src.publish("r")
+    assert isinstance(pub, PublishedKVInfo)
+    out = dst.admit_retrieve("r", "n", "w", pub)
+    assert out.ok and not out.ready
+    yield dst, rt
+    dst.cleanup()
+    src.cleanup()
+
+
+def test_truncate_during_and_after_a_failed_retrieve_names_the_stream(
+        retrieving_cfg: tuple[KVManager, ManualRuntime]) -> None:
+    dst, rt = retrieving_cfg
+    _truncate_refused(dst, StreamUnavailableError, "cfg", 2,
+                      "truncate while a retrieve is copying into the stream")
+    fut = dst._streams["r"]["cfg"].read_future
+    assert fut is not None
+    rt.complete(fut, ok=False)
+    # a readiness check reads the failure off the future and latches it (I11)
+    assert not dst.admit_retrieve("r", "n", "w", None).ok
+    _truncate_refused(dst, StreamUnavailableError, "cfg", 2,
+                      "truncate of a stream whose retrieve failed; reset or remove the request")
