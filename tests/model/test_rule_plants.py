@@ -82,7 +82,7 @@ def test_the_clean_model_passes_the_same_scopes(scope: Scope) -> None:
 
 # every label windowed (label 0 is full attention in every other scope): the
 # clean one model breaks I18 at depth 8 (I6 there is fixed: a copy holds the
-# host pages it took, tests/model/test_model_defects.py). Open, and kvref
+# host pages it took, tests/model/test_host_copy_and_key_order.py). Open, and kvref
 # does the same (run_trace agrees call for call): a commit on a windowed label
 # releases the window's pages of a request whose publication is leased, pages
 # the peer may still be copying (R33 vs W2; issue 27 part 1)

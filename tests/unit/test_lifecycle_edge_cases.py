@@ -1,6 +1,10 @@
-"""The lifecycle defects found on main at 81ea7d0, one test each (issue 8, 1-8).
+"""Lifecycle edge cases, one test each: a padded request without a fork's
+source, a failed reload, a write after commit, bad published info, an admit
+over a retrieve, pre-forks at a commit without a plan, a failing post-fork,
+a second step, and the generation a preplan's views carry.
 
-Each fails on that commit and passes now; the rule each one led to is named.
+Each was a defect on main at 81ea7d0 (issue 8, 1-8) and is pinned in the
+exact scenario it was found in; the rule each one led to is named.
 The suites that now catch the class (lockstep rules, planted bugs) are in
 tests/conformance; these pin the exact scenarios the defects were found in.
 """

@@ -1,5 +1,6 @@
-"""Defects of the clean one model found by its own checker (issue 27,
-modelfix), each kept at the scope and trace that showed it."""
+"""Two properties of the one model, each at the scope and trace where its own
+checker once found it broken: an offload copy holds the host pages it took
+when it ran (I6), and page keys encode comparably with "no key"."""
 
 from __future__ import annotations
 
