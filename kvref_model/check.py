@@ -361,8 +361,9 @@ def _labels(text: str) -> tuple[int | None, ...]:
 
 
 def add_scope_arguments(ap: argparse.ArgumentParser, d: Scope | None = None) -> None:
-    """The scope options; `kvref.testing.exhaustive` takes the same ones, with
-    today's lockstep scope (sharing off) as its defaults."""
+    """The scope options, defaulting to ``d``; `kvref.testing.exhaustive` takes
+    the same ones, with the base `Scope()` (sharing off, no window) as its
+    defaults."""
     d = d or Scope()
     sc = ap.add_argument_group("scope (the bounds of the search)")
     sc.add_argument("--requests", type=_count(1), default=d.requests,

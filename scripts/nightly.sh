@@ -7,7 +7,7 @@
 # is left (a part that ends early passes its time on):
 #   lockstep     HYPOTHESIS_PROFILE=nightly pytest -m nightly tests/conformance/test_lockstep.py
 #                on CUDA when there is one, else CPU                          (weight 35)
-#   exhaustive   python -m kvref_model.check --conformance at the nightly scope     (weight 25)
+#   exhaustive   python -m kvref.testing.exhaustive at the nightly scope         (weight 25)
 #   concurrency  pytest -m nightly tests/concurrency, the stress test aside    (weight 20)
 #   stress       tests/concurrency/test_stress.py, KVREF_STRESS_SECONDS = share (weight 20)
 # The lockstep runs first, so it is always reached (the old nightly command
@@ -26,8 +26,9 @@ BUDGET_MIN=""
 ARTIFACTS="${KVREF_ARTIFACTS:-${TMPDIR:-/tmp}/kvref-nightly-$(date -u +%Y%m%dT%H%M%SZ)}"
 DEVICE=""
 PY="${PYTHON:-python}"
-# the README's nightly scope for the exhaustive conformance replay
-EXHAUSTIVE_SCOPE="${KVREF_EXHAUSTIVE_SCOPE:---requests 2 --labels 2 --device-pages 3 --host-pages 2 --max-span 2 --depth 5}"
+# the nightly scope of the exhaustive conformance replay: kvref as it ships
+# (the prefix cache on, label 1 windowed with a rollback margin), docs/gpu-and-nightly.md
+EXHAUSTIVE_SCOPE="${KVREF_EXHAUSTIVE_SCOPE:---requests 2 --labels 2 --device-pages 3 --host-pages 2 --max-span 2 --depth 5 --sharing --windows None,1 --margins 0,1}"
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -119,7 +120,7 @@ HYPOTHESIS_PROFILE=nightly KVREF_NIGHTLY_EXAMPLES="${KVREF_NIGHTLY_EXAMPLES:-100
 
 s=$(share_of 1)
 # shellcheck disable=SC2086  # the scope is a list of options
-run_part exhaustive "$s" exhaustive "$PY" -m kvref_model.check --conformance $EXHAUSTIVE_SCOPE
+run_part exhaustive "$s" exhaustive "$PY" -m kvref.testing.exhaustive $EXHAUSTIVE_SCOPE
 
 s=$(share_of 2)
 HYPOTHESIS_PROFILE=nightly run_part concurrency "$s" fuzz "${PYTEST[@]}" tests/concurrency \
