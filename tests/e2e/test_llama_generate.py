@@ -108,9 +108,9 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-@pytest.fixture(scope="module")
-def oracle(model: LlamaForCausalLM, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy generate with its own KV cache, one prompt at a time."""
+def greedy_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate with its own KV cache, one prompt at a
+    time: the ``new_tokens`` that follow each."""
     outs = []
     with torch.no_grad():
         for p in prompts:
@@ -118,13 +118,18 @@ def oracle(model: LlamaForCausalLM, prompts: list[list[int]]) -> list[list[int]]
             gen = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
                 do_sample=False,
                 use_cache=True,
             )
             outs.append(gen[0, len(p) :].tolist())
     return outs
+
+
+@pytest.fixture(scope="module")
+def oracle(model: LlamaForCausalLM, prompts: list[list[int]]) -> list[list[int]]:
+    return greedy_generate(model, prompts, NEW_TOKENS)
 
 
 @contextmanager

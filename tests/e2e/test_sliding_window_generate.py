@@ -37,6 +37,7 @@ from tests.e2e.test_llama_generate import (
     KVRefForward,
     Request,
     attn_implementation,
+    greedy_generate,
 )
 
 SLIDING_WINDOW = 16
@@ -109,21 +110,8 @@ def sliding_window(model: MistralForCausalLM, window: int | None) -> Iterator[No
 
 @pytest.fixture(scope="module")
 def oracle(model: MistralForCausalLM, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy generate with its sliding-window cache, one prompt at a time."""
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                use_cache=True,
-            )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
+    """transformers' greedy generate with its sliding-window cache."""
+    return greedy_generate(model, prompts, NEW_TOKENS)
 
 
 def test_the_window_decides_the_tokens(

@@ -9,7 +9,8 @@ from.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -272,3 +273,29 @@ def publish_now(d: Driver) -> PublishedKVInfo:
     pub = d.mgr.publish("r")
     assert isinstance(pub, PublishedKVInfo)
     return pub
+
+
+@contextmanager
+def failing_page_copy(mgr: KVManager, fault: BaseException | None = None) -> Iterator[None]:
+    """The next page copy of the cache (a fork's) raises ``fault`` (default: an
+    injected ``OSError``), as a device copy that failed would."""
+    cache = mgr.kv_cache
+    real = cache.copy_pages
+
+    def broken(*args: object, **kwargs: object) -> None:
+        cache.copy_pages = real  # type: ignore[method-assign]
+        raise fault or OSError("page copy failed (injected)")
+
+    cache.copy_pages = broken  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cache.copy_pages = real  # type: ignore[method-assign]
+
+
+def three_tokens(sharing: bool = True) -> Driver:
+    """Request ``a`` with 3 tokens on ``main`` (32 pages of 4 tokens)."""
+    d = Driver(make_manager(sharing=sharing, pages=32, page_size=4))
+    d.ingest("a")
+    fill(d, "a", 3)
+    return d

@@ -10,6 +10,7 @@ from _manager_fixtures import (
     Driver,
     assert_same,
     check_conservation,
+    failing_page_copy,
     fill,
     make_manager,
     snapshot,
@@ -46,12 +47,7 @@ def test_a_failed_fork_copy_names_its_cause_and_chains_it() -> None:
     assert mgr.admit(step, ctx).ok
     mgr.plan(step, ctx)
     fault = RuntimeError("injected copy fault")
-
-    def broken(src: list[int], dst: list[int]) -> None:
-        raise fault
-
-    mgr.kv_cache.copy_pages = broken  # type: ignore[method-assign]
-    with pytest.raises(ForkCopyError) as info:
+    with failing_page_copy(mgr, fault), pytest.raises(ForkCopyError) as info:
         mgr.commit(step, ctx)
     assert str(info.value) == (
         "request 'a' label 'cfg': fork copy failed (RuntimeError: injected copy fault); "
@@ -99,12 +95,7 @@ def test_a_pre_fork_that_fails_at_a_commit_without_a_plan_is_raised() -> None:
     ctx = StepContext(("a",))
     assert mgr.admit(step, ctx).ok
     fault = OSError("page copy failed (injected)")
-
-    def broken(src: list[int], dst: list[int]) -> None:
-        raise fault
-
-    mgr.kv_cache.copy_pages = broken  # type: ignore[method-assign]
-    with pytest.raises(ForkCopyError) as info:
+    with failing_page_copy(mgr, fault), pytest.raises(ForkCopyError) as info:
         mgr.commit(step, ctx)
     assert info.value.__cause__ is fault
     assert mgr.stored_len("a", "cfg") == 0
@@ -254,11 +245,8 @@ def test_a_failed_fork_copy_empties_its_target_and_moves_its_generation() -> Non
     mgr.plan(step, ctx)
     gen_before = mgr._streams["a"]["cfg"].generation
 
-    def broken(src: list[int], dst: list[int]) -> None:
-        raise RuntimeError("injected copy fault")
-
-    mgr.kv_cache.copy_pages = broken  # type: ignore[method-assign]
-    with pytest.raises(ForkCopyError) as err:
+    fault = RuntimeError("injected copy fault")
+    with failing_page_copy(mgr, fault), pytest.raises(ForkCopyError) as err:
         mgr.commit(step, ctx)
     assert err.value.request_id == "a" and err.value.label == "cfg"
     assert mgr.stored_len("a", "cfg") == 0  # never half old, half new (R26)

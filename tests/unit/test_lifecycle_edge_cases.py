@@ -35,6 +35,7 @@ from kvref.testing.manual_runtime import ManualRuntime
 from tests.unit._manager_fixtures import (
     Driver,
     assert_same,
+    failing_page_copy,
     fill,
     make_cfg,
     make_manager,
@@ -197,15 +198,8 @@ def test_a_post_fork_that_fails_in_commit_leaves_the_step_committed() -> None:
     ctx = StepContext(["a"])
     assert mgr.admit(step, ctx).ok
     mgr.plan(step, ctx)
-    real = mgr.kv_cache.copy_pages
-
-    def broken(*args: Any) -> None:
-        raise OSError("page copy failed (injected)")
-
-    mgr.kv_cache.copy_pages = broken  # type: ignore[method-assign]
-    with pytest.raises(ForkCopyError):
+    with failing_page_copy(mgr), pytest.raises(ForkCopyError):
         mgr.commit(step, ctx)
-    mgr.kv_cache.copy_pages = real  # type: ignore[method-assign]
     assert mgr.stored_len("a") == 6  # the span landed
     assert mgr.stored_len("a", "cfg") == 0  # the target emptied, never torn
     assert not any(s.step_in_flight for s in mgr._streams["a"].values())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from _manager_fixtures import (
@@ -161,22 +163,30 @@ def test_host_full_offloads_nothing() -> None:
     assert not mgr.is_offloaded("a")
 
 
+def _second_copy_raises(monkeypatch: pytest.MonkeyPatch, pool: Any,
+                        fault: BaseException) -> Any:
+    """The host pool's second stream copy raises ``fault`` (the first stream is
+    on the host by then); returns the real copy, to put back."""
+    real = pool._copy_out
+    calls = []
+
+    def second_fails(*args: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise fault
+        real(*args)
+
+    monkeypatch.setattr(pool, "_copy_out", second_fails)
+    return real
+
+
 def test_copy_raising_abandons_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     """R8."""
     mgr, drv = _setup()
     pool = mgr._cpu_pool
     assert pool is not None
     before = snapshot(mgr)
-    real = pool._copy_out
-    calls = []
-
-    def flaky(*args):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("DMA fault")
-        real(*args)
-
-    monkeypatch.setattr(pool, "_copy_out", flaky)
+    real = _second_copy_raises(monkeypatch, pool, RuntimeError("DMA fault"))
     with pytest.raises(OffloadCopyError) as err:
         mgr.offload("a")
     assert "'a'" in str(err.value)
@@ -202,16 +212,7 @@ def test_copy_interrupted_abandons_and_propagates_unwrapped(
     pool = mgr._cpu_pool
     assert pool is not None
     before = snapshot(mgr)
-    real = pool._copy_out
-    calls = []
-
-    def interrupted(*args):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        if len(calls) == 2:  # the first stream is on the host by then
-            raise stop()
-        real(*args)
-
-    monkeypatch.setattr(pool, "_copy_out", interrupted)
+    real = _second_copy_raises(monkeypatch, pool, stop())
     handle = mgr.begin_offload("a") if through == "handle" else None
     with pytest.raises(stop) as err:
         if handle is not None:

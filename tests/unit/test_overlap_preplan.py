@@ -7,14 +7,12 @@ nothing changed; clear_preplan over N's streams keeps N's marks.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 from _manager_fixtures import (
     Driver,
     assert_same,
     check_conservation,
+    failing_page_copy,
     fill,
     make_manager,
     snapshot,
@@ -32,23 +30,6 @@ def decode(rids: list[str], label: str = "main", span: int = 1) -> KVStep:
 def views(outputs: KVPlanOutputs) -> dict[tuple[str, str], tuple[int, int, list[int]]]:
     return {(v.request_id, v.label): (v.length, v.to_compute, list(v.page_idxs))
             for out in outputs.values() for v in out.views}
-
-
-@contextmanager
-def failing_page_copy(mgr: KVManager) -> Iterator[None]:
-    """The next fork copy of the cache raises (a device copy that failed)."""
-    cache = mgr.kv_cache
-    real = cache.copy_pages
-
-    def broken(*args: object, **kwargs: object) -> None:
-        cache.copy_pages = real  # type: ignore[method-assign]
-        raise OSError("page copy failed (injected)")
-
-    cache.copy_pages = broken  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        cache.copy_pages = real  # type: ignore[method-assign]
 
 
 def test_decode_overlapped_matches_sequential_across_page_boundaries() -> None:

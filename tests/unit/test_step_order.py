@@ -10,8 +10,10 @@ import logging
 import pytest
 from _manager_fixtures import (
     Driver,
+    failing_page_copy,
     fill,
     make_manager,
+    three_tokens,
 )
 
 from kvref.core.errors import (
@@ -33,9 +35,7 @@ from kvref.stepping.step import (
 
 
 def test_commit_of_a_step_not_admitted_names_why() -> None:
-    d = Driver(make_manager(pages=32, page_size=4))
-    d.ingest("a")
-    fill(d, "a", 3)
+    d = three_tokens()
     step = KVStep([Segment("a", "cfg", 1)])
     pre = StepContext(("a",), is_preplan=True)
     with pytest.raises(StepNotAdmittedError) as info:
@@ -50,9 +50,7 @@ def test_commit_of_a_step_not_admitted_names_why() -> None:
 
 
 def test_plan_out_of_order_names_why() -> None:
-    d = Driver(make_manager(pages=32, page_size=4))
-    d.ingest("a")
-    fill(d, "a", 3)
+    d = three_tokens()
     mgr = d.mgr
     step = KVStep([Segment("a", "cfg", 1)])
     pre = StepContext(("a",), is_preplan=True)
@@ -73,9 +71,7 @@ def test_plan_out_of_order_names_why() -> None:
 
 
 def test_plan_of_another_or_an_already_planned_step_names_why() -> None:
-    d = Driver(make_manager(pages=32, page_size=4))
-    d.ingest("a")
-    fill(d, "a", 3)
+    d = three_tokens()
     mgr = d.mgr
     step = KVStep([Segment("a", "main", 1)])
     ctx = StepContext(("a",))
@@ -121,9 +117,7 @@ def test_admit_against_a_staged_preplan_names_why() -> None:
 
 
 def test_a_second_step_or_an_unknown_padded_request_is_misuse() -> None:
-    d = Driver(make_manager(pages=32, page_size=4))
-    d.ingest("a")
-    fill(d, "a", 3)
+    d = three_tokens()
     mgr = d.mgr
     # R40: a plain step's padded ids must be known too
     with pytest.raises(UnknownRequestError) as unknown:
@@ -138,9 +132,7 @@ def test_a_second_step_or_an_unknown_padded_request_is_misuse() -> None:
 
 
 def test_a_promoted_preplan_cannot_be_planned_again() -> None:
-    d = Driver(make_manager(pages=32, page_size=4))
-    d.ingest("a")
-    fill(d, "a", 3)
+    d = three_tokens()
     mgr = d.mgr
     step = KVStep([Segment("a", "main", 1)])
     assert mgr.admit(step, StepContext(("a",), is_preplan=True)).ok
@@ -156,9 +148,7 @@ def test_a_promoted_preplan_cannot_be_planned_again() -> None:
 
 def test_clear_preplan_over_a_running_step_with_forks_keeps_the_running_marks() -> None:
     # R43: the running step's marks (over its forks' streams too) stay
-    d = Driver(make_manager(sharing=False, pages=32, page_size=4))
-    d.ingest("a")
-    fill(d, "a", 3)
+    d = three_tokens(sharing=False)
     mgr = d.mgr
     step = KVStep([Segment("a", "main", 1)], post_forks=[("main", "cfg")])
     ctx = StepContext(("a",))
@@ -176,9 +166,7 @@ def test_clear_preplan_over_a_running_step_with_forks_keeps_the_running_marks() 
 def test_a_stale_preplan_names_both_lengths_and_the_remedy() -> None:
     # step N post-forks main onto cfg; N+1 is preplanned over cfg at 4 tokens;
     # N's fork copy fails and leaves cfg empty (R42)
-    d = Driver(make_manager(sharing=False, pages=32, page_size=4))
-    d.ingest("a")
-    fill(d, "a", 3)
+    d = three_tokens(sharing=False)
     mgr = d.mgr
     ctx = StepContext(("a",))
     step = KVStep([Segment("a", "main", 1)], post_forks=[("main", "cfg")])
@@ -187,11 +175,7 @@ def test_a_stale_preplan_names_both_lengths_and_the_remedy() -> None:
     assert mgr.admit(nxt, StepContext(("a",), is_preplan=True)).ok
     mgr.plan(step, ctx)
 
-    def broken(src: list[int], dst: list[int]) -> None:
-        raise OSError("page copy failed (injected)")
-
-    mgr.kv_cache.copy_pages = broken  # type: ignore[method-assign]
-    with pytest.raises(ForkCopyError):
+    with failing_page_copy(mgr), pytest.raises(ForkCopyError):
         mgr.commit(step, ctx)
     assert mgr.admit(nxt, ctx) == AdmitOutcome(ok=False, reason=PreplanStale(
         message="the staged preplan was planned over length 4, but the stream holds 0: "
