@@ -212,22 +212,28 @@ def test_refused_unknown_request_or_label(drv: Driver) -> None:
     _refused(drv.mgr, InvalidArgumentError, "r", None, 0)
 
 
-@pytest.fixture
-def retrieving() -> Iterator[tuple[KVManager, ManualRuntime]]:
-    """A manager with a retrieve of ``r/main`` (5 tokens) still copying."""
+def _retrieving(label: str) -> Iterator[tuple[KVManager, ManualRuntime]]:
+    """A manager with a retrieve of ``r/<label>`` (5 tokens) still copying."""
     src = make_manager(pages=8, page_size=4)
     d = Driver(src)
     d.ingest("r")
-    fill(d, "r", 5)
+    fill(d, "r", 5, label)
     rt = ManualRuntime()
     dst = KVManager(make_cfg(pages=8, page_size=4), "kv", None, TransferEngineInfo(), "cpu",
                     dtype=torch.float32, runtime=rt)
-    dst.ingest_request("r", KVReqConfig(default_labels=("main",)))
-    out = dst.admit_retrieve("r", "n", "w", src.publish("r"))
+    dst.ingest_request("r", KVReqConfig(default_labels=(label,)))
+    pub = src.publish("r")
+    assert isinstance(pub, PublishedKVInfo)
+    out = dst.admit_retrieve("r", "n", "w", pub)
     assert out.ok and not out.ready
     yield dst, rt
     dst.cleanup()
     src.cleanup()
+
+
+@pytest.fixture
+def retrieving() -> Iterator[tuple[KVManager, ManualRuntime]]:
+    yield from _retrieving("main")
 
 
 def test_refused_while_a_retrieve_copies_or_after_it_failed(
@@ -318,22 +324,7 @@ def test_truncate_of_a_leased_stream_is_refused_until_released() -> None:
 
 @pytest.fixture
 def retrieving_cfg() -> Iterator[tuple[KVManager, ManualRuntime]]:
-    """A manager with a retrieve of ``r/cfg`` (5 tokens) still copying."""
-    src = make_manager(pages=8, page_size=4)
-    d = Driver(src)
-    d.ingest("r")
-    fill(d, "r", 5, "cfg")
-    rt = ManualRuntime()
-    dst = KVManager(make_cfg(pages=8, page_size=4), "kv", None, TransferEngineInfo(), "cpu",
-                    dtype=torch.float32, runtime=rt)
-    dst.ingest_request("r", KVReqConfig(default_labels=("cfg",)))
-    pub = src.publish("r")
-    assert isinstance(pub, PublishedKVInfo)
-    out = dst.admit_retrieve("r", "n", "w", pub)
-    assert out.ok and not out.ready
-    yield dst, rt
-    dst.cleanup()
-    src.cleanup()
+    yield from _retrieving("cfg")
 
 
 def test_truncate_during_and_after_a_failed_retrieve_names_the_stream(
