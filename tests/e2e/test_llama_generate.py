@@ -78,28 +78,37 @@ AttentionInterface.register(ATTN_NAME, kvref_attention)
 AttentionMaskInterface.register(ATTN_NAME, lambda *args, **kwargs: None)
 
 
-@pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
+# a tiny random-weight decoder; the sliding-window test builds Mistral from it
+TINY: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    # wider than the default 0.02, so greedy picks are decided by margins
+    # far above float32 noise, not by near-ties
+    "initializer_range": 0.1,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": 0,
+}
+
+
+def eager_model(model_cls: Any, cfg: Any) -> Any:
+    """``model_cls(cfg)`` seeded, in eval mode, with eager attention and no
+    end-of-sequence token (every generate runs its full length)."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        # wider than the default 0.02, so greedy picks are decided by margins
-        # far above float32 noise, not by near-ties
-        initializer_range=0.1,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
     cfg._attn_implementation = "eager"
-    m = LlamaForCausalLM(cfg).eval()
+    m = model_cls(cfg).eval()
     m.generation_config.eos_token_id = None
     return m
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return eager_model(LlamaForCausalLM, LlamaConfig(**TINY))
 
 
 @pytest.fixture(scope="module")

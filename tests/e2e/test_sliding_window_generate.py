@@ -34,9 +34,11 @@ from kvref.stepping.step import KVStep, Segment, StepContext
 from kvref.transfer.engine import TransferEngineInfo
 from tests.e2e.test_llama_generate import (
     ATTN_NAME,
+    TINY,
     KVRefForward,
     Request,
     attn_implementation,
+    eager_model,
     greedy_generate,
 )
 
@@ -70,26 +72,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def model() -> MistralForCausalLM:
-    torch.manual_seed(0)
-    cfg = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        sliding_window=SLIDING_WINDOW,
-        # wide weights: greedy picks decided by margins far above float32 noise
-        initializer_range=0.1,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    cfg._attn_implementation = "eager"
-    m = MistralForCausalLM(cfg).eval()
-    m.generation_config.eos_token_id = None
-    return m
+    return eager_model(MistralForCausalLM, MistralConfig(**TINY, sliding_window=SLIDING_WINDOW))
 
 
 @pytest.fixture(scope="module")
