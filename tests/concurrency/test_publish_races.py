@@ -62,11 +62,9 @@ def publish_leases_apart() -> Iterator[None]:
                 self._table.leases.take(rid)
         return info
 
-    Retrieval.publish = racy  # type: ignore[method-assign]
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Retrieval, "publish", racy)
         yield
-    finally:
-        Retrieval.publish = orig  # type: ignore[method-assign]
 
 
 @contextmanager
@@ -82,11 +80,9 @@ def remove_ignores_lease() -> Iterator[None]:
         finally:
             self._table.leases.refuse = real  # type: ignore[method-assign]
 
-    KVManager.remove_request = careless  # type: ignore[method-assign]
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KVManager, "remove_request", careless)
         yield
-    finally:
-        KVManager.remove_request = orig  # type: ignore[method-assign]
 
 
 PLANTED = {

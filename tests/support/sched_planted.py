@@ -19,6 +19,8 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 from kvref import KVManager
 from kvref.core.allocator import PageAllocator
 from kvref.core.streams import ClaimedStream
@@ -57,11 +59,9 @@ def claim_ignores_marks() -> Iterator[None]:
                 for s in marked:
                     s.step_in_flight = True
 
-    KVManager.begin_offload = racy  # type: ignore[method-assign]
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KVManager, "begin_offload", racy)
         yield
-    finally:
-        KVManager.begin_offload = orig  # type: ignore[method-assign]
 
 
 @contextmanager
@@ -78,11 +78,9 @@ def commit_ignores_guard() -> Iterator[None]:
                       if label in streams else c for label, c in claims.items()}
             return orig(self, offload, claims, copied)
 
-    HostOffload.commit = racy  # type: ignore[method-assign]
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HostOffload, "commit", racy)
         yield
-    finally:
-        HostOffload.commit = orig  # type: ignore[method-assign]
 
 
 @contextmanager

@@ -192,7 +192,8 @@ def test_the_engine_replans_a_stale_preplan_and_loses_nothing() -> None:
     assert mgr.num_free_pages == mgr.config.max_num_pages - 1  # all but the sink
 
 
-def test_clear_preplan_over_the_running_step_keeps_its_marks() -> None:
+def _running_decode() -> tuple[KVManager, KVStep, StepContext]:
+    """Step N, a decode of ``a`` (3 tokens), admitted and running."""
     mgr = make_manager(page_size=4, cpu_pages=8)
     drv = Driver(mgr)
     drv.ingest("a")
@@ -200,6 +201,11 @@ def test_clear_preplan_over_the_running_step_keeps_its_marks() -> None:
     ctx = StepContext(("a",))
     step = decode(["a"])
     assert mgr.admit(step, ctx).ok
+    return mgr, step, ctx
+
+
+def test_clear_preplan_over_the_running_step_keeps_its_marks() -> None:
+    mgr, step, ctx = _running_decode()
     # the preplan also creates cfg: clear_preplan removes it, keeps main's mark
     nxt = KVStep([Segment("a", "main", 1), Segment("a", "cfg", 2)])
     assert mgr.admit(nxt, StepContext(("a",), is_preplan=True)).ok
@@ -214,13 +220,7 @@ def test_clear_preplan_over_the_running_step_keeps_its_marks() -> None:
 
 
 def test_the_running_steps_commit_keeps_the_preplans_marks() -> None:
-    mgr = make_manager(page_size=4, cpu_pages=8)
-    drv = Driver(mgr)
-    drv.ingest("a")
-    fill(drv, "a", 3)
-    ctx = StepContext(("a",))
-    step = decode(["a"])
-    assert mgr.admit(step, ctx).ok
+    mgr, step, ctx = _running_decode()
     nxt = decode(["a"])
     assert mgr.admit(nxt, StepContext(("a",), is_preplan=True)).ok
     mgr.plan(step, ctx)
