@@ -132,18 +132,22 @@ class JointGroups:
                 f"a tp {tp_size} x sp {sp_size} grid does not fit a world of {world_size}"
             )
         tp_index, sp_index = rank % tp_size, rank // tp_size
-        tp_group = CommGroup.single(rank)
-        sp_group = CommGroup.single(rank)
-        if tp_size > 1:
-            for s in range(sp_size):
-                members = [s * tp_size + i for i in range(tp_size)]
-                pg = dist.new_group(members)
-                if s == sp_index:
-                    tp_group = CommGroup(pg, members, tp_index)
-        if sp_size > 1:
-            for i in range(tp_size):
-                members = [s * tp_size + i for s in range(sp_size)]
-                pg = dist.new_group(members)
-                if i == tp_index:
-                    sp_group = CommGroup(pg, members, sp_index)
+        tp_rows = [[s * tp_size + i for i in range(tp_size)] for s in range(sp_size)]
+        sp_columns = [[s * tp_size + i for s in range(sp_size)] for i in range(tp_size)]
+        tp_group = _grid_group(rank, tp_rows, sp_index, tp_index)
+        sp_group = _grid_group(rank, sp_columns, tp_index, sp_index)
         return cls(rank, world_size, tp_group, sp_group)
+
+
+def _grid_group(rank: int, groups: list[list[int]], mine: int, index: int) -> CommGroup:
+    """This rank's group of ``groups`` (``groups[mine]``, where it stands at
+    ``index``): every rank creates every group, in the same order, because
+    ``new_group`` is a collective; groups of one rank are not created."""
+    if len(groups[mine]) == 1:
+        return CommGroup.single(rank)
+    group = CommGroup.single(rank)
+    for k, members in enumerate(groups):
+        pg = dist.new_group(members)
+        if k == mine:
+            group = CommGroup(pg, members, index)
+    return group
