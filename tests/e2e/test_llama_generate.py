@@ -117,6 +117,20 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
+def forward_logits(model: Any, mgr: KVManager, attn: PagedAttention, plan: Any,
+                   ids: list[int], pos: list[int]) -> torch.Tensor:
+    """One forward pass of the batch's tokens through kvref's attention, as
+    planned: a row of logits per token."""
+    attn.plan(plan)
+    logits: torch.Tensor = model(
+        input_ids=torch.tensor([ids]),
+        position_ids=torch.tensor([pos]),
+        use_cache=False,
+        kvref=KVRefForward(mgr, attn),
+    ).logits[0]
+    return logits
+
+
 def greedy_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """transformers' greedy generate with its own KV cache, one prompt at a
     time: the ``new_tokens`` that follow each."""
@@ -218,13 +232,7 @@ def generate_paged(
                 assert start == r.fed == mgr.stored_len(r.rid)
                 ids += spans[r.rid]
                 pos += range(start, view.length)
-            attn.plan(plan)
-            logits = model(
-                input_ids=torch.tensor([ids]),
-                position_ids=torch.tensor([pos]),
-                use_cache=False,
-                kvref=KVRefForward(mgr, attn),
-            ).logits[0]
+            logits = forward_logits(model, mgr, attn, plan, ids, pos)
             mgr.commit(step, ctx)
             last_rows = plan.cpu_indptrs.qo_indptr[1:] - 1
             for r, row in zip(live, last_rows.tolist(), strict=True):

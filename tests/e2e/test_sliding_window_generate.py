@@ -35,10 +35,10 @@ from kvref.transfer.engine import TransferEngineInfo
 from tests.e2e.test_llama_generate import (
     ATTN_NAME,
     TINY,
-    KVRefForward,
     Request,
     attn_implementation,
     eager_model,
+    forward_logits,
     greedy_generate,
 )
 
@@ -184,13 +184,7 @@ def generate_paged(
                 assert start == r.fed == mgr.stored_len(r.rid, LABEL)
                 ids += spans[r.rid]
                 pos += range(start, view.offset + view.length)
-            attn.plan(plan)
-            logits = model(
-                input_ids=torch.tensor([ids]),
-                position_ids=torch.tensor([pos]),
-                use_cache=False,
-                kvref=KVRefForward(mgr, attn),
-            ).logits[0]
+            logits = forward_logits(model, mgr, attn, plan, ids, pos)
             mgr.commit(step, ctx)
             last_rows = plan.cpu_indptrs.qo_indptr[1:] - 1
             for r, row in zip(live, last_rows.tolist(), strict=True):
