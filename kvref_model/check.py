@@ -362,8 +362,7 @@ def _labels(text: str) -> tuple[int | None, ...]:
 
 def add_scope_arguments(ap: argparse.ArgumentParser, d: Scope | None = None) -> None:
     """The scope options, defaulting to ``d``; `kvref.testing.exhaustive` takes
-    the same ones, with the base `Scope()` (sharing off, no window) as its
-    defaults."""
+    the same ones, with its CI scope (kvref as it ships) as their defaults."""
     d = d or Scope()
     sc = ap.add_argument_group("scope (the bounds of the search)")
     sc.add_argument("--requests", type=_count(1), default=d.requests,

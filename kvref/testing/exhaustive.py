@@ -10,8 +10,9 @@ is sampled.
 
 Run by ``tests/conformance/test_exhaustive.py`` (CI scope) and by
 ``python -m kvref.testing.exhaustive`` (any scope, the options of
-``python -m kvref_model.check``). The entry point lives here, on kvref's side:
-the model and its checker import nothing of kvref.
+``python -m kvref_model.check``; by default `CI_SCOPE`, kvref as it
+ships). The entry point lives here, on kvref's side: the model and its
+checker import nothing of kvref.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m kvref.testing.exhaustive", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_scope_arguments(ap)
+    add_scope_arguments(ap, CI_SCOPE)  # kvref as it ships; sharing off is --no-sharing
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     o = ap.parse_args(argv)
     result = check_scope(scope_of(o), progress=not o.quiet)

@@ -8,7 +8,7 @@ import pytest
 
 from kvref.offload.calls import EvictionCalls
 from kvref.testing.driver import DriverConfig
-from kvref.testing.exhaustive import CI_SCOPE, PLAIN_CI_SCOPE, check_scope, summary
+from kvref.testing.exhaustive import CI_SCOPE, PLAIN_CI_SCOPE, check_scope, main, summary
 from kvref_model import core as m
 
 # the second configuration (the prefix cache off, no window), and a manager
@@ -75,3 +75,15 @@ def test_every_reachable_state_with_shared_forks_between_windows(
     print(summary(out))
     assert not out.failures, "\n".join(out.failures)
     assert out.states > 900 and out.transitions > 160_000
+
+
+def test_the_command_replays_the_shipped_scope_by_default(capsys: pytest.CaptureFixture[str],
+                                                          ) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "--sharing, --no-sharing copy-on-write forks and the prefix cache " \
+        "(KVConfig's default: on) (default: True)" in usage
+    assert "(default: (None, 1))" in usage and "(default: (0, 1))" in usage
+    assert main(["--depth", "1", "--quiet"]) == 0
+    assert "CONFORMANCE PASSED" in capsys.readouterr().out
