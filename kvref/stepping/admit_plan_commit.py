@@ -393,8 +393,11 @@ class Stepping:
             running = self.running = RunningStep(
                 staged.step, tuple(staged.ctx.padded_request_ids), set(staged.created),
                 shape=staged.shape)
+            # R57: its admit made its fork targets private and reserved their
+            # whole length, so its forks copy, planned ahead or not (a view
+            # built before they run names those pages)
+            running.copy_forks = True
             if staged.outputs is not None:
-                running.copy_forks = True
                 self._forks.run_pre(running)
                 # the views were built before the forks ran: what they
                 # report now is what the step runs against

@@ -377,3 +377,32 @@ def test_r70_over_a_staged_preplan() -> None:
                   ALL_WINDOWED) == m.Refused("WindowPending")
     assert replay([*TO_THREE, m.Publish(0), m.Admit(zero), m.Admit(ONE_MORE, preplan=True)],
                   ALL_WINDOWED) == m.Refused("PublishLeased")
+
+
+# one request, two full-attention labels, page size 1: the scope where a
+# replay driven by the checker disagreed after a preplan (issue 27)
+TWO_FULL = m.Scope(requests=1, labels=2, device_pages=3, host_pages=3, page_size=1,
+                   max_span=2, depth=8, sharing=True, windows=(), margins=())
+POST_FORKED = m.Step((m.Seg(0, 0, 1),), post_forks=((0, 1),), padded=(0,))
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_a_preplan_promoted_unplanned_copies_its_forks(fault: bool) -> None:
+    """kvref bug (R57): a preplan promoted by the real plan without having been
+    planned ahead ran its forks as sharing forks (the copy-on-write target
+    shared main's page and gave back the page its admit had made private for
+    the copy; an injected copy fault never fired). Its admit privatised and
+    reserved as for a copying fork, so its forks copy, planned ahead or not,
+    as the model says."""
+    trace = [m.Ingest(0), m.Admit(POST_FORKED, preplan=True), m.Plan(), m.Commit(fault)]
+    assert replay(trace, TWO_FULL) == (m.Fault("ForkCopyError") if fault else m.Ok())
+
+
+def test_a_failed_preplanned_fork_from_a_keyed_source() -> None:
+    """The trace that broke the checker's I17 (its own defect: an emptied
+    target's key chain): kvref agrees with the model call for call."""
+    one = m.Step((m.Seg(0, 0, 1),), padded=(0,))
+    pp = m.Step((m.Seg(0, 0, 0),), pre_forks=((0, 1),), padded=(0,))
+    assert replay([m.Ingest(0), m.Admit(one), m.Plan(), m.Write(), m.Commit(),
+                   m.Admit(pp, preplan=True), m.CachePrefix(0, 0), m.Plan(fork_error=True)],
+                  TWO_FULL) == m.Fault("ForkCopyError")
