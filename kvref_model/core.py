@@ -390,10 +390,13 @@ class LeaseTimeout:
 @dataclass(frozen=True)
 class CachePrefix:
     """cache_prefix(rid, label): register the stream's full pages of committed
-    tokens under their chained keys (S23)"""
+    tokens under their chained keys (S23); ``drafts``: ids the engine names
+    past the committed length (a speculative draft before its verify), a
+    misuse (S23, R56)"""
 
     rid: int
     label: int
+    drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -1737,6 +1740,10 @@ class Model:
             # S32: the fork would find the private page its admit counted on
             # keyed (and no page left to write into), or copy into a keyed page
             return Misuse("StepInFlightError"), s
+        if a.drafts:
+            # S23/R56: uncommitted tokens' KV may still change (vLLM PRs
+            # 18668/19006 cached draft tokens); nothing is keyed
+            return Misuse("InvalidArgumentError"), s
         if self.scope.window(a.label) is not None and self.W9_window_never_cached:
             return Count(0), s  # W9: a windowed label registers nothing
         ps, pool, parent, added = self.scope.page_size, s.pool, None, 0
