@@ -390,10 +390,13 @@ class LeaseTimeout:
 @dataclass(frozen=True)
 class CachePrefix:
     """cache_prefix(rid, label): register the stream's full pages of committed
-    tokens under their chained keys (S23)"""
+    tokens under their chained keys (S23); ``drafts``: ids the engine names
+    past the committed length (a speculative draft before its verify), a
+    misuse (S23, R56)"""
 
     rid: int
     label: int
+    drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -584,6 +587,7 @@ class Model:
     R33_publish_leases = True
     R35_stale_retrieve_latched = True
     R50_lease_refuses_in_place_writes = True
+    R70_lease_holds_the_window = True
     R41_preplan_over_running_step = True
     R42_promotion_checks_basis = True
     R43_shared_marks = True
@@ -1006,6 +1010,10 @@ class Model:
             # processes the lease is all that keeps the peer's bytes (R35)
             return Refused("PublishLeased"), s
         base = self._settled(s) if a.preplan else st
+        if self.R70_lease_holds_the_window and any(
+                self.releases_published(base, a.step, r) for r in s.leases):
+            # R70: its commit would release window pages a peer may be copying
+            return Refused("PublishLeased"), s
         shares: dict[Key, int] | None = (
             {} if self.scope.sharing and not a.preplan and self.S19_fork_shares_full_pages
             else None)
@@ -1592,6 +1600,9 @@ class Model:
         if self.R50_lease_refuses_in_place_writes and self.forks_onto(s, a.rid):
             # R50: the step would overwrite a published stream in place, under the lease
             return Refused("ForkPending"), s
+        if self.R70_lease_holds_the_window and self.window_pending(s, a.rid):
+            # R70: a pending commit would release window pages the lease names
+            return Refused("WindowPending"), s
         lengths = tuple((k[1], v.stored_len if v.offload != OFFLOADED else 0) for k, v in mine)
         if not self.R33_publish_leases:
             return Published(lengths), s
@@ -1729,6 +1740,10 @@ class Model:
             # S32: the fork would find the private page its admit counted on
             # keyed (and no page left to write into), or copy into a keyed page
             return Misuse("StepInFlightError"), s
+        if a.drafts:
+            # S23/R56: uncommitted tokens' KV may still change (vLLM PRs
+            # 18668/19006 cached draft tokens); nothing is keyed
+            return Misuse("InvalidArgumentError"), s
         if self.scope.window(a.label) is not None and self.W9_window_never_cached:
             return Count(0), s  # W9: a windowed label registers nothing
         ps, pool, parent, added = self.scope.page_size, s.pool, None, 0
@@ -1887,6 +1902,30 @@ class Model:
         """Whether a running or staged step still has forks to apply to ``rid`` (R50)."""
         return any(rid in p.step.padded and (p.step.post_forks or (
             p.step.pre_forks and not p.forked)) for p in (s.current, s.staged) if p)
+
+    def releases_published(self, st: dict[Key, Stream], step: Step, rid: int) -> bool:
+        """R70: whether ``step``'s commit, from the streams ``st``, would release
+        a page of a windowed stream of ``rid`` that holds committed tokens (a
+        page a publish names; W2 may also retire pages the step reserved)."""
+        if not step.commit:
+            return False  # it keeps no tokens, so its commit releases nothing
+        for g in step.segments:
+            v = st.get((g.rid, g.label))
+            if g.rid != rid or not g.span or v is None or self.scope.window(g.label) is None:
+                continue
+            if any(v.table[:min(self.retired_slots(g.label, v.stored_len + g.span),
+                                self.need(v.stored_len))]):
+                return True
+        return False
+
+    def window_pending(self, s: State, rid: int) -> bool:
+        """R70: whether the running or the staged step's commit would release
+        a published window page of ``rid`` (the staged one from the lengths the
+        running step leaves, R41)."""
+        if s.current is not None and self.releases_published(s.stream_map(), s.current.step, rid):
+            return True
+        return s.staged is not None and self.releases_published(
+            self._settled(s), s.staged.step, rid)
 
     def stale(self, s: State) -> Key | None:
         """The first stream the staged preplan shares with the step it was built

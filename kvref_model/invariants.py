@@ -280,8 +280,11 @@ def i17(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
             lost = (k in targets and g is not None and w is not None
                     # its pages: the ones it keeps private (S19), which sharing may
                     # leave fewer than a fork that shared the source's
+                    # and no key chain: its tokens are not the ones whose
+                    # keys the fork would have given it (S23)
+                    and g.chain == 0
                     and replace(g, stored_len=w.stored_len, contents=w.contents,
-                                pages=w.pages, table=w.table) == w
+                                pages=w.pages, table=w.table, chain=w.chain) == w
                     and w.contents[len(w.contents) - len(g.contents):] == g.contents)
             if not lost:
                 return f"a fork fault changed {k} beyond emptying a fork target: {g} != {w}"

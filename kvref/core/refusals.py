@@ -50,6 +50,13 @@ class ForkPending(AdmitFailedReason):
 
 
 @dataclass(frozen=True, kw_only=True)
+class WindowPending(AdmitFailedReason):
+    """`publish` while a running or staged step's commit would release window
+    pages (W2) of the request that hold committed tokens: the peer would copy
+    pages the pool hands to another stream (R70). Publish once it committed."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class _AdmitRuntimeErrorFields(AdmitFailedReason):
     pass
 

@@ -114,6 +114,43 @@ def leased_fork_target(step: KVStep, padded: tuple[str, ...],
     return None
 
 
+def releases_published(step: KVStep, table: Table, settled: Mapping[Key, int],
+                       kept: Callable[[str], int | None], page_size: int, rid: str) -> bool:
+    """R70: whether ``step``'s commit would release a page of a windowed
+    stream of ``rid`` that holds committed tokens (a page a publish names),
+    from the lengths ``settled`` (a preplan's, R41) or the stream's own."""
+    if not step.commit:
+        return False  # it keeps no tokens, so its commit releases nothing
+    for seg in step.segments:
+        if seg.request_id != rid or not seg.span or (keep := kept(seg.label)) is None:
+            continue
+        stream = table.get(rid, {}).get(seg.label)
+        if stream is None:
+            continue
+        n = settled.get((rid, seg.label), stream.stored_len)
+        released = released_after(stream.released, n, keep, page_size)
+        after = released_after(released, n + seg.span, keep, page_size)
+        if min(after, pages_for(n, page_size) * page_size) > released:
+            return True
+    return False
+
+
+def leased_window(step: KVStep, table: Table, settled: Mapping[Key, int],
+                  kept: Callable[[str], int | None], page_size: int,
+                  leased: Callable[[str], bool]) -> PublishLeased | None:
+    """R70: the step's commit would release window pages (W2) of a leased
+    request, pages a peer may still be copying; across processes nothing
+    else tells the peer, so the step waits for the lease to end, as a fork
+    over it does (R50)."""
+    for rid in dict.fromkeys(seg.request_id for seg in step.segments if seg.span):
+        if leased(rid) and releases_published(step, table, settled, kept, page_size, rid):
+            return PublishLeased(
+                message=f"the step's commit would release window pages of {rid!r}, whose "
+                        "publication a peer still holds: retry after release_published "
+                        "or the lease's end", request_id=rid)
+    return None
+
+
 # One named stream and what its admit takes: the request id, the request's
 # streams, the label, the stream (None: the admit creates it, R16) and the
 # pages it is short (none when <= 0)

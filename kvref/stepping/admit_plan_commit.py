@@ -88,8 +88,10 @@ class Stepping:
         # a plain step (no forks, no preplan: every decode step) with nothing
         # admitted or staged goes to admission.plain_grant, which checks the
         # lengths in its one pass
+        # (nor a step over a leased request's window: R70 asks of it below)
         plain = staged is None and running is None and not (
-            ctx.is_preplan or step.pre_forks or step.post_forks or step.combined_labels)
+            ctx.is_preplan or step.pre_forks or step.post_forks or step.combined_labels
+        ) and not (self._table.windows and self._table.leases.leased())
         settled: dict[Key, int] = {}
         if ctx.is_preplan and running is not None:
             # R41: step N+1 is planned while step N runs, from the lengths N
@@ -165,7 +167,9 @@ class Stepping:
                 return AdmitOutcome(ok=False, reason=unplannable)
         keys = admission.named_keys(step, padded)
         refused = admission.refusal(all_streams, keys) or admission.leased_fork_target(
-            step, padded, self._table.leases.held)
+            step, padded, self._table.leases.held) or (admission.leased_window(
+                step, all_streams, settled, self._table.kept, self._table.page_size,
+                self._table.leases.held) if windows else None)
         if refused is not None:
             return AdmitOutcome(ok=False, reason=refused)
         grant = admission.reserve(all_streams, step, padded, keys,
@@ -273,6 +277,22 @@ class Stepping:
         return staged is not None and rid in staged.ctx.padded_request_ids and bool(
             staged.step.pre_forks or staged.step.post_forks)
 
+    def window_pending(self, rid: str) -> bool:
+        """Whether the running or the staged step's commit would release window
+        pages of ``rid`` holding committed tokens (the staged one from the
+        lengths the running step leaves, R41): `publish` waits for it (R70).
+        Called under the table's lock."""
+        if not self._table.windows:
+            return False
+        running, staged = self.running, self.preplan
+        streams, kept, ps = self._table.streams, self._table.kept, self._table.page_size
+        if running is not None and admission.releases_published(
+                running.step, streams, {}, kept, ps, rid):
+            return True
+        settled = settled_lengths(streams, running) if running is not None else {}
+        return staged is not None and admission.releases_published(
+            staged.step, streams, settled, kept, ps, rid)
+
     def copy_on_write(self, rid: str, label: str) -> None:
         """Make the stream's shared last page private (`Forks.copy_on_write`),
         for a retrieve that writes into it (R52). Called under the table's lock."""
@@ -373,8 +393,11 @@ class Stepping:
             running = self.running = RunningStep(
                 staged.step, tuple(staged.ctx.padded_request_ids), set(staged.created),
                 shape=staged.shape)
+            # R57: its admit made its fork targets private and reserved their
+            # whole length, so its forks copy, planned ahead or not (a view
+            # built before they run names those pages)
+            running.copy_forks = True
             if staged.outputs is not None:
-                running.copy_forks = True
                 self._forks.run_pre(running)
                 # the views were built before the forks ran: what they
                 # report now is what the step runs against

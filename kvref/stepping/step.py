@@ -16,6 +16,7 @@ from kvref.core.refusals import (
     PublishLeased,
     RequestOffloading,
     RetrieveInProgress,
+    WindowPending,
 )
 from kvref.core.steps import BucketKey, Fork, KVStep, Segment, SlotLease, StepContext
 
@@ -23,5 +24,5 @@ __all__ = [
     "ADMIT_OK", "AdmitFailedReason", "AdmitOutcome", "AdmitRuntimeError", "AllocationFailed",
     "BucketKey", "Fork", "ForkPending", "KVStep", "PreplanRefused", "PreplanStale",
     "PublishLeased", "RequestOffloading", "RetrieveInProgress", "Segment", "SlotLease",
-    "StepContext",
+    "StepContext", "WindowPending",
 ]

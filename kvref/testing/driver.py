@@ -241,6 +241,7 @@ class Driver:
         are the engine's knowledge, kept by the model here)."""
         handler = getattr(self, "_" + type(action).__name__)
         self.said = None
+        self.publication: tuple[int, PublishedKVInfo] | None = None
         self.model_state = state
         try:
             result: m.Result = handler(action)
@@ -461,6 +462,7 @@ class Driver:
         info = self.kv.publish(rid_name(a.rid))
         if isinstance(info, PublishRefused):
             return m.Refused(type(info.reason).__name__)
+        self.publication = (a.rid, info)  # what the peer reads: `check_publication`
         return m.Published(tuple(sorted(
             (m.LABEL_NAMES.index(label), s.seq_len) for label, s in info.get(0).items()
         )))
@@ -585,6 +587,7 @@ class Driver:
         if m.UNWRITTEN in ids:
             ps = self.scope.page_size
             ids = ids[: ids.index(m.UNWRITTEN) // ps * ps]
+        ids += [a.label] * a.drafts  # a careless engine's draft ids, past the committed
         return m.Count(self.kv.cache_prefix(rid_name(a.rid), label_name(a.label), ids))
 
     def _MatchPrefix(self, a: m.MatchPrefix) -> m.Result:
@@ -735,6 +738,24 @@ class Driver:
             assert gen >= old_gen, f"I14: {key} generation {old_gen} -> {gen}"
             if (length, pages) != (old_length, old_pages):
                 assert gen > old_gen, f"I14: {key} changed without a generation bump"
+
+    def check_publication(self, model_state: m.State, seen: KVObservation) -> str | None:
+        """W17 after a publish: each stream's publication says what its window
+        released (the model's released slots, in tokens) and names exactly the
+        pages the manager holds for the rest of its tokens, in slot order, so a
+        peer reads each page as the slot it is. None when it does, else why."""
+        if self.publication is None:
+            return None
+        ps, st = self.scope.page_size, model_state.stream_map()
+        rid, pub = self.publication
+        for name, info in pub.get(0).items():
+            want = m.Model.released(st[(rid, m.LABEL_NAMES.index(name))]) * ps
+            mine = seen.stream(rid_name(rid), name)
+            held = mine.pages[:-(-info.seq_len // ps) - mine.released // ps]
+            if info.released != want or tuple(info.page_indices) != held:
+                return (f"W17: r{rid}/{name} published released={info.released} pages "
+                        f"{info.page_indices}; the model released {want}, kvref holds {held}")
+        return None
 
     def check_pages(self, seen: KVObservation | None = None) -> None:
         """I1 and I2 on page ids: every page exactly once in free list, sink or a stream."""

@@ -67,6 +67,9 @@ def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig) -> 
         got_state = d.abstract(s, seen)
         if got_state != m.project(s):  # the model's page ids: not read back
             raise Mismatch(f"step {i} {a}: states differ\n  kvref {got_state}\n  model {s}")
+        wrong = d.check_publication(s, seen)
+        if wrong is not None:
+            raise Mismatch(f"step {i} {a}: {wrong}")
         d.check_pages(seen)
         d.check_page_map(s, seen)
         d.check_host_lengths(s, seen)

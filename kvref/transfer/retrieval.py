@@ -31,6 +31,7 @@ from kvref.stepping.step import (
     ForkPending,
     RequestOffloading,
     RetrieveInProgress,
+    WindowPending,
 )
 from kvref.transfer.engine import KVTransferManager, StaleSourceError
 from kvref.transfer.published import (
@@ -90,6 +91,11 @@ class Retrieval:
                 refused = ForkPending(
                     message="a running or staged step still forks onto this request: "
                             "publish once it committed", request_id=request_id)
+            if refused is None and self._stepping.window_pending(request_id):
+                # R70: that commit would release pages the lease would name
+                refused = WindowPending(
+                    message="a running or staged step's commit releases window pages of "
+                            "this request: publish once it committed", request_id=request_id)
             if refused is not None:
                 return PublishRefused(refused)
             # W17: a windowed stream names its retained pages only, from slot

@@ -314,3 +314,95 @@ def test_a_copy_on_write_admit_letting_go_of_the_last_reference_frees_it() -> No
     scope, trace = TRACES["write after a truncate into a shared page"]
     at = trace.index(m.Truncate(1, 0, 3)) + 1
     assert replay([*trace[:at], m.Remove(0), *trace[at:]], scope) == m.Ok()
+
+
+# every label windowed (W=1, margin 1, ps=2): a commit past W + k releases
+# the window's first page (W2)
+ALL_WINDOWED = m.Scope(requests=1, labels=1, device_pages=3, host_pages=1, page_size=2,
+                       max_span=2, depth=8, windows=(1,), margins=(1,))
+# r0 at 3 tokens, a step of one more admitted: its commit releases slot 0
+TO_THREE = [m.Ingest(0), m.Admit(m.Step((m.Seg(0, 0, 1),), padded=(0,))), m.Commit(),
+            m.Admit(m.Step((m.Seg(0, 0, 2),), padded=(0,))), m.Commit()]
+ONE_MORE = m.Step((m.Seg(0, 0, 1),), padded=(0,))
+
+
+def test_a_publish_waits_for_a_commit_that_releases_window_pages() -> None:
+    """Model and kvref bug (I18, R70): publish between the admit and the
+    commit of a step whose commit releases the window's first page leased
+    that page, then the commit gave it back to the pool while the peer
+    could still be copying it. The publish is refused until it committed."""
+    assert replay([*TO_THREE, m.Admit(ONE_MORE), m.Publish(0)],
+                  ALL_WINDOWED) == m.Refused("WindowPending")
+    assert replay([*TO_THREE, m.Admit(ONE_MORE), m.Commit(), m.Publish(0)],
+                  ALL_WINDOWED) == m.Published(((0, 4),))
+
+
+def test_a_step_that_releases_leased_window_pages_waits_for_the_lease() -> None:
+    """R70 from the other side: once published, an admit whose commit would
+    release a published window page is refused (PublishLeased), as a fork
+    over the request is (R50); once the lease ends it is admitted."""
+    leased = [*TO_THREE, m.Publish(0), m.Admit(ONE_MORE)]
+    assert replay(leased, ALL_WINDOWED) == m.Refused("PublishLeased")
+    assert replay([*leased, m.ReleasePublished(0), m.Admit(ONE_MORE), m.Commit()],
+                  ALL_WINDOWED) == m.Ok()
+    assert replay([*leased, m.LeaseTimeout(), m.Admit(ONE_MORE)], ALL_WINDOWED) == m.Ok()
+
+
+@pytest.mark.parametrize("half", ["admit", "publish"])
+def test_kvref_without_r70_is_found_by_these_traces(half: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plant: either half of R70 switched off in kvref (the admit's
+    refusal, or publish's) and the traces above mismatch the model."""
+    import kvref.stepping.admission as admission
+    from kvref.stepping.admit_plan_commit import Stepping
+    from kvref.testing.exhaustive import Mismatch
+    if half == "admit":
+        monkeypatch.setattr(admission, "leased_window", lambda *args: None)
+        trace = [*TO_THREE, m.Publish(0), m.Admit(ONE_MORE), m.Commit()]
+    else:
+        monkeypatch.setattr(Stepping, "window_pending", lambda self, rid: False)
+        trace = [*TO_THREE, m.Admit(ONE_MORE), m.Publish(0), m.Commit()]
+    with pytest.raises(Mismatch, match="PublishLeased" if half == "admit" else "WindowPending"):
+        replay(trace, ALL_WINDOWED)
+
+
+def test_r70_over_a_staged_preplan() -> None:
+    """A preplan over a running step (R41) whose commit, from the length the
+    running step leaves, releases the window's first page: publish waits for
+    it, and a leased request's preplan is refused."""
+    zero = m.Step((m.Seg(0, 0, 0),), padded=(0,))
+    staged = [*TO_THREE, m.Admit(zero), m.Admit(ONE_MORE, preplan=True)]
+    assert replay([*staged, m.Publish(0)], ALL_WINDOWED) == m.Refused("WindowPending")
+    assert replay([*staged, m.Plan(), m.Commit(), m.Publish(0)],
+                  ALL_WINDOWED) == m.Refused("WindowPending")
+    assert replay([*TO_THREE, m.Publish(0), m.Admit(zero), m.Admit(ONE_MORE, preplan=True)],
+                  ALL_WINDOWED) == m.Refused("PublishLeased")
+
+
+# one request, two full-attention labels, page size 1: the scope where a
+# replay driven by the checker disagreed after a preplan (issue 27)
+TWO_FULL = m.Scope(requests=1, labels=2, device_pages=3, host_pages=3, page_size=1,
+                   max_span=2, depth=8, sharing=True, windows=(), margins=())
+POST_FORKED = m.Step((m.Seg(0, 0, 1),), post_forks=((0, 1),), padded=(0,))
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_a_preplan_promoted_unplanned_copies_its_forks(fault: bool) -> None:
+    """kvref bug (R57): a preplan promoted by the real plan without having been
+    planned ahead ran its forks as sharing forks (the copy-on-write target
+    shared main's page and gave back the page its admit had made private for
+    the copy; an injected copy fault never fired). Its admit privatised and
+    reserved as for a copying fork, so its forks copy, planned ahead or not,
+    as the model says."""
+    trace = [m.Ingest(0), m.Admit(POST_FORKED, preplan=True), m.Plan(), m.Commit(fault)]
+    assert replay(trace, TWO_FULL) == (m.Fault("ForkCopyError") if fault else m.Ok())
+
+
+def test_a_failed_preplanned_fork_from_a_keyed_source() -> None:
+    """The trace that broke the checker's I17 (its own defect: an emptied
+    target's key chain): kvref agrees with the model call for call."""
+    one = m.Step((m.Seg(0, 0, 1),), padded=(0,))
+    pp = m.Step((m.Seg(0, 0, 0),), pre_forks=((0, 1),), padded=(0,))
+    assert replay([m.Ingest(0), m.Admit(one), m.Plan(), m.Write(), m.Commit(),
+                   m.Admit(pp, preplan=True), m.CachePrefix(0, 0), m.Plan(fork_error=True)],
+                  TWO_FULL) == m.Fault("ForkCopyError")

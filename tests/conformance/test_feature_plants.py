@@ -23,6 +23,7 @@ from kvref.testing.driver import DriverConfig
 from kvref.testing.exhaustive import Mismatch, run_trace
 from kvref_model import core as m
 from tests.support import seam_plants as P
+from tests.support.seam_traces import TRACES
 
 Plant = Callable[[pytest.MonkeyPatch], None]
 
@@ -99,21 +100,32 @@ CASES: dict[str, Case] = {
         [m.Ingest(0), *step(0, 1, 3), *step(0, 1, 3), m.Truncate(0, 1, 4)]),
 }
 
-# the retired layers' plants no one-model layer finds yet, and why
-NOT_FOUND: dict[str, str] = {
-    "no copy-on-write after a truncate into a shared page (R52)":
-        "the clean tree already disagrees with the one model at that admit "
-        "(test_copy_on_write_admit_after_a_truncate below), so a trace cannot tell the plant",
-    "draft tokens cached before commit (vLLM 18668/19006)":
-        "the driver names only committed tokens to cache_prefix (a careful engine); "
-        "the one model's CachePrefix has no ids past the committed length",
-    "(g) a retrieve that ignores the peer's released prefix":
-        "the driver's publisher (kvref.testing.driver.Driver.publisher) holds no window, "
-        "so every publication has released 0",
-    "(h) a publish that forgets its released prefix":
-        "the driver compares publish's (label, length) only, and no consumer in the "
-        "harness retrieves from the manager under test",
-}
+# the four the harness could not express before: a copy-on-write admit the
+# model did not make (now it does), draft ids past the committed length
+# (CachePrefix.drafts), a publication's released prefix (the driver checks
+# what publish names, Driver.check_publication) and a retrieve into a window
+CASES.update({
+    "no copy-on-write after a truncate into a shared page (R52)": Case(
+        P.no_copy_on_write, "sharing lockstep", SHARED,
+        [*FORKED, m.Truncate(0, 1, 3), *step(0, 1, 1)]),
+    "draft tokens cached before commit (vLLM 18668/19006)": Case(
+        P.draft_tokens_cached, "sharing lockstep", SHARED,
+        [m.Ingest(0), *step(0, 0, 1), m.Admit(m.Step((m.Seg(0, 0, 1),), padded=(0,))),
+         m.Plan(), m.Write(), m.CachePrefix(0, 0, drafts=1)]),
+    # the driver's publisher holds no window (a publication's released is 0),
+    # so this finds the plant through the consumer's own release, which the
+    # plant loses as well: what the peer released is checked by hand in
+    # tests/unit/test_retention_transfer.py
+    "(g) a retrieve that ignores the peer's released prefix": Case(
+        P.retrieve_ignores_released, "retention lockstep", TRACES["retrieve into a window"][0],
+        TRACES["retrieve into a window"][1]),
+    "(h) a publish that forgets its released prefix": Case(
+        P.publish_forgets_released, "retention lockstep", WINDOWED,
+        [m.Ingest(0), *step(0, 1, 3), *step(0, 1, 3), m.Publish(0)]),
+})
+
+# the retired layers' plants no one-model layer finds yet, and why: none now
+NOT_FOUND: dict[str, str] = {}
 
 
 def replay(scope: m.Scope, trace: list[m.Action]) -> None:
@@ -131,11 +143,6 @@ def test_the_plant_is_found(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     case.plant(monkeypatch)
     with pytest.raises(Mismatch):
         replay(case.scope, case.trace)
-
-
-def test_copy_on_write_admit_after_a_truncate() -> None:
-    # was an open disagreement: the model now makes the copy at admit, as kvref does
-    replay(SHARED, [*FORKED, m.Truncate(0, 1, 3), *step(0, 1, 1)])
 
 
 # --- the retired sharing lockstep's scenarios (its rare cases), as traces of

@@ -5,7 +5,7 @@ when it ran (I6), and page keys encode comparably with "no key"."""
 from __future__ import annotations
 
 from kvref_model import core as m
-from kvref_model.invariants import i6
+from kvref_model.invariants import i6, i17
 from kvref_model.pages import Key
 from kvref_model.symmetry import _key
 
@@ -42,3 +42,27 @@ def test_keys_encode_comparably_with_no_key() -> None:
     assert min(encs) == ((0,), _key(None))
     assert len({_key(None), _key(k)}) == 2
 
+
+
+def test_a_fork_fault_may_leave_its_target_without_a_key_chain() -> None:
+    """I17 (the checker's, not a rule): a preplanned fork from a stream that a
+    CachePrefix keyed in between gives its target the source's chain (S23);
+    the same promotion with the copy failing leaves the target empty and
+    without a chain, which I17 reported as more than emptying the target
+    (--requests 1 --labels 2 --device-pages 3 --host-pages 3 --page-size 1
+    --windows "" --margins "" --depth 8). kvref agrees with the model here
+    (tests/conformance/test_composed_regressions.py)."""
+    scope = m.Scope(requests=1, labels=2, device_pages=3, host_pages=3, page_size=1,
+                    max_span=2, depth=8, sharing=True, windows=(), margins=())
+    model = m.Model(scope)
+    one = m.Step((m.Seg(0, 0, 1),), padded=(0,))
+    pp = m.Step((m.Seg(0, 0, 0),), pre_forks=((0, 1),), padded=(0,))
+    s = model.init()
+    for a in [m.Ingest(0), m.Admit(one), m.Plan(), m.Write(), m.Commit(),
+              m.Admit(pp, preplan=True), m.CachePrefix(0, 0)]:
+        _, s = model.step(s, a)
+    r, n = model.step(s, m.Plan(fork_error=True))
+    assert r == m.Fault("ForkCopyError")
+    assert n.stream_map()[(0, 1)].chain == 0 and model.step(s, m.Plan())[1].stream_map()[
+        (0, 1)].chain == 1
+    assert i17(model, s, m.Plan(fork_error=True), r, n) is None

@@ -81,22 +81,28 @@ def test_the_clean_model_passes_the_same_scopes(scope: Scope) -> None:
 
 
 # every label windowed (label 0 is full attention in every other scope): the
-# clean one model breaks I18 at depth 8 (I6 there is fixed: a copy holds the
-# host pages it took, tests/model/test_host_copy_and_key_order.py). Open, and kvref
-# does the same (run_trace agrees call for call): a commit on a windowed label
-# releases the window's pages of a request whose publication is leased, pages
-# the peer may still be copying (R33 vs W2; issue 27 part 1)
+# clean one model broke I18 here at depth 8 (I6 there is fixed: a copy holds
+# the host pages it took, tests/model/test_host_copy_and_key_order.py): a commit on a
+# windowed label released a window page of a request published between the
+# step's admit and its commit, a page the peer may still be copying; kvref did
+# the same. R70 refuses that publish (and such a step of a leased request);
+# kvref's replay: tests/conformance/test_composed_regressions.py
 ALL_WINDOWED = Scope(requests=1, labels=1, device_pages=3, host_pages=1, page_size=2,
                      max_span=2, depth=8, windows=(1,), margins=(1,))
 
 
-@pytest.mark.nightly
-@pytest.mark.xfail(strict=True, reason=(
-    "open: I18 (publish of r0 over an admitted step on a windowed label; its commit "
-    "releases window pages of the leased stream; kvref does the same)"))
 def test_the_clean_model_passes_a_scope_where_every_label_is_windowed() -> None:
     rep = Report()
     for _ in explore(Model(ALL_WINDOWED), report=rep, workers=1, states=False,
                      keep_going=True):
         pass
     assert not rep.violations, {i: msg for i, (msg, _) in rep.violations.items()}
+    assert rep.complete
+
+
+def test_without_r70_the_checker_finds_a_commit_releasing_leased_window_pages() -> None:
+    rep = check(without("R70")(ALL_WINDOWED))
+    assert "I18" in rep.violations, sorted(rep.violations)
+    msg, trace = rep.violations["I18"]
+    assert msg == "Commit took pages of leased (0, 0)", msg
+    assert any(type(a).__name__ == "Publish" for a, *_ in trace), trace
