@@ -524,6 +524,38 @@ class PagePool:
                     took.append(True)
             return len(pages), keyed, None
 
+    def register_filled(self, pages: list[int], keys: list[PageKey]
+                        ) -> tuple[list[int], KVRefError | None]:
+        """`register_chain` of pages that each just filled, one per stream (a
+        decode step's): ``pages[i]`` under ``keys[i]``, in order, under one
+        acquisition of the lock. Returns per page done 1 if it took its key
+        here, 0 if it had that key already or another page has it (S11),
+        and the error that stopped the rest (None: all)."""
+        took: list[int] = []
+        put = took.append
+        lo, hi = self.first, self.num_pages
+        with self._lock:
+            holders, have_keys, index = self._holders, self._key, self._index
+            for page, key in zip(pages, keys, strict=True):
+                if type(page) is not int or not lo <= page < hi:
+                    return took, PageRegisterError(
+                        f"no page {page!r}: pages are [{lo}, {hi})")
+                have = have_keys[page]
+                if have is None and key not in index and holders[page] is not None:
+                    index[key] = page
+                    have_keys[page] = key
+                    put(1)
+                    continue
+                if holders[page] is None:
+                    return took, PageRegisterError(
+                        f"page {page} is free: it holds nothing committed")
+                if have is not None and have != key:
+                    return took, PageRegisterError(
+                        f"page {page} is registered under other tokens; a registered "
+                        "page is immutable")
+                put(0)  # keyed so before, or deduplicated: that page keeps the key
+            return took, None
+
     def reset_prefix_cache(self) -> int | ResetRefused:
         """Forget every cached page (after a weight update, say); returns how
         many.  Refused, changing nothing, while any page is held: a held

@@ -108,6 +108,30 @@ def test_a_misuse_in_any_entry_changes_nothing(bad: Any, err: type[Exception],
     check_device_pages(mgr)
 
 
+@pytest.mark.parametrize("bad, match", [
+    ([("b", "main", IDS["b"][8:12], 8), ("b", "main", IDS["b"][8:12], 8)], "previous entry"),
+    ([("b", "main", [True, *IDS["b"][9:12]], 8)], "bool"),
+    ([("b", "main", [*IDS["b"][8:11], 1 << 64], 8)], "64-bit"),
+    ([("b", "main", [*IDS["b"][8:11], 2.0], 8)], "64-bit"),
+])
+def test_a_misuse_among_single_pages_changes_nothing(bad: Any, match: str) -> None:
+    """A batch of one filled page per stream (the one-pass path) refuses as
+    the general path does, a stream named twice and ids that are not plain
+    64-bit ints included, changing nothing."""
+    mgr, drv = _mgr()
+    for r in ("a", "b"):
+        drv.ingest(r)
+    drv.step([("a", "main", 12), ("b", "main", 12)])
+    assert mgr.cache_prefix("b", "main", IDS["b"][:8]) == 2
+    before = _state(mgr)
+    with pytest.raises(InvalidArgumentError, match=match):
+        mgr.cache_prefixes([("a", "main", IDS["a"][:4], 0), *bad])
+    assert _state(mgr) == before
+    # the same batch, right, keys both pages
+    assert mgr.cache_prefixes([("a", "main", IDS["a"][:4], 0),
+                               ("b", "main", IDS["b"][8:12], 8)]) == [1, 1]
+
+
 def test_a_stream_a_preplanned_fork_copies_into_is_refused() -> None:
     """R57, as `cache_prefix`: nothing keys a page a staged fork will copy into."""
     from kvref import KVStep, Segment, StepContext
