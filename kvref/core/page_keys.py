@@ -116,18 +116,37 @@ def token_bytes(tokens: Tokens) -> bytes:
     if str(getattr(tokens, "dtype", "")) == "torch.bool":
         raise InvalidArgumentError("token_ids must be integer ids, got a torch bool tensor "
                                    "(a mask passed as ids?)")
-    # bool is an int subclass that struct packs as 0 and 1: refused, as every
-    # other call refuses a bool where it takes an int (one C-level pass)
+    n = len(tokens)
+    if n < _LONG or type(tokens) not in (list, tuple):
+        _refuse_bools(tokens)
+    try:  # struct packs a list twice as fast as array("q") does, here
+        # a page's worth (every cache_prefix of a decode step) by a kept Struct
+        raw = (_PAGE_PACK.get(n) or struct.Struct(f"<{n}q")).pack(*tokens)
+    except (struct.error, TypeError) as err:
+        _refuse_bools(tokens)
+        raise InvalidArgumentError(f"token ids must be 64-bit integers: {err}") from None
+    if n >= _LONG and type(tokens) in (list, tuple):
+        # a prompt: a bool packs as 0 or 1, so only the items packed as 0 or
+        # 1 are looked at, not the type of every id (a set of 2,048 types
+        # cost as much as hashing the prompt)
+        small = np.flatnonzero((np.frombuffer(raw, dtype="<i8") >> 1) == 0).tolist()
+        if small and any(type(tokens[i]) is bool for i in small):
+            _refuse_bools(tokens)
+    return raw
+
+
+# from this many ids a list is checked for bools after packing (`token_bytes`)
+_LONG = 64
+
+
+def _refuse_bools(tokens: Tokens) -> None:
+    """Raise if `tokens` holds a bool. A bool is an int subclass that struct
+    packs as 0 and 1: refused, as every other call refuses a bool where it
+    takes an int (one C-level pass)."""
     kinds = set(map(type, tokens))
     if bool in kinds or np.bool_ in kinds:
         raise InvalidArgumentError("token_ids must be integer ids, got a bool among them "
                                    "(a mask passed as ids?)")
-    try:  # struct packs a list twice as fast as array("q") does, here
-        n = len(tokens)
-        # a page's worth (every cache_prefix of a decode step) by a kept Struct
-        return (_PAGE_PACK.get(n) or struct.Struct(f"<{n}q")).pack(*tokens)
-    except (struct.error, TypeError) as err:
-        raise InvalidArgumentError(f"token ids must be 64-bit integers: {err}") from None
 
 
 # the page sizes engines use, each packed by a Struct built once
