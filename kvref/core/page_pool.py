@@ -730,18 +730,21 @@ class PagePool:
         tail = last = prev[head]
         kept = 0  # pages others still hold; the rest are freed: blank or linked
         i = 0
+        # a tuple owner (a stream's key) never equals a set of holders: one
+        # comparison per page, not two
+        plain = type(owner) is tuple
         try:
             for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
                 h = holders[p]
                 # the type test second: a set equals a frozenset owner
-                if h == owner and type(h) is not set:
+                if h == owner and (plain or type(h) is not set):
                     holders[p] = None
-                    if key[p] is None:
-                        blank.append(p)
-                    else:
+                    if key[p] is not None:
                         nxt[last] = p
                         prev[p] = last
                         last = p
+                    else:
+                        blank.append(p)
                 elif type(h) is set:
                     h.remove(owner)  # KeyError if `owner` does not hold it, as in `_drop`
                     if len(h) == 1:
