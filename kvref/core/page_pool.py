@@ -495,34 +495,19 @@ class PagePool:
         rest (None: all), so the caller keeps what a loop of `register` calls
         would have kept before it raised. ``took`` gets, per page done,
         whether it took its key here."""
-        for page in pages:
-            self._check_page(page, PageRegisterError)
-        with self._lock:
-            holders, have_keys, index = self._holders, self._key, self._index
-            keyed = 0
-            for i, (page, key) in enumerate(zip(pages, keys, strict=True)):
-                if holders[page] is None:
-                    return i, keyed, PageRegisterError(
-                        f"page {page} is free: it holds nothing committed")
-                have = have_keys[page]
-                if have is not None:
-                    if have == key:
-                        if took is not None:
-                            took.append(False)
-                        continue
-                    return i, keyed, PageRegisterError(
-                        f"page {page} is registered under other tokens; a registered "
-                        "page is immutable")
-                if key in index:
-                    if took is not None:
-                        took.append(False)
-                    continue  # deduplicated: that page keeps the key (S11)
-                index[key] = page
-                have_keys[page] = key
-                keyed += 1
-                if took is not None:
-                    took.append(True)
-            return len(pages), keyed, None
+        n = len(pages)
+        # every page checked before any is keyed: by C-level passes (a
+        # prompt's 128 pages), each page again only when one fails
+        if n and (list(map(type, pages)).count(int) != n or min(pages) < self.first
+                  or max(pages) >= self.num_pages):
+            for page in pages:
+                self._check_page(page, PageRegisterError)
+        if len(keys) != n:
+            raise ValueError(f"register_chain: {n} pages, {len(keys)} keys")
+        got, err = self.register_filled(list(pages), list(keys))
+        if took is not None:
+            took += map(bool, got)
+        return len(got), sum(got), err
 
     def register_filled(self, pages: list[int], keys: list[PageKey]
                         ) -> tuple[list[int], KVRefError | None]:
