@@ -41,10 +41,8 @@ _span = operator.attrgetter("span")
 Array = np.ndarray[Any, Any]
 
 # below this many rows, `decode_tables` builds the table afresh in the time
-# the kept table's fixed numpy set-up takes (a few dozen small array ops);
-# measured (`python -m benchmarks.decode_alone`-style steps, caching off):
-# kept 44 µs vs afresh 46 at 16 rows, 39 vs 33 at 8
-SMALL_BATCH = 16
+# the kept table's fixed numpy set-up takes (a few dozen small array ops)
+SMALL_BATCH = 32
 
 
 class DecodePlan:

@@ -25,7 +25,7 @@ from kvref_model.core import Scope
 @pytest.fixture(autouse=True)
 def kept_decode_table(monkeypatch: pytest.MonkeyPatch) -> None:
     # the kept decode table (issue 28) plans from one row, so the lockstep's
-    # batches of one to three requests run it (in production: from 16)
+    # batches of one to three requests run it (in production: from 32)
     monkeypatch.setattr(decode_table, "SMALL_BATCH", 1)
 
 
