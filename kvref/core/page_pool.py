@@ -783,14 +783,6 @@ class PagePool:
 
     def _hits(self, tokens: Tokens, extras: ExtraKeys, encoded: bytes | None = None
               ) -> tuple[list[int], list[PageKey]]:
-        pages: list[int] = []
-        keys: list[PageKey] = []
-        limit = self._cacheable_pages(len(tokens))
-        for key in prefix_hash.iter_page_keys(tokens, self.page_size, extras, pages=limit,
-                                              encoded=encoded):
-            p = self._index.get(key)
-            if p is None:
-                break
-            pages.append(p)
-            keys.append(key)
-        return pages, keys
+        return prefix_hash.cached_head(self._index, tokens, self.page_size, extras,
+                                       pages=self._cacheable_pages(len(tokens)),
+                                       encoded=encoded)

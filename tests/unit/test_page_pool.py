@@ -325,3 +325,31 @@ def test_register_filled_answers_as_register_chain_entry_by_entry() -> None:
     assert took == [] and isinstance(err, PageRegisterError) and "no page 99" in str(err)
     assert pool.key_of(pages[4]) is None
     pool.sanity_check()
+
+
+@pytest.mark.parametrize("n, pages, parent", [
+    (0, None, False), (3, None, False), (16, None, True), (37, None, False), (37, 2, True),
+    (37, 0, False),
+])
+def test_page_keys_loop_lazy_walk_and_cached_head_agree(n: int, pages: int | None,
+                                                        parent: bool) -> None:
+    """`page_keys` (one loop), `iter_page_keys` (lazy) and a chain of
+    `page_key` calls give the same keys; `cached_head` stops where an index
+    first misses, as a walk of `iter_page_keys` would."""
+    from kvref.core.page_keys import cached_head, iter_page_keys
+
+    ids = list(range(1000, 1000 + n))
+    extras = (("salt", "s"), ("label", "main"))
+    first = page_key(None, [7, 8, 9, 10], extras) if parent else None
+    got = page_keys(ids, 4, extras, parent=first, pages=pages)
+    assert got == list(iter_page_keys(ids, 4, extras, parent=first, pages=pages))
+    chain, prev = [], first
+    for i in range(min(n // 4, n if pages is None else pages)):
+        prev = page_key(prev, ids[4 * i:4 * i + 4], extras)
+        chain.append(prev)
+    assert got == chain
+    full = page_keys(ids, 4, extras)
+    for known in (len(full), len(full) // 2, 0):
+        index = {k: 100 + i for i, k in enumerate(full[:known])}
+        assert cached_head(index, ids, 4, extras) == (
+            [100 + i for i in range(known)], full[:known])
