@@ -174,21 +174,6 @@ class _LRU:
         prev[head] = last
         self._len += len(pages)
 
-    def pop_front_many(self, n: int) -> list[int]:
-        """The ``n`` oldest pages, unlinked as one splice (n <= len)."""
-        nxt, prev, head = self._next, self._prev, self._head
-        out: list[int] = []
-        p = nxt[head]
-        for _ in range(n):
-            out.append(p)
-            q = nxt[p]
-            prev[p] = nxt[p] = -1
-            p = q
-        nxt[head] = p
-        prev[p] = head
-        self._len -= n
-        return out
-
     def __iter__(self) -> Iterator[int]:
         """Oldest first; stops after len + 1 steps, so a corrupt list cannot loop."""
         p, steps = self._next[self._head], 0
@@ -321,11 +306,11 @@ class PagePool:
             else:
                 pop = blank.popleft
                 out = [pop() for _ in range(take)]
-            if take < n:
-                out += self._evict_many(n - take)
             holders = self._holders
             for p in out:
                 holders[p] = owner  # a free page: no holder before
+            if take < n:
+                out += self._evict_many(n - take, owner)
             return out
 
     def peek(self, n: int) -> list[int]:
@@ -762,15 +747,28 @@ class PagePool:
         self._key[p] = None
         return p
 
-    def _evict_many(self, n: int) -> list[int]:
-        """`_evict` ``n`` times, the LRU unlinked in one splice."""
-        out = self._lru.pop_front_many(n)
-        index, keys = self._index, self._key
-        for p in out:
-            key = keys[p]
-            assert key is not None
-            del index[key]
+    def _evict_many(self, n: int, owner: Owner) -> list[int]:
+        """`_evict` ``n`` times, the LRU unlinked in one splice, each page
+        then held by ``owner`` (`allocate`), all in one pass."""
+        lru = self._lru
+        nxt, prev, head = lru._next, lru._prev, lru._head
+        index, holders = self._index, self._holders
+        keys: list[Any] = self._key  # each page here has a key: no None test per page
+        out: list[int] = []
+        add = out.append
+        p = nxt[head]
+        # the LRU's oldest unlinked, unregistered and held in one loop
+        for _ in range(n):
+            add(p)
+            q = nxt[p]
+            prev[p] = nxt[p] = -1
+            del index[keys[p]]  # a free-cached page has a key (KeyError on None)
             keys[p] = None
+            holders[p] = owner
+            p = q
+        nxt[head] = p
+        prev[p] = head
+        lru._len -= n
         return out
 
     def _touch(self, p: int) -> None:
