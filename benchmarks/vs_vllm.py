@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import sys
@@ -51,7 +50,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import Spread, md_table, no_gc, spread
+from benchmarks import Spread, machine, md_table, no_gc, spread, write_json
 from kvref import KVConfig, KVManager, KVStep, RetentionPolicy, Segment, StepContext
 from kvref.prefix.keys import page_keys
 
@@ -548,16 +547,29 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     vl = VLLM(copy)
     sizes = TINY if args.tiny else QUICK if args.quick else FULL
+    load_start, t0 = os.getloadavg()[0], time.perf_counter()
     rows = run(vl, sizes, args.seed)
-    print(f"### kvref vs vLLM {vl.version} KVCacheManager (one process, CPU, page 16, "
-          "prefix caching on unless said; ratio > 1: kvref faster)\n")
+    seconds, load_end = time.perf_counter() - t0, os.getloadavg()[0]
+    print(f"### {heading(vl.version)}\n")
     print(table(rows))
     for line in derived(rows):
         print(f"- {line}")
+    print(f"\n{seconds:.0f} s; load average {load_start:.1f} before, {load_end:.1f} after "
+          f"({os.cpu_count()} CPUs)")
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"vllm": vl.version, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+        # the run's conditions and commit, as every benchmark's JSON
+        # (`scripts/docs_figures.py` renders it)
+        write_json(args.json, {
+            "benchmark": "vs_vllm", "quick": args.quick, "tiny": args.tiny, "vllm": vl.version,
+            "machine": machine(), "cpus": os.cpu_count(), "load_start": load_start,
+            "load_end": load_end, "seconds": seconds,
+            "rows": [dataclasses.asdict(r) for r in rows]})
     return 0
+
+
+def heading(version: str) -> str:
+    return (f"kvref vs vLLM {version} KVCacheManager (one process, CPU, page 16, prefix "
+            "caching on unless said; ratio > 1: kvref faster)")
 
 
 if __name__ == "__main__":

@@ -265,14 +265,20 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
                 streams = self._streams.get(rid)
                 if streams is None:
                     return
-                self._refuse_if_in_flight(rid, "remove")
+                # `_refuse_if_in_flight` over the streams in hand, noting on
+                # the way whether a retrieve ever started
+                read = False
+                for label, stream in streams.items():
+                    if stream.step_in_flight:
+                        raise StepInFlightError("remove while a step is in flight; commit "
+                                                "it first", request_id=rid, label=label)
+                    read = read or stream.read_future is not None
                 self._table.leases.refuse(rid, "remove")
                 # the common case, a finished request with no retrieve ever
                 # started, releases under the first acquisition, no drain;
                 # after a drain, a retrieve started between it and the lock
                 # means draining again
-                if (not self._reads_pending(streams) if drained
-                        else all(s.read_future is None for s in streams.values())):
+                if not read or (drained and not self._reads_pending(streams)):
                     self._release_request(rid, streams)
                     return
             self._drain_reads(rid)

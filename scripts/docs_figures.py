@@ -6,6 +6,7 @@ Two steps, so that no page is edited by hand with numbers:
     python -m benchmarks.attention --json docs/performance/data/attention.json   #    (all
     python -m benchmarks.shared_pages --json docs/performance/data/shared_pages.json #  four)
     python -m benchmarks.retention --json docs/performance/data/retention.json
+    python -m benchmarks.vs_vllm --json docs/performance/data/vs_vllm.json        # (a vLLM copy)
     python scripts/docs_figures.py                                               # 2: render
 
 Step 2 reads the JSON only (it measures nothing) and writes
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import attention, control_plane, data_plane, retention, shared_pages
+from benchmarks import attention, control_plane, data_plane, retention, shared_pages, vs_vllm
 from benchmarks.__main__ import control_tables, data_tables
 
 DATA = ROOT / "docs" / "performance" / "data"
@@ -76,10 +77,16 @@ def span(values: list[float], digits: int = 2) -> str:
 
 
 def conditions(run: dict[str, Any], command: str) -> str:
-    return (f"Recorded {run.get('recorded', 'at an unrecorded time')} at commit "
+    text = (f"Recorded {run.get('recorded', 'at an unrecorded time')} at commit "
             f"`{run.get('commit', 'unrecorded')}` with `{command}` in "
             f"{run['seconds']:.0f} s on {run['machine']}; load average "
             f"{run['load_start']:.1f} at the start and {run['load_end']:.1f} at the end.")
+    cpus = run.get("cpus") or 1
+    if max(run["load_start"], run["load_end"]) >= cpus / 2:
+        # other work shared the machine: say so where the figures are
+        text += (" **Measured under load** (other processes shared the CPUs): absolute "
+                 "times are inflated and noisy; read the same-run ratios.")
+    return text
 
 
 def control_section(run: dict[str, Any]) -> list[str]:
@@ -179,6 +186,18 @@ def render(data: Path = DATA) -> str:
         command = "python -m benchmarks.retention" + (" --quick" if kept.quick else "")
         out += ["", "## Sliding-window retention", "", conditions(run, command), "",
                 *retention_summary(kept), "", retention.tables(kept), ""]
+    beside = data / "vs_vllm.json"
+    if beside.exists():
+        run = json.loads(beside.read_text())
+        rows = [rebuild(vs_vllm.Row, r) for r in run["rows"]]
+        command = "python -m benchmarks.vs_vllm" + (" --tiny" if run.get("tiny") else
+                                                     " --quick" if run["quick"] else "")
+        out += ["", "## Beside vLLM's KV-cache manager", "", conditions(run, command), "",
+                f"{vs_vllm.heading(run['vllm'])}; each ratio is vLLM's time over kvref's, "
+                "median [p10, p90] of per-pair ratios (the module's docstring says what "
+                "each side's timed call holds).", "", vs_vllm.table(rows), "",
+                "kvref against itself, from the same run:", "",
+                *[f"- {line}" for line in vs_vllm.derived(rows)], ""]
     return "\n".join(out).rstrip("\n") + "\n"
 
 

@@ -174,21 +174,6 @@ class _LRU:
         prev[head] = last
         self._len += len(pages)
 
-    def pop_front_many(self, n: int) -> list[int]:
-        """The ``n`` oldest pages, unlinked as one splice (n <= len)."""
-        nxt, prev, head = self._next, self._prev, self._head
-        out: list[int] = []
-        p = nxt[head]
-        for _ in range(n):
-            out.append(p)
-            q = nxt[p]
-            prev[p] = nxt[p] = -1
-            p = q
-        nxt[head] = p
-        prev[p] = head
-        self._len -= n
-        return out
-
     def __iter__(self) -> Iterator[int]:
         """Oldest first; stops after len + 1 steps, so a corrupt list cannot loop."""
         p, steps = self._next[self._head], 0
@@ -321,11 +306,11 @@ class PagePool:
             else:
                 pop = blank.popleft
                 out = [pop() for _ in range(take)]
-            if take < n:
-                out += self._evict_many(n - take)
             holders = self._holders
             for p in out:
                 holders[p] = owner  # a free page: no holder before
+            if take < n:
+                out += self._evict_many(n - take, owner)
             return out
 
     def peek(self, n: int) -> list[int]:
@@ -495,34 +480,51 @@ class PagePool:
         rest (None: all), so the caller keeps what a loop of `register` calls
         would have kept before it raised. ``took`` gets, per page done,
         whether it took its key here."""
-        for page in pages:
-            self._check_page(page, PageRegisterError)
+        n = len(pages)
+        # every page checked before any is keyed: by C-level passes (a
+        # prompt's 128 pages), each page again only when one fails
+        if n and (list(map(type, pages)).count(int) != n or min(pages) < self.first
+                  or max(pages) >= self.num_pages):
+            for page in pages:
+                self._check_page(page, PageRegisterError)
+        if len(keys) != n:
+            raise ValueError(f"register_chain: {n} pages, {len(keys)} keys")
+        got, err = self.register_filled(list(pages), list(keys))
+        if took is not None:
+            took += map(bool, got)
+        return len(got), sum(got), err
+
+    def register_filled(self, pages: list[int], keys: list[PageKey]
+                        ) -> tuple[list[int], KVRefError | None]:
+        """`register_chain` of pages that each just filled, one per stream (a
+        decode step's): ``pages[i]`` under ``keys[i]``, in order, under one
+        acquisition of the lock. Returns per page done 1 if it took its key
+        here, 0 if it had that key already or another page has it (S11),
+        and the error that stopped the rest (None: all)."""
+        took: list[int] = []
+        put = took.append
+        lo, hi = self.first, self.num_pages
         with self._lock:
             holders, have_keys, index = self._holders, self._key, self._index
-            keyed = 0
-            for i, (page, key) in enumerate(zip(pages, keys, strict=True)):
-                if holders[page] is None:
-                    return i, keyed, PageRegisterError(
-                        f"page {page} is free: it holds nothing committed")
+            for page, key in zip(pages, keys, strict=True):
+                if type(page) is not int or not lo <= page < hi:
+                    return took, PageRegisterError(
+                        f"no page {page!r}: pages are [{lo}, {hi})")
                 have = have_keys[page]
-                if have is not None:
-                    if have == key:
-                        if took is not None:
-                            took.append(False)
-                        continue
-                    return i, keyed, PageRegisterError(
+                if have is None and key not in index and holders[page] is not None:
+                    index[key] = page
+                    have_keys[page] = key
+                    put(1)
+                    continue
+                if holders[page] is None:
+                    return took, PageRegisterError(
+                        f"page {page} is free: it holds nothing committed")
+                if have is not None and have != key:
+                    return took, PageRegisterError(
                         f"page {page} is registered under other tokens; a registered "
                         "page is immutable")
-                if key in index:
-                    if took is not None:
-                        took.append(False)
-                    continue  # deduplicated: that page keeps the key (S11)
-                index[key] = page
-                have_keys[page] = key
-                keyed += 1
-                if took is not None:
-                    took.append(True)
-            return len(pages), keyed, None
+                put(0)  # keyed so before, or deduplicated: that page keeps the key
+            return took, None
 
     def reset_prefix_cache(self) -> int | ResetRefused:
         """Forget every cached page (after a weight update, say); returns how
@@ -698,18 +700,21 @@ class PagePool:
         tail = last = prev[head]
         kept = 0  # pages others still hold; the rest are freed: blank or linked
         i = 0
+        # a tuple owner (a stream's key) never equals a set of holders: one
+        # comparison per page, not two
+        plain = type(owner) is tuple
         try:
             for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
                 h = holders[p]
                 # the type test second: a set equals a frozenset owner
-                if h == owner and type(h) is not set:
+                if h == owner and (plain or type(h) is not set):
                     holders[p] = None
-                    if key[p] is None:
-                        blank.append(p)
-                    else:
+                    if key[p] is not None:
                         nxt[last] = p
                         prev[p] = last
                         last = p
+                    else:
+                        blank.append(p)
                 elif type(h) is set:
                     h.remove(owner)  # KeyError if `owner` does not hold it, as in `_drop`
                     if len(h) == 1:
@@ -742,15 +747,28 @@ class PagePool:
         self._key[p] = None
         return p
 
-    def _evict_many(self, n: int) -> list[int]:
-        """`_evict` ``n`` times, the LRU unlinked in one splice."""
-        out = self._lru.pop_front_many(n)
-        index, keys = self._index, self._key
-        for p in out:
-            key = keys[p]
-            assert key is not None
-            del index[key]
+    def _evict_many(self, n: int, owner: Owner) -> list[int]:
+        """`_evict` ``n`` times, the LRU unlinked in one splice, each page
+        then held by ``owner`` (`allocate`), all in one pass."""
+        lru = self._lru
+        nxt, prev, head = lru._next, lru._prev, lru._head
+        index, holders = self._index, self._holders
+        keys: list[Any] = self._key  # each page here has a key: no None test per page
+        out: list[int] = []
+        add = out.append
+        p = nxt[head]
+        # the LRU's oldest unlinked, unregistered and held in one loop
+        for _ in range(n):
+            add(p)
+            q = nxt[p]
+            prev[p] = nxt[p] = -1
+            del index[keys[p]]  # a free-cached page has a key (KeyError on None)
             keys[p] = None
+            holders[p] = owner
+            p = q
+        nxt[head] = p
+        prev[p] = head
+        lru._len -= n
         return out
 
     def _touch(self, p: int) -> None:
@@ -763,14 +781,6 @@ class PagePool:
 
     def _hits(self, tokens: Tokens, extras: ExtraKeys, encoded: bytes | None = None
               ) -> tuple[list[int], list[PageKey]]:
-        pages: list[int] = []
-        keys: list[PageKey] = []
-        limit = self._cacheable_pages(len(tokens))
-        for key in prefix_hash.iter_page_keys(tokens, self.page_size, extras, pages=limit,
-                                              encoded=encoded):
-            p = self._index.get(key)
-            if p is None:
-                break
-            pages.append(p)
-            keys.append(key)
-        return pages, keys
+        return prefix_hash.cached_head(self._index, tokens, self.page_size, extras,
+                                       pages=self._cacheable_pages(len(tokens)),
+                                       encoded=encoded)

@@ -81,6 +81,10 @@ class StreamTable:
     # label -> RetentionPolicy.rollback_margin k, where not 0: a commit keeps
     # W + k tokens so a truncate of k stays legal (W15)
     margins: dict[str, int] = field(default_factory=dict)
+    # some stream's `tail_maybe_shared` was ever set (only a truncate into a
+    # page sets it): never cleared, so False proves every stream's is False
+    # and a decode step's admit skips the per-stream test (issue 28)
+    tails_maybe_shared: bool = False
 
     def window(self, label: str) -> int | None:
         """The label's retention window W, or None (full attention)."""

@@ -170,39 +170,39 @@ def _pages_that_filled(table: StreamTable, todo: list[_Todo | None]) -> list[int
         parent = stream.keys[-1] if stream.keys else None
         keyed.append((stream, raw, prefix_hash.next_page_key(
             parent, raw, extras_for(table, rid, stream.space or label))))
-    made = _key_filled(table, [(st, raw, key, st.page_indices[len(st.keys)])
-                               for st, raw, key in keyed])
+    made = _key_filled(table, [st for st, _, _ in keyed], [raw for _, raw, _ in keyed],
+                       [key for _, _, key in keyed],
+                       [st.page_indices[len(st.keys)] for st, _, _ in keyed])
     counts = iter(made)
     return [0 if t is None else next(counts) for t in todo]
 
 
-def _key_filled(table: StreamTable, keyed: list[tuple[CacheStream, bytes, PageKey, int]]
-                ) -> list[int]:
-    """Register each stream's page that just filled under its key, in one
-    pool call; returns per entry whether the page became findable here."""
-    took: list[bool] = []
-    done, _, err = table.pages.register_chain([p for _, _, _, p in keyed],
-                                              [k for _, _, k, _ in keyed], took)
+def _key_filled(table: StreamTable, streams: list[CacheStream], raws: list[bytes],
+                keys: list[PageKey], pages: list[int]) -> list[int]:
+    """Register each stream's page that just filled (``pages[i]``, ids
+    ``raws[i]``) under its key, in one pool call; returns per entry 1 if
+    the page became findable here, else 0. S23 counts a page only if this
+    call made it findable: not one keyed before (a hit), nor one passed
+    over because another page has its key; a fork's two streams naming one
+    shared page count it once (the second finds the key the first gave it)."""
+    took, err = table.pages.register_filled(pages, keys)
     # as `_register` entry by entry: the ones before a failure keep their key
-    for stream, raw, key, _ in keyed[:done]:
+    for stream, raw, key, _ in zip(streams, raws, keys, took, strict=False):
         stream.keys.append(key)
         stream.key_tokens += raw
     if err is not None:
         raise err
-    # S23 counts a page only if this call made it findable: not one keyed
-    # before (a hit), nor one passed over because another page has its key;
-    # a fork's two streams naming one shared page count it once (the second
-    # finds the key the first gave it)
-    return [int(t) for t in took]
+    return took
 
 
 def _one_page_each(table: StreamTable, calls: Sequence[object],
                    fork_targets: Set[tuple[str, str]]) -> list[int] | None:
     """`cache_prefixes` of a decode step's batch, each entry naming, as a list
     of ints, just the page after its stream's chain, every check of
-    `_checked` passed: one pass, no record per entry. None, changing
-    nothing, when any entry is otherwise (the general path then decides,
-    and raises what it finds)."""
+    `_checked` passed: one pass that hashes each page and one pool call that
+    registers them all, no record per entry. None, changing nothing, when
+    any entry is otherwise (the general path then decides, and raises what
+    it finds)."""
     ps = table.page_size
     if not table.sharing or not calls:
         return None
@@ -213,11 +213,14 @@ def _one_page_each(table: StreamTable, calls: Sequence[object],
         fields = _PAGE_FIELDS[ps] = (prefix_hash.page_packer(ps),
                                      prefix_hash.page_count_field(ps))
     pack, count = fields
-    seen: set[tuple[str, str]] = set()
-    keyed: list[tuple[CacheStream, bytes, PageKey, int]] = []
+    filled: list[CacheStream] = []
+    raws: list[bytes] = []
+    keys: list[PageKey] = []
+    pages: list[int] = []
     sha, join = hashlib.sha256, b"".join
     root, child = prefix_hash.ROOT_FIELD, prefix_hash.CHILD_FIELD
     overrides = table.overrides
+    tails = _LABEL_TAILS
     for call in calls:
         if type(call) is not tuple or len(call) != 4:
             return None
@@ -230,16 +233,17 @@ def _one_page_each(table: StreamTable, calls: Sequence[object],
         if stream is None or stream.offloaded or stream.received or (
                 stream.read_future is not None or stream.read_error is not None):
             return None
-        keys = stream.keys
-        if start != len(keys) * ps or start + ps > stream.stored_len or (
+        chain = stream.keys
+        done = len(chain)
+        if start != done * ps or start + ps > stream.stored_len or (
                 windows and label in windows):
             return None
-        name = (rid, label)
-        if name in seen or name in fork_targets:
+        if fork_targets and (rid, label) in fork_targets:
             return None
-        seen.add(name)
-        if set(map(type, tokens)) != {int}:
-            return None  # a bool, a numpy scalar: the general path checks it
+        # a bool, a numpy scalar: the general path checks it (a list of
+        # types counted in C: cheaper than a set of them)
+        if list(map(type, tokens)).count(int) != ps:
+            return None
         try:
             raw = pack(*tokens)
         except struct.error:
@@ -247,19 +251,24 @@ def _one_page_each(table: StreamTable, calls: Sequence[object],
         space = stream.space or label
         # a request with no salt and no extra keys (most): its label's
         # encoding, kept once per label, not built per call
-        cfg = overrides.get(rid)
-        plain = cfg is None or (cfg.cache_salt is None and not cfg.extra_keys)
-        tail = _LABEL_TAILS.get(space) if plain else None
-        if tail is None:
+        cfg = overrides.get(rid) if overrides else None
+        if cfg is None or (cfg.cache_salt is None and not cfg.extra_keys):
+            tail = tails.get(space)
+            if tail is None:
+                if len(tails) >= 4096:
+                    tails.clear()  # bounded, as `_EXTRAS`
+                tail = tails[space] = prefix_hash.encode_extras(
+                    extras_for(table, rid, space))
+        else:
             tail = prefix_hash.encode_extras(extras_for(table, rid, space))
-            if plain:
-                if len(_LABEL_TAILS) >= 4096:
-                    _LABEL_TAILS.clear()  # bounded, as `_EXTRAS`
-                _LABEL_TAILS[space] = tail
-        parent = child + keys[-1] if keys else root
-        keyed.append((stream, raw, sha(join((parent, count, raw, tail))).digest(),
-                      stream.page_indices[len(keys)]))
-    return _key_filled(table, keyed)
+        filled.append(stream)
+        raws.append(raw)
+        keys.append(sha(join((child + chain[-1] if done else root, count, raw, tail)))
+                    .digest())
+        pages.append(stream.page_indices[done])
+    if len(set(filled)) != len(filled):
+        return None  # a stream named twice: the general path refuses it
+    return _key_filled(table, filled, raws, keys, pages)
 
 
 # page size -> (`prefix_hash.page_packer`, `prefix_hash.page_count_field`)

@@ -146,8 +146,10 @@ class Stepping:
         free = self._table.pages.num_free
         sharing = self._table if self._table.sharing else None
         if plain:
-            grant = admission.plain_grant(all_streams, step, self._table.page_size, free,
-                                          self._max_seq_len, padded=padded, sharing=sharing)
+            # no stream's tail can be shared until a truncate made one so
+            grant = admission.plain_grant(
+                all_streams, step, self._table.page_size, free, self._max_seq_len,
+                padded=padded, sharing=sharing if self._table.tails_maybe_shared else None)
             if isinstance(grant, AdmitFailedReason):
                 return AdmitOutcome(ok=False, reason=grant)
             streams: list[CacheStream] = []

@@ -452,6 +452,29 @@ def _chunk_slots(
         pos += run
 
 
+def _long_chunk_slots(pages: np.ndarray[Any, Any], start: int, end: int, page_size: int
+                      ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The page and offset of stream positions ``[start, end)`` (end > start),
+    by repeating each page it touches as many times as it has positions
+    there, and slicing a kept run of offsets: no division per position."""
+    first, last = start // page_size, (end - 1) // page_size
+    counts = np.full(last - first + 1, page_size, dtype=np.int64)
+    counts[0] -= start % page_size
+    counts[-1] -= page_size - 1 - (end - 1) % page_size
+    run = _OFFSETS.get(page_size)
+    need = start % page_size + end - start
+    if run is None or run.shape[0] < need:
+        # 0..ps-1 repeated, grown to the longest chunk seen
+        run = _OFFSETS[page_size] = np.tile(
+            np.arange(page_size, dtype=np.int64), -(-max(need, 4096) // page_size))
+    return (np.repeat(pages[first:last + 1].astype(np.int64), counts),
+            run[start % page_size:need])
+
+
+# page size -> 0, 1, .., ps-1 repeated (`_long_chunk_slots`' offsets)
+_OFFSETS: dict[int, np.ndarray[Any, Any]] = {}
+
+
 def mixed_tables(
     views: Sequence[SequenceView], page_size: int, device: torch.device
 ) -> tuple[PagedIndptrs, KVPlanState, PagedIndptrs]:
@@ -513,9 +536,10 @@ def mixed_tables(
                     page_parts.append(np.array(slot_pages, dtype=np.int64))
                     offset_parts.append(np.array(slot_offsets, dtype=np.int64))
                     slot_pages, slot_offsets = [], []
-                pos = np.arange(v.length - v.to_compute, v.length, dtype=np.int64)
-                page_parts.append(v._page_array()[pos // page_size].astype(np.int64))
-                offset_parts.append(pos % page_size)
+                pages_out, offsets_out = _long_chunk_slots(
+                    v._page_array(), v.length - v.to_compute, v.length, page_size)
+                page_parts.append(pages_out)
+                offset_parts.append(offsets_out)
             prev = i + 1
         slot_pages += row_page[prev:]
         slot_offsets += row_offset[prev:]

@@ -73,5 +73,6 @@ def truncate(table: StreamTable, rid: str, label: str, new_len: int) -> int:
     # the page the cut lands in may be another stream's too: the next
     # write copies it first (R52)
     stream.tail_maybe_shared = bool(new_len % table.page_size)
+    table.tails_maybe_shared |= stream.tail_maybe_shared
     stream.generation += 1
     return freed

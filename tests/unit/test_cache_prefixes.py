@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvref import KVManager
 from kvref.core.errors import (
@@ -108,6 +110,30 @@ def test_a_misuse_in_any_entry_changes_nothing(bad: Any, err: type[Exception],
     check_device_pages(mgr)
 
 
+@pytest.mark.parametrize("bad, match", [
+    ([("b", "main", IDS["b"][8:12], 8), ("b", "main", IDS["b"][8:12], 8)], "previous entry"),
+    ([("b", "main", [True, *IDS["b"][9:12]], 8)], "bool"),
+    ([("b", "main", [*IDS["b"][8:11], 1 << 64], 8)], "64-bit"),
+    ([("b", "main", [*IDS["b"][8:11], 2.0], 8)], "64-bit"),
+])
+def test_a_misuse_among_single_pages_changes_nothing(bad: Any, match: str) -> None:
+    """A batch of one filled page per stream (the one-pass path) refuses as
+    the general path does, a stream named twice and ids that are not plain
+    64-bit ints included, changing nothing."""
+    mgr, drv = _mgr()
+    for r in ("a", "b"):
+        drv.ingest(r)
+    drv.step([("a", "main", 12), ("b", "main", 12)])
+    assert mgr.cache_prefix("b", "main", IDS["b"][:8]) == 2
+    before = _state(mgr)
+    with pytest.raises(InvalidArgumentError, match=match):
+        mgr.cache_prefixes([("a", "main", IDS["a"][:4], 0), *bad])
+    assert _state(mgr) == before
+    # the same batch, right, keys both pages
+    assert mgr.cache_prefixes([("a", "main", IDS["a"][:4], 0),
+                               ("b", "main", IDS["b"][8:12], 8)]) == [1, 1]
+
+
 def test_a_stream_a_preplanned_fork_copies_into_is_refused() -> None:
     """R57, as `cache_prefix`: nothing keys a page a staged fork will copy into."""
     from kvref import KVStep, Segment, StepContext
@@ -147,3 +173,72 @@ def test_two_streams_naming_one_shared_page_as_one_call_per_stream(same_ids: boo
         assert states[0][0] == [1, 0]
     else:
         assert states[0][0][0] == "PageRegisterError", states[0][0]
+
+
+_VARIANTS = ("page", "page", "page", "start past", "bool", "float", "past 64 bits",
+             "no label", "other ids", "two pages", "from 0", "unknown")
+
+
+def _entry(mgr: KVManager, rid: str, variant: str) -> tuple[Any, ...]:
+    """One entry of a batch: the page after the stream's chain, or that page
+    with one defect (or a legal entry the one-pass path leaves alone)."""
+    c = mgr.cached_tokens(rid)
+    ids = IDS[rid][c:c + PS]
+    if variant == "start past":
+        return (rid, "main", ids, c + PS)
+    if variant == "bool":
+        return (rid, "main", [True, *ids[1:]], c)
+    if variant == "float":
+        return (rid, "main", [*ids[:-1], 2.0], c)
+    if variant == "past 64 bits":
+        return (rid, "main", [*ids[:-1], 1 << 64], c)
+    if variant == "no label":
+        return (rid, "nope", ids, c)
+    if variant == "other ids" and c:
+        return (rid, "main", [7] * PS, c - PS)
+    if variant == "two pages":
+        return (rid, "main", IDS[rid][c:c + 2 * PS], c)
+    if variant == "from 0":
+        return (rid, "main", IDS[rid][:c + PS], 0)
+    if variant == "unknown":
+        return ("zz", "main", ids, c)
+    return (rid, "main", ids, c)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(data=st.data())
+def test_the_one_pass_path_answers_as_the_general_path(data: st.DataObject) -> None:
+    """Differential: a batch as a list (the one-pass path, where it applies)
+    and the same batch as a tuple (always the general path, entry by entry)
+    leave two managers that took the same steps with the same answer or the
+    same refusal, and in the same state. Batches are mostly one page per
+    stream, at or past its commit, some entries with a defect the one-pass
+    path must hand over: a start off the chain, a bool, a float, an id past
+    64 bits, an unknown label or request, ids unlike a keyed page's, a run
+    of two pages, a stream named twice."""
+    (fast, d1), (slow, d2) = _mgr(), _mgr()
+    rids = ["a", "b", "c"]
+    for drv in (d1, d2):
+        drv.ingest(*rids)
+
+    def outcome(mgr: KVManager, batch: Any) -> tuple[Any, ...]:
+        before = _state(mgr)
+        try:
+            return ("counts", mgr.cache_prefixes(batch))
+        except KVRefError as err:
+            assert _state(mgr) == before, "a refused batch changed the manager"
+            return (type(err).__name__, str(err))
+
+    for _ in range(data.draw(st.integers(1, 6), label="rounds")):
+        segs = [(r, "main", n) for r in rids
+                if (n := data.draw(st.integers(0, 5), label=f"tokens of {r}"))]
+        if segs:
+            d1.step(segs)
+            d2.step(segs)
+        named = data.draw(st.lists(st.sampled_from(rids), max_size=4), label="streams")
+        calls = [_entry(fast, r, data.draw(st.sampled_from(_VARIANTS), label="entry"))
+                 for r in named]
+        got = outcome(fast, list(calls))
+        assert got == outcome(slow, tuple(calls)), calls
+        assert _state(fast) == _state(slow)
+    check_device_pages(fast)

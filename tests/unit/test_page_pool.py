@@ -300,3 +300,56 @@ def test_holders_kept_bare_or_as_a_set_read_the_same() -> None:
     pool._holders[pages[0]] = {a}  # planted: a set of one
     with pytest.raises(PagePoolCorruptedError, match="a holder set of 1"):
         pool.sanity_check()
+
+
+def test_register_filled_answers_as_register_chain_entry_by_entry() -> None:
+    """`register_filled` (a decode step's pages, one per stream) takes each
+    free key, counts 0 for a page keyed so before or a key another page
+    holds (S11), and stops at the first free, out-of-range or differently
+    keyed page with that page's error, keeping what it did before it."""
+    pool = PagePool(12, 4)
+    pages = pool.allocate(("r", "main"), 6)
+    assert isinstance(pages, list)
+    keys = page_keys(list(range(24)), 4)
+    assert pool.register_filled(pages[:2], keys[:2]) == ([1, 1], None)
+    # keyed so before: 0; a key page 0 holds, on another page: 0, not taken
+    assert pool.register_filled([pages[1], pages[2]], [keys[1], keys[0]]) == ([0, 0], None)
+    assert pool.key_of(pages[2]) is None and pool.cached_page(keys[0]) == pages[0]
+    took, err = pool.register_filled([pages[2], pages[0]], [keys[2], keys[3]])
+    assert took == [1] and isinstance(err, PageRegisterError) and "immutable" in str(err)
+    assert pool.key_of(pages[0]) == keys[0] and pool.key_of(pages[2]) == keys[2]
+    pool.release(("r", "main"), pages[5:])
+    took, err = pool.register_filled([pages[3], pages[5]], [keys[3], keys[5]])
+    assert took == [1] and isinstance(err, PageRegisterError) and "free" in str(err)
+    took, err = pool.register_filled([99], [keys[4]])
+    assert took == [] and isinstance(err, PageRegisterError) and "no page 99" in str(err)
+    assert pool.key_of(pages[4]) is None
+    pool.sanity_check()
+
+
+@pytest.mark.parametrize("n, pages, parent", [
+    (0, None, False), (3, None, False), (16, None, True), (37, None, False), (37, 2, True),
+    (37, 0, False),
+])
+def test_page_keys_loop_lazy_walk_and_cached_head_agree(n: int, pages: int | None,
+                                                        parent: bool) -> None:
+    """`page_keys` (one loop), `iter_page_keys` (lazy) and a chain of
+    `page_key` calls give the same keys; `cached_head` stops where an index
+    first misses, as a walk of `iter_page_keys` would."""
+    from kvref.core.page_keys import cached_head, iter_page_keys
+
+    ids = list(range(1000, 1000 + n))
+    extras = (("salt", "s"), ("label", "main"))
+    first = page_key(None, [7, 8, 9, 10], extras) if parent else None
+    got = page_keys(ids, 4, extras, parent=first, pages=pages)
+    assert got == list(iter_page_keys(ids, 4, extras, parent=first, pages=pages))
+    chain, prev = [], first
+    for i in range(min(n // 4, n if pages is None else pages)):
+        prev = page_key(prev, ids[4 * i:4 * i + 4], extras)
+        chain.append(prev)
+    assert got == chain
+    full = page_keys(ids, 4, extras)
+    for known in (len(full), len(full) // 2, 0):
+        index = {k: 100 + i for i, k in enumerate(full[:known])}
+        assert cached_head(index, ids, 4, extras) == (
+            [100 + i for i in range(known)], full[:known])
