@@ -241,7 +241,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
                         # committed to the host: forgotten there too (R12)
                         if self._cpu_pool is not None:
                             self._cpu_pool.discard(rid, label)
-                        stream.offloaded = False
+                        stream.forget_offload()
                     if free:
                         self._table.give_back((rid, label), stream.page_indices)
                     # a claim in progress keeps `offloaded`; the bumped
@@ -282,8 +282,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         """`remove_request`'s release, under the lock, its checks passed."""
         for label, stream in streams.items():
             self._table.give_back((rid, label), stream.page_indices)
-            stream.page_indices = []
-            stream.generation += 1
+            stream.drop_pages()
         offload = self._offloads.pop(rid, None)
         if offload is not None:
             offload.cancel()
