@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from kvref import validate
 from kvref.core.errors import InvalidStepError, KVRefError
-from kvref.core.streams import CacheStream
+from kvref.core.streams import CacheStream, OffloadState
 from kvref.stepping import admission
 from kvref.stepping.step import AdmitFailedReason, KVStep, Segment, StepContext
 from tests.unit._manager_fixtures import assert_same, make_manager, snapshot
@@ -85,15 +85,15 @@ def _build(spec: dict[str, dict[str, dict[str, Any]]],
         table[rid] = {}
         for label, s in labels.items():
             stream = CacheStream()
-            stream.stored_len = s["stored"]
+            stream._stored_len = s["stored"]
             n = -(-s["stored"] // page_size) + s["spare"]
-            stream.page_indices = list(range(page, page + n))
+            stream._page_indices = list(range(page, page + n))
             page += n
-            stream.offloaded = s["offloaded"]
-            stream.read_future = _future(s["future"])
-            stream.read_pending = stream.read_future is not None
+            stream._offload = OffloadState.OFFLOADED if s["offloaded"] else OffloadState.RESIDENT
+            stream._read_future = _future(s["future"])
+            stream._read_pending = stream.read_future is not None
             if s["latched"] and s["future"] == "none":
-                stream.read_error = RuntimeError("latched earlier")
+                stream._read_error = RuntimeError("latched earlier")
             table[rid][label] = stream
     return table
 
