@@ -1,13 +1,19 @@
 """Per-(request, label) bookkeeping the manager keeps under its lock.
 
-A stream's fields are private: other modules read them through properties
-and change them only by asking for a transition (`claim_offload`,
-`append_tokens`, `truncate_to`, ...). Each transition is the one writer of
-the fields it changes, bumps ``generation`` where pages or length change,
-and refuses a source state it was not written for with `StreamStateError`:
-callers validated the request before (public misuse is refused there), so a
-refusal here is a broken internal invariant, never an engine's mistake.
-`tests/unit/test_stream_writers.py` fails if another module assigns a field.
+A stream's fields are read by every mechanism and written only by the
+stream's own transitions (`claim_offload`, `append_tokens`, `truncate_to`,
+...): each transition is the one writer of the fields it changes, bumps
+``generation`` where pages or length change, and refuses a source state it
+was not written for with `StreamStateError`. Callers validated the request
+before (public misuse is refused there), so a refusal here is a broken
+internal invariant, never an engine's mistake.
+
+The fields stay plain slots, read-only by rule, not behind properties: a
+property read costs a Python call, and the admit/plan/commit of a decode
+step reads about nine fields per segment (read-only properties made a
+256-request decode step about 60% slower, `benchmarks.decode_alone`).
+`tests/unit/test_stream_writers.py` fails if any module under `kvref/` but
+this one writes a field, on any path, run or not.
 """
 
 from __future__ import annotations
@@ -64,72 +70,77 @@ class CacheStream:
     """
 
     __slots__ = (
-        "_generation",
-        "_key_tokens",
-        "_keys",
-        "_offload",
-        "_page_indices",
         "_pages_arr",
         "_pages_buf",
         "_pages_n",
         "_pages_src",
-        "_position",
-        "_read_error",
-        "_read_future",
-        "_read_pending",
-        "_received",
-        "_released",
-        "_space",
-        "_step_in_flight",
-        "_stored_len",
-        "_tail_maybe_shared",
+        "generation",
+        "key_tokens",
+        "keys",
+        "offload",
+        "offloaded",
+        "page_indices",
+        "position",
+        "read_error",
+        "read_future",
+        "read_pending",
+        "received",
+        "released",
+        "space",
+        "step_in_flight",
+        "stored_len",
+        "tail_maybe_shared",
     )
 
     def __init__(self) -> None:
-        self._page_indices: list[int] = []
-        self._stored_len = 0
+        self.page_indices: list[int] = []
+        self.stored_len = 0
         # the reference's counters (W4 of specs/retention.md): ``position`` is
         # the next token's absolute position (= stored_len); ``released`` the
         # tokens a windowed label (KVConfig.retention) let go of, whole pages
         # from the front. ``page_indices`` holds slot ``released // page_size``
         # onward: a released slot holds no page and is in no list
-        self._position = 0
-        self._released = 0
-        self._read_pending = False
+        self.position = 0
+        self.released = 0
+        self.read_pending = False
         # declared lock-free (R31): the future itself is polled through done()
         # outside the manager's lock (it has its own); which future the stream
         # holds is read and written only under the manager's lock
-        self._read_future: Future[Any] | None = None
+        self.read_future: Future[Any] | None = None
         # a failed retrieve, latched: the future is read once, but every
         # later readiness check has to keep reporting the stream unusable
-        self._read_error: BaseException | None = None
+        self.read_error: BaseException | None = None
         # from an offload's claim until reload: the pages are leaving (or
         # gone), so only reload may give the stream pages again
-        self._offload = _RESIDENT
-        self._generation = 0
+        self.offload = _RESIDENT
+        # offload is not RESIDENT: the one offload question the hot paths ask
+        # (every admit and commit of a segment), a slot beside the state,
+        # written by the same transitions
+        self.offloaded = False
+        self.generation = 0
         # the prefix-cache keys of the first len(keys) full pages, a chain
         # (kvref.prefix.keys): what `cache_prefix` registered or `match_prefix`
         # attached. A later `cache_prefix` continues the chain from its last
         # key, and one naming other tokens for a keyed page is refused
-        self._keys: list[bytes] = []
+        self.keys: list[bytes] = []
         # the ids of those pages' tokens (signed 64-bit little endian, as
         # hashed): a later call naming them otherwise is caught by a compare,
         # not by hashing the whole prefix again
-        self._key_tokens = bytearray()
+        self.key_tokens = bytearray()
         # False guarantees the partial last page is private to the stream, so
         # the admit of every decode step skips the pool; only a truncate into
         # a shared page sets it (R52), and a check of the pool answers then
-        self._tail_maybe_shared = False
+        self.tail_maybe_shared = False
         # the label whose KV this stream holds, for the prefix cache's keys
         # (None: its own). A fork target holds its source's KV, so it takes
         # the source's: a sample forked from ``main`` keys its pages as main's
-        self._space: str | None = None
+        self.space: str | None = None
         # filled by a retrieve: its pages are never registered (a peer's KV,
         # whose tokens this manager never saw computed; vllm-ascend PR 2083)
-        self._received = False
+        self.received = False
         # from admit until commit: the step already holds addressing into
         # these pages, so an offload must not claim them
-        self._step_in_flight = False
+        self.step_in_flight = False
         # `pages_array`'s cache: the list it mirrors, and an int32 buffer whose
         # first ``_pages_n`` entries are that list's pages, so a plan copies a
         # stream's page table with one memcpy, not one Python int per page
@@ -138,82 +149,16 @@ class CacheStream:
         self._pages_n = 0
         self._pages_arr: np.ndarray[Any, Any] = _NO_PAGES  # buf[:n], kept
 
-    # -- what other modules ask (read-only; the lists are not to be mutated) --
-
-    @property
-    def page_indices(self) -> list[int]:
-        return self._page_indices
-
-    @property
-    def stored_len(self) -> int:
-        return self._stored_len
-
-    @property
-    def position(self) -> int:
-        return self._position
-
-    @property
-    def released(self) -> int:
-        return self._released
-
-    @property
-    def generation(self) -> int:
-        return self._generation
-
-    @property
-    def keys(self) -> list[bytes]:
-        return self._keys
-
-    @property
-    def key_tokens(self) -> bytearray:
-        return self._key_tokens
-
-    @property
-    def tail_maybe_shared(self) -> bool:
-        return self._tail_maybe_shared
-
-    @property
-    def space(self) -> str | None:
-        return self._space
-
-    @property
-    def received(self) -> bool:
-        return self._received
-
-    @property
-    def step_in_flight(self) -> bool:
-        return self._step_in_flight
-
-    @property
-    def read_future(self) -> Future[Any] | None:
-        return self._read_future
-
-    @property
-    def read_error(self) -> BaseException | None:
-        return self._read_error
-
-    @property
-    def read_pending(self) -> bool:
-        """A retrieve started and not yet landed well (a failed one stays pending)."""
-        return self._read_pending
-
-    @property
-    def offload(self) -> OffloadState:
-        return self._offload
-
-    @property
-    def offloaded(self) -> bool:
-        """Claimed or committed: only reload may give the stream pages again."""
-        return self._offload is not _RESIDENT
+    # -- what other modules ask (beside the fields, read-only outside) --
 
     @property
     def retrieve(self) -> RetrieveState:
         """The stream's retrieve (`admit_retrieve`) as the next admit would
         see it, from ``read_error`` and ``read_future``; reading it latches
         nothing (`settle_retrieve` does)."""
-        if self._read_error is not None:
+        if self.read_error is not None:
             return RetrieveState.FAILED
-        fut = self._read_future
+        fut = self.read_future
         if fut is None:
             return RetrieveState.IDLE
         if not fut.done():
@@ -227,7 +172,7 @@ class CacheStream:
         (the list changes in place only by `append_pages`; every other
         transition assigns a new list). Valid until the stream's pages next
         change: a plan copies from it at once."""
-        pages = self._page_indices
+        pages = self.page_indices
         n = len(pages)
         have = self._pages_n if self._pages_src is pages else 0
         if have == n and n:
@@ -253,45 +198,40 @@ class CacheStream:
         return StreamStateError(f"{transition} of {self!r}: {why}")
 
     def _need_resident(self, transition: str) -> None:
-        if self._offload is not _RESIDENT:
-            raise self._refuse(transition, f"offload state is {self._offload.name}")
-
-    def _bump(self) -> None:
-        # I14: pages or length changed; an offload's commit and the kept
-        # decode table compare it. Called by every transition that changes them
-        self._generation += 1
+        if self.offloaded:
+            raise self._refuse(transition, f"offload state is {self.offload.name}")
 
     def reset(self, freed: bool = False) -> None:
         """Empty the stream (`reset_prefix_cache`); ``freed``: its pages went
         back too, else they stay as spare. Leaves the offload state alone: a
         claim in progress fails its commit on the bumped generation."""
-        self._stored_len = 0
-        self._position = 0
-        self._released = 0
-        self._read_error = None
-        self._read_pending = False
-        self._read_future = None
-        self._keys = []
-        self._key_tokens = bytearray()
-        self._tail_maybe_shared = False
-        self._space = None
-        self._received = False
+        self.stored_len = 0
+        self.position = 0
+        self.released = 0
+        self.read_error = None
+        self.read_pending = False
+        self.read_future = None
+        self.keys = []
+        self.key_tokens = bytearray()
+        self.tail_maybe_shared = False
+        self.space = None
+        self.received = False
         if freed:
-            self._page_indices = []
-        self._bump()
+            self.page_indices = []
+        self.generation += 1  # I14: pages or length changed
 
     def drop_pages(self) -> None:
         """`remove_request`: the pages went back; the stream is about to go."""
-        self._page_indices = []
-        self._bump()
+        self.page_indices = []
+        self.generation += 1  # I14: pages or length changed
 
     def keep_spare(self, pages: list[int]) -> None:
         """An emptied stream keeps only ``pages`` of its spare ones (those
         private to it: a later write must not land in a page another reads)."""
-        if self._stored_len:
+        if self.stored_len:
             raise self._refuse("keep_spare", "the stream holds tokens")
-        self._page_indices = pages
-        self._bump()
+        self.page_indices = pages
+        self.generation += 1  # I14: pages or length changed
 
     # steps
 
@@ -299,98 +239,100 @@ class CacheStream:
         """An admit's fresh pages, after the stream's own (in place: the kept
         `pages_array` copies only the new ones)."""
         self._need_resident("append_pages")
-        self._page_indices += pages
-        self._bump()
+        self.page_indices += pages
+        self.generation += 1  # I14: pages or length changed
 
     def mark_in_flight(self) -> None:
         """An admitted step holds addressing into the pages (until commit)."""
-        self._need_resident("mark_in_flight")
-        self._step_in_flight = True
+        if self.offloaded:  # asked inline: once per segment of every step
+            self._need_resident("mark_in_flight")
+        self.step_in_flight = True
 
     def clear_in_flight(self) -> None:
-        self._step_in_flight = False
+        self.step_in_flight = False
 
     def append_tokens(self, span: int) -> None:
         """A committed step's ``span`` tokens (W4: the next token's position)."""
-        self._need_resident("append_tokens")
-        self._stored_len += span
-        self._position = self._stored_len
-        self._bump()
+        if self.offloaded:  # asked inline: once per segment of every step
+            self._need_resident("append_tokens")
+        n = self.stored_len = self.stored_len + span
+        self.position = n
+        self.generation += 1  # I14: pages or length changed
 
     def truncate_to(self, new_len: int, keep: int, page_size: int) -> list[int]:
         """Cut the stream to ``new_len`` tokens, keeping its first ``keep``
         slots' pages; returns the pages cut (the caller gives them back). A
         key names a full page: the one the cut lands in no longer is; that
         page may be another stream's too (R52), so the next write checks."""
-        if new_len > self._stored_len or new_len < self._released:
+        if new_len > self.stored_len or new_len < self.released:
             raise self._refuse("truncate_to", f"to {new_len} tokens")
-        pages = self._page_indices
+        pages = self.page_indices
         cut = pages[keep:]
         # a new list: a slice someone took of the old one keeps what it saw
-        self._page_indices = pages[:keep]
-        self._stored_len = new_len
-        self._position = new_len  # W4: the next commit's window is from the new length
+        self.page_indices = pages[:keep]
+        self.stored_len = new_len
+        self.position = new_len  # W4: the next commit's window is from the new length
         full = new_len // page_size
-        del self._keys[full:]
-        del self._key_tokens[full * page_size * 8:]
-        self._tail_maybe_shared = bool(new_len % page_size)
-        self._bump()
+        del self.keys[full:]
+        del self.key_tokens[full * page_size * 8:]
+        self.tail_maybe_shared = bool(new_len % page_size)
+        self.generation += 1  # I14: pages or length changed
         return cut
 
     def release_window_to(self, released: int, page_size: int) -> list[int]:
         """W2: the slots before ``released`` tokens leave the front of the
         list; returns their pages (the caller gives them back)."""
-        if released <= self._released or released % page_size:
+        if released <= self.released or released % page_size:
             raise self._refuse("release_window_to", f"to {released} tokens")
-        drop = (released - self._released) // page_size
-        go = self._page_indices[:drop]
-        self._page_indices = self._page_indices[drop:]
-        self._released = released
-        self._bump()
+        drop = (released - self.released) // page_size
+        go = self.page_indices[:drop]
+        self.page_indices = self.page_indices[drop:]
+        self.released = released
+        self.generation += 1  # I14: pages or length changed
         return go
 
     def rehome_pages(self, pages: list[int]) -> None:
         """The same slots in pages now private to the stream (a copy-on-write
         or a privatise copied the shared ones)."""
-        if len(pages) != len(self._page_indices):
+        if len(pages) != len(self.page_indices):
             raise self._refuse("rehome_pages", f"{len(pages)} pages for "
-                               f"{len(self._page_indices)} slots")
-        self._page_indices = pages
-        self._tail_maybe_shared = False
-        self._bump()
+                               f"{len(self.page_indices)} slots")
+        self.page_indices = pages
+        self.tail_maybe_shared = False
+        self.generation += 1  # I14: pages or length changed
 
     # forks
 
     def adopt_fork_pages(self, pages: list[int]) -> None:
         """A copy-on-write fork's target: the source's full pages, shared,
         then its own private ones (`fork_from` follows, under the same lock)."""
-        self._page_indices = pages
-        self._bump()
+        self.page_indices = pages
+        self.generation += 1  # I14: pages or length changed
 
     def fork_from(self, src: CacheStream, space: str, page_size: int) -> None:
         """The fork's target now holds ``src``'s KV (its pages were copied or
         shared already): its length and, W5, its window's state. ``space``:
         whose KV that is, for the prefix cache's keys."""
-        self._stored_len = src._stored_len
-        self._released = src._released
-        self._position = src._position
-        full = src._stored_len // page_size
-        self._keys = src._keys[:full]
-        self._key_tokens = src._key_tokens[: full * page_size * 8]
+        self.stored_len = src.stored_len
+        self.released = src.released
+        self.position = src.position
+        full = src.stored_len // page_size
+        self.keys = src.keys[:full]
+        self.key_tokens = src.key_tokens[: full * page_size * 8]
         # the partial page was copied into one of its own (or every page was)
-        self._tail_maybe_shared = False
-        self._received = src._received
-        self._space = space
-        self._bump()
+        self.tail_maybe_shared = False
+        self.received = src.received
+        self.space = space
+        self.generation += 1  # I14: pages or length changed
 
     def empty_torn(self) -> None:
         """A fork target a failed copy left torn: nothing in it is trusted (R26)."""
-        self._stored_len = 0
-        self._position = 0
-        self._released = 0
-        self._keys = []
-        self._key_tokens = bytearray()
-        self._bump()
+        self.stored_len = 0
+        self.position = 0
+        self.released = 0
+        self.keys = []
+        self.key_tokens = bytearray()
+        self.generation += 1  # I14: pages or length changed
 
     # prefix cache
 
@@ -398,71 +340,71 @@ class CacheStream:
                       raw: bytes) -> None:
         """A `match_prefix` hit of ``n`` tokens: its pages before the empty
         stream's spare ones, and their keys and token ids."""
-        if self._stored_len:
+        if self.stored_len:
             raise self._refuse("attach_prefix", "the stream holds tokens")
         self._need_resident("attach_prefix")
-        self._page_indices = pages + self._page_indices
-        self._stored_len = n
-        self._position = n  # W4: the next token's position
-        self._keys = keys
-        self._key_tokens = bytearray(raw)
-        self._bump()
+        self.page_indices = pages + self.page_indices
+        self.stored_len = n
+        self.position = n  # W4: the next token's position
+        self.keys = keys
+        self.key_tokens = bytearray(raw)
+        self.generation += 1  # I14: pages or length changed
 
     def extend_chain(self, keys: list[bytes], raw: bytes) -> None:
         """The next full pages' keys, and the ids of the tokens keyed (the
         two may lag: a register that failed part way keeps the keys it gave)."""
-        self._keys += keys
-        self._key_tokens += raw
+        self.keys += keys
+        self.key_tokens += raw
 
     # offload
 
     def claim_offload(self, label: str) -> ClaimedStream:
         """RESIDENT -> CLAIMED; what the host copy is made from."""
         self._need_resident("claim_offload")
-        if self._step_in_flight:
+        if self.step_in_flight:
             raise self._refuse("claim_offload", "a step is in flight (R4)")
-        self._offload = _CLAIMED
-        return ClaimedStream(label, list(self._page_indices), self._generation,
-                             self._stored_len, self._position, self._released)
+        self.offload, self.offloaded = _CLAIMED, True
+        return ClaimedStream(label, list(self.page_indices), self.generation,
+                             self.stored_len, self.position, self.released)
 
     def commit_offload(self) -> None:
         """CLAIMED -> OFFLOADED: the tokens are on the host, the length stays,
         the pages (given back by the caller) go; a reload gives fresh ones."""
-        if self._offload is not _CLAIMED:
-            raise self._refuse("commit_offload", f"offload state is {self._offload.name}")
-        self._offload = _OFFLOADED
-        self._page_indices = []
-        self._keys = []
-        self._key_tokens = bytearray()
-        self._tail_maybe_shared = False
-        self._bump()
+        if self.offload is not _CLAIMED:
+            raise self._refuse("commit_offload", f"offload state is {self.offload.name}")
+        self.offload = _OFFLOADED  # still offloaded: only reload brings it back
+        self.page_indices = []
+        self.keys = []
+        self.key_tokens = bytearray()
+        self.tail_maybe_shared = False
+        self.generation += 1  # I14: pages or length changed
 
     def abandon_offload(self) -> None:
         """CLAIMED -> RESIDENT: the copy did not fit, failed, or the stream
         changed behind it; the pages never left."""
-        if self._offload is not _CLAIMED:
-            raise self._refuse("abandon_offload", f"offload state is {self._offload.name}")
-        self._offload = _RESIDENT
+        if self.offload is not _CLAIMED:
+            raise self._refuse("abandon_offload", f"offload state is {self.offload.name}")
+        self.offload, self.offloaded = _RESIDENT, False
 
     def forget_offload(self) -> None:
         """OFFLOADED -> RESIDENT: the host copy was discarded (a reset, R12)."""
-        if self._offload is not _OFFLOADED:
-            raise self._refuse("forget_offload", f"offload state is {self._offload.name}")
-        self._offload = _RESIDENT
+        if self.offload is not _OFFLOADED:
+            raise self._refuse("forget_offload", f"offload state is {self.offload.name}")
+        self.offload, self.offloaded = _RESIDENT, False
 
     def reload(self, pages: list[int], stored_len: int, position: int,
                released: int) -> None:
         """OFFLOADED -> RESIDENT with the host copy's state in ``pages``; only
         full pages are shared again, a part page is fresh: the tail is private."""
-        if self._offload is not _OFFLOADED:
-            raise self._refuse("reload", f"offload state is {self._offload.name}")
-        self._offload = _RESIDENT
-        self._page_indices = pages
-        self._stored_len = stored_len
-        self._position = position
-        self._released = released
-        self._tail_maybe_shared = False
-        self._bump()
+        if self.offload is not _OFFLOADED:
+            raise self._refuse("reload", f"offload state is {self.offload.name}")
+        self.offload, self.offloaded = _RESIDENT, False
+        self.page_indices = pages
+        self.stored_len = stored_len
+        self.position = position
+        self.released = released
+        self.tail_maybe_shared = False
+        self.generation += 1  # I14: pages or length changed
 
     # retrieve
 
@@ -472,53 +414,53 @@ class CacheStream:
         tokens land in ``pages`` (slot ``released // page_size`` on). A peer's
         KV is never registered (R55)."""
         self._need_resident("start_retrieve")
-        if self._read_future is not None or self._read_error is not None:
+        if self.read_future is not None or self.read_error is not None:
             raise self._refuse("start_retrieve", f"retrieve state is {self.retrieve.name}")
-        self._page_indices = pages
-        self._released = released
-        self._read_future = future
-        self._read_pending = future is not None
-        self._stored_len = seq_len
-        self._position = seq_len
-        self._received = True
-        self._bump()
+        self.page_indices = pages
+        self.released = released
+        self.read_future = future
+        self.read_pending = future is not None
+        self.stored_len = seq_len
+        self.position = seq_len
+        self.received = True
+        self.generation += 1  # I14: pages or length changed
 
     def fail_retrieve(self, err: BaseException) -> None:
         """-> FAILED, latched (I11): a publication found stale before any copy."""
-        fut = self._read_future
+        fut = self.read_future
         if fut is not None and not fut.done():
             raise self._refuse("fail_retrieve", "a copy is still writing its pages")
-        self._read_error = err
+        self.read_error = err
 
     def settle_retrieve(self) -> RetrieveState:
         """Read a finished copy's outcome off its future once and latch it
         (PENDING -> IDLE or FAILED); returns the state."""
-        fut = self._read_future
+        fut = self.read_future
         if fut is not None and fut.done():
-            self._read_future = None
+            self.read_future = None
             err = fut.exception()
             if err is not None:
-                self._read_error = err
+                self.read_error = err
             else:
-                self._read_pending = False
-        if self._read_error is not None:
+                self.read_pending = False
+        if self.read_error is not None:
             return RetrieveState.FAILED
-        return RetrieveState.PENDING if self._read_future is not None else RetrieveState.IDLE
+        return RetrieveState.PENDING if self.read_future is not None else RetrieveState.IDLE
 
     def __repr__(self) -> str:
         flags = [
             name
             for name, on in (
-                ("in_flight", self._step_in_flight),
-                ("offload=" + self._offload.name, self._offload is not _RESIDENT),
-                ("read_pending", self._read_pending),
-                ("read_error", self._read_error is not None),
+                ("in_flight", self.step_in_flight),
+                ("offload=" + self.offload.name, self.offload is not _RESIDENT),
+                ("read_pending", self.read_pending),
+                ("read_error", self.read_error is not None),
             )
             if on
         ]
         return (
-            f"CacheStream(len={self._stored_len}, pages={self._page_indices}, "
-            f"gen={self._generation}{', ' if flags else ''}{', '.join(flags)})"
+            f"CacheStream(len={self.stored_len}, pages={self.page_indices}, "
+            f"gen={self.generation}{', ' if flags else ''}{', '.join(flags)})"
         )
 
 

@@ -237,7 +237,7 @@ class Detector:
         self._names[id(stream)] = name
         # same slots, so the object can change class: its fields now record
         stream.__class__ = self._stream_cls
-        stream._page_indices = pages  # through the recording setter: a traced list
+        stream.page_indices = pages  # through the recording setter: a traced list
 
     def watch_manager(self, kv: Any) -> None:
         """Record reads and writes of the staged preplan and the current plan
@@ -269,12 +269,9 @@ def _attr_property(det: Detector, name: str, kind: str) -> property:
 def _traced_stream_class(det: Detector) -> type[CacheStream]:
     def field(f: str) -> property:
         slot = CacheStream.__dict__[f]
-        # a field's slot is private (`_stored_len`), read through a property
-        # of the public name: reports name the field as the code reads it
-        public = f[1:] if isinstance(getattr(CacheStream, f[1:], None), property) else f
-        kind = f"stream.{public}"
+        kind = f"stream.{f}"
 
-        dot = f".{public}"
+        dot = f".{f}"
 
         def get(self: CacheStream) -> Any:
             i = id(self)
@@ -284,7 +281,7 @@ def _traced_stream_class(det: Detector) -> type[CacheStream]:
         def put(self: CacheStream, value: Any) -> None:
             i = id(self)
             det.access(det._serials[i], det._names[i], dot, kind, "write", True)
-            if f == "_page_indices" and isinstance(value, list):
+            if f == "page_indices" and isinstance(value, list):
                 # the list is shared state too (admit extends it in place)
                 value = det.wrap(value, f"{det._names[id(self)]}.pages", "stream.pages")
             slot.__set__(self, value)

@@ -51,12 +51,12 @@ def claim_ignores_marks() -> Iterator[None]:
         with self._lock:
             marked = [s for s in self._streams.get(rid, {}).values() if s.step_in_flight]
             for s in marked:
-                s._step_in_flight = False
+                s.step_in_flight = False
             try:
                 return orig(self, rid)
             finally:
                 for s in marked:
-                    s._step_in_flight = True
+                    s.step_in_flight = True
 
     KVManager.begin_offload = racy  # type: ignore[method-assign]
     try:

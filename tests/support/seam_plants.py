@@ -43,11 +43,11 @@ def fork_shares_the_partial_page(mp: pytest.MonkeyPatch) -> None:
             return orig(self, rid, from_label, to_label, span)
         # round the source up to whole pages: the part page is shared as if full
         n = src.stored_len
-        src._stored_len = -(-n // ps) * ps
+        src.stored_len = -(-n // ps) * ps
         try:
             orig(self, rid, from_label, to_label, span)
         finally:
-            src._stored_len = n
+            src.stored_len = n
 
     mp.setattr(Forks, "_share", bad)
 
@@ -62,7 +62,7 @@ def truncate_keeps_the_chain(mp: pytest.MonkeyPatch) -> None:
         stream = table.stream(rid, label)
         keys, raw = list(stream.keys), bytearray(stream.key_tokens)
         freed = orig(table, rid, label, new_len)
-        stream._keys, stream._key_tokens = keys, raw
+        stream.keys, stream.key_tokens = keys, raw
         return freed
 
     mp.setattr(truncation, "truncate", bad)
@@ -76,11 +76,11 @@ def draft_tokens_cached(mp: pytest.MonkeyPatch) -> None:
     def bad(table: StreamTable, rid: str, label: str, tokens: object, start: int = 0) -> int:
         stream = table.stream(rid, label)
         n = stream.stored_len
-        stream._stored_len = max(n, start + len(tokens))  # type: ignore[arg-type]
+        stream.stored_len = max(n, start + len(tokens))  # type: ignore[arg-type]
         try:
             return orig(table, rid, label, tokens, start)  # type: ignore[arg-type]
         finally:
-            stream._stored_len = n
+            stream.stored_len = n
 
     mp.setattr(prefix_cache, "cache_prefix", bad)
 
@@ -112,12 +112,12 @@ def hit_onto_a_stream_with_tokens(mp: pytest.MonkeyPatch) -> None:
         if stream is None or not stream.stored_len:
             return orig(table, rid, label, tokens)  # type: ignore[arg-type]
         n = stream.stored_len
-        stream._stored_len = 0
+        stream.stored_len = 0
         try:
             return orig(table, rid, label, tokens)  # type: ignore[arg-type]
         finally:
             if not stream.stored_len:
-                stream._stored_len = n
+                stream.stored_len = n
 
     mp.setattr(prefix_cache, "match_prefix", bad)
 
@@ -133,7 +133,7 @@ def fork_keeps_the_targets_key_chain(mp: pytest.MonkeyPatch) -> None:
         keys, raw = list(dst.keys), bytearray(dst.key_tokens)
         orig(self, rid, from_label, to_label, created, span, copy)
         if keys:
-            dst._keys, dst._key_tokens = keys, raw
+            dst.keys, dst.key_tokens = keys, raw
 
     mp.setattr(Forks, "apply", bad)
 
@@ -165,14 +165,14 @@ def stale_window(mp: pytest.MonkeyPatch) -> None:
         try:
             return orig_truncate(table, rid, label, new_len)
         finally:
-            stream._position = position
+            stream.position = position
 
     def apply(self: Forks, rid: str, from_label: str, to_label: str,
               created: set[Key], span: int = 0, copy: bool = False) -> None:
         dst = self._table.streams[rid][to_label]
         position = dst.position
         orig_apply(self, rid, from_label, to_label, created, span, copy)
-        dst._position = position
+        dst.position = position
 
     def retire(self: StreamTable, key: Key, stream: CacheStream) -> int:
         w = self.windows.get(key[1])
@@ -185,8 +185,8 @@ def stale_window(mp: pytest.MonkeyPatch) -> None:
         if upto <= off:
             return 0
         go = stream.page_indices[:upto - off]
-        stream._page_indices = stream.page_indices[upto - off:]
-        stream._released = upto * ps
+        stream.page_indices = stream.page_indices[upto - off:]
+        stream.released = upto * ps
         return self.give_back(key, go)
 
     def add_position(self: object, step: object, streams: object = None) -> None:
@@ -195,9 +195,9 @@ def stale_window(mp: pytest.MonkeyPatch) -> None:
             if seg.span:
                 s = self._table.streams[seg.request_id][seg.label]  # type: ignore[attr-defined]
                 if not s.offloaded:
-                    s._stored_len += seg.span
-                    s._position += seg.span
-                    s._generation += 1
+                    s.stored_len += seg.span
+                    s.position += seg.span
+                    s.generation += 1
                     self._table.retire((seg.request_id, seg.label), s)  # type: ignore[attr-defined]
 
     from kvref.stepping.admit_plan_commit import Stepping
@@ -228,7 +228,7 @@ def release_lists_name_retired_pages(mp: pytest.MonkeyPatch) -> None:
 
     def remove(self: KVManager, rid: str) -> None:
         for label, s in self._streams.get(rid, {}).items():
-            s._page_indices = s.page_indices + RETIRED.pop((rid, label), [])
+            s.page_indices = s.page_indices + RETIRED.pop((rid, label), [])
         orig_remove(self, rid)
 
     mp.setattr(StreamTable, "retire", retire)
@@ -249,8 +249,8 @@ def off_by_one_at_the_window(mp: pytest.MonkeyPatch) -> None:
         if upto <= off:
             return 0
         go = stream.page_indices[:upto - off]
-        stream._page_indices = stream.page_indices[upto - off:]
-        stream._released = upto * ps
+        stream.page_indices = stream.page_indices[upto - off:]
+        stream.released = upto * ps
         return self.give_back(key, go)
 
     mp.setattr(StreamTable, "retire", retire)
@@ -330,11 +330,11 @@ def received_kv_cached(mp: pytest.MonkeyPatch) -> None:
 
     def bad(table: StreamTable, rid: str, label: str, tokens: object, start: int = 0) -> int:
         stream = table.stream(rid, label)
-        received, stream._received = stream.received, False
+        received, stream.received = stream.received, False
         try:
             return orig(table, rid, label, tokens, start)  # type: ignore[arg-type]
         finally:
-            stream._received = received
+            stream.received = received
 
     mp.setattr(prefix_cache, "cache_prefix", bad)
 
@@ -448,12 +448,12 @@ def match_attaches_after_the_lock(mp: pytest.MonkeyPatch) -> None:
                 else:
                     table.pages.attach(key, [p])
             n = hit.num_tokens
-            stream._page_indices = list(hit.pages) + stream.page_indices
-            stream._stored_len = stream._position = n
-            stream._keys = list(hit.keys)
+            stream.page_indices = list(hit.pages) + stream.page_indices
+            stream.stored_len = stream.position = n
+            stream.keys = list(hit.keys)
             raw = prefix_hash.token_bytes(token_ids)  # type: ignore[arg-type]
-            stream._key_tokens = bytearray(raw[:n * 8])
-            stream._generation += 1
+            stream.key_tokens = bytearray(raw[:n * 8])
+            stream.generation += 1
             return n
 
     mp.setattr(KVManager, "match_prefix", match_prefix)
@@ -472,8 +472,8 @@ def reset_clears_the_sharers_chain(mp: pytest.MonkeyPatch) -> None:
                   for s in streams.values() if mine & set(s.page_indices)]
         orig(self, rid, free)
         for s in others:
-            s._keys = []
-            s._key_tokens = bytearray()
+            s.keys = []
+            s.key_tokens = bytearray()
 
     mp.setattr(KVManager, "reset_request", reset)
 
@@ -496,8 +496,8 @@ def fork_drops_the_margin(mp: pytest.MonkeyPatch) -> None:
         drop = (released - dst.released) // table.page_size
         if drop > 0:
             go = dst.page_indices[:drop]
-            dst._page_indices = dst.page_indices[drop:]
-            dst._released = released
+            dst.page_indices = dst.page_indices[drop:]
+            dst.released = released
             table.give_back((rid, to_label), go)
 
     mp.setattr(Forks, "apply", apply)
@@ -514,12 +514,12 @@ def fork_reserves_released_slots(mp: pytest.MonkeyPatch) -> None:
         streams = [s for req in table.values() for s in req.values()]  # type: ignore[attr-defined]
         released = [s.released for s in streams]
         for s in streams:
-            s._released = 0
+            s.released = 0
         try:
             return orig(table, *args, **kwargs)  # type: ignore[arg-type]
         finally:
             for s, r in zip(streams, released, strict=True):
-                s._released = r
+                s.released = r
 
     mp.setattr(admission, "reserve", reserve)
 
@@ -573,11 +573,11 @@ def failed_fork_keeps_shared_pages(mp: pytest.MonkeyPatch) -> None:
     target but leaves it holding the pages it shared, as spare pages: the
     next write into the target lands in a page another stream reads."""
     def emptied(self: Forks, rid: str, label: str, dst: CacheStream) -> None:
-        dst._stored_len = 0
-        dst._position = 0
-        dst._released = 0
-        dst._keys = []
-        dst._key_tokens = bytearray()
-        dst._generation += 1
+        dst.stored_len = 0
+        dst.position = 0
+        dst.released = 0
+        dst.keys = []
+        dst.key_tokens = bytearray()
+        dst.generation += 1
 
     mp.setattr(Forks, "_emptied", emptied)

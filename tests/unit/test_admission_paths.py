@@ -85,15 +85,16 @@ def _build(spec: dict[str, dict[str, dict[str, Any]]],
         table[rid] = {}
         for label, s in labels.items():
             stream = CacheStream()
-            stream._stored_len = s["stored"]
+            stream.stored_len = s["stored"]
             n = -(-s["stored"] // page_size) + s["spare"]
-            stream._page_indices = list(range(page, page + n))
+            stream.page_indices = list(range(page, page + n))
             page += n
-            stream._offload = OffloadState.OFFLOADED if s["offloaded"] else OffloadState.RESIDENT
-            stream._read_future = _future(s["future"])
-            stream._read_pending = stream.read_future is not None
+            stream.offloaded = s["offloaded"]  # by hand: a drawn state, not a history
+            stream.offload = OffloadState.OFFLOADED if s["offloaded"] else OffloadState.RESIDENT
+            stream.read_future = _future(s["future"])
+            stream.read_pending = stream.read_future is not None
             if s["latched"] and s["future"] == "none":
-                stream._read_error = RuntimeError("latched earlier")
+                stream.read_error = RuntimeError("latched earlier")
             table[rid][label] = stream
     return table
 

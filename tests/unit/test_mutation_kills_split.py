@@ -421,7 +421,7 @@ def test_a_copy_after_the_request_was_removed_reports_it_removed() -> None:
     # a generation is only compared for equality): still a different request
     d.ingest("a")
     fill(d, "a", 2)
-    d.mgr._streams["a"]["main"]._generation = claimed
+    d.mgr._streams["a"]["main"].generation = claimed
     pool = d.mgr._cpu_pool
     assert pool is not None
     free = pool.num_free
@@ -916,7 +916,7 @@ def test_a_new_label_holds_no_pages_when_a_retrieve_counts_them() -> None:
 
 def _table() -> dict[str, dict[str, CacheStream]]:
     stream = CacheStream()
-    stream._stored_len = 3
+    stream.stored_len = 3
     return {"r": {"main": stream}}
 
 
@@ -1240,7 +1240,8 @@ def test_a_span_committed_onto_a_stream_offloaded_mid_step_is_dropped_loudly(
     ctx = StepContext(("a", "b"))
     assert mgr.admit(step, ctx).ok
     mgr.plan(step, ctx)
-    mgr._streams["a"]["main"]._offload = OffloadState.CLAIMED
+    stream = mgr._streams["a"]["main"]
+    stream.offload, stream.offloaded = OffloadState.CLAIMED, True  # by hand: past R2-R5
     gen = mgr._streams["b"]["main"].generation
     with caplog.at_level(logging.ERROR, logger="kvref.stepping.admit_plan_commit"):
         mgr.commit(step, ctx)

@@ -203,16 +203,16 @@ def test_stream_retrieve_state_from_its_fields() -> None:
     s = CacheStream()
     assert s.retrieve is RetrieveState.IDLE
     fut: Future[None] = Future()
-    s._read_future = fut  # set by hand: the property reads the fields
+    s.read_future = fut
     assert s.retrieve is RetrieveState.PENDING
     fut.set_result(None)
     assert s.retrieve is RetrieveState.IDLE
     failed: Future[None] = Future()
     failed.set_exception(RuntimeError("copy failed"))
-    s._read_future = failed
+    s.read_future = failed
     assert s.retrieve is RetrieveState.FAILED
     assert s.read_future is failed and s.read_error is None  # read, not latched
-    s._read_future, s._read_error = None, RuntimeError("latched")
+    s.read_future, s.read_error = None, RuntimeError("latched")
     assert s.retrieve is RetrieveState.FAILED
 
 
