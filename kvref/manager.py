@@ -1,9 +1,9 @@
 """KVManager: the paged KV cache of one engine resource, and its stream lifecycle.
 
-The reference's public API, the one lock, and the request lifecycle (ingest,
-reset, remove). Each mechanism lives in its own module and works on the
-shared `StreamTable` (streams, page allocator, lock, runtime), never on the
-manager:
+The reference's public API, the one lock, and ingest; reset and remove are
+`kvref.lifecycle.RequestLifecycle`'s, the manager delegating. Each mechanism
+lives in its own module and works on the shared `StreamTable` (streams, page
+allocator, lock, runtime), never on the manager:
 
 - `kvref.stepping.admission`: a step and the streams to a grant or a refusal (pure);
 - `kvref.stepping.admit_plan_commit`: admit, plan and commit, one step at a time plus one
@@ -28,7 +28,7 @@ the reference manager, ``specs/rules.md`` says why (R1..R13 below).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +42,7 @@ from kvref.core.resource import CGSlotSpec, EngineResourceInfo
 from kvref.core.runtime import Runtime, default_runtime, monotonic, shared
 from kvref.core.stream_table import StreamTable
 from kvref.core.streams import CacheStream
+from kvref.lifecycle import RequestLifecycle
 from kvref.offload.calls import EvictionCalls
 from kvref.offload.handle import Offload
 from kvref.offload.host_pool import CPUPagePool
@@ -143,6 +144,9 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         if self._cpu_pool is not None:
             self._host_offload = HostOffload(self._table, self._cpu_pool, self.kv_cache,
                                              self._offloads)
+        # reset and remove, and what they keep true (kvref.lifecycle)
+        self._lifecycle = RequestLifecycle(self._table, self._offloads, self._cpu_pool,
+                                           self._runtime)
         self._comm_group = joint_comm_group
         self._rank = joint_comm_group.rank if joint_comm_group is not None else 0
         self._world_size = joint_comm_group.world_size if joint_comm_group is not None else 1
@@ -216,40 +220,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         publication is leased (R33).
         """
         validate.request_id(rid, "reset_request")
-        self._refuse_if_in_flight(rid, "reset")
-        self._refuse_if_leased(rid, "reset")  # before the drain: a misuse changes nothing
-        while True:
-            # in-flight retrieves write into these pages: drain them before
-            # the pages can be reused, outside the lock (a transfer does not
-            # take it)
-            self._drain_reads(rid)
-            with self._lock:
-                streams = self._request(rid)
-                self._refuse_if_in_flight(rid, "reset")
-                self._table.leases.refuse(rid, "reset")
-                if self._reads_pending(streams):
-                    # a retrieve started between the drain and the lock
-                    continue
-                offloading = self._offloads.get(rid)
-                # what was private when reset was called (R62), not after a
-                # sibling stream let its share of a page go
-                private = {label: self._pages.private_pages((rid, label), s.page_indices)
-                           for label, s in streams.items()} if not free else {}
-                for label, stream in streams.items():
-                    claimed = offloading is not None and label in offloading.labels
-                    if stream.offloaded and not claimed:
-                        # committed to the host: forgotten there too (R12)
-                        if self._cpu_pool is not None:
-                            self._cpu_pool.discard(rid, label)
-                        stream.offloaded = False
-                    if free:
-                        self._table.give_back((rid, label), stream.page_indices)
-                    # a claim in progress keeps `offloaded`; the bumped
-                    # generation fails its commit and the abandon clears it
-                    stream.reset(freed=free)
-                    # kept pages become spare: only those no one else reads
-                    self._table.release_shared((rid, label), stream, private.get(label))
-                return
+        self._lifecycle.reset(rid, free)
 
     def remove_request(self, rid: str) -> None:
         """Release everything the request holds, device and host. Idempotent.
@@ -259,49 +230,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         `PublishLeasedError` while its publication is leased (R33).
         """
         validate.request_id(rid, "remove_request")
-        drained = False
-        while True:
-            with self._lock:
-                streams = self._streams.get(rid)
-                if streams is None:
-                    return
-                # `_refuse_if_in_flight` over the streams in hand, noting on
-                # the way whether a retrieve ever started
-                read = False
-                for label, stream in streams.items():
-                    if stream.step_in_flight:
-                        raise StepInFlightError("remove while a step is in flight; commit "
-                                                "it first", request_id=rid, label=label)
-                    read = read or stream.read_future is not None
-                self._table.leases.refuse(rid, "remove")
-                # the common case, a finished request with no retrieve ever
-                # started, releases under the first acquisition, no drain;
-                # after a drain, a retrieve started between it and the lock
-                # means draining again
-                if not read or (drained and not self._reads_pending(streams)):
-                    self._release_request(rid, streams)
-                    return
-            self._drain_reads(rid)
-            drained = True
-
-    def _release_request(self, rid: str, streams: dict[str, CacheStream]) -> None:
-        """`remove_request`'s release, under the lock, its checks passed."""
-        for label, stream in streams.items():
-            self._table.give_back((rid, label), stream.page_indices)
-            stream.page_indices = []
-            stream.generation += 1
-        offload = self._offloads.pop(rid, None)
-        if offload is not None:
-            offload.cancel()
-        if self._cpu_pool is not None:
-            self._cpu_pool.remove_request(rid)
-        del self._streams[rid]
-        self._overrides.pop(rid, None)
-
-    @staticmethod
-    def _reads_pending(streams: Mapping[str, CacheStream]) -> bool:
-        return any(s.read_future is not None and not s.read_future.done()
-                   for s in streams.values())
+        self._lifecycle.remove(rid)
 
     # -- admit / plan / commit ---------------------------------------------
 
@@ -474,8 +403,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         ``streams_offloaded``): a reload would bring back KV computed before
         the reset for `cache_prefix` to key. Drain, then retry.
         """
-        with self._lock:
-            return prefix_cache.reset_prefix_cache(self._table)
+        return self._lifecycle.reset_prefix_cache()
 
     @property
     def num_cached_pages(self) -> int:
@@ -580,29 +508,3 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
 
     def _stream(self, rid: str, label: str) -> CacheStream:
         return self._table.stream(rid, label)
-
-    def _refuse_if_in_flight(self, rid: str, what: str) -> None:
-        # under the lock also when called before it is taken: an admit may add
-        # a label meanwhile, and iterating the labels then raises (R32)
-        with self._lock:
-            for label, stream in self._streams.get(rid, {}).items():
-                if stream.step_in_flight:
-                    raise StepInFlightError(
-                        f"{what} while a step is in flight; commit it first",
-                        request_id=rid, label=label,
-                    )
-
-    def _refuse_if_leased(self, rid: str, what: str) -> None:
-        with self._lock:
-            self._table.leases.refuse(rid, what)
-
-    def _drain_reads(self, rid: str) -> None:
-        # the streams are read under the lock (R32), the wait is outside it
-        # (R17): a transfer does not take the lock, a reset must not hold it
-        with self._lock:
-            futures = [s.read_future for s in self._streams.get(rid, {}).values()
-                       if s.read_future is not None]
-        if futures:
-            self._runtime.wait(futures)
-
-

@@ -17,7 +17,7 @@ taken, and nothing done to a snapshot changes the manager.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -153,25 +153,19 @@ class KVObservation:
 def take(table: StreamTable, pool: PagePool, offloads: Mapping[str, Offload],
          host: CPUPagePool | None) -> KVObservation:
     """The snapshot; the caller holds the manager's lock (``table.lock``)."""
-    def stream(rid: str, label: str, s: CacheStream,
-               claimed: Callable[[str], bool]) -> StreamObservation:
-        if not s.offloaded:
-            where = OffloadState.RESIDENT
-        else:
-            where = OffloadState.CLAIMED if claimed(label) else OffloadState.OFFLOADED
+    def stream(rid: str, label: str, s: CacheStream) -> StreamObservation:
+        # the stream's own named states: nothing rebuilt from flags here
         return StreamObservation(
             request_id=rid, label=label, stored_len=s.stored_len,
             pages=tuple(s.page_indices), generation=s.generation, released=s.released,
-            in_flight=s.step_in_flight, offload=where,
+            in_flight=s.step_in_flight, offload=s.offload,
             retrieve=s.retrieve, received=s.received,
             keyed_pages=len(s.keys))
 
     requests: dict[str, Mapping[str, StreamObservation]] = {}
     for rid, labels in table.streams.items():
-        off = offloads.get(rid)
-        claimed = set(off.labels) if off is not None else set()
         requests[rid] = MappingProxyType({
-            label: stream(rid, label, s, claimed.__contains__) for label, s in labels.items()})
+            label: stream(rid, label, s) for label, s in labels.items()})
     snap = pool.snapshot()
     lru, blank = frozenset(snap.lru), frozenset(snap.blank)
     pages = []

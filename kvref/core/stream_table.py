@@ -112,12 +112,7 @@ class StreamTable:
         released = released_after(stream.released, stream.stored_len, keep, ps)
         if released == stream.released:
             return 0
-        drop = (released - stream.released) // ps
-        go = stream.page_indices[:drop]
-        stream.page_indices = stream.page_indices[drop:]
-        stream.released = released
-        stream.generation += 1
-        return self.give_back(key, go)
+        return self.give_back(key, stream.release_window_to(released, ps))
 
     def take(self, key: Key, n: int) -> list[int]:
         """``n`` fresh pages for the stream ``key``; the caller counted them
@@ -148,7 +143,7 @@ class StreamTable:
         if all(private):
             return
         self.give_back(key, [p for p, mine in zip(pages, private, strict=True) if not mine])
-        stream.page_indices = [p for p, mine in zip(pages, private, strict=True) if mine]
+        stream.keep_spare([p for p, mine in zip(pages, private, strict=True) if mine])
 
     def private_count(self, key: Key, stream: CacheStream) -> int:
         """Pages of the stream only it holds, unregistered: what a fork onto

@@ -1,4 +1,20 @@
-"""Per-(request, label) bookkeeping the manager keeps under its lock."""
+"""Per-(request, label) bookkeeping the manager keeps under its lock.
+
+A stream's fields are read by every mechanism and written only by the
+stream's own transitions (`claim_offload`, `append_tokens`, `truncate_to`,
+...): each transition is the one writer of the fields it changes, bumps
+``generation`` where pages or length change, and refuses a source state it
+was not written for with `StreamStateError`. Callers validated the request
+before (public misuse is refused there), so a refusal here is a broken
+internal invariant, never an engine's mistake.
+
+The fields stay plain slots, read-only by rule, not behind properties: a
+property read costs a Python call, and the admit/plan/commit of a decode
+step reads about nine fields per segment (read-only properties made a
+256-request decode step about 60% slower, `benchmarks.decode_alone`).
+`tests/unit/test_stream_writers.py` fails if any module under `kvref/` but
+this one writes a field, on any path, run or not.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from kvref.core.errors import KVRefError
 
 # the empty page array a new stream starts with (never written: a stream's
 # first pages allocate a buffer of its own)
@@ -30,6 +48,16 @@ class RetrieveState(enum.Enum):
     FAILED = "failed"  # a copy failed: latched until reset or removal (I11)
 
 
+class StreamStateError(KVRefError, RuntimeError):
+    """A stream transition asked of a state it does not leave from: kvref's
+    own bug (the calls that reach a transition were validated before)."""
+
+
+_RESIDENT = OffloadState.RESIDENT
+_CLAIMED = OffloadState.CLAIMED
+_OFFLOADED = OffloadState.OFFLOADED
+
+
 class CacheStream:
     """One stream of one request: its pages, its length, and what may touch it.
 
@@ -49,6 +77,7 @@ class CacheStream:
         "generation",
         "key_tokens",
         "keys",
+        "offload",
         "offloaded",
         "page_indices",
         "position",
@@ -83,6 +112,10 @@ class CacheStream:
         self.read_error: BaseException | None = None
         # from an offload's claim until reload: the pages are leaving (or
         # gone), so only reload may give the stream pages again
+        self.offload = _RESIDENT
+        # offload is not RESIDENT: the one offload question the hot paths ask
+        # (every admit and commit of a segment), a slot beside the state,
+        # written by the same transitions
         self.offloaded = False
         self.generation = 0
         # the prefix-cache keys of the first len(keys) full pages, a chain
@@ -116,11 +149,13 @@ class CacheStream:
         self._pages_n = 0
         self._pages_arr: np.ndarray[Any, Any] = _NO_PAGES  # buf[:n], kept
 
+    # -- what other modules ask (beside the fields, read-only outside) --
+
     @property
     def retrieve(self) -> RetrieveState:
         """The stream's retrieve (`admit_retrieve`) as the next admit would
         see it, from ``read_error`` and ``read_future``; reading it latches
-        nothing (`kvref.stepping.admission.retrieve_state` does)."""
+        nothing (`settle_retrieve` does)."""
         if self.read_error is not None:
             return RetrieveState.FAILED
         fut = self.read_future
@@ -134,9 +169,9 @@ class CacheStream:
     def pages_array(self) -> np.ndarray[Any, Any]:
         """``page_indices`` as int32, kept across steps: written again only
         when the list is replaced, and extended by the pages appended since
-        (kvref changes a stream's list in place only by an admit's ``+=``;
-        every other change assigns a new list). Valid until the stream's
-        pages next change: a plan copies from it at once."""
+        (the list changes in place only by `append_pages`; every other
+        transition assigns a new list). Valid until the stream's pages next
+        change: a plan copies from it at once."""
         pages = self.page_indices
         n = len(pages)
         have = self._pages_n if self._pages_src is pages else 0
@@ -157,11 +192,22 @@ class CacheStream:
         arr = self._pages_arr = self._pages_buf[:n]
         return arr
 
+    # -- transitions: the only writers of the fields above --------------------
+
+    def _refuse(self, transition: str, why: str) -> StreamStateError:
+        return StreamStateError(f"{transition} of {self!r}: {why}")
+
+    def _need_resident(self, transition: str) -> None:
+        if self.offloaded:
+            raise self._refuse(transition, f"offload state is {self.offload.name}")
+
     def reset(self, freed: bool = False) -> None:
+        """Empty the stream (`reset_prefix_cache`); ``freed``: its pages went
+        back too, else they stay as spare. Leaves the offload state alone: a
+        claim in progress fails its commit on the bumped generation."""
         self.stored_len = 0
         self.position = 0
         self.released = 0
-        self.generation += 1
         self.read_error = None
         self.read_pending = False
         self.read_future = None
@@ -172,13 +218,241 @@ class CacheStream:
         self.received = False
         if freed:
             self.page_indices = []
+        self.generation += 1  # I14: pages or length changed
+
+    def drop_pages(self) -> None:
+        """`remove_request`: the pages went back; the stream is about to go."""
+        self.page_indices = []
+        self.generation += 1  # I14: pages or length changed
+
+    def keep_spare(self, pages: list[int]) -> None:
+        """An emptied stream keeps only ``pages`` of its spare ones (those
+        private to it: a later write must not land in a page another reads)."""
+        if self.stored_len:
+            raise self._refuse("keep_spare", "the stream holds tokens")
+        self.page_indices = pages
+        self.generation += 1  # I14: pages or length changed
+
+    # steps
+
+    def append_pages(self, pages: list[int]) -> None:
+        """An admit's fresh pages, after the stream's own (in place: the kept
+        `pages_array` copies only the new ones)."""
+        self._need_resident("append_pages")
+        self.page_indices += pages
+        self.generation += 1  # I14: pages or length changed
+
+    def mark_in_flight(self) -> None:
+        """An admitted step holds addressing into the pages (until commit)."""
+        if self.offloaded:  # asked inline: once per segment of every step
+            self._need_resident("mark_in_flight")
+        self.step_in_flight = True
+
+    def clear_in_flight(self) -> None:
+        self.step_in_flight = False
+
+    def append_tokens(self, span: int) -> None:
+        """A committed step's ``span`` tokens (W4: the next token's position)."""
+        if self.offloaded:  # asked inline: once per segment of every step
+            self._need_resident("append_tokens")
+        n = self.stored_len = self.stored_len + span
+        self.position = n
+        self.generation += 1  # I14: pages or length changed
+
+    def truncate_to(self, new_len: int, keep: int, page_size: int) -> list[int]:
+        """Cut the stream to ``new_len`` tokens, keeping its first ``keep``
+        slots' pages; returns the pages cut (the caller gives them back). A
+        key names a full page: the one the cut lands in no longer is; that
+        page may be another stream's too (R52), so the next write checks."""
+        if new_len > self.stored_len or new_len < self.released:
+            raise self._refuse("truncate_to", f"to {new_len} tokens")
+        pages = self.page_indices
+        cut = pages[keep:]
+        # a new list: a slice someone took of the old one keeps what it saw
+        self.page_indices = pages[:keep]
+        self.stored_len = new_len
+        self.position = new_len  # W4: the next commit's window is from the new length
+        full = new_len // page_size
+        del self.keys[full:]
+        del self.key_tokens[full * page_size * 8:]
+        self.tail_maybe_shared = bool(new_len % page_size)
+        self.generation += 1  # I14: pages or length changed
+        return cut
+
+    def release_window_to(self, released: int, page_size: int) -> list[int]:
+        """W2: the slots before ``released`` tokens leave the front of the
+        list; returns their pages (the caller gives them back)."""
+        if released <= self.released or released % page_size:
+            raise self._refuse("release_window_to", f"to {released} tokens")
+        drop = (released - self.released) // page_size
+        go = self.page_indices[:drop]
+        self.page_indices = self.page_indices[drop:]
+        self.released = released
+        self.generation += 1  # I14: pages or length changed
+        return go
+
+    def rehome_pages(self, pages: list[int]) -> None:
+        """The same slots in pages now private to the stream (a copy-on-write
+        or a privatise copied the shared ones)."""
+        if len(pages) != len(self.page_indices):
+            raise self._refuse("rehome_pages", f"{len(pages)} pages for "
+                               f"{len(self.page_indices)} slots")
+        self.page_indices = pages
+        self.tail_maybe_shared = False
+        self.generation += 1  # I14: pages or length changed
+
+    # forks
+
+    def adopt_fork_pages(self, pages: list[int]) -> None:
+        """A copy-on-write fork's target: the source's full pages, shared,
+        then its own private ones (`fork_from` follows, under the same lock)."""
+        self.page_indices = pages
+        self.generation += 1  # I14: pages or length changed
+
+    def fork_from(self, src: CacheStream, space: str, page_size: int) -> None:
+        """The fork's target now holds ``src``'s KV (its pages were copied or
+        shared already): its length and, W5, its window's state. ``space``:
+        whose KV that is, for the prefix cache's keys."""
+        self.stored_len = src.stored_len
+        self.released = src.released
+        self.position = src.position
+        full = src.stored_len // page_size
+        self.keys = src.keys[:full]
+        self.key_tokens = src.key_tokens[: full * page_size * 8]
+        # the partial page was copied into one of its own (or every page was)
+        self.tail_maybe_shared = False
+        self.received = src.received
+        self.space = space
+        self.generation += 1  # I14: pages or length changed
+
+    def empty_torn(self) -> None:
+        """A fork target a failed copy left torn: nothing in it is trusted (R26)."""
+        self.stored_len = 0
+        self.position = 0
+        self.released = 0
+        self.keys = []
+        self.key_tokens = bytearray()
+        self.generation += 1  # I14: pages or length changed
+
+    # prefix cache
+
+    def attach_prefix(self, pages: list[int], n: int, keys: list[bytes],
+                      raw: bytes) -> None:
+        """A `match_prefix` hit of ``n`` tokens: its pages before the empty
+        stream's spare ones, and their keys and token ids."""
+        if self.stored_len:
+            raise self._refuse("attach_prefix", "the stream holds tokens")
+        self._need_resident("attach_prefix")
+        self.page_indices = pages + self.page_indices
+        self.stored_len = n
+        self.position = n  # W4: the next token's position
+        self.keys = keys
+        self.key_tokens = bytearray(raw)
+        self.generation += 1  # I14: pages or length changed
+
+    def extend_chain(self, keys: list[bytes], raw: bytes) -> None:
+        """The next full pages' keys, and the ids of the tokens keyed (the
+        two may lag: a register that failed part way keeps the keys it gave)."""
+        self.keys += keys
+        self.key_tokens += raw
+
+    # offload
+
+    def claim_offload(self, label: str) -> ClaimedStream:
+        """RESIDENT -> CLAIMED; what the host copy is made from."""
+        self._need_resident("claim_offload")
+        if self.step_in_flight:
+            raise self._refuse("claim_offload", "a step is in flight (R4)")
+        self.offload, self.offloaded = _CLAIMED, True
+        return ClaimedStream(label, list(self.page_indices), self.generation,
+                             self.stored_len, self.position, self.released)
+
+    def commit_offload(self) -> None:
+        """CLAIMED -> OFFLOADED: the tokens are on the host, the length stays,
+        the pages (given back by the caller) go; a reload gives fresh ones."""
+        if self.offload is not _CLAIMED:
+            raise self._refuse("commit_offload", f"offload state is {self.offload.name}")
+        self.offload = _OFFLOADED  # still offloaded: only reload brings it back
+        self.page_indices = []
+        self.keys = []
+        self.key_tokens = bytearray()
+        self.tail_maybe_shared = False
+        self.generation += 1  # I14: pages or length changed
+
+    def abandon_offload(self) -> None:
+        """CLAIMED -> RESIDENT: the copy did not fit, failed, or the stream
+        changed behind it; the pages never left."""
+        if self.offload is not _CLAIMED:
+            raise self._refuse("abandon_offload", f"offload state is {self.offload.name}")
+        self.offload, self.offloaded = _RESIDENT, False
+
+    def forget_offload(self) -> None:
+        """OFFLOADED -> RESIDENT: the host copy was discarded (a reset, R12)."""
+        if self.offload is not _OFFLOADED:
+            raise self._refuse("forget_offload", f"offload state is {self.offload.name}")
+        self.offload, self.offloaded = _RESIDENT, False
+
+    def reload(self, pages: list[int], stored_len: int, position: int,
+               released: int) -> None:
+        """OFFLOADED -> RESIDENT with the host copy's state in ``pages``; only
+        full pages are shared again, a part page is fresh: the tail is private."""
+        if self.offload is not _OFFLOADED:
+            raise self._refuse("reload", f"offload state is {self.offload.name}")
+        self.offload, self.offloaded = _RESIDENT, False
+        self.page_indices = pages
+        self.stored_len = stored_len
+        self.position = position
+        self.released = released
+        self.tail_maybe_shared = False
+        self.generation += 1  # I14: pages or length changed
+
+    # retrieve
+
+    def start_retrieve(self, pages: list[int], released: int, future: Future[Any] | None,
+                       seq_len: int) -> None:
+        """IDLE -> PENDING (IDLE where no copy was needed): a peer's ``seq_len``
+        tokens land in ``pages`` (slot ``released // page_size`` on). A peer's
+        KV is never registered (R55)."""
+        self._need_resident("start_retrieve")
+        if self.read_future is not None or self.read_error is not None:
+            raise self._refuse("start_retrieve", f"retrieve state is {self.retrieve.name}")
+        self.page_indices = pages
+        self.released = released
+        self.read_future = future
+        self.read_pending = future is not None
+        self.stored_len = seq_len
+        self.position = seq_len
+        self.received = True
+        self.generation += 1  # I14: pages or length changed
+
+    def fail_retrieve(self, err: BaseException) -> None:
+        """-> FAILED, latched (I11): a publication found stale before any copy."""
+        fut = self.read_future
+        if fut is not None and not fut.done():
+            raise self._refuse("fail_retrieve", "a copy is still writing its pages")
+        self.read_error = err
+
+    def settle_retrieve(self) -> RetrieveState:
+        """Read a finished copy's outcome off its future once and latch it
+        (PENDING -> IDLE or FAILED); returns the state."""
+        fut = self.read_future
+        if fut is not None and fut.done():
+            self.read_future = None
+            err = fut.exception()
+            if err is not None:
+                self.read_error = err
+            else:
+                self.read_pending = False
+        if self.read_error is not None:
+            return RetrieveState.FAILED
+        return RetrieveState.PENDING if self.read_future is not None else RetrieveState.IDLE
 
     def __repr__(self) -> str:
         flags = [
             name
             for name, on in (
                 ("in_flight", self.step_in_flight),
-                ("offloaded", self.offloaded),
+                ("offload=" + self.offload.name, self.offload is not _RESIDENT),
                 ("read_pending", self.read_pending),
                 ("read_error", self.read_error is not None),
             )

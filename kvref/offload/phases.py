@@ -92,9 +92,7 @@ class HostOffload:
             claims: list[ClaimedStream] = []
             reads: dict[str, Future[Any]] = {}
             for label, s in claimable(streams):
-                s.offloaded = True
-                claims.append(ClaimedStream(label, list(s.page_indices), s.generation,
-                                            s.stored_len, s.position, s.released))
+                claims.append(s.claim_offload(label))
                 if s.read_future is not None:
                     reads[label] = s.read_future
             offload = self.offloads[rid] = Offload(self, rid, claims, reads)
@@ -223,7 +221,7 @@ class HostOffload:
                 self.pool.discard(rid, label)
                 stream = streams.get(label)
                 if stream is not None:
-                    stream.offloaded = False
+                    stream.abandon_offload()
             freed = 0
             for label in moved:
                 stream = streams[label]
@@ -233,11 +231,7 @@ class HostOffload:
                 # only pages whose last holder this was go free (R53)
                 freed += self.table.give_back((rid, label), stream.page_indices)
                 # the tokens are on the host: the length stays, the pages go
-                stream.page_indices = []
-                stream.keys = []
-                stream.key_tokens = bytearray()
-                stream.tail_maybe_shared = False  # a reload gives fresh pages
-                stream.generation += 1
+                stream.commit_offload()
             kept = tuple(label for label in claims if label not in moved)
             reason = (kept_reason(kept, offload.refusals) if intact
                       else OffloadReason.REQUEST_CHANGED)
@@ -256,7 +250,7 @@ class HostOffload:
                 self.pool.discard(rid, label)
                 stream = streams.get(label)
                 if stream is not None:
-                    stream.offloaded = False
+                    stream.abandon_offload()
 
     def _keys_of(self, stream: CacheStream) -> tuple[PageKey | None, ...]:
         """The keys of the stream's full pages, one per host page (None where
@@ -375,15 +369,9 @@ class HostOffload:
                 assert copy is not None
                 pool.drop_reloaded(rid, label)
                 stream = streams[label]
-                stream.page_indices = tables[label]
-                stream.stored_len = copy.stored_len
-                stream.position = copy.position
-                stream.released = copy.released
-                stream.offloaded = False
                 # only full pages are shared again: a part page is fresh, so
                 # the tail stays private
-                stream.tail_maybe_shared = False
-                stream.generation += 1
+                stream.reload(tables[label], copy.stored_len, copy.position, copy.released)
         # outside the lock: orders the H2D copies before attention reads the
         # pages; the pages are already assigned, so no shared state is touched
         pool.sync()

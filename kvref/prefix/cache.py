@@ -101,12 +101,7 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
     if not n:
         return 0
     # an empty stream's pages are spare and private to it: they follow the hit
-    stream.page_indices = list(hit.pages) + stream.page_indices
-    stream.stored_len = n
-    stream.position = n  # W4: the next token's position
-    stream.keys = list(hit.keys)
-    stream.key_tokens = bytearray(raw[:n * 8])
-    stream.generation += 1
+    stream.attach_prefix(list(hit.pages), n, list(hit.keys), raw[:n * 8])
     return n
 
 
@@ -188,8 +183,7 @@ def _key_filled(table: StreamTable, streams: list[CacheStream], raws: list[bytes
     took, err = table.pages.register_filled(pages, keys)
     # as `_register` entry by entry: the ones before a failure keep their key
     for stream, raw, key, _ in zip(streams, raws, keys, took, strict=False):
-        stream.keys.append(key)
-        stream.key_tokens += raw
+        stream.extend_chain([key], raw)
     if err is not None:
         raise err
     return took
@@ -334,11 +328,10 @@ def _register(table: StreamTable, todo: _Todo) -> int:
                                         extras)
         done, keyed_now, err = table.pages.register_chain(
             stream.page_indices[len(stream.keys):full], [key])
-        if done:
-            stream.keys.append(key)
+        # on a failure the key it gave stays, and no token ids are added
+        stream.extend_chain([key] if done else [], raw if err is None else b"")
         if err is not None:
             raise err
-        stream.key_tokens += raw
         return keyed_now
     fresh = tokens[keyed - start:(full * ps) - start]
     fresh_raw = raw[(keyed - start) * 8:(full * ps - start) * 8]
@@ -349,10 +342,9 @@ def _register(table: StreamTable, todo: _Todo) -> int:
     done, keyed_now, err = table.pages.register_chain(
         stream.page_indices[len(stream.keys):full], new_keys)
     # deduplicated or not, the key names these tokens: the chain goes on
-    stream.keys += new_keys[:done]
+    stream.extend_chain(new_keys[:done], fresh_raw if err is None else b"")
     if err is not None:
         raise err
-    stream.key_tokens += fresh_raw
     # the pages findable because of this call (S23): a page passed over
     # under another page's key makes nothing new findable
     return keyed_now

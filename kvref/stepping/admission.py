@@ -46,17 +46,7 @@ def pages_for(tokens: int, page_size: int) -> int:
 def retrieve_state(stream: CacheStream) -> str:
     """idle / pending / failed. A finished transfer's outcome is read off its
     future once and latched on the stream (I11), as readiness checks do."""
-    fut = stream.read_future
-    if fut is not None and fut.done():
-        stream.read_future = None
-        err = fut.exception()
-        if err is not None:
-            stream.read_error = err
-        else:
-            stream.read_pending = False
-    if stream.read_error is not None:
-        return FAILED
-    return PENDING if stream.read_future is not None else IDLE
+    return stream.settle_retrieve().value  # the enum's values are these names
 
 
 def engaged(stream: CacheStream) -> bool:

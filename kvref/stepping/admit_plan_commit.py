@@ -331,11 +331,10 @@ class Stepping:
                 created.append((rid, label))
             if short > 0:
                 # admission counted these under the same lock
-                stream.page_indices += take((rid, label), short)
-                stream.generation += 1
+                stream.append_pages(take((rid, label), short))
                 if grown is not None:
                     grown.append(i)
-            stream.step_in_flight = True
+            stream.mark_in_flight()
             if keep is not None:
                 keep(stream)
         return created
@@ -359,7 +358,7 @@ class Stepping:
         for rid, label in staged.marked:
             stream = all_streams.get(rid, {}).get(label)
             if stream is not None and (rid, label) not in owned:
-                stream.step_in_flight = False
+                stream.clear_in_flight()
 
     # -- plan ----------------------------------------------------------------
 
@@ -532,7 +531,7 @@ class Stepping:
             # with commit=False still read these pages, and a mark left
             # set would make the request unevictable
             if staged_marks is None or stream not in staged_marks:
-                stream.step_in_flight = False
+                stream.clear_in_flight()
         if step.commit:
             self._add_spans(step, running.streams)
             if running.table_planned:
@@ -565,9 +564,7 @@ class Stepping:
                     self._name, span, seg.request_id, seg.label,
                 )
                 continue
-            stream.stored_len += span
-            stream.position = stream.stored_len  # W4: the next token's position
-            stream.generation += 1
+            stream.append_tokens(span)  # W4: the next token's position moves with it
             if windows and seg.label in windows:
                 # W2: a windowed stream lets go of what fell out of its window
                 self._table.retire((seg.request_id, seg.label), stream)

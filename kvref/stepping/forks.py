@@ -123,19 +123,9 @@ class Forks:
                 # trustworthy, so it is emptied rather than left torn (R26)
                 self._emptied(rid, to_label, dst)
                 raise ForkFailed() from err
-        dst.stored_len = src.stored_len
         # W5: the target inherits the window's state (its released prefix and
         # the position the next commit's release is worked out from)
-        dst.released = src.released
-        dst.position = src.position
-        full = src.stored_len // self._table.page_size
-        dst.keys = src.keys[:full]
-        dst.key_tokens = src.key_tokens[: full * self._table.page_size * 8]
-        # the partial page was copied into one of its own (or every page was)
-        dst.tail_maybe_shared = False
-        dst.received = src.received
-        dst.space = src.space or from_label
-        dst.generation += 1
+        dst.fork_from(src, src.space or from_label, self._table.page_size)
 
     def _share(self, rid: str, from_label: str, to_label: str, span: int = 0) -> None:
         """The copy-on-write fork (R51): the target takes references on the
@@ -171,16 +161,11 @@ class Forks:
         # the table keeps its length where it can: spare pages stay spare
         tail = max(need, len(keep) - full)
         table.give_back(dkey, keep[tail:])
-        dst.page_indices = shared + keep[:tail]
+        dst.adopt_fork_pages(shared + keep[:tail])
 
     def _emptied(self, rid: str, label: str, dst: CacheStream) -> None:
         """A target a failed copy left torn: empty, holding only private pages."""
-        dst.stored_len = 0
-        dst.position = 0
-        dst.released = 0
-        dst.keys = []
-        dst.key_tokens = bytearray()
-        dst.generation += 1
+        dst.empty_torn()
         self._table.release_shared((rid, label), dst)
 
     def privatise(self, rid: str, label: str) -> None:
@@ -208,9 +193,7 @@ class Forks:
         for i, p in zip(shared, fresh, strict=True):
             pages[i] = p
         table.give_back(key, old)
-        stream.page_indices = pages
-        stream.tail_maybe_shared = False
-        stream.generation += 1
+        stream.rehome_pages(pages)
 
     def copy_on_write(self, rid: str, label: str) -> None:
         """Give the stream a private copy of its partial last page, which it
@@ -231,6 +214,4 @@ class Forks:
         pages = list(stream.page_indices)
         pages[i] = new
         table.give_back(key, [old])
-        stream.page_indices = pages
-        stream.tail_maybe_shared = False
-        stream.generation += 1
+        stream.rehome_pages(pages)

@@ -58,21 +58,9 @@ def truncate(table: StreamTable, rid: str, label: str, new_len: int) -> int:
         return 0
     # in slots: page_indices holds slot released // ps onward
     keep = pages_for(new_len, table.page_size) - stream.released // table.page_size
-    cut = stream.page_indices[keep:]
-    # a new list: a slice someone took of the old one keeps what it saw
-    stream.page_indices = stream.page_indices[:keep]
+    cut = stream.truncate_to(new_len, keep, table.page_size)
     # only pages whose last holder this was go free: a shared one stays
     # with its other holders (R54)
     freed = table.give_back((rid, label), cut)
-    stream.stored_len = new_len
-    stream.position = new_len  # W4: the next commit's window is from the new length
-    # a key names a full page: the one the cut lands in no longer is
-    full = new_len // table.page_size
-    del stream.keys[full:]
-    del stream.key_tokens[full * table.page_size * 8:]
-    # the page the cut lands in may be another stream's too: the next
-    # write copies it first (R52)
-    stream.tail_maybe_shared = bool(new_len % table.page_size)
     table.tails_maybe_shared |= stream.tail_maybe_shared
-    stream.generation += 1
     return freed

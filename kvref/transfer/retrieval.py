@@ -247,8 +247,8 @@ class Retrieval:
             stream = streams.get(label)
             if stream is None:
                 stream = streams[label] = CacheStream()
-            stream.read_error = StaleSourceError(
-                "the publisher's stream changed generation since it published")
+            stream.fail_retrieve(StaleSourceError(
+                "the publisher's stream changed generation since it published"))
         return AdmitOutcome(ok=False, ready=False, reason=RetrieveStale(
             f"published pages of {labels} changed since publish; reset the request "
             "and retrieve a fresh publication", request_id=rid, label=labels[0]))
@@ -301,15 +301,8 @@ class Retrieval:
         # none of them. Set here, with stored_len: the copy's landing changes
         # neither (admission.retrieve_state only clears the future)
         gone = stream.page_indices[:len(stream.page_indices) - len(kept)]
-        stream.page_indices = pages
-        stream.released = released
+        stream.start_retrieve(pages, released, fut, info.seq_len)  # never registered (R55)
         self._table.give_back((rid, label), gone)
-        stream.read_future = fut
-        stream.read_pending = fut is not None
-        stream.stored_len = info.seq_len
-        stream.position = info.seq_len
-        stream.received = True  # a peer's KV: never registered (R55)
-        stream.generation += 1
         return None
 
     def _released_after(self, label: str, stream: CacheStream | None,

@@ -24,6 +24,7 @@ import pytest
 from kvref import KVManager
 from kvref.core.allocator import PageAllocator
 from kvref.core.streams import ClaimedStream
+from kvref.lifecycle import RequestLifecycle
 from kvref.offload.handle import Offload
 from kvref.offload.outcomes import OffloadOutcome
 from kvref.offload.phases import HostOffload
@@ -88,14 +89,15 @@ def reset_skips_drain() -> Iterator[None]:
     """reset/remove no longer wait for in-flight retrieves before reusing pages."""
     # the raw staticmethod: read through the class it is a plain function,
     # and putting that back would make it an instance method
-    drain, pending = KVManager._drain_reads, KVManager.__dict__["_reads_pending"]
-    KVManager._drain_reads = lambda self, rid: None  # type: ignore[method-assign]
-    KVManager._reads_pending = staticmethod(lambda streams: False)  # type: ignore[method-assign]
+    drain, pending = RequestLifecycle.drain_reads, RequestLifecycle.__dict__["reads_pending"]
+    RequestLifecycle.drain_reads = lambda self, rid: None  # type: ignore[method-assign]
+    RequestLifecycle.reads_pending = staticmethod(  # type: ignore[method-assign]
+        lambda streams: False)
     try:
         yield
     finally:
-        KVManager._drain_reads = drain  # type: ignore[method-assign]
-        KVManager._reads_pending = pending  # type: ignore[method-assign]
+        RequestLifecycle.drain_reads = drain  # type: ignore[method-assign]
+        RequestLifecycle.reads_pending = pending  # type: ignore[method-assign]
 
 
 _skip = threading.local()
@@ -159,8 +161,8 @@ def allocate_without_lock() -> AbstractContextManager[None]:
 def streams_read_outside_lock() -> AbstractContextManager[None]:
     """reset/remove read the request's streams (in-flight check, futures to
     drain) without the lock: today's main (issue 9, R32)."""
-    return lock_removed(KVManager, ("_refuse_if_in_flight", "_drain_reads"),
-                        lambda kv: kv._lock)
+    return lock_removed(RequestLifecycle, ("refuse_if_in_flight", "drain_reads"),
+                        lambda life: life._lock)
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from kvref import validate
 from kvref.core.errors import InvalidStepError, KVRefError
-from kvref.core.streams import CacheStream
+from kvref.core.streams import CacheStream, OffloadState
 from kvref.stepping import admission
 from kvref.stepping.step import AdmitFailedReason, KVStep, Segment, StepContext
 from tests.unit._manager_fixtures import assert_same, make_manager, snapshot
@@ -89,7 +89,8 @@ def _build(spec: dict[str, dict[str, dict[str, Any]]],
             n = -(-s["stored"] // page_size) + s["spare"]
             stream.page_indices = list(range(page, page + n))
             page += n
-            stream.offloaded = s["offloaded"]
+            stream.offloaded = s["offloaded"]  # by hand: a drawn state, not a history
+            stream.offload = OffloadState.OFFLOADED if s["offloaded"] else OffloadState.RESIDENT
             stream.read_future = _future(s["future"])
             stream.read_pending = stream.read_future is not None
             if s["latched"] and s["future"] == "none":

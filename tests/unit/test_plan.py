@@ -264,14 +264,14 @@ def test_stream_page_array_follows_its_list() -> None:
     s = CacheStream()
     assert s.pages_array().tolist() == []
     steps: list[list[int]] = []
-    s.page_indices += [3, 4]
+    s.append_pages([3, 4])  # in place
     steps.append(s.pages_array().tolist())
-    s.page_indices += list(range(5, 60))  # past the first buffer
+    s.append_pages(list(range(5, 60)))  # past the first buffer
     steps.append(s.pages_array().tolist())
     steps.append(s.pages_array().tolist())  # unchanged: the kept array
-    s.page_indices = s.page_indices[7:]  # a window's release: a new, shorter list
+    s.release_window_to(7, 1)  # a window's release: a new, shorter list
     steps.append(s.pages_array().tolist())
-    s.page_indices = [*s.page_indices, 99, 100]
+    s.adopt_fork_pages([*s.page_indices, 99, 100])  # a new, longer list
     steps.append(s.pages_array().tolist())
     assert steps == [[3, 4], [3, 4, *range(5, 60)], [3, 4, *range(5, 60)],
                      list(range(10, 60)), [*range(10, 60), 99, 100]]

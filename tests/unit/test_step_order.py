@@ -25,6 +25,7 @@ from kvref.core.errors import (
     StepOrderError,
     UnknownRequestError,
 )
+from kvref.core.streams import OffloadState
 from kvref.stepping.step import (
     AdmitOutcome,
     KVStep,
@@ -196,7 +197,8 @@ def test_a_span_committed_onto_a_stream_offloaded_mid_step_is_dropped_loudly(
     ctx = StepContext(("a", "b"))
     assert mgr.admit(step, ctx).ok
     mgr.plan(step, ctx)
-    mgr._streams["a"]["main"].offloaded = True
+    stream = mgr._streams["a"]["main"]
+    stream.offload, stream.offloaded = OffloadState.CLAIMED, True  # by hand: past R2-R5
     gen = mgr._streams["b"]["main"].generation
     with caplog.at_level(logging.ERROR, logger="kvref.stepping.admit_plan_commit"):
         mgr.commit(step, ctx)
