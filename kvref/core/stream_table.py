@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from kvref.core.config import KVReqConfig
 from kvref.core.errors import UnknownRequestError
+from kvref.core.labels import LabelBehaviour, behaviour_from, window_released_after
 from kvref.core.page_pool import PagePool
 from kvref.core.runtime import Runtime
 from kvref.core.streams import CacheStream
@@ -37,14 +38,10 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 
-def released_after(released: int, length: int, keep: int, page_size: int) -> int:
-    """A windowed stream's released count once a commit leaves it ``length``
-    long, keeping ``keep`` tokens (W plus its rollback margin): every page
-    wholly before ``max(0, length - keep)`` (W2, W15), and never less than
-    ``released`` (a truncate keeps it). The one statement of the rule: the
-    commit (`StreamTable.retire`), a preplan's projection of it (R67) and a
-    retrieve (W16) all ask here."""
-    return max(released, max(0, length - keep) // page_size * page_size)
+# the one statement of W2's release rule lives with the label behaviours; the
+# commit, a preplan's projection of it (R67) and a retrieve (W16) ask it here
+released_after = window_released_after
+
 
 class PublishLeases(Protocol):
     """The publish leases every mechanism asks about (R33, R34)."""
@@ -86,6 +83,11 @@ class StreamTable:
     # and a decode step's admit skips the per-stream test (issue 28)
     tails_maybe_shared: bool = False
 
+    def behaviour(self, label: str) -> LabelBehaviour:
+        """The label's attention type: what its commits keep, its forks join
+        and whether its pages are cached (`kvref.core.labels`)."""
+        return behaviour_from(self.windows, self.margins, label)
+
     def window(self, label: str) -> int | None:
         """The label's retention window W, or None (full attention)."""
         return self.windows.get(label)
@@ -93,8 +95,7 @@ class StreamTable:
     def kept(self, label: str) -> int | None:
         """The tokens a commit keeps for the label, W plus its rollback margin
         k (W15), or None (full attention: it keeps every token)."""
-        w = self.windows.get(label)
-        return None if w is None else w + self.margins.get(label, 0)
+        return self.behaviour(label).kept
 
     def retire(self, key: Key, stream: CacheStream) -> int:
         """W2: release every page of a windowed stream that lies wholly before
@@ -105,11 +106,8 @@ class StreamTable:
         ``released // ps`` onward) and ``released`` counts their tokens.
         Only live pages are listed, each once, tail first (W7); a page a fork
         shares stays with its other holders. Returns the pages freed."""
-        keep = self.kept(key[1])
-        if keep is None:
-            return 0
         ps = self.page_size
-        released = released_after(stream.released, stream.stored_len, keep, ps)
+        released = self.behaviour(key[1]).released_after(stream.released, stream.stored_len, ps)
         if released == stream.released:
             return 0
         return self.give_back(key, stream.release_window_to(released, ps))

@@ -91,7 +91,7 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
     if stream is None:
         # as an admit naming it would (R16): the engine's next call names it
         stream = streams[label] = CacheStream()
-    if not table.sharing or len(tokens) < 2 or table.window(label) is not None:
+    if not table.sharing or len(tokens) < 2 or not table.behaviour(label).cacheable:
         # W10: a windowed label never hits (its stream computes its prompt)
         return 0
     key = (rid, label)
@@ -298,7 +298,7 @@ def _checked(table: StreamTable, rid: str, label: str, tokens: Tokens, start: in
         raise InvalidArgumentError(
             f"cache_prefix from token {start}: the stream's cached pages end at {keyed}, "
             "and a page's key chains from the one before it", request_id=rid, label=label)
-    if not table.sharing or stream.received or table.window(label) is not None:
+    if not table.sharing or stream.received or not table.behaviour(label).cacheable:
         # W9: a windowed label registers nothing, so its window's release
         # frees pages blank and never pushes cached prefixes out (vLLM 42948)
         return None

@@ -135,9 +135,7 @@ class Stepping:
         windows = self._table.windows
         if windows:
             for from_label, to_label in (*step.pre_forks, *step.post_forks):
-                margins = self._table.margins
-                if (windows.get(from_label), margins.get(from_label)) != (
-                        windows.get(to_label), margins.get(to_label)):
+                if self._table.behaviour(from_label) != self._table.behaviour(to_label):
                     # W5: a fork keeps the retention; a windowed source cannot
                     # give a full-attention target the tokens it released
                     raise InvalidArgumentError(
