@@ -34,6 +34,17 @@ def _state(mgr: KVManager) -> tuple[Any, ...]:
     return streams, mgr.num_free_pages, mgr.num_cached_pages, mgr._table.pages.snapshot()
 
 
+def _two_written_b_keyed() -> KVManager:
+    """Requests a and b with 12 tokens written each, b's first 8 keyed: the
+    state the refusal tests start from."""
+    mgr, drv = _mgr()
+    for r in ("a", "b"):
+        drv.ingest(r)
+    drv.step([("a", "main", 12), ("b", "main", 12)])
+    assert mgr.cache_prefix("b", "main", IDS["b"][:8]) == 2
+    return mgr
+
+
 def _decode(drv: Driver, rids: list[str], n: int) -> None:
     for _ in range(n):
         drv.step([(r, "main", 1) for r in rids])
@@ -96,11 +107,7 @@ def test_a_misuse_in_any_entry_changes_nothing(bad: Any, err: type[Exception],
                                                 match: str) -> None:
     """Every entry is checked before any page is keyed: a misuse in the
     second entry leaves the first's pages unkeyed too."""
-    mgr, drv = _mgr()
-    for r in ("a", "b"):
-        drv.ingest(r)
-    drv.step([("a", "main", 12), ("b", "main", 12)])
-    assert mgr.cache_prefix("b", "main", IDS["b"][:8]) == 2
+    mgr = _two_written_b_keyed()
     before = _state(mgr)
     good = ("a", "main", IDS["a"][:12], 0)
     calls = bad if isinstance(bad, str) else [good, *bad]
@@ -120,11 +127,7 @@ def test_a_misuse_among_single_pages_changes_nothing(bad: Any, match: str) -> No
     """A batch of one filled page per stream (the one-pass path) refuses as
     the general path does, a stream named twice and ids that are not plain
     64-bit ints included, changing nothing."""
-    mgr, drv = _mgr()
-    for r in ("a", "b"):
-        drv.ingest(r)
-    drv.step([("a", "main", 12), ("b", "main", 12)])
-    assert mgr.cache_prefix("b", "main", IDS["b"][:8]) == 2
+    mgr = _two_written_b_keyed()
     before = _state(mgr)
     with pytest.raises(InvalidArgumentError, match=match):
         mgr.cache_prefixes([("a", "main", IDS["a"][:4], 0), *bad])
