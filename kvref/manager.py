@@ -23,7 +23,7 @@ Every read-modify-write of stream bookkeeping happens under ``_lock`` (from
 `kvref.core.runtime`, so the concurrency tests can schedule it). Blocking work —
 host copies, draining retrieves — happens outside it. The lifecycle and its
 invariants are in ``specs/stream-lifecycle.md``; where kvref departs from
-the reference manager, ``specs/rules.md`` says why (R1..R13 below).
+the reference manager, ``specs/rules.md`` says why (the rule IDs below cite it).
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ MAX_NUM_PAGES = 2**31
 
 # what `KVConfig.publish_lease_s` is unless given: vLLM's P/D connector frees a
 # producer's blocks the same 480 s after its consumer went quiet
-# (VLLM_NIXL_ABORT_REQUEST_TIMEOUT); R49
+# (VLLM_NIXL_ABORT_REQUEST_TIMEOUT); finite, so a consumer that dies does not
+# pin the publisher's pages until the process ends (R49)
 DEFAULT_PUBLISH_LEASE_S = 480.0
 
 

@@ -38,8 +38,8 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 
-# the one statement of W2's release rule lives with the label behaviours; the
-# commit, a preplan's projection of it (R67) and a retrieve (W16) ask it here
+# the window's release rule (W2) is stated once, with the label behaviours;
+# the commit, a preplan's projection of it (R67) and a retrieve (W16) ask it here
 released_after = window_released_after
 
 

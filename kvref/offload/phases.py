@@ -47,7 +47,8 @@ def claim_refusal(streams: Mapping[str, CacheStream] | None, offload_running: bo
         return OffloadReason.UNKNOWN_REQUEST
     if offload_running:
         return OffloadReason.OFFLOAD_RUNNING
-    if any(s.step_in_flight for s in streams.values()):  # R4: the whole request
+    # a step in flight on any one label holds back the whole request (R4)
+    if any(s.step_in_flight for s in streams.values()):
         return OffloadReason.STEP_IN_FLIGHT
     if leased:  # a peer may be copying these pages (R33)
         return OffloadReason.PUBLISH_LEASED
@@ -301,7 +302,8 @@ class HostOffload:
         if rid not in self.table.streams:
             return ReloadReason.UNKNOWN_REQUEST, 0
         if rid in self.offloads:
-            return ReloadReason.OFFLOAD_RUNNING, 0  # R6
+            # its offload is claimed but neither committed nor abandoned (R6)
+            return ReloadReason.OFFLOAD_RUNNING, 0
         pool = self.pool
         if not pool.is_offloaded(rid):
             return ReloadReason.NOTHING_ON_HOST, 0

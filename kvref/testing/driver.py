@@ -188,7 +188,9 @@ class Driver:
 
     def __init__(self, scope: m.Scope, config: DriverConfig | None = None) -> None:
         self.scope = scope
-        self.model = m.Model(scope)  # for the counts the model states (S29's reload_need)
+        # the counts the model states, such as the pages a reload that shares
+        # cached pages again takes (`reload_need`, S29)
+        self.model = m.Model(scope)
         self.config = config or DriverConfig()
         self.runtime = ManualRuntime()
         self.cfg = KVConfig(
@@ -682,7 +684,8 @@ class Driver:
         used = model.host_used(model_state)
         view = kv.host_pool()
         assert (view.capacity, view.used, view.free) == (
-            self.scope.host_pages, used, self.scope.host_pages - used), f"R46: {view}"
+            self.scope.host_pages, used, self.scope.host_pages - used), (
+            f"R46: host pool {view} answers other counts than the model's {used} used")
         if self.said is not None:
             rid, reason, short = self.said
             expected, want_short = refusal_in_model(model_state, rid, reason, ps,
@@ -765,7 +768,8 @@ class Driver:
         if pool is not None:
             held = [p for c in pool.copies for p in c.pages]
             assert len(held) == len(set(held)), "I6: a host page in two copies"
-            assert pool.free + len(held) + pool.pending_free == pool.capacity, "I6"
+            assert pool.free + len(held) + pool.pending_free == pool.capacity, (
+                "I6: free, copied and pending host pages do not add up to the capacity")
 
     def check_page_map(self, model_state: m.State, seen: KVObservation | None = None) -> None:
         """The model's page ids against kvref's, by structure: the slots of the

@@ -514,9 +514,9 @@ class Lockstep(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.fresh_retrieves()))
     @rule(data=st.data())
     def retrieve_as_the_publisher_moves(self, data: st.DataObject) -> None:
-        """A retrieve whose publisher moves while it copies (R35's second read):
-        its start and that completion back to back, which the single-call
-        rules seldom pair."""
+        """A retrieve whose publisher moves while it copies, caught by the
+        generation read after the copy (R35): its start and that completion
+        back to back, which the single-call rules seldom pair."""
         start = data.draw(st.sampled_from(self.fresh_retrieves()), label="retrieve")
         assert isinstance(start, m.RetrieveStart)
         self.run(start)
@@ -528,7 +528,7 @@ class Lockstep(RuleBasedStateMachine):
     @rule(data=st.data())
     def publisher_moves_mid_copy(self, data: st.DataObject) -> None:
         """The copy reads the publisher while its lease is gone and its pages
-        change: R35's read after the copy latches it."""
+        change: the generation read after the copy latches it (R35)."""
         self.run(data.draw(st.sampled_from(self.completions(ok=True, moved=True))))
 
     @precondition(lambda self: bool(self.completions(ok=False)))

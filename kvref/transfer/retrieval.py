@@ -111,7 +111,7 @@ class Retrieval:
                 )
                 for label, s in streams.items()
             }
-            self._table.leases.take(request_id)  # or renewed (R34)
+            self._table.leases.take(request_id)  # publishing again renews the lease (R34)
         return PublishedKVInfo.build_for_rank(self._rank, self._world_size, seq_info,
                                               request_id=request_id)
 
@@ -301,7 +301,8 @@ class Retrieval:
         # none of them. Set here, with stored_len: the copy's landing changes
         # neither (admission.retrieve_state only clears the future)
         gone = stream.page_indices[:len(stream.page_indices) - len(kept)]
-        stream.start_retrieve(pages, released, fut, info.seq_len)  # never registered (R55)
+        # a peer's KV is never keyed into the prefix cache (R55)
+        stream.start_retrieve(pages, released, fut, info.seq_len)
         self._table.give_back((rid, label), gone)
         return None
 
