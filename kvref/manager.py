@@ -302,7 +302,10 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         nothing (R38): `StepInFlightError` while a step or a staged preplan
         names the stream; `StreamUnavailableError` while an offload claims or
         holds it, or a retrieve is copying into it or failed;
+        `PublishLeasedError` while its publication is leased (R33);
         `InvalidArgumentError` for a ``new_len`` below 0 or past its length;
+        `ReleasedPrefixError` on a windowed label when the window at
+        ``new_len`` would start before the tokens it already released (W6);
         `UnknownRequestError` for an unknown request or label.
         """
         validate.request_id(rid, "truncate")

@@ -97,6 +97,76 @@ def test_every_public_name_is_in_the_api_reference() -> None:
     assert not missing, f"kvref.__all__ names with no `::: kvref.NAME` in docs/api: {missing}"
 
 
+def _call_table() -> dict[str, str]:
+    """docs/api/index.md's "What each call answers": each call its first
+    column names (``KVManager.build`` as ``build``), to its row."""
+    text = (DOCS / "api" / "index.md").read_text()
+    section = text.split("## What each call answers", 1)[1]
+    rows: dict[str, str] = {}
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        first = line[2:].split(" | ", 1)[0]
+        for name in re.findall(r"`([A-Za-z_.]+)[(`]", first):
+            rows[name.removeprefix("KVManager.")] = rows.get(name, "") + line
+    return rows
+
+
+def _manager_calls() -> list[str]:
+    return [name for name in dir(KVManager) if not name.startswith("_")]
+
+
+def test_every_public_manager_call_has_a_row_in_the_call_table() -> None:
+    """Issue 29: the table had no row for match_prefix, cache_prefix or
+    reset_prefix_cache; a call added without one fails here."""
+    rows = _call_table()
+    missing = [name for name in _manager_calls() if name not in rows]
+    assert not missing, f"KVManager calls with no row in docs/api/index.md's call table: {missing}"
+
+
+# an error a docstring names that the call itself does not raise
+NAMED_NOT_RAISED = {
+    "publish": {"PublishLeasedError"},  # what reset and remove raise while it leases
+}
+
+
+def test_a_call_row_names_every_error_the_call_documents() -> None:
+    """The call table and the docstrings agree on what each call raises, at
+    least where the docstring is specific (truncate's `ReleasedPrefixError`
+    was missing from its row)."""
+    rows = _call_table()
+    gaps = {}
+    for name in _manager_calls():
+        doc = inspect.getdoc(getattr(KVManager, name)) or ""
+        named = set(re.findall(r"\b([A-Z]\w+Error)\b", doc)) - NAMED_NOT_RAISED.get(name, set())
+        lacking = sorted(e for e in named if e not in rows.get(name, ""))
+        if lacking:
+            gaps[name] = lacking
+    assert not gaps, f"errors a call's docstring names that its table row does not: {gaps}"
+
+
+def test_every_error_the_spec_and_docs_name_exists() -> None:
+    """S23 and S28 once named `TokenMismatchError`, which kvref never
+    defined (it raises `InvalidArgumentError`, R56): an error class the spec
+    or the docs name is one kvref defines, or Python's own."""
+    import builtins
+
+    from kvref.core.errors import KVRefError
+    from kvref.core.refusals import AdmitFailedReason
+
+    def subclasses(cls: type) -> set[str]:
+        return {cls.__name__}.union(*(subclasses(sub) for sub in cls.__subclasses__()))
+
+    # raised (KVRefError's) or answered (a refusal reason such as AdmitRuntimeError)
+    defined = (subclasses(KVRefError) | subclasses(AdmitFailedReason)
+               | {n for n in dir(builtins) if n.endswith("Error")})
+    pages = [*sorted((ROOT / "specs").glob("*.md")), *sorted(DOCS.rglob("*.md")), README]
+    unknown = {f"{page.relative_to(ROOT)}: {name}" for page in pages
+               for name in re.findall(r"\b([A-Z]\w*Error)\b", page.read_text())
+               if name not in defined}
+    assert not unknown, f"error names that kvref does not define: {sorted(unknown)}"
+
+
 def _ci_test_command() -> str:
     ci = (ROOT / ".ci" / "run").read_text()
     (command,) = re.findall(r'^run "tests" (.+)$', ci, re.M)
