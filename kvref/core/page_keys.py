@@ -130,7 +130,7 @@ def token_bytes(tokens: Tokens) -> bytes:
         # 1 are looked at, not the type of every id (a set of 2,048 types
         # cost as much as hashing the prompt)
         small = np.flatnonzero((np.frombuffer(raw, dtype="<i8") >> 1) == 0).tolist()
-        if small and any(type(tokens[i]) is bool for i in small):
+        if small and any(type(tokens[i]) is not int for i in small):
             _refuse_bools(tokens)
     return raw
 
@@ -144,9 +144,19 @@ def _refuse_bools(tokens: Tokens) -> None:
     packs as 0 and 1: refused, as every other call refuses a bool where it
     takes an int (one C-level pass)."""
     kinds = set(map(type, tokens))
-    if bool in kinds or np.bool_ in kinds:
+    if kinds == _INTS:  # plain ints, the usual ids: one comparison
+        return
+    if bool in kinds or np.bool_ in kinds or (
+            # torch scalars in a list (a tensor's own dtype was checked): a
+            # 0-d bool tensor, as ``list(mask)`` gives, packs as 0 or 1
+            getattr(tokens, "dtype", None) is None
+            and any(k.__module__.startswith("torch") for k in kinds)
+            and any(str(getattr(t, "dtype", "")) == "torch.bool" for t in tokens)):
         raise InvalidArgumentError("token_ids must be integer ids, got a bool among them "
                                    "(a mask passed as ids?)")
+
+
+_INTS = {int}
 
 
 # the page sizes engines use, each packed by a Struct built once

@@ -116,10 +116,14 @@ def test_a_windowed_stream_holds_spare_pages_past_w3s_bound_after_an_uncommitted
 # -- bool ids: refused, naming the argument, nothing changed -------------------------
 
 
+MASK = torch.tensor([1, 0, 1, 1, 0], dtype=torch.bool)
+
+
 @pytest.mark.parametrize("ids", [
-    [0, 1, True, 3, 4], [0, 1, 2, 3, np.bool_(False)],
-    torch.tensor([1, 0, 1, 1, 0], dtype=torch.bool), np.array([True] * 5),
-], ids=["bool", "numpy-bool", "torch-bool", "numpy-bool-array"])
+    [0, 1, True, 3, 4], [0, 1, 2, 3, np.bool_(False)], MASK, np.array([True] * 5),
+    list(MASK), [0, 1, 2, 3, torch.tensor(False)],
+], ids=["bool", "numpy-bool", "torch-bool", "numpy-bool-array", "torch-bool-scalars",
+        "a-torch-bool-scalar"])
 def test_bool_token_ids_are_refused_and_change_nothing(ids: object) -> None:
     kv = make_manager()
     compute(kv, "a", 5)
@@ -128,10 +132,32 @@ def test_bool_token_ids_are_refused_and_change_nothing(ids: object) -> None:
     with pytest.raises(InvalidArgumentError, match="token_ids"):
         kv.cache_prefix("a", "main", ids)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="token_ids"):
+        kv.cache_prefixes([("a", "main", ids, 0)])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgumentError, match="token_ids"):
         kv.match_prefix("b", "main", ids)  # type: ignore[arg-type]
     assert kv.observe() == before
     # the same ids as integers are taken
     assert kv.cache_prefix("a", "main", [int(x) for x in ids]) == 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("bad", [True, np.bool_(True), torch.tensor(True)],
+                         ids=["bool", "numpy-bool", "torch-bool-scalar"])
+def test_a_bool_in_a_long_prompt_is_refused(bad: object) -> None:
+    """A prompt of 64 ids or more is checked after packing, by the ids that
+    packed as 0 or 1: a bool there is found too."""
+    n = 72
+    kv = make_manager(pages=64)
+    compute(kv, "a", n)
+    kv.ingest_request("b")
+    ids: list[object] = list(range(n))
+    ids[1] = bad
+    before = kv.observe()
+    with pytest.raises(InvalidArgumentError, match="token_ids"):
+        kv.cache_prefix("a", "main", ids)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="token_ids"):
+        kv.match_prefix("b", "main", ids)  # type: ignore[arg-type]
+    assert kv.observe() == before
+    assert kv.cache_prefix("a", "main", list(range(n))) == n // PS
 
 
 # -- extra keys: tagged, per request ------------------------------------------------
