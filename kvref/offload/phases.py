@@ -216,13 +216,9 @@ class HostOffload:
             )
             moved = copied if intact else []
             for label in claims:
-                if label in moved:
-                    continue
-                # did not fit on the host, or the request changed behind us
-                self.pool.discard(rid, label)
-                stream = streams.get(label)
-                if stream is not None:
-                    stream.abandon_offload()
+                if label not in moved:
+                    # did not fit on the host, or the request changed behind us
+                    self._give_back_claim(rid, streams, label)
             freed = 0
             for label in moved:
                 stream = streams[label]
@@ -248,10 +244,16 @@ class HostOffload:
             for label in labels:
                 # a raise mid-copy leaves a copy behind, and a reload would
                 # then hand the stream fresh pages on top of its own
-                self.pool.discard(rid, label)
-                stream = streams.get(label)
-                if stream is not None:
-                    stream.abandon_offload()
+                self._give_back_claim(rid, streams, label)
+
+    def _give_back_claim(self, rid: str, streams: Mapping[str, CacheStream],
+                         label: str) -> None:
+        """Drop ``label``'s host copy, if any, and return its stream (if it is
+        still there) from the claim to the device. Under the lock."""
+        self.pool.discard(rid, label)
+        stream = streams.get(label)
+        if stream is not None:
+            stream.abandon_offload()
 
     def _keys_of(self, stream: CacheStream) -> tuple[PageKey | None, ...]:
         """The keys of the stream's full pages, one per host page (None where
