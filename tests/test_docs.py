@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 import kvref
+import kvref._moved
 from kvref import KVManager
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,6 +221,30 @@ def test_every_kvref_path_the_docs_name_imports() -> None:
                 deprecated.add(where)
     assert not broken, f"paths the docs name that do not import: {sorted(broken)}"
     assert not deprecated, f"docs naming a deprecated path: {sorted(deprecated)}"
+
+
+def test_the_changelog_has_this_release_and_the_deprecations_it_promises() -> None:
+    """CHANGELOG.md exists from 0.2.0 on (issue 29): its newest section is the
+    release after the packaged version, each kind of entry once in it, and
+    its Deprecated entries name the release `kvref._moved` removes the old
+    import paths in and the page that lists them."""
+    import tomllib
+
+    text = (ROOT / "CHANGELOG.md").read_text()
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    releases = re.findall(r"^## (.+)$", text, re.M)
+    assert releases, "CHANGELOG.md has no release section"
+    newest = re.split(r"^## .+$", text, flags=re.M)[1]
+    shipping = re.fullmatch(r"(?:Unreleased \()?(\d+\.\d+\.\d+)\)?", releases[0])
+    assert shipping, f"newest section {releases[0]!r} names no version"
+    as_tuple = [tuple(map(int, v.split("."))) for v in (shipping[1], version)]
+    assert as_tuple[0] >= as_tuple[1], (
+        f"the changelog's newest release {shipping[1]} is older than pyproject's {version}")
+    kinds = re.findall(r"^### (.+)$", newest, re.M)
+    assert len(kinds) == len(set(kinds)), f"a heading twice in {releases[0]}: {kinds}"
+    deprecated = newest.split("### Deprecated", 1)[1].split("\n### ", 1)[0]
+    assert f"until {kvref._moved.REMOVED_IN}" in deprecated
+    assert "docs/api/deprecations.md" in deprecated
 
 
 def _ci_test_command() -> str:
