@@ -27,7 +27,7 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvref.core import page_keys as prefix_hash
+from kvref.core import page_keys
 from kvref.core.errors import InvalidArgumentError, KVRefError
 from kvref.core.page_keys import ExtraKeys, PageKey, Tokens
 from kvref.core.refusals import AllocationFailed
@@ -331,7 +331,7 @@ class PagePool:
         `extras`, each now also held by `owner` (a free-cached one leaves the
         LRU).  The keys are hashed under the lock, page by page, up to the
         first miss.  `PageRefError` if `owner` holds one of them already.
-        ``encoded``: `prefix_hash.token_bytes` of `tokens`, if the caller has it."""
+        ``encoded``: `page_keys.token_bytes` of `tokens`, if the caller has it."""
         self._check_owner(owner)
         with self._lock:
             pages, keys = self._hits(tokens, extras, encoded)
@@ -444,14 +444,14 @@ class PagePool:
         page keyed `parent`, findable by `match` (S7).  If another page has
         the key, that page wins and `page` stays as it is (S11).  ``key``:
         the page's key as the caller already computed it from these same
-        arguments (`prefix_hash.iter_page_keys` over a chain), not hashed
+        arguments (`page_keys.iter_page_keys` over a chain), not hashed
         again."""
         self._check_page(page, PageRegisterError)
         if len(tokens) != self.page_size:
             raise PageRegisterError(f"page {page}: {len(tokens)} tokens; only a full page "
                                     f"({self.page_size}) is registered")
         if key is None:
-            key = prefix_hash.page_key(parent, tokens, extras)
+            key = page_keys.page_key(parent, tokens, extras)
         with self._lock:
             if self._holders[page] is None:
                 raise PageRegisterError(f"page {page} is free: it holds nothing committed")
@@ -472,7 +472,7 @@ class PagePool:
                        took: list[bool] | None = None
                        ) -> tuple[int, int, KVRefError | None]:
         """`register` of ``pages[i]`` under ``keys[i]`` for each i in order,
-        the keys a chain the caller hashed (`prefix_hash.iter_page_keys`) from
+        the keys a chain the caller hashed (`page_keys.iter_page_keys`) from
         full pages of its tokens: one acquisition of the lock and no record
         per page. Returns how many were done, how many of those took their
         key here (findable because of this call: not a page keyed before, nor
@@ -781,6 +781,6 @@ class PagePool:
 
     def _hits(self, tokens: Tokens, extras: ExtraKeys, encoded: bytes | None = None
               ) -> tuple[list[int], list[PageKey]]:
-        return prefix_hash.cached_head(self._index, tokens, self.page_size, extras,
+        return page_keys.cached_head(self._index, tokens, self.page_size, extras,
                                        pages=self._cacheable_pages(len(tokens)),
                                        encoded=encoded)
