@@ -281,9 +281,9 @@ def step(step: object, ctx: object) -> None:
             f"got {padded!r}"
         )
     if (step.pre_forks or step.post_forks) and not padded:
-        # R25, R40: a fork applies to each padded request; with none it would
-        # do nothing, silently. Malformed input, so checked before any
-        # lifecycle state, at admit, plan and commit alike
+        # a fork applies to each padded request; with none it would do
+        # nothing, silently (R25, R40). Malformed input, so checked before
+        # any lifecycle state, at admit, plan and commit alike
         raise InvalidStepError("a step with forks names no padded_request_ids to apply "
                                "them to")
     if ctx.is_preplan is not True and ctx.is_preplan is not False:
@@ -478,8 +478,8 @@ def step_streams(streams: Mapping[str, object], step: KVStep, padded: Sequence[s
     forks = (*step.pre_forks, *step.post_forks)
     if forks:
         if not padded:
-            # R25: a fork applies to each padded request; with none it would
-            # do nothing, silently
+            # a fork applies to each padded request; with none it would do
+            # nothing, silently (R25)
             raise InvalidStepError("a step with forks names no padded_request_ids to apply "
                                    "them to")
         for from_label, to_label in forks:

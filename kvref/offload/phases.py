@@ -177,8 +177,8 @@ class HostOffload:
                 # copy now would only be thrown away
                 return (OffloadReason.REQUEST_REMOVED if offload.cancelled
                         else OffloadReason.REQUEST_CHANGED)
-            # W8: only the retained tokens [released, n) travel; the released
-            # slots stay released through the reload
+            # only the retained tokens [released, n) travel; the released
+            # slots stay released through the reload (W8)
             host_pages = pool.reserve(rid, claim.label, claim.stored_len - claim.released,
                                       len(claim.pages))
             if host_pages is None:

@@ -601,7 +601,7 @@ class Driver:
     def _ResetPrefixCache(self, a: m.ResetPrefixCache) -> m.Result:
         got = self.kv.reset_prefix_cache()
         if isinstance(got, ResetRefused):
-            if got.streams_offloaded:  # S30: a host copy holds pre-reset KV
+            if got.streams_offloaded:  # a host copy holds pre-reset KV (S30)
                 return m.Refused("RequestOffloading")
             return m.Refused("ResetRefused", got.pages_held)
         return m.Count(got)
@@ -672,11 +672,11 @@ class Driver:
         for rid in range(self.scope.requests):
             open_offload = model_state.offload_of(rid) is not None
             copies = [c for k, c in model_state.host if k[0] == rid]
-            # R45: the pages a claim would free; 0 when refused or freeing none
+            # the pages a claim would free; 0 when refused or freeing none (R45)
             claimable = model.offload_priority(model_state, rid)
             got = kv.get_offload_priority(rid_name(rid))
             assert got == claimable, f"R45: priority of r{rid} {got}, model says {claimable}"
-            # S29: fresh pages, and the free-cached pages it shares again
+            # fresh pages, and the free-cached pages it shares again (S29)
             want = 0 if open_offload or not copies else self.model.reload_need(model_state, rid)
             got_pages = kv.reload_pages_needed(rid_name(rid))
             assert got_pages == want, f"R46: r{rid} reload needs {got_pages}, model {want}"
@@ -902,7 +902,7 @@ def refusal_in_model(s: m.State, rid: int, said: OffloadReason | ReloadReason | 
         return ReloadReason.OFFLOAD_RUNNING, 0
     if not copies:
         return ReloadReason.NOTHING_ON_HOST, 0
-    # S29: a reload that shares pages again takes fewer (the model counts them)
+    # a reload that shares pages again takes fewer: the model counts them (S29)
     needed = (model.reload_need(s, rid) if model is not None
               else sum(-(-len(c) // page_size) for c in copies))
     return ReloadReason.DEVICE_FULL, needed - s.free

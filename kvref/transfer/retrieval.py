@@ -80,26 +80,26 @@ class Retrieval:
         with self._table.lock:
             streams = self._table.streams.get(request_id)
             if streams is None:
-                # R48: a value, not an error: remove_request may run on another
-                # thread between the engine's forward and this publish
+                # a value, not an error: remove_request may run on another thread
+                # between the engine's forward and this publish (R48)
                 return PublishRefused(UnknownRequest(
                     message="unknown request (never ingested, or removed): nothing to "
                     "publish", request_id=request_id))
             refused: AdmitFailedReason | None = self._publish_refusal(request_id, streams)
             if refused is None and self._stepping.forks_pending(request_id):
-                # R50: under the lease, nothing may overwrite what it names
+                # under the lease, nothing may overwrite what it names (R50)
                 refused = ForkPending(
                     message="a running or staged step still forks onto this request: "
                             "publish once it committed", request_id=request_id)
             if refused is None and self._stepping.window_pending(request_id):
-                # R70: that commit would release pages the lease would name
+                # that commit would release pages the lease would name (R70)
                 refused = WindowPending(
                     message="a running or staged step's commit releases window pages of "
                             "this request: publish once it committed", request_id=request_id)
             if refused is not None:
                 return PublishRefused(refused)
-            # W17: a windowed stream names its retained pages only, from slot
-            # released // ps, and says how much it released
+            # a windowed stream names its retained pages only, from slot
+            # released // ps, and says how much it released (W17)
             seq_info = {
                 label: KVSequenceInfo(
                     seq_len=s.stored_len,
@@ -265,7 +265,7 @@ class Retrieval:
             stream = streams[label] = CacheStream()
         ps = self._table.page_size
         released = self._released_after(label, stream, info)
-        start = max(old_len, released)  # W16: only retained tokens are copied
+        start = max(old_len, released)  # only retained tokens are copied (W16)
         if old_len >= released and self._table.cow_needed((rid, label), stream):
             # the copy lands after the stream's last token, in its partial
             # page: made private first, as an admit's write is (R52)
@@ -350,8 +350,8 @@ class Retrieval:
         w = self._table.window(label)
         first = 0 if w is None else max(0, info.seq_len - w)
         if released > first:
-            # W16: the peer let go of tokens this label's window (all of them,
-            # for full attention) still reads: another retention config
+            # the peer let go of tokens this label's window (all of them, for
+            # full attention) still reads: another retention config (W16)
             raise PublishedInfoError(
                 f"published {info.seq_len} tokens with the first {released} released; "
                 f"this label's window starts at {first} "
