@@ -782,5 +782,5 @@ class PagePool:
     def _hits(self, tokens: Tokens, extras: ExtraKeys, encoded: bytes | None = None
               ) -> tuple[list[int], list[PageKey]]:
         return page_keys.cached_head(self._index, tokens, self.page_size, extras,
-                                       pages=self._cacheable_pages(len(tokens)),
-                                       encoded=encoded)
+                                     pages=self._cacheable_pages(len(tokens)),
+                                     encoded=encoded)
