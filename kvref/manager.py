@@ -29,7 +29,6 @@ the reference manager, ``specs/rules.md`` says why (the rule IDs below cite it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,7 +37,7 @@ from kvref.core.cache import KVCache
 from kvref.core.config import KVConfig, KVReqConfig, KVSpec
 from kvref.core.errors import KVRefError, StepInFlightError
 from kvref.core.page_pool import PagePool, ResetRefused
-from kvref.core.resource import CGSlotSpec, EngineResourceInfo
+from kvref.core.resource import CGSlotSpec, EngineResourceInfo, ProcessGroups
 from kvref.core.runtime import Runtime, default_runtime, monotonic, shared
 from kvref.core.stream_table import StreamTable
 from kvref.core.streams import CacheStream
@@ -63,8 +62,6 @@ from kvref.transfer.engine import KVTransferManager, TransferEngineInfo, allocat
 from kvref.transfer.lease import LeaseTable
 from kvref.transfer.retrieval import Retrieval
 
-if TYPE_CHECKING:
-    from kvref.parallel.groups import JointGroups
 
 class KVManager(EvictionCalls, TransferCalls, LayerIO):
     """Pages, streams and steps of one KV cache (see the module docstring).
@@ -87,7 +84,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         self,
         cfg: KVConfig,
         name: str,
-        joint_comm_group: JointGroups | None,
+        joint_comm_group: ProcessGroups | None,
         transfer_engine_info: TransferEngineInfo | None,
         device: torch.device | str,
         dtype: torch.dtype = torch.bfloat16,

@@ -3,12 +3,39 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from kvref.parallel.groups import JointGroups
+
+class GatherGroup(Protocol):
+    """One process group as a resource uses it: its size and an
+    ``all_gather`` (`kvref.parallel.groups.CommGroup` is kvref's)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor: ...
+
+
+class ProcessGroups(Protocol):
+    """The engine's process groups as a resource reads them: this rank's
+    place in the world, and the tensor- and sequence-parallel groups the
+    post-warmup check gathers over (`kvref.parallel.groups.JointGroups` is
+    kvref's). A protocol here, so the ground floor names what it needs
+    without importing the package that builds it."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def tp_group(self) -> GatherGroup: ...
+
+    @property
+    def sp_group(self) -> GatherGroup: ...
 
 
 @dataclass
@@ -29,7 +56,7 @@ class EngineResourceInfo:
     """Per-worker facts a resource is built with (`KVManager.build`)."""
 
     device: torch.device
-    joint_comm_group: JointGroups | None = None
+    joint_comm_group: ProcessGroups | None = None
     transfer_engine_info: Any = None
     kv_dtype: torch.dtype = torch.bfloat16
 

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from kvref.core.errors import KVRefError
+
+if TYPE_CHECKING:
+    from kvref.core.resource import GatherGroup, ProcessGroups
 
 
 class DistributedConfigError(KVRefError, ValueError):
@@ -151,3 +155,10 @@ def _grid_group(rank: int, groups: list[list[int]], mine: int, index: int) -> Co
         if k == mine:
             group = CommGroup(pg, members, index)
     return group
+
+
+if TYPE_CHECKING:
+    # what kvref/core names these by (`EngineResourceInfo.joint_comm_group`,
+    # the manager, the post-warmup check): mypy fails here if they drift apart
+    _groups: ProcessGroups = JointGroups.single()
+    _group: GatherGroup = CommGroup.single()

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kvref.core.errors import AsymmetricStateError
-
-if TYPE_CHECKING:
-    from kvref.parallel.groups import JointGroups
+from kvref.core.resource import ProcessGroups
 
 
-def check_free_pages_agree(group: JointGroups | None, num_free: int, device: torch.device,
+def check_free_pages_agree(group: ProcessGroups | None, num_free: int, device: torch.device,
                            cache_name: str, rank: int, *, cached: int = 0) -> None:
     """Raise `AsymmetricStateError` if any rank of the tp or sp group holds a
     different number of free pages, or of free pages the prefix cache keeps

@@ -23,13 +23,11 @@ import kvref
 ROOT = Path(kvref.__file__).parent
 CORE = ROOT / "core"
 
-# Type-only imports core still makes, each with why it stays; a stale entry
-# (the import is gone) fails `test_type_only_allowances_are_used`.
-TYPE_ONLY_ALLOWED = {
-    # EngineResourceInfo.joint_comm_group is annotated with the engine's
-    # process groups; the annotation is never evaluated (no runtime edge)
-    ("resource.py", "kvref.parallel.groups"),
-}
+# Type-only imports core may make, each with why it stays; a stale entry
+# (the import is gone) fails `test_type_only_allowances_are_used`. None now:
+# `EngineResourceInfo.joint_comm_group` is typed by core's own protocol
+# (`kvref.core.resource.ProcessGroups`), which kvref.parallel's groups meet.
+TYPE_ONLY_ALLOWED: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:
