@@ -93,38 +93,38 @@ def fresh_plan(segments: Sequence[Segment], streams: list[CacheStream], page_siz
     if not n:
         return None
     label = segments[0].label
-    kv = [0] * (n + 1)
-    last = [0] * n
-    slots = [0] * (2 * n)  # pages, then offsets
-    gens = [0] * n
-    view_len = [0] * n
-    offset = [0] * n
+    kv = [0]
+    last: list[int] = []
+    pages: list[int] = []
+    offsets: list[int] = []
+    gens: list[int] = []
+    view_len: list[int] = []
+    offset: list[int] = []
     arrays: list[Array] = []
-    keep = arrays.append
     held = 0
     ps = page_size
-    for i, (seg, s) in enumerate(zip(segments, streams, strict=True)):
+    for seg, s in zip(segments, streams, strict=True):
         if seg.span != 1 or seg.label != label:
             return None
         # a windowed stream's view starts at its first retained page (W1, W4)
         rel = s.released
-        vlen = s.stored_len + 1 - rel
-        k = -(-vlen // ps)
+        end = s.stored_len - rel  # the new token's place in the view
+        k = end // ps
+        off = end - k * ps
+        pages.append(s.page_indices[k])
+        k += 1  # the view's pages
         arr = s.pages_array()
-        keep(arr if arr.shape[0] == k else arr[:k])
+        arrays.append(arr if arr.shape[0] == k else arr[:k])
         held += k
-        kv[i + 1] = held
-        end = vlen - 1
-        off = end % ps
-        last[i] = off + 1
-        slots[i] = s.page_indices[end // ps]
-        slots[n + i] = off
-        gens[i] = s.generation
-        view_len[i] = vlen
-        offset[i] = rel
+        kv.append(held)
+        last.append(off + 1)
+        offsets.append(off)
+        gens.append(s.generation)
+        view_len.append(end + 1)
+        offset.append(rel)
     table = np.concatenate((np.array([*range(n + 1), *kv, *last], dtype=np.int32), *arrays))
     return DecodePlan(segments, table, table_indptrs(table, n),
-                      decode_slots(np.array(slots, dtype=np.int64), device),
+                      decode_slots(np.array(pages + offsets, dtype=np.int64), device),
                       gens, view_len, offset)
 
 
