@@ -275,22 +275,23 @@ class CacheStream:
             s.step_in_flight = True
 
     @staticmethod
-    def end_step(streams: Sequence[CacheStream], spans: Iterable[int] | None) -> list[int]:
+    def end_step(streams: Sequence[CacheStream], spans: Iterable[int] | None
+                 ) -> list[CacheStream]:
         """A step over ``streams`` ended: each one's in-flight mark is cleared
-        and, where ``spans`` is given (the step keeps its tokens), the
-        stream's span is appended as `append_tokens` does. An offloaded
-        stream's span is not appended (`append_tokens` refuses that state):
-        the indices of those are returned, for the caller to report."""
+        and, where ``spans`` is given (the step keeps its tokens; one per
+        stream), the stream's span is appended as `append_tokens` does. An
+        offloaded stream's span is not appended (`append_tokens` refuses that
+        state): those streams are returned, for the caller to report."""
         if spans is None:
             for s in streams:
                 s.step_in_flight = False
             return []
-        dropped: list[int] = []
-        for i, (s, span) in enumerate(zip(streams, spans, strict=True)):
+        dropped: list[CacheStream] = []
+        for s, span in zip(streams, spans, strict=True):
             s.step_in_flight = False
             if span:
                 if s.offloaded:
-                    dropped.append(i)
+                    dropped.append(s)
                     continue
                 n = s.stored_len = s.stored_len + span
                 s.position = n

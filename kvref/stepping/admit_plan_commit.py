@@ -576,8 +576,8 @@ class Stepping:
         segments = step.segments
         dropped = CacheStream.end_step(
             streams, map(_span, segments) if step.commit else None)
-        for i in dropped:
-            seg = segments[i]
+        for stream in dropped:
+            seg = segments[streams.index(stream)]
             # unreachable under R2-R5; kept as the last defence, loudly,
             # because it drops a committed span (I15)
             logger.error(

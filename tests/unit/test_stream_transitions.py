@@ -184,7 +184,7 @@ def test_ending_a_step_is_the_single_transitions_over_each_stream() -> None:
         return out
 
     ended, one_by_one = batch(), batch()
-    assert CacheStream.end_step(ended, spans) == [3]
+    assert CacheStream.end_step(ended, spans) == [ended[3]]
     for s, span in zip(one_by_one, spans, strict=True):
         s.clear_in_flight()
         if span and not s.offloaded:
