@@ -19,6 +19,7 @@ this one writes a field, on any path, run or not.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -258,6 +259,44 @@ class CacheStream:
         n = self.stored_len = self.stored_len + span
         self.position = n
         self.generation += 1  # I14: pages or length changed
+
+    # a step's streams at once: `mark_in_flight` over an admit's streams, and
+    # `clear_in_flight` + `append_tokens` over a commit's, in one call each
+    # (a method call per stream per transition was ~11% of a B=256 decode step)
+
+    @staticmethod
+    def mark_step(streams: Sequence[CacheStream]) -> None:
+        """`mark_in_flight` of each of ``streams``: all are checked before any
+        is marked."""
+        for s in streams:
+            if s.offloaded:
+                s._need_resident("mark_in_flight")
+        for s in streams:
+            s.step_in_flight = True
+
+    @staticmethod
+    def end_step(streams: Sequence[CacheStream], spans: Iterable[int] | None
+                 ) -> list[CacheStream]:
+        """A step over ``streams`` ended: each one's in-flight mark is cleared
+        and, where ``spans`` is given (the step keeps its tokens; one per
+        stream), the stream's span is appended as `append_tokens` does. An
+        offloaded stream's span is not appended (`append_tokens` refuses that
+        state): those streams are returned, for the caller to report."""
+        if spans is None:
+            for s in streams:
+                s.step_in_flight = False
+            return []
+        dropped: list[CacheStream] = []
+        for s, span in zip(streams, spans, strict=True):
+            s.step_in_flight = False
+            if span:
+                if s.offloaded:
+                    dropped.append(s)
+                    continue
+                n = s.stored_len = s.stored_len + span
+                s.position = n
+                s.generation += 1  # I14: pages or length changed
+        return dropped
 
     def truncate_to(self, new_len: int, keep: int, page_size: int) -> list[int]:
         """Cut the stream to ``new_len`` tokens, keeping its first ``keep``

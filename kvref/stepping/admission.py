@@ -171,6 +171,11 @@ class Grant:
     # cached is copied into one of their own at admit, so the copying forks
     # its promotion runs write only into private pages (R57)
     privatise: list[tuple[Key, int]] = field(default_factory=list)
+    # a plain step's (`plain_grant`): each claim's stream, and the claims
+    # that create their stream or take pages, in order. Applying it touches
+    # only those rows one by one; the others are marked all at once
+    streams: list[CacheStream | None] | None = None
+    work: list[int] = field(default_factory=list)
 
 
 def settle(claims: list[Claim], new_pages: int, first_short: Key | None,
@@ -199,7 +204,10 @@ def plain_grant(table: Table, step: KVStep, page_size: int, free: int, max_seq_l
     new_pages = 0
     first_short: Key | None = None
     refusing = at_limit = False
-    seen: set[Key] = set()
+    found: list[CacheStream | None] = []
+    keep = found.append
+    work: list[int] = []
+    new_keys: list[Key] = []  # the claims whose stream the admit creates
     cow: list[Key] = []
     for seg in step.segments:
         rid, label, span = seg.request_id, seg.label, seg.span
@@ -213,6 +221,9 @@ def plain_grant(table: Table, step: KVStep, page_size: int, free: int, max_seq_l
         if stream is None:
             end = span
             short = -(-span // page_size)
+            new_keys.append((rid, label))
+            if short <= 0:
+                work.append(len(claims))  # created, no pages
         else:
             if stream.offloaded or stream.read_future is not None or (
                     stream.read_error is not None):
@@ -233,17 +244,24 @@ def plain_grant(table: Table, step: KVStep, page_size: int, free: int, max_seq_l
             new_pages += short
             if first_short is None:
                 first_short = (rid, label)
+            work.append(len(claims))
         claims.append((rid, streams, label, stream, short))
-        seen.add((rid, label))
+        keep(stream)
     if at_limit:
         validate.step_lengths(step, StepContext(), table, max_seq_len)
-    if len(seen) != len(claims) or not all(map(table.__contains__, padded)):
+    # streams named once: distinct objects, and distinct keys among those the
+    # admit creates (all None in ``found``)
+    distinct = len(set(found)) + (len(set(new_keys)) - 1 if new_keys else 0)
+    if distinct != len(claims) or not all(map(table.__contains__, padded)):
         misuse(table, step, padded, max_seq_len)  # a stream named twice, an unknown padded id
     if refusing:
         refused = refusal(table, named_keys(step, ()))
         if refused is not None:
             return refused
-    return settle(claims, new_pages, first_short, free, cow)
+    grant = settle(claims, new_pages, first_short, free, cow)
+    if isinstance(grant, Grant):
+        grant.streams, grant.work = found, work
+    return grant
 
 
 def misuse(table: Table, step: KVStep, padded: tuple[str, ...], max_seq_len: int) -> NoReturn:

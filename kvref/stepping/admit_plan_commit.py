@@ -10,7 +10,9 @@ stream table's lock, which `KVManager` holds around each call.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 
@@ -59,6 +61,8 @@ from kvref.stepping.step import (
 )
 
 logger = logging.getLogger(__name__)
+
+_span = operator.attrgetter("span")
 
 
 class Stepping:
@@ -150,9 +154,7 @@ class Stepping:
                 padded=padded, sharing=sharing if self._table.tails_maybe_shared else None)
             if isinstance(grant, AdmitFailedReason):
                 return AdmitOutcome(ok=False, reason=grant)
-            streams: list[CacheStream] = []
-            grown: list[int] = []
-            created = self._apply(grant, streams, grown)
+            created, streams, grown = self._apply_plain(grant)
             self.running = RunningStep(step, padded, set(created), streams=streams, grown=grown)
             return ADMIT_OK
         validate.step_streams(all_streams, step, padded)
@@ -308,34 +310,53 @@ class Stepping:
                 request_id=key[0], label=key[1])
         return _stale(key, staged.basis[key], stream.stored_len if stream else None)
 
-    def _apply(self, grant: admission.Grant, streams_out: list[CacheStream] | None = None,
-               grown: list[int] | None = None) -> list[Key]:
+    def _apply(self, grant: admission.Grant) -> list[Key]:
         """Make a grant real: create each named stream that is missing, give it
-        the pages it is short, and mark it in flight. Returns the created keys;
-        ``streams_out`` gets each claim's stream, ``grown`` the claims that
-        took pages (what the kept decode table is told of)."""
+        the pages it is short, and mark it in flight. Returns the created keys."""
+        self._copy_first(grant)
+        marked = [self._claim(claim) for claim in grant.claims]
+        CacheStream.mark_step(marked)
+        return [(rid, label) for rid, _, label, stream, _ in grant.claims if stream is None]
+
+    def _apply_plain(self, grant: admission.Grant
+                     ) -> tuple[list[Key], list[CacheStream], list[int]]:
+        """`_apply` of a `plain_grant`: only the claims that create a stream
+        or take pages one by one. Returns the created keys, each claim's
+        stream, and the claims that took pages (what the kept decode table is
+        told of)."""
+        assert grant.streams is not None
+        self._copy_first(grant)
+        claims, found = grant.claims, grant.streams
         created: list[Key] = []
+        grown: list[int] = []
+        for i in grant.work:
+            rid, _, label, stream, short = claim = claims[i]
+            if stream is None:
+                created.append((rid, label))
+            if short > 0:
+                grown.append(i)
+            found[i] = self._claim(claim)
+        streams = cast("list[CacheStream]", found)  # every None filled above
+        CacheStream.mark_step(streams)
+        return created, streams, grown
+
+    def _copy_first(self, grant: admission.Grant) -> None:
         # first, while nothing else changed: a copy that raises leaves the
         # streams as they were, each copied one private and as it read
         for rid, label in grant.cow:
             self._forks.copy_on_write(rid, label)
         for (rid, label), _ in grant.privatise:
             self._forks.privatise(rid, label)
-        take = self._table.take
-        keep = streams_out.append if streams_out is not None else None
-        for i, (rid, streams, label, stream, short) in enumerate(grant.claims):
-            if stream is None:
-                stream = streams[label] = CacheStream()
-                created.append((rid, label))
-            if short > 0:
-                # admission counted these under the same lock
-                stream.append_pages(take((rid, label), short))
-                if grown is not None:
-                    grown.append(i)
-            stream.mark_in_flight()
-            if keep is not None:
-                keep(stream)
-        return created
+
+    def _claim(self, claim: admission.Claim) -> CacheStream:
+        """One claim's stream, created if missing, with the pages it is short."""
+        rid, streams, label, stream, short = claim
+        if stream is None:
+            stream = streams[label] = CacheStream()
+        if short > 0:
+            # admission counted these under the same lock
+            stream.append_pages(self._table.take((rid, label), short))
+        return stream
 
     def clear_preplan(self) -> None:
         """See `KVManager.clear_preplan`."""
@@ -433,7 +454,7 @@ class Stepping:
         got = self.decode_table.plan(segments, running.streams, running.grown)
         if got is None:
             return None
-        running.table_planned = True
+        running.table_planned = got.kept
         out = KVPlanOutput(cpu_indptrs=got.indptrs, views=got.views)
         label = segments[0].label
         return KVPlanOutputs({label: out}), {
@@ -521,19 +542,26 @@ class Stepping:
              if lb in all_streams.get(r, {})}
             if self.preplan is not None else None
         )
-        # a plain admit's streams are the ones the step names (R2), looked up once
-        named = running.streams if running.streams is not None else [
-            all_streams[rid][label] for rid, label in admission.named_keys(step, running.padded)]
-        for stream in named:
-            # cleared whether or not the step keeps its tokens: a step
-            # with commit=False still read these pages, and a mark left
-            # set would make the request unevictable
-            if staged_marks is None or stream not in staged_marks:
-                stream.clear_in_flight()
-        if step.commit:
-            self._add_spans(step, running.streams)
-            if running.table_planned:
+        if running.streams is not None and staged_marks is None:
+            # a plain admit's streams, one per segment (R2), looked up once:
+            # marks cleared and spans added by one transition over them all
+            self._end_plain(step, running.streams)
+            if step.commit and running.table_planned:
                 self.decode_table.committed()
+        else:
+            named = running.streams if running.streams is not None else [
+                all_streams[rid][label]
+                for rid, label in admission.named_keys(step, running.padded)]
+            for stream in named:
+                # cleared whether or not the step keeps its tokens: a step
+                # with commit=False still read these pages, and a mark left
+                # set would make the request unevictable
+                if staged_marks is None or stream not in staged_marks:
+                    stream.clear_in_flight()
+            if step.commit:
+                self._add_spans(step, running.streams)
+                if running.table_planned:
+                    self.decode_table.committed()
         # post-forks copy what this step just wrote, so after the spans land
         try:
             self._forks.run(running, step.post_forks)
@@ -541,6 +569,28 @@ class Stepping:
             fault = fault or err
         if fault is not None:
             raise fault
+
+    def _end_plain(self, step: KVStep, streams: list[CacheStream]) -> None:
+        """`commit` of a plain admit's step whose marks no staged preplan
+        shares: what the general path's clear and `_add_spans` do."""
+        segments = step.segments
+        dropped = CacheStream.end_step(
+            streams, map(_span, segments) if step.commit else None)
+        for stream in dropped:
+            seg = segments[streams.index(stream)]
+            # unreachable under R2-R5; kept as the last defence, loudly,
+            # because it drops a committed span (I15)
+            logger.error(
+                "KV %s: dropping %d committed tokens for request %r label %r; "
+                "the stream was offloaded mid-step",
+                self._name, seg.span, seg.request_id, seg.label,
+            )
+        windows = self._table.windows
+        if windows and step.commit:
+            for seg, stream in zip(segments, streams, strict=True):
+                if seg.span and seg.label in windows and not stream.offloaded:
+                    # W2: a windowed stream lets go of what fell out of its window
+                    self._table.retire((seg.request_id, seg.label), stream)
 
     def _add_spans(self, step: KVStep, streams: list[CacheStream] | None) -> None:
         """``streams``: the segments' streams, as a plain admit found them."""

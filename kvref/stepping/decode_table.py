@@ -13,6 +13,13 @@ a commit of the planned step, an admit's appended pages) changed only by
 those; any other row (a copy-on-write swap, a window release, a truncate,
 an offload, a fork, a reset, a retrieve) is read again from its stream.
 
+The step's Python work is per row changed, not per page held: the page
+indices move only as int32 copies, once into the table handed out and
+once into the kept rows (a 2k-token context's decode costs within a few
+percent of a 128-token one's, `benchmarks.vs_vllm`). Below `SMALL_BATCH`
+rows the numpy set-up of an update costs more than building the table
+afresh from the admit's streams (`fresh_plan`), which is done instead.
+
 Outputs are the same bytes `decode_tables` gives over the same state
 (tests/unit/test_decode_table.py and the lockstep compare them); each plan
 hands out fresh buffers, so a caller holding an earlier plan's tables sees
@@ -30,7 +37,13 @@ import numpy as np
 import torch
 
 from kvref.core.streams import CacheStream
-from kvref.stepping.plan import KVPlanState, PagedIndptrs, SequenceView, host_to_device
+from kvref.stepping.plan import (
+    KVPlanState,
+    PagedIndptrs,
+    SequenceView,
+    decode_slots,
+    table_indptrs,
+)
 from kvref.stepping.step import Segment
 
 _generation = operator.attrgetter("generation")
@@ -49,12 +62,15 @@ class DecodePlan:
     """What `DecodeTable.plan` hands out: the host table, the write slots,
     and the plan-time rows the views are built from when first read."""
 
-    __slots__ = ("gens", "indptrs", "offset", "segments", "state", "table", "view_len")
+    __slots__ = ("gens", "indptrs", "kept", "offset", "segments", "state", "table", "view_len")
 
     def __init__(self, segments: Sequence[Segment], table: Array, indptrs: PagedIndptrs,
-                 state: KVPlanState, gens: Array, view_len: Array, offset: Array) -> None:
+                 state: KVPlanState, gens: Array | list[int], view_len: Array | list[int],
+                 offset: Array | list[int]) -> None:
         self.segments, self.table, self.indptrs, self.state = segments, table, indptrs, state
         self.gens, self.view_len, self.offset = gens, view_len, offset
+        # made by the kept table (`DecodeTable`), whose rows it now holds
+        self.kept = False
 
     def views(self) -> list[SequenceView]:
         """The step's views as `_sequence_views` builds them, from this plan's
@@ -65,8 +81,58 @@ class DecodePlan:
         return [SequenceView(seg.request_id, seg.label, idx[kv[i]:kv[i + 1]].tolist(),
                              length, 1, gen, off)
                 for i, (seg, length, gen, off) in enumerate(zip(
-                    self.segments, self.view_len.tolist(), self.gens.tolist(),
-                    self.offset.tolist(), strict=True))]
+                    self.segments, _ints(self.view_len), _ints(self.gens),
+                    _ints(self.offset), strict=True))]
+
+
+def _ints(rows: Array | list[int]) -> list[int]:
+    return rows.tolist() if isinstance(rows, np.ndarray) else rows
+
+
+def fresh_plan(segments: Sequence[Segment], streams: list[CacheStream], page_size: int,
+               device: torch.device) -> DecodePlan | None:
+    """A decode step's tables (every span 1, one label) over ``streams``, its
+    segments' streams as its admit found them, built afresh in one pass over
+    the rows: what `decode_tables` makes of the step's views, without making
+    the views (a small batch, below `SMALL_BATCH`, whose kept table would
+    cost more in numpy set-up than this). None for any other step."""
+    n = len(streams)
+    if not n:
+        return None
+    label = segments[0].label
+    kv = [0]
+    last: list[int] = []
+    pages: list[int] = []
+    offsets: list[int] = []
+    gens: list[int] = []
+    view_len: list[int] = []
+    offset: list[int] = []
+    arrays: list[Array] = []
+    held = 0
+    ps = page_size
+    for seg, s in zip(segments, streams, strict=True):
+        if seg.span != 1 or seg.label != label:
+            return None
+        # a windowed stream's view starts at its first retained page (W1, W4)
+        rel = s.released
+        end = s.stored_len - rel  # the new token's place in the view
+        k = end // ps
+        off = end - k * ps
+        pages.append(s.page_indices[k])
+        k += 1  # the view's pages
+        arr = s.pages_array()
+        arrays.append(arr if arr.shape[0] == k else arr[:k])
+        held += k
+        kv.append(held)
+        last.append(off + 1)
+        offsets.append(off)
+        gens.append(s.generation)
+        view_len.append(end + 1)
+        offset.append(rel)
+    table = np.concatenate((np.array([*range(n + 1), *kv, *last], dtype=np.int32), *arrays))
+    return DecodePlan(segments, table, table_indptrs(table, n),
+                      decode_slots(np.array(pages + offsets, dtype=np.int64), device),
+                      gens, view_len, offset)
 
 
 class DecodeTable:
@@ -103,11 +169,12 @@ class DecodeTable:
         """The tables of a decode step (every span 1, one label) over
         ``streams`` (its segments' streams, as its admit found them);
         ``grown``: the rows whose admit appended pages (one generation bump
-        each). None when the step is not a decode step of one label, or has
-        fewer than `SMALL_BATCH` rows."""
+        each). None when the step is not a decode step of one label. Below
+        `SMALL_BATCH` rows the tables are built afresh (`fresh_plan`), the
+        kept rows left as they were (the plan's ``kept`` is False)."""
         n = len(streams)
         if n < SMALL_BATCH:
-            return None  # a few rows are built afresh as fast as updated
+            return fresh_plan(segments, streams, self._ps, self._device)
         kept = self._streams
         if kept is not None and len(kept) == n and all(map(operator.is_, streams, kept)) and (
                 all(map(operator.is_, segments, self._segments))
@@ -130,9 +197,8 @@ class DecodeTable:
         offset = np.fromiter(map(_released, streams), np.int64, n)
         view_len = np.fromiter(map(_stored, streams), np.int64, n) + 1 - offset
         npages = -(-view_len // self._ps)
-        indices = np.concatenate([s.pages_array()[:k] for s, k in zip(
-            streams, npages.tolist(), strict=True)]) if n else self._indices[:0]
-        return self._emit(gens, view_len, npages, offset, indices)
+        pieces = [s.pages_array()[:k] for s, k in zip(streams, npages.tolist(), strict=True)]
+        return self._emit(gens, view_len, npages, offset, pieces)
 
     def _update(self, streams: list[CacheStream], grown: Sequence[int]) -> DecodePlan:
         n = len(streams)
@@ -157,23 +223,26 @@ class DecodeTable:
         if dirty.size:
             changed = np.union1d(changed, dirty)
         indices = self._indices
-        if changed.size:
-            # the unchanged runs of rows copied as slices, the changed rows
-            # from their streams' kept page arrays
-            kv = self._kv.tolist()
-            pieces: list[Array] = []
-            prev = 0
-            for i, k in zip(changed.tolist(), npages[changed].tolist(), strict=True):
-                pieces.append(indices[kv[prev]:kv[i]])
-                pieces.append(streams[i].pages_array()[:k])
-                prev = i + 1
-            pieces.append(indices[kv[prev]:])
-            indices = np.concatenate(pieces)
-        return self._emit(gens, view_len, npages, offset, indices)
+        if not changed.size:
+            return self._emit(gens, view_len, npages, offset, [indices])
+        # the unchanged runs of rows as slices of the kept indices, the
+        # changed rows from their streams' kept page arrays: the new table
+        # is written from these in one pass (`_emit`)
+        kv = self._kv.tolist()
+        pieces: list[Array] = []
+        prev = 0
+        for i, k in zip(changed.tolist(), npages[changed].tolist(), strict=True):
+            pieces.append(indices[kv[prev]:kv[i]])
+            pieces.append(streams[i].pages_array()[:k])
+            prev = i + 1
+        pieces.append(indices[kv[prev]:])
+        return self._emit(gens, view_len, npages, offset, pieces)
 
     def _emit(self, gens: Array, view_len: Array, npages: Array, offset: Array,
-              indices: Array) -> DecodePlan:
-        """Keep the rows, and hand out a fresh copy of the tables."""
+              pieces: list[Array]) -> DecodePlan:
+        """Keep the rows, and hand out a fresh copy of the tables. ``pieces``:
+        the rows' pages in order, int32, copied once into the table handed
+        out and once into the kept indices (never through a wider type)."""
         n = gens.shape[0]
         ps = self._ps
         kv = np.zeros(n + 1, dtype=np.int64)
@@ -181,22 +250,21 @@ class DecodeTable:
         pos = view_len - 1
         off = pos % ps
         # one int32 buffer, as `decode_tables`: qo, kv, last page lengths, indices
-        table = np.concatenate((self._qo, kv, off + 1, indices)).astype(np.int32)
         b = (n + 1, 2 * n + 2, 3 * n + 2)
-        indptrs = PagedIndptrs(
-            qo_indptr=torch.from_numpy(table[:b[0]]),
-            paged_kv_indptr=torch.from_numpy(table[b[0]:b[1]]),
-            paged_kv_last_page_len=torch.from_numpy(table[b[1]:b[2]]),
-            paged_kv_indices=torch.from_numpy(table[b[2]:]),
-        )
-        host = np.concatenate((indices[kv[:-1] + pos // ps], off))
-        if self._device.type == "cpu":
-            page_t, offset_t = torch.from_numpy(host[:n]), torch.from_numpy(host[n:])
-        else:
-            both = host_to_device(torch.from_numpy(host), self._device)  # one H2D
-            page_t, offset_t = both[:n], both[n:]
-        state = KVPlanState(token_to_page=page_t, token_to_cache=offset_t, total_tokens=n)
+        table = np.empty(b[2] + int(kv[-1]), dtype=np.int32)
+        table[:b[0]] = self._qo
+        table[b[0]:b[1]] = kv
+        table[b[1]:b[2]] = off + 1
+        np.concatenate(pieces, out=table[b[2]:])
+        # kept: the caller's table is its own (unchanged rows keep the kept ones)
+        indices = pieces[0] if len(pieces) == 1 and pieces[0] is self._indices else (
+            table[b[2]:].copy())
+        indptrs = table_indptrs(table, n)
+        state = decode_slots(np.concatenate((indices[kv[:-1] + pos // ps], off)),
+                             self._device)
         self._gens, self._view_len, self._npages, self._offset = gens, view_len, npages, offset
         self._kv, self._indices = kv, indices
         self.commits = 0
-        return DecodePlan(self._segments, table, indptrs, state, gens, view_len, offset)
+        plan = DecodePlan(self._segments, table, indptrs, state, gens, view_len, offset)
+        plan.kept = True
+        return plan

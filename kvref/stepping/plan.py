@@ -344,14 +344,7 @@ def decode_plan_state(
         last = v.length - 1
         slots[i] = v.page_idxs[last // page_size]
         slots[n + i] = last % page_size
-    host = np.array(slots, dtype=np.int64)
-    if device.type == "cpu":
-        # numpy slices wrap for less than torch slices cost
-        pages, offsets = torch.from_numpy(host[:n]), torch.from_numpy(host[n:])
-    else:
-        both = host_to_device(torch.from_numpy(host), device)  # the one H2D copy
-        pages, offsets = both[:n], both[n:]
-    return KVPlanState(token_to_page=pages, token_to_cache=offsets, total_tokens=n)
+    return decode_slots(np.array(slots, dtype=np.int64), device)
 
 
 def _table(head: list[int], views: Sequence[SequenceView]) -> np.ndarray[Any, Any]:
@@ -359,6 +352,32 @@ def _table(head: list[int], views: Sequence[SequenceView]) -> np.ndarray[Any, An
     then the indices copied from each view's page array by one concatenate."""
     return np.concatenate((np.array(head, dtype=np.int32), *[
         v._arr if v._arr is not None else v._page_array() for v in views]))
+
+
+def table_indptrs(table: np.ndarray[Any, Any], n: int) -> PagedIndptrs:
+    """The page table of ``n`` requests over one int32 host buffer laid out
+    qo indptr (n + 1), kv indptr (n + 1), last page lengths (n), indices:
+    numpy slices wrapped by from_numpy, cheaper than slicing a torch tensor."""
+    b = (n + 1, 2 * n + 2, 3 * n + 2)
+    return PagedIndptrs(
+        qo_indptr=torch.from_numpy(table[:b[0]]),
+        paged_kv_indptr=torch.from_numpy(table[b[0]:b[1]]),
+        paged_kv_last_page_len=torch.from_numpy(table[b[1]:b[2]]),
+        paged_kv_indices=torch.from_numpy(table[b[2]:]),
+    )
+
+
+def decode_slots(host: np.ndarray[Any, Any], device: torch.device) -> KVPlanState:
+    """The write slots of one token per request from int64 ``host``: the
+    requests' pages, then their offsets; on a device, in one copy."""
+    n = host.shape[0] // 2
+    if device.type == "cpu":
+        # numpy slices wrap for less than torch slices cost
+        pages, offsets = torch.from_numpy(host[:n]), torch.from_numpy(host[n:])
+    else:
+        both = host_to_device(torch.from_numpy(host), device)  # the one H2D copy
+        pages, offsets = both[:n], both[n:]
+    return KVPlanState(token_to_page=pages, token_to_cache=offsets, total_tokens=n)
 
 
 def decode_tables(
@@ -387,22 +406,7 @@ def decode_tables(
         slots[i] = v._src[lo + end // page_size]  # `page_at`, inlined: once per request
         slots[n + i] = off
     table = _table(qo + kv + last, views)
-    table_len = 3 * n + 2 + held
-    b = (0, n + 1, 2 * n + 2, 3 * n + 2, table_len)
-    indptrs = PagedIndptrs(
-        qo_indptr=torch.from_numpy(table[b[0] : b[1]]),
-        paged_kv_indptr=torch.from_numpy(table[b[1] : b[2]]),
-        paged_kv_last_page_len=torch.from_numpy(table[b[2] : b[3]]),
-        paged_kv_indices=torch.from_numpy(table[b[3] : b[4]]),
-    )
-    host = np.array(slots, dtype=np.int64)
-    if device.type == "cpu":
-        page_t = torch.from_numpy(host[:n])
-        offset_t = torch.from_numpy(host[n:])
-    else:
-        both = host_to_device(torch.from_numpy(host), device)  # one H2D
-        page_t, offset_t = both[:n], both[n:]
-    return indptrs, KVPlanState(token_to_page=page_t, token_to_cache=offset_t, total_tokens=n)
+    return table_indptrs(table, n), decode_slots(np.array(slots, dtype=np.int64), device)
 
 
 def packed_plan_state(
@@ -551,13 +555,7 @@ def mixed_tables(
     # one host buffer, table then slots, so a device takes them in one copy
     host = np.concatenate((table.astype(np.int64), slots))
     b = (0, n + 1, 2 * n + 2, 3 * n + 2, table_len)
-    # numpy slices wrapped by from_numpy: cheaper than slicing a torch tensor
-    cpu_indptrs = PagedIndptrs(
-        qo_indptr=torch.from_numpy(table[b[0] : b[1]]),
-        paged_kv_indptr=torch.from_numpy(table[b[1] : b[2]]),
-        paged_kv_last_page_len=torch.from_numpy(table[b[2] : b[3]]),
-        paged_kv_indices=torch.from_numpy(table[b[3] : b[4]]),
-    )
+    cpu_indptrs = table_indptrs(table, n)
     q_end = table_len + q
     if device.type == "cpu":
         page_t = torch.from_numpy(host[table_len:q_end])

@@ -18,27 +18,31 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import kvref.stepping.admission as admission_module
 import kvref.stepping.admit_plan_commit as stepping_module
+import kvref.stepping.decode_table as decode_table_module
 import kvref.stepping.plan as plan_module
 import kvref.stepping.truncation as truncation_module
 import kvref.validate as validate_module
 from kvref import Offload, ReloadCopyError
 from kvref.manager import KVManager
 from kvref.stepping.forks import ForkFailed, Forks
-from kvref.stepping.plan import KVPlanState, PagedIndptrs
+from kvref.stepping.plan import KVPlanState
 from kvref.testing.lockstep import PLAIN_SCOPE, Lockstep
 from kvref.transfer.engine import KVTransferManager
 from tests.support.sched_planted import claim_ignores_marks
 
 
 def _decode_offset_off_by_one(mp: pytest.MonkeyPatch) -> None:
-    orig = plan_module.decode_tables
+    orig = plan_module.decode_slots
 
-    def bad(*args: Any) -> tuple[PagedIndptrs, KVPlanState]:
-        indptrs, state = orig(*args)
+    def bad(*args: Any) -> KVPlanState:
+        state = orig(*args)
         state.token_to_cache.sub_(1).clamp_(min=0)  # writes one slot early
-        return indptrs, state
+        return state
 
-    mp.setattr(plan_module, "decode_tables", bad)  # where plan_tables looks it up
+    # every decode step's slots: `decode_tables` (plan.py) and the kept and
+    # fresh decode tables (decode_table.py)
+    mp.setattr(plan_module, "decode_slots", bad)
+    mp.setattr(decode_table_module, "decode_slots", bad)
 
 
 def _fork_moves_length_not_pages(mp: pytest.MonkeyPatch) -> None:

@@ -200,11 +200,19 @@ def stale_window(mp: pytest.MonkeyPatch) -> None:
                     s.generation += 1
                     self._table.retire((seg.request_id, seg.label), s)  # type: ignore[attr-defined]
 
+    def end_plain(self: object, step: object, streams: list[CacheStream]) -> None:
+        # a plain admit's commit: its marks cleared, its spans added as above
+        for s in streams:
+            s.clear_in_flight()
+        if step.commit:  # type: ignore[attr-defined]
+            add_position(self, step)
+
     from kvref.stepping.admit_plan_commit import Stepping
     mp.setattr(truncation, "truncate", truncate)
     mp.setattr(Forks, "apply", apply)
     mp.setattr(StreamTable, "retire", retire)
     mp.setattr(Stepping, "_add_spans", add_position)
+    mp.setattr(Stepping, "_end_plain", end_plain)
 
 
 RETIRED: dict[Key, list[int]] = {}

@@ -173,6 +173,17 @@ def test_plain_pass_answers_as_the_general_rules(w: Any, shared: bool) -> None:
     if general[0] == "granted":
         event("granted with a copy-on-write" if general[3] else "granted, no copy")
     assert plain == general
+    if plain[0] == "granted":
+        _plain_rows_agree(admission.plain_grant(_build(spec, page_size), step, page_size,
+                                                free, max_len, padded=padded, sharing=sharing))
+
+
+def _plain_rows_agree(grant: Any) -> None:
+    """What the plain admit applies besides the claims: each claim's stream,
+    and the rows it creates or grows, in order (the rest it only marks)."""
+    assert isinstance(grant, admission.Grant) and grant.streams is not None
+    assert grant.streams == [c[3] for c in grant.claims]
+    assert grant.work == [i for i, c in enumerate(grant.claims) if c[3] is None or c[4] > 0]
 
 
 PLAIN = {"stored": 5, "spare": 0, "offloaded": False, "future": "none", "latched": False,
@@ -253,3 +264,25 @@ def test_plain_pass_counts_windows_and_copies_as_in_general(
     plain = _answer(lambda: admission.plain_grant(_build(spec, page_size), step, page_size, 10,
                                                   1 << 20, sharing=sharing))
     assert plain == general
+
+
+NAMED = {
+    "a new label, span 0": [Segment("r0", "main", 1), Segment("r0", "cfg", 0)],
+    "a new label, span 0, twice": [Segment("r0", "cfg", 0), Segment("r0", "cfg", 0)],
+    "a new label twice": [Segment("r0", "cfg", 2), Segment("r0", "cfg", 1)],
+    "a held stream twice": [Segment("r0", "main", 1), Segment("r0", "main", 1)],
+    "two new labels": [Segment("r0", "cfg", 0), Segment("r0", "draft", 3)],
+}
+
+
+@pytest.mark.parametrize("segs", list(NAMED.values()), ids=list(NAMED))
+def test_streams_the_admit_creates_or_names_twice(segs: list[Segment]) -> None:
+    """The rows the draws reach rarely: a stream the admit creates with no
+    pages to take, and a stream (held, or created) named twice (a misuse)."""
+    spec = {"r0": {"main": dict(PLAIN)}}
+    step = KVStep(segs)
+    general = _answer(lambda: _general(_build(spec, 4), step, 4, 10))
+    plain = _answer(lambda: admission.plain_grant(_build(spec, 4), step, 4, 10, 1 << 20))
+    assert plain == general
+    if plain[0] == "granted":
+        _plain_rows_agree(admission.plain_grant(_build(spec, 4), step, 4, 10, 1 << 20))

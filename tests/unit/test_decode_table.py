@@ -30,11 +30,12 @@ from tests.unit._manager_fixtures import Driver, Key, fill, make_manager, token_
 PS = 4
 
 
-@pytest.fixture(autouse=True)
-def kept_from_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True, params=[1, 1 << 20], ids=["kept", "fresh"])
+def kept_from_one_row(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kept table plans batches of any size here (in production from
-    `SMALL_BATCH` rows): these batches have four."""
-    monkeypatch.setattr(decode_table, "SMALL_BATCH", 1)
+    `SMALL_BATCH` rows): these batches have four. ``fresh``: every batch is
+    below `SMALL_BATCH`, planned afresh from its streams (`fresh_plan`)."""
+    monkeypatch.setattr(decode_table, "SMALL_BATCH", request.param)
 
 
 class Checked:

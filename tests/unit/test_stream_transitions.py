@@ -156,3 +156,43 @@ def test_each_change_of_pages_or_length_bumps_the_generation() -> None:
         move()
         assert s.generation == gen + 1, name
 
+
+
+def test_marking_a_step_refuses_before_marking_any() -> None:
+    """`mark_step` over a step's streams: one offloaded among them refuses,
+    and none of them is marked (all are checked before any write)."""
+    streams = [_filled(), _filled(), _offloaded(), _filled()]
+    before = [_state(s) for s in streams]
+    with pytest.raises(StreamStateError):
+        CacheStream.mark_step(streams)
+    assert [_state(s) for s in streams] == before
+    ok = streams[:2] + streams[3:]
+    CacheStream.mark_step(ok)
+    assert all(s.step_in_flight for s in ok)
+
+
+def test_ending_a_step_is_the_single_transitions_over_each_stream() -> None:
+    """`end_step` does per stream what `clear_in_flight` and `append_tokens`
+    do (span 0 appends nothing and bumps nothing), passes over an offloaded
+    stream's span and names it, and without spans (a step that keeps no
+    tokens) only clears the marks."""
+    spans = [1, 0, 3, 2]
+
+    def batch() -> list[CacheStream]:
+        out = [_filled(), _filled(5), _filled(7), _claimed()]
+        CacheStream.mark_step(out[:3])
+        return out
+
+    ended, one_by_one = batch(), batch()
+    assert CacheStream.end_step(ended, spans) == [ended[3]]
+    for s, span in zip(one_by_one, spans, strict=True):
+        s.clear_in_flight()
+        if span and not s.offloaded:
+            s.append_tokens(span)
+    assert [_state(s) for s in ended] == [_state(s) for s in one_by_one]
+    assert ended[0].stored_len == 7 and ended[1].stored_len == 5
+    kept = batch()
+    before = [s.generation for s in kept]
+    assert CacheStream.end_step(kept, None) == []
+    assert [s.generation for s in kept] == before
+    assert not any(s.step_in_flight for s in kept)
