@@ -14,28 +14,37 @@ from kvref.core.labels import (
     FULL_ATTENTION,
     FullAttention,
     SlidingWindow,
-    behaviour_from,
     behaviour_of,
+    behaviours_of,
 )
 
 
 def test_a_label_without_retention_is_full_attention() -> None:
     assert behaviour_of({}, "main") is FULL_ATTENTION
     assert behaviour_of({"draft": RetentionPolicy(4)}, "main") is FULL_ATTENTION
-    assert behaviour_from({}, {}, "main") is FULL_ATTENTION
+    assert behaviours_of({}) == {}
 
 
 def test_a_windowed_label_carries_its_window_and_margin() -> None:
     chosen = behaviour_of({"main": RetentionPolicy(6, rollback_margin=2)}, "main")
     assert chosen == SlidingWindow(6, 2)
-    assert (chosen.window, chosen.kept, chosen.cacheable) == (6, 8, False)
-    assert behaviour_from({"main": 6}, {"main": 2}, "main") == chosen
+    assert (chosen.releases, chosen.cacheable) == (True, False)
+    assert behaviours_of({"main": RetentionPolicy(6, rollback_margin=2)}) == {"main": chosen}
 
 
 def test_full_attention_keeps_everything_and_is_cached() -> None:
     full = FullAttention()
-    assert (full.window, full.kept, full.cacheable) == (None, None, True)
+    assert (full.releases, full.cacheable) == (False, True)
     assert full.released_after(0, 1000, 4) == 0
+    assert full.first_read(1000) == 0
+
+
+@pytest.mark.parametrize(("length", "expected"), [(0, 0), (5, 0), (6, 0), (7, 1), (20, 14)])
+def test_a_window_reads_its_last_w_tokens_whatever_its_margin(
+        length: int, expected: int) -> None:
+    # W1: the margin is kept (W15), not read
+    assert SlidingWindow(6, 2).first_read(length) == expected
+    assert SlidingWindow(6, 0).first_read(length) == expected
 
 
 @pytest.mark.parametrize(("released", "length", "expected"), [
