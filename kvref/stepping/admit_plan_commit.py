@@ -137,8 +137,8 @@ class Stepping:
         behaviour = self._table.behaviour
         for from_label, to_label in (*step.pre_forks, *step.post_forks):
             if behaviour(from_label) != behaviour(to_label):
-                # W5: a fork keeps the retention; a windowed source cannot
-                # give a full-attention target the tokens it released
+                # W5: a fork keeps the label's behaviour; a source that
+                # released tokens cannot give them to a target that reads them
                 raise InvalidArgumentError(
                     f"fork {from_label!r} -> {to_label!r} between labels of different "
                     "retention windows or rollback margins", label=to_label)
@@ -224,9 +224,8 @@ class Stepping:
                                padded: tuple[str, ...]) -> PreplanRefused | None:
         """R67: a fork gives its target its source's released prefix and pages
         (W5) only when it runs, after the views were built; so a preplan whose
-        forks name a label that releases (a windowed one), or whose windowed
-        stream a fork of the running step still has to write, is not planned
-        ahead."""
+        forks name a label that releases, or whose stream of such a label a
+        fork of the running step still has to write, is not planned ahead."""
         releases = self._table.behaviour
         why = None
         if any(releases(lb).releases for fk in (*step.pre_forks, *step.post_forks)
@@ -479,9 +478,9 @@ class Stepping:
             if length == 0:
                 continue  # nothing to attend to and nothing to write
             # sliced to the length: the stream may hold spare pages, and an
-            # unsliced view would report them as resident context. A windowed
-            # stream's view starts at its first retained page (W1, W4): its
-            # length is relative to that page, ``offset`` tokens in
+            # unsliced view would report them as resident context. A view
+            # starts at the stream's first retained page (W1, W4): its length
+            # is relative to that page, ``offset`` (released) tokens in
             off = stream.released
             # a preplan's view starts where the running step's commit leaves
             # the stream (``starts``): the pages before that are skipped
