@@ -74,6 +74,9 @@ class FullAttention:
     def first_read(self, length: int) -> int:
         return 0
 
+    def __str__(self) -> str:
+        return "full attention"
+
     def released_after(self, released: int, length: int, page_size: int) -> int:
         return released
 
@@ -96,6 +99,9 @@ class SlidingWindow:
 
     def first_read(self, length: int) -> int:
         return max(0, length - self.window_tokens)
+
+    def __str__(self) -> str:
+        return f"W = {self.window_tokens}" + (f", k = {self.margin}" if self.margin else "")
 
     def released_after(self, released: int, length: int, page_size: int) -> int:
         # every page wholly before the first kept token max(0, n - W - k)
