@@ -226,16 +226,16 @@ class Stepping:
         (W5) only when it runs, after the views were built; so a preplan whose
         forks name a label that releases, or whose stream of such a label a
         fork of the running step still has to write, is not planned ahead."""
-        releases = self._table.behaviour
+        behaviour = self._table.behaviour
         why = None
-        if any(releases(lb).releases for fk in (*step.pre_forks, *step.post_forks)
+        if any(behaviour(lb).releases for fk in (*step.pre_forks, *step.post_forks)
                for lb in fk):
             why = "its forks name a windowed label"
         running = self.running
         if why is None and running is not None:
             pending = (*running.step.post_forks,
                        *(running.step.pre_forks if not running.forked else ()))
-            targets = {(rid, to) for _, to in pending if releases(to).releases
+            targets = {(rid, to) for _, to in pending if behaviour(to).releases
                        for rid in running.padded}
             if any((seg.request_id, seg.label) in targets for seg in step.segments):
                 why = "a windowed stream it names is the target of a fork the running step " \
