@@ -36,6 +36,7 @@ from kvref import observation, validate
 from kvref.core.cache import KVCache
 from kvref.core.config import KVConfig, KVReqConfig, KVSpec
 from kvref.core.errors import KVRefError, StepInFlightError
+from kvref.core.labels import behaviours_of
 from kvref.core.page_pool import PagePool, ResetRefused
 from kvref.core.resource import CGSlotSpec, EngineResourceInfo, ProcessGroups
 from kvref.core.runtime import Runtime, default_runtime, monotonic, shared
@@ -120,11 +121,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
                                   leases=LeaseTable(cfg.publish_lease_s,
                                                     lambda: monotonic(runtime)),
                                   sharing=cfg.enable_prefix_caching,
-                                  windows={label: policy.context_budget
-                                           for label, policy in cfg.retention.items()},
-                                  margins={label: policy.rollback_margin
-                                           for label, policy in cfg.retention.items()
-                                           if policy.rollback_margin})
+                                  behaviours=behaviours_of(cfg.retention))
         # the manager's one lock, and the table every mechanism shares
         self._lock = self._table.lock
         self._streams = self._table.streams
@@ -457,10 +454,8 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
                                  label=label)
             got = self.kv_cache.gather_stream(stream.page_indices,
                                               stream.stored_len - stream.released)
-            window = self._table.window(label)
-            if window is None:
-                return got
-            first = max(0, stream.stored_len - window)
+            # W1: from the first token the label still reads (0: full attention)
+            first = self._table.behaviour(label).first_read(stream.stored_len)
             return got[:, first - stream.released:]
 
     # -- checks and teardown ---------------------------------------------------

@@ -305,6 +305,7 @@ PLANT_REGISTRIES = (
     "tests/concurrency/test_publish_races.py",
     "tests/conformance/test_page_pool_plants.py",
     "tests/conformance/test_feature_plants.py",
+    "tests/conformance/test_behaviour_plants.py",
     "tests/conformance/test_interaction_plants.py",
     "tests/model/test_mutations.py",
     "tests/unit/_plant_validate.py",
@@ -317,6 +318,7 @@ def _plants() -> dict[str, set[str]]:
     """Every planted bug's name, by the file that registers it."""
     from kvref.testing.vllm_plants import PLANTS as VLLM
     from tests.concurrency.test_publish_races import PLANTED
+    from tests.conformance.test_behaviour_plants import PLANTS as BEHAVIOURS
     from tests.conformance.test_feature_plants import PLANTS as FEATURES
     from tests.conformance.test_interaction_plants import FOUND_AT
     from tests.conformance.test_mutations import MUTANTS
@@ -333,6 +335,7 @@ def _plants() -> dict[str, set[str]]:
         "tests/concurrency/test_publish_races.py": set(PLANTED),
         "tests/conformance/test_page_pool_plants.py": set(POOL),
         "tests/conformance/test_feature_plants.py": set(FEATURES),
+        "tests/conformance/test_behaviour_plants.py": set(BEHAVIOURS),
         "tests/conformance/test_interaction_plants.py": {
             n.split("@")[0] for n in FOUND_AT},
         "tests/model/test_mutations.py": model_mutants,

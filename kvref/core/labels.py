@@ -1,14 +1,17 @@
 """What a label's attention type decides: one object per label.
 
 Each label of a `KVConfig` is full attention, or a sliding window with a
-rollback margin (`KVConfig.retention`, specs/retention.md). The decisions that
-differ between the two (what a commit keeps and releases, whether a fork may
-join two labels, whether the label's pages are cached or hit) are asked of
-the label's `LabelBehaviour`, chosen once from the config by `behaviour_of`,
-instead of branching on "is there a window" at each call. A new attention
-type is one new class here. The idea follows vLLM v1's per-attention-type
-KV managers (FullAttentionManager, SlidingWindowManager); the rules are
-kvref's own (W2, W5, W9, W10, W15).
+rollback margin (`KVConfig.retention`, specs/retention.md). Everything that
+differs between the two is asked of the label's `LabelBehaviour`, chosen
+once from the config by `behaviour_of`: which tokens attention still reads
+at a length (W1), what a commit releases (W2, W15), whether the label ever
+releases (so a fork moves a released prefix when it runs, R67, and a
+publish waits on a commit, R70), and whether its pages are cached (W9,
+W10). The mechanisms (admission, plan, commit, forks, offload, retrieve)
+work on a stream's ``released`` prefix and never ask which type a label
+is, so a new attention type is one new class here. The idea follows vLLM
+v1's per-attention-type KV managers (FullAttentionManager,
+SlidingWindowManager); the rules are kvref's own.
 
 Core: imports nothing above `kvref.core`.
 """
@@ -23,16 +26,18 @@ from kvref.core.config import RetentionPolicy
 
 
 class LabelBehaviour(Protocol):
-    """The per-label decisions mechanisms ask of a label's attention type."""
+    """The per-label decisions mechanisms ask of a label's attention type.
+
+    Compared with ``==``: a fork joins two labels only where their
+    behaviours are equal (W5), so an implementation is a value (a frozen
+    dataclass)."""
 
     @property
-    def window(self) -> int | None:
-        """The retention window W in tokens, or None (every token is kept)."""
-        ...
-
-    @property
-    def kept(self) -> int | None:
-        """Tokens a commit keeps, W plus the rollback margin (W15), or None."""
+    def releases(self) -> bool:
+        """Whether a commit may ever release pages (``released_after`` may
+        grow). A label that does has a released prefix a fork moves only
+        when it runs (R67), and a commit a publish waits on (R70); a cache
+        whose labels never release skips those questions altogether."""
         ...
 
     @property
@@ -41,9 +46,16 @@ class LabelBehaviour(Protocol):
         prefix cache (W9, W10: a window's released prefix cannot be hit)."""
         ...
 
+    def first_read(self, length: int) -> int:
+        """The first token attention reads for the next token of a stream
+        ``length`` long (W1): the front of what a read, a truncate (W6) or
+        a received publication (W16) must still hold."""
+        ...
+
     def released_after(self, released: int, length: int, page_size: int) -> int:
-        """The released token count once a commit leaves the stream ``length``
-        long (W2): never less than ``released`` (a truncate keeps it)."""
+        """The released token count, whole pages from the front, once a
+        commit leaves the stream ``length`` long (W2): never less than
+        ``released`` (a truncate keeps it)."""
         ...
 
 
@@ -52,16 +64,18 @@ class FullAttention:
     """Every token stays resident until the request goes."""
 
     @property
-    def window(self) -> int | None:
-        return None
-
-    @property
-    def kept(self) -> int | None:
-        return None
+    def releases(self) -> bool:
+        return False
 
     @property
     def cacheable(self) -> bool:
         return True
+
+    def first_read(self, length: int) -> int:
+        return 0
+
+    def __str__(self) -> str:
+        return "full attention"
 
     def released_after(self, released: int, length: int, page_size: int) -> int:
         return released
@@ -69,35 +83,31 @@ class FullAttention:
 
 @dataclass(frozen=True)
 class SlidingWindow:
-    """The last ``window`` tokens stay, ``margin`` more so a speculative
-    step's rejected drafts may be truncated (W15)."""
+    """The last ``window_tokens`` tokens are read; a commit keeps ``margin``
+    more so a speculative step's rejected drafts may be truncated (W15)."""
 
     window_tokens: int
     margin: int = 0
 
     @property
-    def window(self) -> int | None:
-        return self.window_tokens
-
-    @property
-    def kept(self) -> int | None:
-        return self.window_tokens + self.margin
+    def releases(self) -> bool:
+        return True
 
     @property
     def cacheable(self) -> bool:
         return False
 
+    def first_read(self, length: int) -> int:
+        return max(0, length - self.window_tokens)
+
+    def __str__(self) -> str:
+        return f"W = {self.window_tokens}" + (f", k = {self.margin}" if self.margin else "")
+
     def released_after(self, released: int, length: int, page_size: int) -> int:
-        return window_released_after(released, length, self.window_tokens + self.margin,
-                                     page_size)
-
-
-def window_released_after(released: int, length: int, keep: int, page_size: int) -> int:
-    """A windowed stream's released count once a commit leaves it ``length``
-    long, keeping ``keep`` tokens (W plus its rollback margin): every page
-    wholly before ``max(0, length - keep)`` (W2, W15), and never less than
-    ``released`` (a truncate keeps it). The one statement of the rule."""
-    return max(released, max(0, length - keep) // page_size * page_size)
+        # every page wholly before the first kept token max(0, n - W - k)
+        # goes (W2, W15); the page holding that token stays
+        first_kept = max(0, length - self.window_tokens - self.margin)
+        return max(released, first_kept // page_size * page_size)
 
 
 FULL_ATTENTION = FullAttention()
@@ -111,10 +121,7 @@ def behaviour_of(retention: Mapping[str, RetentionPolicy], label: str) -> LabelB
     return SlidingWindow(policy.context_budget, policy.rollback_margin)
 
 
-def behaviour_from(windows: Mapping[str, int], margins: Mapping[str, int],
-                   label: str) -> LabelBehaviour:
-    """The same choice from the table's label -> W and label -> k maps."""
-    w = windows.get(label)
-    if w is None:
-        return FULL_ATTENTION
-    return SlidingWindow(w, margins.get(label, 0))
+def behaviours_of(retention: Mapping[str, RetentionPolicy]) -> dict[str, LabelBehaviour]:
+    """Every label ``KVConfig.retention`` names, with its behaviour; a label
+    absent from the result is full attention (`StreamTable.behaviour`)."""
+    return {label: behaviour_of(retention, label) for label in retention}

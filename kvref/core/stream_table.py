@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from kvref.core.config import KVReqConfig
 from kvref.core.errors import UnknownRequestError
-from kvref.core.labels import LabelBehaviour, behaviour_from, window_released_after
+from kvref.core.labels import FULL_ATTENTION, LabelBehaviour
 from kvref.core.page_pool import PagePool
 from kvref.core.runtime import Runtime
 from kvref.core.streams import CacheStream
@@ -36,11 +36,6 @@ Key = tuple[str, str]  # (request id, label)
 def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
-
-
-# the window's release rule (W2) is stated once, with the label behaviours;
-# the commit, a preplan's projection of it (R67) and a retrieve (W16) ask it here
-released_after = window_released_after
 
 
 class PublishLeases(Protocol):
@@ -73,37 +68,32 @@ class StreamTable:
     # KVConfig.enable_prefix_caching: forks share full pages and the prefix
     # cache is on; off, every page has one holder, as before sharing
     sharing: bool = True
-    # KVConfig.retention: label -> window W in tokens (issue 19); absent: full
-    windows: dict[str, int] = field(default_factory=dict)
-    # label -> RetentionPolicy.rollback_margin k, where not 0: a commit keeps
-    # W + k tokens so a truncate of k stays legal (W15)
-    margins: dict[str, int] = field(default_factory=dict)
+    # label -> its attention type (`kvref.core.labels`, from
+    # KVConfig.retention); a label absent is full attention
+    behaviours: dict[str, LabelBehaviour] = field(default_factory=dict)
     # some stream's `tail_maybe_shared` was ever set (only a truncate into a
     # page sets it): never cleared, so False proves every stream's is False
     # and a decode step's admit skips the per-stream test (issue 28)
     tails_maybe_shared: bool = False
 
     def behaviour(self, label: str) -> LabelBehaviour:
-        """The label's attention type: what its commits keep, its forks join
-        and whether its pages are cached (`kvref.core.labels`)."""
-        return behaviour_from(self.windows, self.margins, label)
+        """The label's attention type: what its commits release, which
+        tokens it reads, its forks join and whether its pages are cached."""
+        return self.behaviours.get(label, FULL_ATTENTION)
 
-    def window(self, label: str) -> int | None:
-        """The label's retention window W, or None (full attention)."""
-        return self.windows.get(label)
-
-    def kept(self, label: str) -> int | None:
-        """The tokens a commit keeps for the label, W plus its rollback margin
-        k (W15), or None (full attention: it keeps every token)."""
-        return self.behaviour(label).kept
+    @property
+    def releasing(self) -> bool:
+        """Whether some label's commits may release pages: False (most
+        caches), a step skips every release question."""
+        return any(b.releases for b in self.behaviours.values())
 
     def retire(self, key: Key, stream: CacheStream) -> int:
-        """W2: release every page of a windowed stream that lies wholly before
-        the first token it keeps ``f = max(0, n - W - k)`` (n its committed
-        length, W4: from ``stored_len``, which ``position`` mirrors). Slot i
-        goes iff ``(i + 1) * ps <= f``; the page holding token f stays. The
-        released slots leave the front of ``page_indices`` (which holds slot
-        ``released // ps`` onward) and ``released`` counts their tokens.
+        """W2: release the pages the label's behaviour lets go of once the
+        stream holds ``n`` committed tokens (W4: from ``stored_len``, which
+        ``position`` mirrors; a sliding window: every page wholly before the
+        first token it keeps). The released slots leave the front of
+        ``page_indices`` (which holds slot ``released // ps`` onward) and
+        ``released`` counts their tokens.
         Only live pages are listed, each once, tail first (W7); a page a fork
         shares stays with its other holders. Returns the pages freed."""
         ps = self.page_size

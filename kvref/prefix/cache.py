@@ -201,7 +201,7 @@ def _one_page_each(table: StreamTable, calls: Sequence[object],
     if not table.sharing or not calls:
         return None
     streams_of = table.streams
-    windows = table.windows
+    behaviour = table.behaviour
     fields = _PAGE_FIELDS.get(ps)
     if fields is None:
         fields = _PAGE_FIELDS[ps] = (prefix_hash.page_packer(ps),
@@ -230,7 +230,7 @@ def _one_page_each(table: StreamTable, calls: Sequence[object],
         chain = stream.keys
         done = len(chain)
         if start != done * ps or start + ps > stream.stored_len or (
-                windows and label in windows):
+                not behaviour(label).cacheable):
             return None
         if fork_targets and (rid, label) in fork_targets:
             return None

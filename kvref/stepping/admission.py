@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn, Protocol
 
 from kvref import validate
-from kvref.core.stream_table import released_after
+from kvref.core.labels import LabelBehaviour
 from kvref.core.streams import CacheStream
 from kvref.stepping.step import (
     AdmitFailedReason,
@@ -35,6 +35,8 @@ from kvref.stepping.step import (
 
 Key = tuple[str, str]  # (request id, label)
 Table = Mapping[str, MutableMapping[str, CacheStream]]
+# label -> its attention type (`StreamTable.behaviour`)
+Behaviours = Callable[[str], LabelBehaviour]
 
 IDLE, PENDING, FAILED = "idle", "pending", "failed"
 
@@ -105,35 +107,36 @@ def leased_fork_target(step: KVStep, padded: tuple[str, ...],
 
 
 def releases_published(step: KVStep, table: Table, settled: Mapping[Key, int],
-                       kept: Callable[[str], int | None], page_size: int, rid: str) -> bool:
-    """R70: whether ``step``'s commit would release a page of a windowed
-    stream of ``rid`` that holds committed tokens (a page a publish names),
-    from the lengths ``settled`` (a preplan's, R41) or the stream's own."""
+                       behaviour: Behaviours, page_size: int, rid: str) -> bool:
+    """R70: whether ``step``'s commit would release a page of a stream of
+    ``rid`` that holds committed tokens (a page a publish names), from the
+    lengths ``settled`` (a preplan's, R41) or the stream's own."""
     if not step.commit:
         return False  # it keeps no tokens, so its commit releases nothing
     for seg in step.segments:
-        if seg.request_id != rid or not seg.span or (keep := kept(seg.label)) is None:
+        if seg.request_id != rid or not seg.span:
             continue
         stream = table.get(rid, {}).get(seg.label)
         if stream is None:
             continue
         n = settled.get((rid, seg.label), stream.stored_len)
-        released = released_after(stream.released, n, keep, page_size)
-        after = released_after(released, n + seg.span, keep, page_size)
+        label = behaviour(seg.label)
+        released = label.released_after(stream.released, n, page_size)
+        after = label.released_after(released, n + seg.span, page_size)
         if min(after, pages_for(n, page_size) * page_size) > released:
             return True
     return False
 
 
-def leased_window(step: KVStep, table: Table, settled: Mapping[Key, int],
-                  kept: Callable[[str], int | None], page_size: int,
-                  leased: Callable[[str], bool]) -> PublishLeased | None:
+def leased_release(step: KVStep, table: Table, settled: Mapping[Key, int],
+                   behaviour: Behaviours, page_size: int,
+                   leased: Callable[[str], bool]) -> PublishLeased | None:
     """R70: the step's commit would release window pages (W2) of a leased
     request, pages a peer may still be copying; across processes nothing
     else tells the peer, so the step waits for the lease to end, as a fork
     over it does (R50)."""
     for rid in dict.fromkeys(seg.request_id for seg in step.segments if seg.span):
-        if leased(rid) and releases_published(step, table, settled, kept, page_size, rid):
+        if leased(rid) and releases_published(step, table, settled, behaviour, page_size, rid):
             return PublishLeased(
                 message=f"the step's commit would release window pages of {rid!r}, whose "
                         "publication a peer still holds: retry after release_published "
@@ -275,7 +278,7 @@ def misuse(table: Table, step: KVStep, padded: tuple[str, ...], max_seq_len: int
 def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[Key, None],
             page_size: int, free: int, settled: Mapping[Key, int] | None = None,
             sharing: Sharing | None = None, copy_forks: bool = False,
-            kept: Callable[[str], int | None] | None = None
+            behaviour: Behaviours | None = None
             ) -> Grant | AllocationFailed:
     """Pages per stream: the most its length reaches while the step runs, the
     forks applied in list order (a chain a->b, b->c copies a's tokens onward;
@@ -297,9 +300,9 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
     Pages, not slots: a windowed stream's released slots hold none (W1), so
     each length is counted past the released prefix the stream has when it
     reaches it: its own, or a fork target's from its source (W5), which a
-    copy or a share fills and no more. ``kept`` (`StreamTable.kept`) says
-    what a commit's release leaves a windowed source before its post-forks
-    run (W2); without it the count is the larger one from before the
+    copy or a share fills and no more. ``behaviour`` (`StreamTable.behaviour`)
+    says what a commit's release leaves a source before its post-forks run
+    (W2); without it (no label releases) the count is from before any
     release. A fork target's own released slots are no pages it holds, in
     either sharing setting (issue 27: a fork of a W=7 stream at 400 tokens
     reserved 101 pages, and a post-fork onto a target that had released
@@ -356,11 +359,11 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
                  for g in step.segments}
         length.update(grown)
         for g in step.segments:
-            keep = kept(g.label) if kept is not None and g.span else None
-            if keep is not None:  # the commit's release (W2), before post-forks copy
+            if behaviour is not None and g.span:
+                # the commit's release (W2), before post-forks copy
                 key = (g.request_id, g.label)
-                off[key] = released_after(off_of(key) * page_size, length[key], keep,
-                                          page_size) // page_size
+                off[key] = behaviour(g.label).released_after(
+                    off_of(key) * page_size, length[key], page_size) // page_size
     fork(tuple(step.post_forks))
     for key in keys:
         want.setdefault(key, 0)

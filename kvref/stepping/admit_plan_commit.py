@@ -26,7 +26,7 @@ from kvref.core.errors import (
     StepNotAdmittedError,
     StepOrderError,
 )
-from kvref.core.stream_table import Key, StreamTable, released_after
+from kvref.core.stream_table import Key, StreamTable
 from kvref.core.streams import CacheStream
 from kvref.stepping import admission
 from kvref.stepping.decode_table import DecodeTable
@@ -92,10 +92,12 @@ class Stepping:
         # a plain step (no forks, no preplan: every decode step) with nothing
         # admitted or staged goes to admission.plain_grant, which checks the
         # lengths in its one pass
-        # (nor a step over a leased request's window: R70 asks of it below)
+        # (nor a step whose commit may release a leased request's pages: R70
+        # asks of it below)
+        releasing = self._table.releasing
         plain = staged is None and running is None and not (
             ctx.is_preplan or step.pre_forks or step.post_forks or step.combined_labels
-        ) and not (self._table.windows and self._table.leases.leased())
+        ) and not (releasing and self._table.leases.leased())
         settled: dict[Key, int] = {}
         if ctx.is_preplan and running is not None:
             # R41: step N+1 is planned while step N runs, from the lengths N
@@ -136,15 +138,14 @@ class Stepping:
             )
         all_streams = self._table.streams
         padded = tuple(ctx.padded_request_ids)
-        windows = self._table.windows
-        if windows:
-            for from_label, to_label in (*step.pre_forks, *step.post_forks):
-                if self._table.behaviour(from_label) != self._table.behaviour(to_label):
-                    # W5: a fork keeps the retention; a windowed source cannot
-                    # give a full-attention target the tokens it released
-                    raise InvalidArgumentError(
-                        f"fork {from_label!r} -> {to_label!r} between labels of different "
-                        "retention windows or rollback margins", label=to_label)
+        behaviour = self._table.behaviour
+        for from_label, to_label in (*step.pre_forks, *step.post_forks):
+            if behaviour(from_label) != behaviour(to_label):
+                # W5: a fork keeps the label's behaviour; a source that
+                # released tokens cannot give them to a target that reads them
+                raise InvalidArgumentError(
+                    f"fork {from_label!r} -> {to_label!r} between labels of different "
+                    "retention windows or rollback margins", label=to_label)
         free = self._table.pages.num_free
         sharing = self._table if self._table.sharing else None
         if plain:
@@ -159,37 +160,32 @@ class Stepping:
             return ADMIT_OK
         validate.step_streams(all_streams, step, padded)
         # refusals after every misuse is ruled out (an unknown request first)
-        if ctx.is_preplan and windows:
-            unwindowed = self._window_forks_pending(step, padded, windows)
-            if unwindowed is not None:
-                return AdmitOutcome(ok=False, reason=unwindowed)
+        if ctx.is_preplan and releasing:
+            unplanned = self._release_forks_pending(step, padded)
+            if unplanned is not None:
+                return AdmitOutcome(ok=False, reason=unplanned)
         if ctx.is_preplan and self._table.sharing:
             unplannable = self._views_would_move(step, padded, settled)
             if unplannable is not None:
                 return AdmitOutcome(ok=False, reason=unplannable)
         keys = admission.named_keys(step, padded)
         refused = admission.refusal(all_streams, keys) or admission.leased_fork_target(
-            step, padded, self._table.leases.held) or (admission.leased_window(
-                step, all_streams, settled, self._table.kept, self._table.page_size,
-                self._table.leases.held) if windows else None)
+            step, padded, self._table.leases.held) or (admission.leased_release(
+                step, all_streams, settled, behaviour, self._table.page_size,
+                self._table.leases.held) if releasing else None)
         if refused is not None:
             return AdmitOutcome(ok=False, reason=refused)
         grant = admission.reserve(all_streams, step, padded, keys,
                                   self._table.page_size, free, settled, sharing,
                                   copy_forks=ctx.is_preplan,
-                                  kept=self._table.kept if windows else None)
+                                  behaviour=behaviour if releasing else None)
         if isinstance(grant, AdmitFailedReason):
             return AdmitOutcome(ok=False, reason=grant)
         created = self._apply(grant)
         if ctx.is_preplan:
             basis = {k: settled[k] for k in keys if k in settled}
-            # R67: a windowed stream is planned as the running step's commit
-            # leaves it, released pages gone, so no view names one of them
-            ps, kept = self._table.page_size, self._table.kept
-            released = {k: released_after(all_streams[k[0]][k[1]].released, n, keep, ps)
-                        for k, n in basis.items() if (keep := kept(k[1])) is not None}
             self.preplan = StagedPreplan(step, ctx, created, list(keys), basis=basis,
-                                         released=released)
+                                         released=projected_released(self._table, basis))
         else:
             self.running = RunningStep(step, padded, set(created))
         return ADMIT_OK
@@ -226,20 +222,23 @@ class Stepping:
         return PreplanRefused(message=f"not preplanned with shared pages: {why}; admit it "
                                       "once the running step committed")
 
-    def _window_forks_pending(self, step: KVStep, padded: tuple[str, ...],
-                              windows: Mapping[str, int]) -> PreplanRefused | None:
+    def _release_forks_pending(self, step: KVStep,
+                               padded: tuple[str, ...]) -> PreplanRefused | None:
         """R67: a fork gives its target its source's released prefix and pages
         (W5) only when it runs, after the views were built; so a preplan whose
-        forks name a windowed label, or whose windowed stream a fork of the
-        running step still has to write, is not planned ahead."""
+        forks name a label that releases, or whose stream of such a label a
+        fork of the running step still has to write, is not planned ahead."""
+        behaviour = self._table.behaviour
         why = None
-        if any(lb in windows for fk in (*step.pre_forks, *step.post_forks) for lb in fk):
+        if any(behaviour(lb).releases for fk in (*step.pre_forks, *step.post_forks)
+               for lb in fk):
             why = "its forks name a windowed label"
         running = self.running
         if why is None and running is not None:
             pending = (*running.step.post_forks,
                        *(running.step.pre_forks if not running.forked else ()))
-            targets = {(rid, to) for _, to in pending if to in windows for rid in running.padded}
+            targets = {(rid, to) for _, to in pending if behaviour(to).releases
+                       for rid in running.padded}
             if any((seg.request_id, seg.label) in targets for seg in step.segments):
                 why = "a windowed stream it names is the target of a fork the running step " \
                       "has still to apply"
@@ -279,21 +278,22 @@ class Stepping:
         return staged is not None and rid in staged.ctx.padded_request_ids and bool(
             staged.step.pre_forks or staged.step.post_forks)
 
-    def window_pending(self, rid: str) -> bool:
-        """Whether the running or the staged step's commit would release window
-        pages of ``rid`` holding committed tokens (the staged one from the
-        lengths the running step leaves, R41): `publish` waits for it (R70).
-        Called under the table's lock."""
-        if not self._table.windows:
+    def release_pending(self, rid: str) -> bool:
+        """Whether the running or the staged step's commit would release
+        pages of ``rid`` holding committed tokens (a window's, W2; the staged
+        one from the lengths the running step leaves, R41): `publish` waits
+        for it (R70). Called under the table's lock."""
+        if not self._table.releasing:
             return False
         running, staged = self.running, self.preplan
-        streams, kept, ps = self._table.streams, self._table.kept, self._table.page_size
+        streams, ps = self._table.streams, self._table.page_size
+        behaviour = self._table.behaviour
         if running is not None and admission.releases_published(
-                running.step, streams, {}, kept, ps, rid):
+                running.step, streams, {}, behaviour, ps, rid):
             return True
         settled = settled_lengths(streams, running) if running is not None else {}
         return staged is not None and admission.releases_published(
-            staged.step, streams, settled, kept, ps, rid)
+            staged.step, streams, settled, behaviour, ps, rid)
 
     def copy_on_write(self, rid: str, label: str) -> None:
         """Make the stream's shared last page private (`Forks.copy_on_write`),
@@ -499,9 +499,9 @@ class Stepping:
             if length == 0:
                 continue  # nothing to attend to and nothing to write
             # sliced to the length: the stream may hold spare pages, and an
-            # unsliced view would report them as resident context. A windowed
-            # stream's view starts at its first retained page (W1, W4): its
-            # length is relative to that page, ``offset`` tokens in
+            # unsliced view would report them as resident context. A view
+            # starts at the stream's first retained page (W1, W4): its length
+            # is relative to that page, ``offset`` (released) tokens in
             off = stream.released
             # a preplan's view starts where the running step's commit leaves
             # the stream (``starts``): the pages before that are skipped
@@ -585,19 +585,18 @@ class Stepping:
                 "the stream was offloaded mid-step",
                 self._name, seg.span, seg.request_id, seg.label,
             )
-        windows = self._table.windows
-        if windows and step.commit:
+        if self._table.releasing and step.commit:
             for seg, stream in zip(segments, streams, strict=True):
-                if seg.span and seg.label in windows and not stream.offloaded:
-                    # W2: a windowed stream lets go of what fell out of its window
+                if seg.span and not stream.offloaded:
+                    # the label's behaviour lets go of what it no longer keeps (W2)
                     self._table.retire((seg.request_id, seg.label), stream)
 
     def _add_spans(self, step: KVStep, streams: list[CacheStream] | None) -> None:
         """``streams``: the segments' streams, as a plain admit found them."""
         all_streams = self._table.streams
-        # asked once per commit, not per segment: most caches window nothing,
-        # and this loop runs for every request of every decode step
-        windows = self._table.windows
+        # asked once per commit, not per segment: most caches release
+        # nothing, and this loop runs for every request of every decode step
+        releasing = self._table.releasing
         for i, seg in enumerate(step.segments):
             span = seg.span
             if not span:
@@ -613,9 +612,24 @@ class Stepping:
                 )
                 continue
             stream.append_tokens(span)  # W4: the next token's position moves with it
-            if windows and seg.label in windows:
-                # W2: a windowed stream lets go of what fell out of its window
+            if releasing:
+                # W2: the label's behaviour lets go of what it no longer keeps
                 self._table.retire((seg.request_id, seg.label), stream)
+
+
+def projected_released(table: StreamTable, basis: Mapping[Key, int]) -> dict[Key, int]:
+    """R67: the released count of each stream of a preplan's ``basis`` that
+    releases, as the running step's commit leaves it (its length there), so
+    the preplan's views start past the pages that commit lets go of."""
+    if not table.releasing:
+        return {}
+    ps, streams = table.page_size, table.streams
+    projected = {}
+    for key, n in basis.items():
+        behaviour = table.behaviour(key[1])
+        if behaviour.releases:
+            projected[key] = behaviour.released_after(streams[key[0]][key[1]].released, n, ps)
+    return projected
 
 
 def _stale(key: Key, planned: int, holds: int | None) -> PreplanStale:

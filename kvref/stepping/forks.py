@@ -102,7 +102,7 @@ class Forks:
         created.discard((rid, to_label))  # a fork wrote it: a source from here on
         # sized off the source's length, not either side's page count: both
         # may hold spare pages, and copying those made the copy lopsided
-        # retained slots only: a windowed source's released ones hold no page
+        # retained slots only: the source's released ones hold no page
         n = pages_for(src.stored_len, self._table.page_size) - (
             src.released // self._table.page_size)
         sharing = self._table.sharing and not copy
@@ -123,7 +123,7 @@ class Forks:
                 # trustworthy, so it is emptied rather than left torn (R26)
                 self._emptied(rid, to_label, dst)
                 raise ForkFailed() from err
-        # W5: the target inherits the window's state (its released prefix and
+        # W5: the target inherits the retention state (its released prefix and
         # the position the next commit's release is worked out from)
         dst.fork_from(src, src.space or from_label, self._table.page_size)
 

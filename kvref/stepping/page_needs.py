@@ -31,6 +31,6 @@ def step_pages(table: StreamTable, step: KVStep, ctx: StepContext, max_seq_len: 
     grant = admission.reserve(table.streams, step, padded, keys, table.page_size,
                               free=sys.maxsize, sharing=table if table.sharing else None,
                               copy_forks=ctx.is_preplan,
-                              kept=table.kept if table.windows else None)
+                              behaviour=table.behaviour if table.releasing else None)
     assert isinstance(grant, admission.Grant), "no step needs more than sys.maxsize pages"
     return grant.new_pages

@@ -91,8 +91,9 @@ class StagedPreplan:
     # lengths that step leaves once committed as admitted; what this step
     # was reserved and planned from, and what promotion checks (R42)
     basis: dict[Key, int] = field(default_factory=dict)
-    # the windowed streams of its basis: the released count the running
-    # step's commit leaves (`stream_table.released_after`), where its views start (R67)
+    # the streams of its basis whose label releases: the released count the
+    # running step's commit leaves (`projected_released`), where its views
+    # start (R67)
     released: dict[Key, int] = field(default_factory=dict)
     shape: StepShape = field(init=False)
 
@@ -169,7 +170,7 @@ def settled_table(streams: Table, settled: Mapping[Key, int]
 
 def stale(streams: Table, staged: StagedPreplan) -> Key | None:
     """The first stream the staged preplan shares with the step it was built
-    over that no longer holds the length (or, windowed, the released count)
+    over that no longer holds the length (or the projected released count)
     it was built from; None when it may be promoted (R42, R67). Its marks
     kept every other change out (R2, R5, R14)."""
     released = staged.released

@@ -46,13 +46,14 @@ def truncate(table: StreamTable, rid: str, label: str, new_len: int) -> int:
     if new_len > stream.stored_len:
         raise InvalidArgumentError(f"truncate to {new_len} tokens; the stream holds "
                                    f"{stream.stored_len}", request_id=rid, label=label)
-    window = table.window(label)
-    if window is not None and max(0, new_len - window) < stream.released:
-        # W6: the new length's window would reach into released tokens
+    behaviour = table.behaviour(label)
+    first = behaviour.first_read(new_len)
+    if first < stream.released:
+        # W6: at the new length attention would read released tokens
         raise ReleasedPrefixError(
-            f"truncate to {new_len} tokens: its window of {window} would start at "
-            f"{max(0, new_len - window)}, before the {stream.released} tokens already "
-            "released", request_id=rid, label=label)
+            f"truncate to {new_len} tokens: its window ({behaviour}) would start at "
+            f"{first}, before the {stream.released} tokens already released",
+            request_id=rid, label=label)
     if new_len == stream.stored_len:
         # nothing to cut: the spare pages stay for the next step (R39)
         return 0

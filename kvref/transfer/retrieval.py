@@ -19,7 +19,7 @@ from kvref.core.errors import (
     StepInFlightError,
 )
 from kvref.core.steps import StepForks
-from kvref.core.stream_table import StreamTable, pages_for, released_after
+from kvref.core.stream_table import StreamTable, pages_for
 from kvref.core.streams import CacheStream
 from kvref.stepping import admission
 from kvref.stepping.plan import SINK_PAGE
@@ -91,7 +91,7 @@ class Retrieval:
                 refused = ForkPending(
                     message="a running or staged step still forks onto this request: "
                             "publish once it committed", request_id=request_id)
-            if refused is None and self._stepping.window_pending(request_id):
+            if refused is None and self._stepping.release_pending(request_id):
                 # that commit would release pages the lease would name (R70)
                 refused = WindowPending(
                     message="a running or staged step's commit releases window pages of "
@@ -312,11 +312,9 @@ class Retrieval:
         most of its own, the peer's, and what a commit to ``seq_len`` would
         release (equal to the peer's when both share a retention config)."""
         own = stream.released if stream is not None else 0
-        keep = self._table.kept(label)
-        if keep is None:
-            return own
-        return released_after(max(own, info.released), info.seq_len, keep,
-                              self._table.page_size)
+        # the peer's: 0 unless this label releases (checked, W16)
+        return self._table.behaviour(label).released_after(
+            max(own, info.released), info.seq_len, self._table.page_size)
 
     def _kept(self, stream: CacheStream | None, released: int) -> list[int]:
         """The stream's pages of slots still retained at `released`."""
@@ -347,15 +345,14 @@ class Retrieval:
             raise PublishedInfoError(
                 f"published released={released!r}: whole pages of {page_size}, at most "
                 f"seq_len {info.seq_len}", request_id=rid, label=label)
-        w = self._table.window(label)
-        first = 0 if w is None else max(0, info.seq_len - w)
+        behaviour = self._table.behaviour(label)
+        first = behaviour.first_read(info.seq_len)
         if released > first:
-            # the peer let go of tokens this label's window (all of them, for
-            # full attention) still reads: another retention config (W16)
+            # the peer let go of tokens this label (all of them, for full
+            # attention) still reads: another retention config (W16)
             raise PublishedInfoError(
                 f"published {info.seq_len} tokens with the first {released} released; "
-                f"this label's window starts at {first} "
-                f"({'full attention' if w is None else f'W = {w}'})",
+                f"this label's window starts at {first} ({behaviour})",
                 request_id=rid, label=label)
         if len(info.page_indices) < pages_for(info.seq_len, page_size) - released // page_size:
             raise PublishedInfoError(

@@ -357,10 +357,10 @@ def test_kvref_without_r70_is_found_by_these_traces(half: str,
     from kvref.stepping.admit_plan_commit import Stepping
     from kvref.testing.exhaustive import Mismatch
     if half == "admit":
-        monkeypatch.setattr(admission, "leased_window", lambda *args: None)
+        monkeypatch.setattr(admission, "leased_release", lambda *args: None)
         trace = [*TO_THREE, m.Publish(0), m.Admit(ONE_MORE), m.Commit()]
     else:
-        monkeypatch.setattr(Stepping, "window_pending", lambda self, rid: False)
+        monkeypatch.setattr(Stepping, "release_pending", lambda self, rid: False)
         trace = [*TO_THREE, m.Admit(ONE_MORE), m.Publish(0), m.Commit()]
     with pytest.raises(Mismatch, match="PublishLeased" if half == "admit" else "WindowPending"):
         replay(trace, ALL_WINDOWED)

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
-from kvref.core.stream_table import Key, StreamTable, released_after
+from kvref.core.labels import LabelBehaviour, SlidingWindow
+from kvref.core.stream_table import Key, StreamTable
 from kvref.core.streams import CacheStream
 from kvref.manager import KVManager
 from kvref.offload.calls import EvictionCalls
@@ -138,17 +139,24 @@ def fork_keeps_the_targets_key_chain(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Forks, "apply", bad)
 
 
+def window_of(table: StreamTable, label: str) -> int | None:
+    """The label's window W, where it is a sliding window: what these plants
+    work their own, wrong, release out from."""
+    behaviour: LabelBehaviour = table.behaviour(label)
+    return behaviour.window_tokens if isinstance(behaviour, SlidingWindow) else None
+
+
 def window_pages_cached(mp: pytest.MonkeyPatch) -> None:
     """(a) vLLM 42948: cache_prefix registers a windowed label's pages (W9
     off), so the window's release leaves them on the LRU as cached."""
     orig = prefix_cache.cache_prefix
 
     def bad(table: StreamTable, rid: str, label: str, tokens: object, start: int = 0) -> int:
-        windows, table.windows = table.windows, {}
+        behaviours, table.behaviours = table.behaviours, {}
         try:
             return orig(table, rid, label, tokens, start)  # type: ignore[arg-type]
         finally:
-            table.windows = windows
+            table.behaviours = behaviours
 
     mp.setattr(prefix_cache, "cache_prefix", bad)
 
@@ -175,7 +183,7 @@ def stale_window(mp: pytest.MonkeyPatch) -> None:
         dst.position = position
 
     def retire(self: StreamTable, key: Key, stream: CacheStream) -> int:
-        w = self.windows.get(key[1])
+        w = window_of(self, key[1])
         if w is None:
             return 0
         ps = self.page_size
@@ -248,7 +256,7 @@ def off_by_one_at_the_window(mp: pytest.MonkeyPatch) -> None:
     token f (ceil(f / ps) slots, not f // ps): token f is gone (W2 off)."""
 
     def retire(self: StreamTable, key: Key, stream: CacheStream) -> int:
-        w = self.windows.get(key[1])
+        w = window_of(self, key[1])
         if w is None:
             return 0
         ps = self.page_size
@@ -270,11 +278,13 @@ def margin_ignored(mp: pytest.MonkeyPatch) -> None:
     orig = StreamTable.retire
 
     def retire(self: StreamTable, key: Key, stream: CacheStream) -> int:
-        margins, self.margins = self.margins, {}
+        behaviours = self.behaviours
+        self.behaviours = {lb: SlidingWindow(w, 0) if (w := window_of(self, lb)) else b
+                           for lb, b in behaviours.items()}
         try:
             return orig(self, key, stream)
         finally:
-            self.margins = margins
+            self.behaviours = behaviours
 
     mp.setattr(StreamTable, "retire", retire)
 
@@ -286,12 +296,14 @@ def margin_counted_as_window(mp: pytest.MonkeyPatch) -> None:
     orig = truncation.truncate
 
     def truncate(table: StreamTable, rid: str, label: str, new_len: int) -> int:
-        windows = table.windows
-        table.windows = {lb: w + table.margins.get(lb, 0) for lb, w in windows.items()}
+        behaviours = table.behaviours
+        table.behaviours = {lb: SlidingWindow(b.window_tokens + b.margin, b.margin)
+                            if isinstance(b, SlidingWindow) else b
+                            for lb, b in behaviours.items()}
         try:
             return orig(table, rid, label, new_len)
         finally:
-            table.windows = windows
+            table.behaviours = behaviours
 
     mp.setattr(truncation, "truncate", truncate)
 
@@ -446,7 +458,7 @@ def match_attaches_after_the_lock(mp: pytest.MonkeyPatch) -> None:
         with self._lock:
             stream = table.request(rid).get(label)
             if (not hit.num_tokens or (stream is not None and stream.stored_len)
-                    or not table.sharing or table.window(label) is not None):
+                    or not table.sharing or not table.behaviour(label).cacheable):
                 return prefix_cache.match_prefix(table, rid, label, token_ids)  # type: ignore[arg-type]
             stream = table.request(rid).setdefault(label, CacheStream())
             key = (rid, label)
@@ -496,11 +508,12 @@ def fork_drops_the_margin(mp: pytest.MonkeyPatch) -> None:
               created: set[Key], span: int = 0, copy: bool = False) -> None:
         orig(self, rid, from_label, to_label, created, span, copy)
         table = self._table
-        w = table.window(to_label)
+        w = window_of(table, to_label)
         dst = table.streams[rid][to_label]
         if w is None or not dst.stored_len:
             return
-        released = released_after(dst.released, dst.stored_len, w, table.page_size)
+        released = SlidingWindow(w).released_after(dst.released, dst.stored_len,
+                                                   table.page_size)
         drop = (released - dst.released) // table.page_size
         if drop > 0:
             go = dst.page_indices[:drop]

@@ -110,7 +110,7 @@ def to_release(mgr: KVManager, running: KVStep) -> set[int]:
     (and the retention's rollback margin), not by kvref."""
     if not running.commit:
         return set()
-    keep = W + mgr._table.margins.get("w", 0)
+    keep = W + mgr.config.retention["w"].rollback_margin
     out: set[int] = set()
     for seg in running.segments:
         if seg.label != "w":
@@ -352,7 +352,8 @@ def views_from_current_released(mp: pytest.MonkeyPatch) -> None:
 def no_projection(mp: pytest.MonkeyPatch) -> None:
     """(i') No projection at all: views and the recorded basis both from the
     current ``released``."""
-    mp.setattr(stepping_mod, "released_after", lambda released, *_: released)
+    mp.setattr(stepping_mod, "projected_released", lambda table, basis: {
+        k: table.streams[k[0]][k[1]].released for k in basis})
 
 
 @pytest.mark.parametrize("plant", [views_from_current_released, no_projection])
