@@ -40,6 +40,7 @@ from kvref.core.errors import KVRefError, StepInFlightError
 from kvref.core.page_pool import PagePool, ResetRefused
 from kvref.core.resource import CGSlotSpec, EngineResourceInfo
 from kvref.core.runtime import Runtime, default_runtime, monotonic, shared
+from kvref.core.sharing import page_sharing
 from kvref.core.stream_table import StreamTable
 from kvref.core.streams import CacheStream
 from kvref.lifecycle import RequestLifecycle
@@ -122,7 +123,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
                                   cfg.page_size, shared(runtime, {}, "streams"),
                                   leases=LeaseTable(cfg.publish_lease_s,
                                                     lambda: monotonic(runtime)),
-                                  sharing=cfg.enable_prefix_caching,
+                                  sharing=page_sharing(cfg, self._pages),
                                   windows={label: policy.context_budget
                                            for label, policy in cfg.retention.items()},
                                   margins={label: policy.rollback_margin
@@ -311,7 +312,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         with self._lock:
             return truncation.truncate(self._table, rid, label, new_len)
 
-    # -- the prefix cache (KVConfig.enable_prefix_caching) ---------------------
+    # -- the prefix cache (kvref.core.sharing: off, it keys and finds nothing) --
 
     def match_prefix(self, rid: str, label: str, token_ids: Tokens) -> int:
         """Attach cached pages holding the head of ``token_ids`` to an empty
@@ -363,7 +364,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         validate.request_id(rid, "cache_prefix")
         validate.label(label, "cache_prefix", rid)
         with self._lock:
-            if self._table.sharing and self._stepping.copies_into(rid, label):
+            if (rid, label) in self._table.sharing.unkeyable(self._stepping.fork_targets):
                 raise StepInFlightError(
                     "cache_prefix of a stream an admitted fork will still write into; "
                     "commit that step first (R57, S32)", request_id=rid, label=label)
@@ -383,7 +384,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         with self._lock:
             stepping = self._stepping
             # only a staged preplan or a running step's copying forks name targets
-            targets = stepping.fork_targets() if self._table.sharing and (
+            targets = self._table.sharing.unkeyable(stepping.fork_targets) if (
                 stepping.preplan is not None or stepping.running is not None) else frozenset()
             return prefix_cache.cache_prefixes(self._table, calls, targets)
 
