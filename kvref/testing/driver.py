@@ -60,6 +60,7 @@ from kvref import (
     TransferEngineInfo,
 )
 from kvref.testing import plan_oracle
+from kvref.testing.admission_check import check_plain_admission
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.testing.page_checks import check_device_pages
 from kvref_model import core as m
@@ -287,6 +288,10 @@ class Driver:
         else:
             step, ctx = self.to_kvref(a.step, self.combine)
             ctx = StepContext(ctx.padded_request_ids, is_preplan=a.preplan)
+        if isinstance(self.kv, KVManager):
+            # one admission rule: the fast path must answer as the general
+            # rules would, on this state and this step (issue 29)
+            check_plain_admission(self.kv, step, ctx)
         out = self.kv.admit(step, ctx)
         if out.ok and self.staged is None and not (self.step and not a.preplan):
             if a.preplan:
