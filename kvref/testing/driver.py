@@ -60,7 +60,6 @@ from kvref import (
     TransferEngineInfo,
 )
 from kvref.testing import plan_oracle
-from kvref.testing.admission_check import check_plain_admission
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.testing.page_checks import check_device_pages
 from kvref_model import core as m
@@ -150,10 +149,10 @@ class DriverConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     factory: ManagerFactory = default_factory
-    # hold admission's fast path to the general rules before each admit
-    # (`kvref.testing.admission_check`); off under the controlled scheduler,
-    # whose schedules are counted in lock acquisitions and would gain one
-    check_admission: bool = True
+    # called with the manager, the step and its context before each admit
+    # the driver issues: kvref's own tests hold admission's fast path to the
+    # general rules there (tests/support/admission_check.py)
+    before_admit: Callable[[ManagerUnderTest, KVStep, StepContext], None] | None = None
 
 
 # the KVRefError kinds an injected fault surfaces as: a fault, not a misuse
@@ -292,10 +291,8 @@ class Driver:
         else:
             step, ctx = self.to_kvref(a.step, self.combine)
             ctx = StepContext(ctx.padded_request_ids, is_preplan=a.preplan)
-        if self.config.check_admission and isinstance(self.kv, KVManager):
-            # one admission rule: the fast path must answer as the general
-            # rules would, on this state and this step (issue 29)
-            check_plain_admission(self.kv, step, ctx)
+        if self.config.before_admit is not None:
+            self.config.before_admit(self.kv, step, ctx)
         out = self.kv.admit(step, ctx)
         if out.ok and self.staged is None and not (self.step and not a.preplan):
             if a.preplan:

@@ -2,7 +2,7 @@
 
 The lockstep driver holds admission's fast path (`admission.plain_grant`) to
 the general rules before every admit it issues
-(`kvref.testing.admission_check`), so every state and step shape the
+(`tests/support/admission_check.py`), so every state and step shape the
 lockstep draws is a case of the equality `tests/unit/test_admission_paths.py`
 checks on drawn tables. The clean tree passes it in `test_lockstep` (the ci
 profile's 400 examples, both scopes); here a divergence planted in the fast

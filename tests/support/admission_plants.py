@@ -1,6 +1,6 @@
 """Defects planted in admission's fast path (`admission.plain_grant`), as
 monkeypatches, each found by the lockstep's check of the fast path against
-the general rules before every admit (`kvref.testing.admission_check`).
+the general rules before every admit (`tests/support/admission_check.py`).
 tests/conformance/test_admission_paths_lockstep.py runs them."""
 
 from __future__ import annotations

@@ -439,9 +439,7 @@ class Harness:
             kwargs["runtime"] = runtime
             return base.factory(**kwargs)
 
-        # no admission check: its lock acquisition would be a schedule point
-        self.driver = Driver(scope, DriverConfig(base.device, base.dtype, factory,
-                                                 check_admission=False))
+        self.driver = Driver(scope, DriverConfig(base.device, base.dtype, factory))
         self.kv = self.driver.kv
         self.model = model or ConcurrentModel(scope)
         self.lin = Linearizer(self.model, self.driver, self.sched)

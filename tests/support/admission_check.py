@@ -4,7 +4,9 @@
 admitted or staged: every decode step) through `admission.plain_grant`, and
 every other step through the general rules (`validate.step_lengths`,
 `validate.step_streams`, `admission.refusal`, `admission.reserve`). The
-lockstep driver calls `check_plain_admission` before each admit it issues,
+lockstep driver calls `check_plain_admission` before each admit it issues
+(`DriverConfig.before_admit`, set by tests/conformance/conftest.py and
+`tests.support.plant_layers.lockstep`),
 so the two are compared on every state and step shape the lockstep
 reaches, sharing on and off, windows and spare pages included, not only on
 tables a unit test draws. Neither side changes a stream beyond latching a
@@ -73,10 +75,13 @@ def plain_answer(kv: KVManager, step: KVStep, ctx: StepContext) -> Any:
         sharing=table.sharing if table.tails_maybe_shared else None))
 
 
-def check_plain_admission(kv: KVManager, step: KVStep, ctx: StepContext) -> None:
+def check_plain_admission(kv: object, step: KVStep, ctx: StepContext) -> None:
     """Raise AssertionError if the fast path would answer ``step`` otherwise
     than the general rules on ``kv``'s state now; nothing if ``kv`` would
-    not take the fast path. Under the manager's lock, as an admit is."""
+    not take the fast path (or is not a `KVManager`). Under the manager's
+    lock, as an admit is."""
+    if not isinstance(kv, KVManager):
+        return
     with kv._lock:
         if not takes_plain_path(kv, step, ctx):
             return
