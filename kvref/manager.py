@@ -40,6 +40,7 @@ from kvref.core.labels import behaviours_of
 from kvref.core.page_pool import PagePool, ResetRefused
 from kvref.core.resource import CGSlotSpec, EngineResourceInfo, ProcessGroups
 from kvref.core.runtime import Runtime, default_runtime, monotonic, shared
+from kvref.core.sharing import page_sharing
 from kvref.core.stream_table import StreamTable
 from kvref.core.streams import CacheStream
 from kvref.lifecycle import RequestLifecycle
@@ -120,7 +121,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
                                   cfg.page_size, shared(runtime, {}, "streams"),
                                   leases=LeaseTable(cfg.publish_lease_s,
                                                     lambda: monotonic(runtime)),
-                                  sharing=cfg.enable_prefix_caching,
+                                  sharing=page_sharing(cfg, self._pages),
                                   behaviours=behaviours_of(cfg.retention))
         # the manager's one lock, and the table every mechanism shares
         self._lock = self._table.lock
@@ -308,7 +309,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         with self._lock:
             return truncation.truncate(self._table, rid, label, new_len)
 
-    # -- the prefix cache (KVConfig.enable_prefix_caching) ---------------------
+    # -- the prefix cache (kvref.core.sharing: off, it keys and finds nothing) --
 
     def match_prefix(self, rid: str, label: str, token_ids: Tokens) -> int:
         """Attach cached pages holding the head of ``token_ids`` to an empty
@@ -360,7 +361,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         validate.request_id(rid, "cache_prefix")
         validate.label(label, "cache_prefix", rid)
         with self._lock:
-            if self._table.sharing and self._stepping.copies_into(rid, label):
+            if (rid, label) in self._table.sharing.unkeyable(self._stepping.fork_targets):
                 raise StepInFlightError(
                     "cache_prefix of a stream an admitted fork will still write into; "
                     "commit that step first (R57, S32)", request_id=rid, label=label)
@@ -380,7 +381,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         with self._lock:
             stepping = self._stepping
             # only a staged preplan or a running step's copying forks name targets
-            targets = stepping.fork_targets() if self._table.sharing and (
+            targets = self._table.sharing.unkeyable(stepping.fork_targets) if (
                 stepping.preplan is not None or stepping.running is not None) else frozenset()
             return prefix_cache.cache_prefixes(self._table, calls, targets)
 

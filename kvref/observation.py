@@ -115,7 +115,7 @@ class KVObservation:
 
     page_size: int
     num_pages: int  # device pages, the sink (page 0) included: ``KVConfig.max_num_pages``
-    sharing: bool  # ``KVConfig.enable_prefix_caching``
+    sharing: bool  # ``KVConfig.enable_prefix_caching`` (`PageSharing.shares`)
     free_pages: int  # `KVManager.num_free_pages`: blank plus cached
     cached_pages: int  # `KVManager.num_cached_pages`
     # request id -> label -> stream, requests and labels in creation order
@@ -175,7 +175,7 @@ def take(table: StreamTable, pool: PagePool, offloads: Mapping[str, Offload],
                  else PageState.BLANK if page in blank else PageState.LOST)
         pages.append(PageObservation(page, state, holders, key))
     return KVObservation(
-        page_size=table.page_size, num_pages=pool.num_pages, sharing=table.sharing,
+        page_size=table.page_size, num_pages=pool.num_pages, sharing=table.sharing.shares,
         # the pool's counts, not the lists' lengths: a check compares the two
         free_pages=pool.num_free, cached_pages=pool.num_cached,
         requests=MappingProxyType(requests), pages=tuple(pages),

@@ -14,7 +14,8 @@ at that call. Invariant beside the pool's: a stream's pages past its last
 token (its spare pages) are private to it, so a write past the stream's
 length never lands in a shared or registered page; only the page holding
 its last, partial page may be shared (after a truncate into it), and an
-admit copies that one first (`cow_needed`).
+admit copies that one first (`PageSharing.cow_needed`). Whether pages are
+shared at all is the ``sharing`` object's to answer (`kvref.core.sharing`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvref.core.errors import UnknownRequestError
 from kvref.core.labels import FULL_ATTENTION, LabelBehaviour
 from kvref.core.page_pool import PagePool
 from kvref.core.runtime import Runtime
+from kvref.core.sharing import NO_SHARING, PageSharing
 from kvref.core.streams import CacheStream
 
 Key = tuple[str, str]  # (request id, label)
@@ -65,9 +67,9 @@ class StreamTable:
     # ``lock``. Passed in (`kvref.transfer.lease.LeaseTable`): a lease is the
     # transfer layer's, and core stands below it
     leases: PublishLeases = field(kw_only=True)
-    # KVConfig.enable_prefix_caching: forks share full pages and the prefix
-    # cache is on; off, every page has one holder, as before sharing
-    sharing: bool = True
+    # shared pages (`kvref.core.sharing.page_sharing`, chosen once from the
+    # config): what admission, forks, the prefix cache, offload and reset ask
+    sharing: PageSharing = NO_SHARING
     # label -> its attention type (`kvref.core.labels`, from
     # KVConfig.retention); a label absent is full attention
     behaviours: dict[str, LabelBehaviour] = field(default_factory=dict)
@@ -114,39 +116,6 @@ class StreamTable:
         Tail first, so a cached prefix is evicted after its own suffix (S6)."""
         # a table's own list: `release_table` skips the per-page type check
         return self.pages.release_table(key, pages[::-1]) if pages else 0
-
-    def release_shared(self, key: Key, stream: CacheStream,
-                       private: list[bool] | None = None) -> None:
-        """Keep only the pages private to the stream, in order: what a stream
-        emptied but keeping its pages (a reset, a failed fork) may hold as
-        spare without a later write landing in a page someone else reads.
-        ``private``: the pages' privacy as it was before a call that empties
-        several streams at once (a reset: each stream keeps what was its own
-        when the call was made, whichever of them lets go first, R62)."""
-        pages = stream.page_indices
-        if not pages or not self.sharing:
-            return
-        if private is None:
-            private = self.pages.private_pages(key, pages)
-        if all(private):
-            return
-        self.give_back(key, [p for p, mine in zip(pages, private, strict=True) if not mine])
-        stream.keep_spare([p for p, mine in zip(pages, private, strict=True) if mine])
-
-    def private_count(self, key: Key, stream: CacheStream) -> int:
-        """Pages of the stream only it holds, unregistered: what a fork onto
-        it can keep writing into (R51)."""
-        return sum(self.pages.private_pages(key, stream.page_indices))
-
-    def cow_needed(self, key: Key, stream: CacheStream) -> bool:
-        """Whether the stream's next write lands in a page it may not write:
-        its partial last page, shared or registered after a truncate into it."""
-        if not stream.tail_maybe_shared:
-            return False
-        n = stream.stored_len
-        i = n // self.page_size - stream.released // self.page_size
-        return (self.sharing and n % self.page_size != 0 and i < len(stream.page_indices)
-                and not self.pages.writable(key, stream.page_indices[i]))
 
     def request(self, rid: str) -> dict[str, CacheStream]:
         streams = self.streams.get(rid)

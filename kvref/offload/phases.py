@@ -257,14 +257,9 @@ class HostOffload:
 
     def _keys_of(self, stream: CacheStream) -> tuple[PageKey | None, ...]:
         """The keys of the stream's full pages, one per host page (None where
-        a page is not keyed); () where nothing is. Under the lock. A windowed
-        stream's pages are never keyed (W9), so only a stream with no slot
-        released has any."""
-        if not self.table.sharing or stream.released:
-            return ()
-        full = stream.page_indices[:stream.stored_len // self.table.page_size]
-        keys = tuple(self.table.pages.key_of(p) for p in full)
-        return keys if any(k is not None for k in keys) else ()
+        a page is not keyed); () where nothing is (`PageSharing.remembered_keys`).
+        Under the lock."""
+        return self.table.sharing.remembered_keys(stream)
 
     def _reattach(self, rid: str, labels: Sequence[str]) -> dict[str, dict[int, int]]:
         """Per label, the host pages whose remembered key the prefix cache

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence, Set
 from kvref import validate
 from kvref.core import page_keys as prefix_hash
 from kvref.core.errors import InvalidArgumentError, StepInFlightError, StreamUnavailableError
+from kvref.core.labels import FULL_ATTENTION
 from kvref.core.page_keys import ExtraKeys, PageKey, Tokens
 from kvref.core.page_pool import ResetRefused
 from kvref.core.stream_table import StreamTable
@@ -91,8 +92,9 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
     if stream is None:
         # as an admit naming it would (R16): the engine's next call names it
         stream = streams[label] = CacheStream()
-    if not table.sharing or len(tokens) < 2 or not table.behaviour(label).cacheable:
-        # W10: a windowed label never hits (its stream computes its prompt)
+    if len(tokens) < 2 or not table.sharing.caches(table.behaviour(label)):
+        # W10: a windowed label never hits (its stream computes its prompt);
+        # nothing does without shared pages
         return 0
     key = (rid, label)
     hit = table.pages.match(key, tokens, extras_for(table, rid, stream.space or label),
@@ -198,8 +200,8 @@ def _one_page_each(table: StreamTable, calls: Sequence[object],
     any entry is otherwise (the general path then decides, and raises what
     it finds)."""
     ps = table.page_size
-    if not table.sharing or not calls:
-        return None
+    if not calls or not table.sharing.caches(FULL_ATTENTION):
+        return None  # without shared pages no label keys: the general path says 0
     streams_of = table.streams
     behaviour = table.behaviour
     fields = _PAGE_FIELDS.get(ps)
@@ -298,9 +300,10 @@ def _checked(table: StreamTable, rid: str, label: str, tokens: Tokens, start: in
         raise InvalidArgumentError(
             f"cache_prefix from token {start}: the stream's cached pages end at {keyed}, "
             "and a page's key chains from the one before it", request_id=rid, label=label)
-    if not table.sharing or stream.received or not table.behaviour(label).cacheable:
+    if stream.received or not table.sharing.caches(table.behaviour(label)):
         # W9: a windowed label registers nothing, so its window's release
-        # frees pages blank and never pushes cached prefixes out (vLLM 42948)
+        # frees pages blank and never pushes cached prefixes out (vLLM 42948);
+        # nothing does without shared pages
         return None
     # the ids of pages already keyed must be the ones they were keyed with
     overlap = min(end, keyed)

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import NoReturn, Protocol
+from typing import NoReturn
 
 from kvref import validate
 from kvref.core.labels import LabelBehaviour
+from kvref.core.sharing import NO_SHARING, PageSharing
 from kvref.core.streams import CacheStream
 from kvref.stepping.step import (
     AdmitFailedReason,
@@ -144,19 +145,14 @@ def leased_release(step: KVStep, table: Table, settled: Mapping[Key, int],
     return None
 
 
+# what admission asks of shared pages; the name `kvref.admission` exported
+Sharing = PageSharing
+
+
 # One named stream and what its admit takes: the request id, the request's
 # streams, the label, the stream (None: the admit creates it, R16) and the
 # pages it is short (none when <= 0)
 Claim = tuple[str, MutableMapping[str, CacheStream], str, CacheStream | None, int]
-
-
-class Sharing(Protocol):
-    """What admission asks of shared pages (`StreamTable` answers; None when
-    the cache shares nothing, and every page is its stream's alone)."""
-
-    def cow_needed(self, key: Key, stream: CacheStream) -> bool: ...
-
-    def private_count(self, key: Key, stream: CacheStream) -> int: ...
 
 
 @dataclass
@@ -191,12 +187,14 @@ def settle(claims: list[Claim], new_pages: int, first_short: Key | None,
 
 
 def plain_grant(table: Table, step: KVStep, page_size: int, free: int, max_seq_len: int,
-                *, padded: tuple[str, ...] = (), sharing: Sharing | None = None
+                *, padded: tuple[str, ...] = (), sharing: PageSharing | None = None
                 ) -> Grant | AdmitFailedReason:
     """`validate.step_lengths`, `validate.step_streams`, `refusal` and `reserve` of a
     step with no forks and no combined labels: each segment's stream grows by
     its span. ``padded``: the step's ``ctx.padded_request_ids``, which a
-    plain step only has to name known requests (R40).
+    plain step only has to name known requests (R40). ``sharing``: None
+    where no stream's tail may be shared (`StreamTable.tails_maybe_shared`
+    False), so no segment asks for a copy-on-write.
 
     One pass over the segments holding each request's streams: at batch 256
     the general path's tuple-keyed lookups were most of an admit. A misuse
@@ -277,7 +275,7 @@ def misuse(table: Table, step: KVStep, padded: tuple[str, ...], max_seq_len: int
 
 def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[Key, None],
             page_size: int, free: int, settled: Mapping[Key, int] | None = None,
-            sharing: Sharing | None = None, copy_forks: bool = False,
+            sharing: PageSharing = NO_SHARING, copy_forks: bool = False,
             behaviour: Behaviours | None = None
             ) -> Grant | AllocationFailed:
     """Pages per stream: the most its length reaches while the step runs, the
@@ -286,8 +284,8 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
     ``settled``: a preplan over the running step starts from the lengths
     that step leaves once committed (R41).
 
-    With ``sharing``, a fork target shares its source's full pages and
-    writes only into pages private to it (R51): it needs the rest of its
+    With shared pages (``sharing``), a fork target shares its source's full
+    pages and writes only into pages private to it (R51): it needs the rest of its
     length in private pages, less those it holds privately now. Where that
     count may shrink before its fork runs (a fork in this step shares its
     pages first: a cycle, a second fork onto it) it reserves its whole
@@ -367,19 +365,11 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
     fork(tuple(step.post_forks))
     for key in keys:
         want.setdefault(key, 0)
-    targets: set[Key] = set()
-    # targets whose private pages may be fewer when their fork runs than now:
-    # shared onward before (a fork from it ran first, a cycle) or a target twice
-    unsure: set[Key] = set()
-    if sharing is not None:
-        sources: set[Key] = set()
-        for from_label, to_label in (*step.pre_forks, *step.post_forks):
-            for rid in padded:
-                target = (rid, to_label)
-                if target in targets or target in sources:
-                    unsure.add(target)
-                targets.add(target)
-                sources.add((rid, from_label))
+    # the targets sharing their source's full pages (none where forks copy),
+    # and those whose private pages may be fewer when their fork runs than
+    # now: shared onward before (a fork from it ran first, a cycle) or a
+    # target twice
+    targets, unsure = sharing.fork_targets((*step.pre_forks, *step.post_forks), padded)
     pre_targets = {(rid, to) for _, to in step.pre_forks for rid in padded}
     writes = {(g.request_id, g.label) for g in step.segments if g.span}
     claims: list[Claim] = []
@@ -391,7 +381,7 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
         streams = table[rid]
         stream = streams.get(label)
         key = (rid, label)
-        if sharing is None or key not in targets or copy_forks:
+        if key not in targets or copy_forks:
             # its own pages, each reused (a copying fork writes into them). A
             # preplan's count is the running commit's too: its release takes
             # as many pages as it adds released slots (R67)
@@ -407,7 +397,7 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
             held = shared_full.get(key, 0) + (
                 sharing.private_count(key, stream) if stream is not None else 0)
         short = n - held
-        if (sharing is not None and stream is not None and key in writes
+        if (stream is not None and key in writes
                 and key not in pre_targets and key not in (settled or {})
                 and sharing.cow_needed(key, stream)):
             # the partial page it writes into first is shared or registered
@@ -415,7 +405,7 @@ def reserve(table: Table, step: KVStep, padded: tuple[str, ...], keys: Mapping[K
             new_pages += 1
             if first_short is None:
                 first_short = key
-        if copy_forks and sharing is not None and stream is not None and key in targets:
+        if copy_forks and stream is not None and key in targets:
             shared = len(stream.page_indices) - sharing.private_count(key, stream)
             if shared:
                 privatise.append((key, shared))

@@ -147,7 +147,7 @@ class Stepping:
                     f"fork {from_label!r} -> {to_label!r} between labels of different "
                     "retention windows or rollback margins", label=to_label)
         free = self._table.pages.num_free
-        sharing = self._table if self._table.sharing else None
+        sharing = self._table.sharing
         if plain:
             # no stream's tail can be shared until a truncate made one so
             grant = admission.plain_grant(
@@ -164,7 +164,7 @@ class Stepping:
             unplanned = self._release_forks_pending(step, padded)
             if unplanned is not None:
                 return AdmitOutcome(ok=False, reason=unplanned)
-        if ctx.is_preplan and self._table.sharing:
+        if ctx.is_preplan:
             unplannable = self._views_would_move(step, padded, settled)
             if unplannable is not None:
                 return AdmitOutcome(ok=False, reason=unplannable)
@@ -198,22 +198,23 @@ class Stepping:
         would address pages the stream no longer holds."""
         running = self.running
         why = None
-        targets = {(rid, to) for _, to in (*step.pre_forks, *step.post_forks)
-                   for rid in padded}
+        sharing = self._table.sharing
+        # the targets whose pages a fork shares: none where forks copy
+        targets, _ = sharing.fork_targets((*step.pre_forks, *step.post_forks), padded)
         busy = admission.named_keys(running.step, running.padded) if running else {}
         if targets & busy.keys():
             # its forks' targets are made private (copied) at this admit, which
             # would move pages the running step's own views name
             why = "a stream its forks copy into is one the running step names"
-        elif running is not None and (running.step.post_forks or (
-                running.step.pre_forks and not running.forked)):
+        elif running is not None and sharing.forks_move_pages(
+                (*running.step.post_forks, *(() if running.forked else running.step.pre_forks))):
             why = "the running step's forks would give their targets other pages"
         else:
             for seg in step.segments:
                 key = (seg.request_id, seg.label)
                 stream = self._table.streams.get(key[0], {}).get(key[1])
                 if (seg.span and key in settled and stream is not None
-                        and self._table.cow_needed(key, stream)):
+                        and sharing.cow_needed(key, stream)):
                     why = (f"{key[0]!r}/{key[1]!r} writes into a shared page the running "
                            "step still reads")
                     break
@@ -248,17 +249,14 @@ class Stepping:
                                       "released prefix only when it runs; admit it once the "
                                       "running step committed")
 
-    def copies_into(self, rid: str, label: str) -> bool:
-        """Whether a fork still to run writes into this stream (a staged
-        preplan's, R57; the running step's pre-forks before its plan ran them,
-        and its post-forks, S32): nothing may register its pages meanwhile, or
-        the fork would write into a page the prefix cache names, or find the
-        private page its admit counted on keyed and none left to write into."""
-        return (rid, label) in self.fork_targets()
-
     def fork_targets(self) -> frozenset[tuple[str, str]]:
-        """Every stream `copies_into` is True of, found once (a batch of
-        `cache_prefixes` asks of many streams in one call)."""
+        """Every stream a fork still to run writes into (a staged preplan's,
+        R57; the running step's pre-forks before its plan ran them, and its
+        post-forks, S32): nothing may register its pages meanwhile, or the
+        fork would write into a page the prefix cache names, or find the
+        private page its admit counted on keyed and none left to write into
+        (`PageSharing.unkeyable`). Found once: a batch of `cache_prefixes`
+        asks of many streams in one call."""
         staged, running = self.preplan, self.running
         pending = [((*staged.step.pre_forks, *staged.step.post_forks),
                     staged.ctx.padded_request_ids)] if staged else []

@@ -5,7 +5,7 @@ commit after the spans land. A copy that fails empties its target and the
 other forks still run; the first failure is raised as `ForkCopyError` (R26).
 Called under the stream table's lock.
 
-With shared pages (`KVConfig.enable_prefix_caching`) a fork is copy on
+With shared pages (`kvref.core.sharing.PrefixSharing`) a fork is copy on
 write (R51): the target takes a reference on each of the source's full
 pages and copies only the partly filled last one, so a fork of a 2,048
 token stream at page size 16 copies one page, not 128. A write never lands
@@ -105,27 +105,36 @@ class Forks:
         # retained slots only: the source's released ones hold no page
         n = pages_for(src.stored_len, self._table.page_size) - (
             src.released // self._table.page_size)
-        sharing = self._table.sharing and not copy
-        if not sharing and len(dst.page_indices) < n:
+        if copy:  # a preplan's fork: its views name the target's own pages (R57)
+            self._copy(rid, from_label, to_label, n)
+        else:
+            self._table.sharing.fork(lambda: self._share(rid, from_label, to_label, span),
+                                     lambda: self._copy(rid, from_label, to_label, n))
+        # W5: the target inherits the retention state (its released prefix and
+        # the position the next commit's release is worked out from)
+        dst.fork_from(src, src.space or from_label, self._table.page_size)
+
+    def _copy(self, rid: str, from_label: str, to_label: str, n: int) -> None:
+        """The copying fork: the source's first ``n`` retained pages into the
+        target's own, which admit reserved."""
+        streams = self._table.streams[rid]
+        src, dst = streams[from_label], streams[to_label]
+        if len(dst.page_indices) < n:
             raise KVRefError(
                 f"fork target holds {len(dst.page_indices)} pages, source "
                 f"{from_label!r} needs {n}: the step was not admitted with this fork",
                 request_id=rid,
                 label=to_label,
             )
-        if sharing:
-            self._share(rid, from_label, to_label, span)
-        elif n:
-            try:
-                self._kv_cache.copy_pages(src.page_indices[:n], dst.page_indices[:n])
-            except Exception as err:
-                # the target may hold part of the source: nothing of it is
-                # trustworthy, so it is emptied rather than left torn (R26)
-                self._emptied(rid, to_label, dst)
-                raise ForkFailed() from err
-        # W5: the target inherits the retention state (its released prefix and
-        # the position the next commit's release is worked out from)
-        dst.fork_from(src, src.space or from_label, self._table.page_size)
+        if not n:
+            return
+        try:
+            self._kv_cache.copy_pages(src.page_indices[:n], dst.page_indices[:n])
+        except Exception as err:
+            # the target may hold part of the source: nothing of it is
+            # trustworthy, so it is emptied rather than left torn (R26)
+            self._emptied(rid, to_label, dst)
+            raise ForkFailed() from err
 
     def _share(self, rid: str, from_label: str, to_label: str, span: int = 0) -> None:
         """The copy-on-write fork (R51): the target takes references on the
@@ -166,7 +175,7 @@ class Forks:
     def _emptied(self, rid: str, label: str, dst: CacheStream) -> None:
         """A target a failed copy left torn: empty, holding only private pages."""
         dst.empty_torn()
-        self._table.release_shared((rid, label), dst)
+        self._table.sharing.release_shared((rid, label), dst)
 
     def privatise(self, rid: str, label: str) -> None:
         """Copy every page of the stream that another holds or the cache names

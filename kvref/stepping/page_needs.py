@@ -29,7 +29,7 @@ def step_pages(table: StreamTable, step: KVStep, ctx: StepContext, max_seq_len: 
     validate.step_streams(table.streams, step, padded)
     keys = admission.named_keys(step, padded)
     grant = admission.reserve(table.streams, step, padded, keys, table.page_size,
-                              free=sys.maxsize, sharing=table if table.sharing else None,
+                              free=sys.maxsize, sharing=table.sharing,
                               copy_forks=ctx.is_preplan,
                               behaviour=table.behaviour if table.releasing else None)
     assert isinstance(grant, admission.Grant), "no step needs more than sys.maxsize pages"

@@ -149,6 +149,10 @@ class DriverConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     factory: ManagerFactory = default_factory
+    # called with the manager, the step and its context before each admit
+    # the driver issues: kvref's own tests hold admission's fast path to the
+    # general rules there (tests/support/admission_check.py)
+    before_admit: Callable[[ManagerUnderTest, KVStep, StepContext], None] | None = None
 
 
 # the KVRefError kinds an injected fault surfaces as: a fault, not a misuse
@@ -289,6 +293,8 @@ class Driver:
         else:
             step, ctx = self.to_kvref(a.step, self.combine)
             ctx = StepContext(ctx.padded_request_ids, is_preplan=a.preplan)
+        if self.config.before_admit is not None:
+            self.config.before_admit(self.kv, step, ctx)
         out = self.kv.admit(step, ctx)
         if out.ok and self.staged is None and not (self.step and not a.preplan):
             if a.preplan:

@@ -209,7 +209,7 @@ class Retrieval:
                 released = self._released_after(label, stream, info)
                 kept = self._kept(stream, released)
                 new_pages += max(0, pages_for(info.seq_len, ps) - released // ps - len(kept))
-                if stream is not None and old_len >= released and self._table.cow_needed(
+                if stream is not None and old_len >= released and self._table.sharing.cow_needed(
                         (rid, label), stream):
                     new_pages += 1  # its shared partial page is copied first (R52)
                 todo.append((label, info, old_len))
@@ -266,7 +266,7 @@ class Retrieval:
         ps = self._table.page_size
         released = self._released_after(label, stream, info)
         start = max(old_len, released)  # only retained tokens are copied (W16)
-        if old_len >= released and self._table.cow_needed((rid, label), stream):
+        if old_len >= released and self._table.sharing.cow_needed((rid, label), stream):
             # the copy lands after the stream's last token, in its partial
             # page: made private first, as an admit's write is (R52)
             self._stepping.copy_on_write(rid, label)

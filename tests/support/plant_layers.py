@@ -22,6 +22,7 @@ from kvref.testing import lockstep as lockstep_module
 from kvref.testing.driver import DriverConfig
 from kvref.testing.exhaustive import check_scope, run_trace
 from kvref_model import core as m
+from tests.support.admission_check import check_plain_admission
 
 Plant = Callable[[pytest.MonkeyPatch], None]
 
@@ -66,7 +67,8 @@ def lockstep(plant: Plant | None, scope: m.Scope, examples: int) -> Found:
     with planted(plant):
         machine.__init__ = counting  # type: ignore[method-assign]
         try:
-            lockstep_module.run_lockstep(DriverConfig(), scope, lockstep_settings(examples))
+            lockstep_module.run_lockstep(DriverConfig(before_admit=check_plain_admission),
+                                         scope, lockstep_settings(examples))
         except Exception as err:  # the disagreement, or kvref raising
             text = f"{type(err).__name__}: {err}"
             if any(c in text for c in COVERAGE):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from kvref.core.labels import LabelBehaviour, SlidingWindow
+from kvref.core.sharing import PageSharing, PrefixSharing
 from kvref.core.stream_table import Key, StreamTable
 from kvref.core.streams import CacheStream
 from kvref.manager import KVManager
@@ -29,7 +30,7 @@ Plant = Callable[[pytest.MonkeyPatch], None]
 def no_copy_on_write(mp: pytest.MonkeyPatch) -> None:
     """R52: the admit that writes into a shared partial page (after a truncate
     into it) writes in place, and the other holder reads the new tokens."""
-    mp.setattr(StreamTable, "cow_needed", lambda self, key, stream: False)
+    mp.setattr(PrefixSharing, "cow_needed", lambda self, key, stream: False)
 
 
 def fork_shares_the_partial_page(mp: pytest.MonkeyPatch) -> None:
@@ -89,7 +90,7 @@ def draft_tokens_cached(mp: pytest.MonkeyPatch) -> None:
 def reset_keeps_shared_pages(mp: pytest.MonkeyPatch) -> None:
     """R62: reset_request(free=False) keeps every page as spare, shared ones
     included, and the next write into them lands in another stream's page."""
-    mp.setattr(StreamTable, "release_shared",
+    mp.setattr(PrefixSharing, "release_shared",
                lambda self, key, stream, private=None: None)
 
 
@@ -386,16 +387,16 @@ def offload_commit_frees_shared_pages(mp: pytest.MonkeyPatch) -> None:
 
 
 class _NoCow:
-    """`admission.Sharing` that never asks for a copy-on-write."""
+    """The manager's `PageSharing`, except that it never asks for a copy-on-write."""
 
-    def __init__(self, inner: admission.Sharing) -> None:
+    def __init__(self, inner: PageSharing) -> None:
         self.inner = inner
 
     def cow_needed(self, key: Key, stream: CacheStream) -> bool:
         return False
 
-    def private_count(self, key: Key, stream: CacheStream) -> int:
-        return self.inner.private_count(key, stream)
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
 
 
 def preplan_skips_copy_on_write(mp: pytest.MonkeyPatch) -> None:
@@ -458,7 +459,7 @@ def match_attaches_after_the_lock(mp: pytest.MonkeyPatch) -> None:
         with self._lock:
             stream = table.request(rid).get(label)
             if (not hit.num_tokens or (stream is not None and stream.stored_len)
-                    or not table.sharing or not table.behaviour(label).cacheable):
+                    or not table.sharing.caches(table.behaviour(label))):
                 return prefix_cache.match_prefix(table, rid, label, token_ids)  # type: ignore[arg-type]
             stream = table.request(rid).setdefault(label, CacheStream())
             key = (rid, label)

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from kvref import validate
 from kvref.core.errors import InvalidStepError, KVRefError
+from kvref.core.sharing import NO_SHARING, NoSharing
 from kvref.core.streams import CacheStream, OffloadState
 from kvref.stepping import admission
 from kvref.stepping.step import AdmitFailedReason, KVStep, Segment, StepContext
@@ -129,18 +130,16 @@ def _answer(decide: Any) -> Any:
     return ("granted", claims, out.new_pages, out.cow)
 
 
-class _SharedTails:
-    """Sharing as `StreamTable` answers it: a stream whose tail may be shared
-    and whose length ends mid-page copies that page before writing (R52)."""
+class _SharedTails(NoSharing):
+    """Sharing as `PrefixSharing` answers a step without forks: a stream whose
+    tail may be shared and whose length ends mid-page copies that page
+    before writing (R52)."""
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
 
     def cow_needed(self, key: tuple[str, str], stream: CacheStream) -> bool:
         return stream.tail_maybe_shared and stream.stored_len % self.page_size != 0
-
-    def private_count(self, key: tuple[str, str], stream: CacheStream) -> int:
-        return len(stream.page_indices)
 
 
 def _general(table: dict[str, dict[str, CacheStream]], step: KVStep, page_size: int,
@@ -152,7 +151,8 @@ def _general(table: dict[str, dict[str, CacheStream]], step: KVStep, page_size: 
     refused = admission.refusal(table, keys)
     if refused is not None:
         return refused
-    return admission.reserve(table, step, (), keys, page_size, free, sharing=sharing)
+    return admission.reserve(table, step, (), keys, page_size, free,
+                             sharing=sharing or NO_SHARING)
 
 
 @given(world(), st.booleans())
