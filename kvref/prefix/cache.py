@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence, Set
 from kvref import validate
 from kvref.core import page_keys as prefix_hash
 from kvref.core.errors import InvalidArgumentError, StepInFlightError, StreamUnavailableError
-from kvref.core.labels import FULL_ATTENTION
 from kvref.core.page_keys import ExtraKeys, PageKey, Tokens
 from kvref.core.page_pool import ResetRefused
 from kvref.core.stream_table import StreamTable
@@ -200,7 +199,7 @@ def _one_page_each(table: StreamTable, calls: Sequence[object],
     any entry is otherwise (the general path then decides, and raises what
     it finds)."""
     ps = table.page_size
-    if not calls or not table.sharing.caches(FULL_ATTENTION):
+    if not calls or not table.sharing.shares:
         return None  # without shared pages no label keys: the general path says 0
     streams_of = table.streams
     behaviour = table.behaviour
