@@ -83,7 +83,7 @@ class Forks:
                     continue
                 n = lengths.get((rid, from_label), src.stored_len)
                 if (rid, from_label) in unfilled and n == 0:
-                    continue  # R20
+                    continue  # a source this admit created, still empty, copies nothing (R20)
                 unfilled.discard((rid, to_label))
                 lengths[(rid, to_label)] = n
         return lengths
