@@ -30,7 +30,7 @@ def takes_plain_path(kv: KVManager, step: KVStep, ctx: StepContext) -> bool:
     stepping, table = kv._stepping, kv._table
     return stepping.preplan is None and stepping.running is None and not (
         ctx.is_preplan or step.pre_forks or step.post_forks or step.combined_labels
-    ) and not (table.windows and table.leases.leased())
+    ) and not (table.releasing and table.leases.leased())
 
 
 def _answer(decide: Any) -> Any:
@@ -61,7 +61,7 @@ def general_answer(kv: KVManager, step: KVStep, ctx: StepContext) -> Any:
             return refused
         return admission.reserve(streams, step, padded, keys, table.page_size,
                                  table.pages.num_free, sharing=table.sharing,
-                                 kept=table.kept if table.windows else None)
+                                 behaviour=table.behaviour if table.releasing else None)
 
     return _answer(decide)
 
