@@ -157,10 +157,13 @@ class PrefixSharing:
             private = self._pages.private_pages(key, pages)
         if all(private):
             return
+        kept: list[int] = []
+        shared: list[int] = []
+        for p, mine in zip(pages, private, strict=True):
+            (kept if mine else shared).append(p)
         # tail first, as `StreamTable.give_back` (S6)
-        self._pages.release_table(
-            key, [p for p, mine in zip(pages, private, strict=True) if not mine][::-1])
-        stream.keep_spare([p for p, mine in zip(pages, private, strict=True) if mine])
+        self._pages.release_table(key, shared[::-1])
+        stream.keep_spare(kept)
 
     def remembered_keys(self, stream: CacheStream) -> tuple[PageKey | None, ...]:
         # a windowed stream's pages are never keyed (W9): only a stream with
