@@ -511,8 +511,11 @@ class PagePool:
                     return took, PageRegisterError(
                         f"no page {page!r}: pages are [{lo}, {hi})")
                 have = have_keys[page]
-                if have is None and key not in index and holders[page] is not None:
-                    index[key] = page
+                # an unkeyed page is in no entry of the index (`_index[k] == p`
+                # exactly when `_key[p] == k`): `setdefault` giving the page
+                # back put it there, one probe for the lookup and the store
+                if have is None and holders[page] is not None and (
+                        index.setdefault(key, page) == page):
                     have_keys[page] = key
                     put(1)
                     continue

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Sequence, Set
+from operator import countOf
 
 from kvref import validate
 from kvref.core import page_keys as prefix_hash
@@ -41,6 +42,11 @@ def extras_for(table: StreamTable, rid: str, space: str) -> ExtraKeys:
     # the engine's tagged keys (`KVReqConfig.extra_keys`), between the salt
     # and the label; their tags are never "salt" or "label"
     extra = cfg.extra_keys if cfg is not None else ()
+    return _extras(salt, extra, space)
+
+
+def _extras(salt: str | None, extra: tuple[tuple[str, str | bytes | int], ...],
+            space: str) -> ExtraKeys:
     # one tuple per (salt, extras, label), so the keys' encoding of it is
     # found by identity (`prefix_hash.encode_extras`): encoded once, not per call
     got = _EXTRAS.get((salt, extra, space))
@@ -182,9 +188,12 @@ def _key_filled(table: StreamTable, streams: list[CacheStream], raws: list[bytes
     over because another page has its key; a fork's two streams naming one
     shared page count it once (the second finds the key the first gave it)."""
     took, err = table.pages.register_filled(pages, keys)
-    # as `_register` entry by entry: the ones before a failure keep their key
+    # as `_register` entry by entry: the ones before a failure keep their
+    # key (`CacheStream.extend_chain` of one key, inlined: a call per page
+    # was a tenth of its cost)
     for stream, raw, key, _ in zip(streams, raws, keys, took, strict=False):
-        stream.extend_chain([key], raw)
+        stream.keys.append(key)
+        stream.key_tokens += raw
     if err is not None:
         raise err
     return took
@@ -197,77 +206,99 @@ def _one_page_each(table: StreamTable, calls: Sequence[object],
     `_checked` passed: one pass that hashes each page and one pool call that
     registers them all, no record per entry. None, changing nothing, when
     any entry is otherwise (the general path then decides, and raises what
-    it finds)."""
+    it finds).
+
+    What entries of one label share (its behaviour; its extra keys' encoding
+    where the request has none of its own) is looked up when the label
+    changes, not per entry: the per-entry work, not the hash, was most of a
+    page's cost (issue 28)."""
     ps = table.page_size
     if not calls or not table.sharing.shares:
         return None  # without shared pages no label keys: the general path says 0
-    streams_of = table.streams
-    behaviour = table.behaviour
     fields = _PAGE_FIELDS.get(ps)
     if fields is None:
-        fields = _PAGE_FIELDS[ps] = (prefix_hash.page_packer(ps),
-                                     prefix_hash.page_count_field(ps))
-    pack, count = fields
+        count = prefix_hash.page_count_field(ps)
+        fields = _PAGE_FIELDS[ps] = (prefix_hash.page_packer(ps), count,
+                                     prefix_hash.ROOT_FIELD + count)
+    pack, count, root_count = fields
+    child = prefix_hash.CHILD_FIELD
+    streams_of = table.streams
+    overrides = table.overrides
+    behaviour = table.behaviour
     filled: list[CacheStream] = []
     raws: list[bytes] = []
     keys: list[PageKey] = []
     pages: list[int] = []
     sha, join = hashlib.sha256, b"".join
-    root, child = prefix_hash.ROOT_FIELD, prefix_hash.CHILD_FIELD
-    overrides = table.overrides
-    tails = _LABEL_TAILS
-    for call in calls:
-        if type(call) is not tuple or len(call) != 4:
-            return None
-        rid, label, tokens, start = call
-        if type(rid) is not str or type(label) is not str or type(start) is not int or (
-                type(tokens) is not list or len(tokens) != ps):
-            return None
-        streams = streams_of.get(rid)
-        stream = streams.get(label) if streams is not None else None
-        if stream is None or stream.offloaded or stream.received or (
-                stream.read_future is not None or stream.read_error is not None):
-            return None
-        chain = stream.keys
-        done = len(chain)
-        if start != done * ps or start + ps > stream.stored_len or (
-                not behaviour(label).cacheable):
-            return None
-        if fork_targets and (rid, label) in fork_targets:
-            return None
-        # a bool, a numpy scalar: the general path checks it (a list of
-        # types counted in C: cheaper than a set of them)
-        if list(map(type, tokens)).count(int) != ps:
-            return None
-        try:
-            raw = pack(*tokens)
-        except struct.error:
-            return None  # an id past 64 bits: the general path refuses it
-        space = stream.space or label
-        # a request with no salt and no extra keys (most): its label's
-        # encoding, kept once per label, not built per call
-        cfg = overrides.get(rid) if overrides else None
-        if cfg is None or (cfg.cache_salt is None and not cfg.extra_keys):
-            tail = tails.get(space)
-            if tail is None:
-                if len(tails) >= 4096:
-                    tails.clear()  # bounded, as `_EXTRAS`
-                tail = tails[space] = prefix_hash.encode_extras(
-                    extras_for(table, rid, space))
-        else:
-            tail = prefix_hash.encode_extras(extras_for(table, rid, space))
-        filled.append(stream)
-        raws.append(raw)
-        keys.append(sha(join((child + chain[-1] if done else root, count, raw, tail)))
-                    .digest())
-        pages.append(stream.page_indices[done])
+    # the label of the entry before, found cacheable (a batch names one
+    # label, the same object, throughout), and the encoding of its extra
+    # keys for a request with none of its own
+    last_label: object = None
+    label_tail = b""
+    # nothing is changed before every entry passed: a check that raises
+    # (an entry of other than four, an unknown request or label, an id a page
+    # does not pack) hands the batch to the general path, which decides
+    try:
+        for call in calls:
+            if type(call) is not tuple:
+                return None
+            rid, label, tokens, start = call
+            if type(rid) is not str or type(start) is not int or type(tokens) is not list:
+                return None
+            stream = streams_of[rid][label]
+            if stream.offloaded or stream.received or (
+                    stream.read_future is not None or stream.read_error is not None):
+                return None
+            chain = stream.keys
+            done = len(chain)
+            if start != done * ps or start + ps > stream.stored_len:
+                return None
+            if label is not last_label:
+                if type(label) is not str or not behaviour(label).cacheable:
+                    return None
+                last_label = label
+                label_tail = _LABEL_TAILS.get(label) or _label_tail(label)
+            if fork_targets and (rid, label) in fork_targets:
+                return None
+            raw = pack(*tokens)  # struct.error: not a page of 64-bit ints
+            # a bool packs as 0 or 1 (a Python, numpy or torch one), which the
+            # general path refuses: only where an id's low byte is 0 or 1 are
+            # the types counted (a slice and a translate of the packed bytes
+            # cost less than a type per id)
+            if len(raw[::8].translate(None, b"\x00\x01")) != ps and (
+                    countOf(map(type, tokens), int) != ps):
+                return None
+            cfg = overrides.get(rid)  # every request has one (`ingest_request`)
+            if stream.space is None and (
+                    cfg is None or (cfg.cache_salt is None and not cfg.extra_keys)):
+                tail = label_tail
+            else:
+                tail = prefix_hash.encode_extras(extras_for(table, rid, stream.space or label))
+            filled.append(stream)
+            raws.append(raw)
+            keys.append(sha(join((child, chain[-1], count, raw, tail)) if done
+                            else join((root_count, raw, tail))).digest())
+            pages.append(stream.page_indices[done])
+    except (KeyError, TypeError, ValueError, struct.error):
+        return None
     if len(set(filled)) != len(filled):
         return None  # a stream named twice: the general path refuses it
     return _key_filled(table, filled, raws, keys, pages)
 
 
-# page size -> (`prefix_hash.page_packer`, `prefix_hash.page_count_field`)
-_PAGE_FIELDS: dict[int, tuple[Callable[..., bytes], bytes]] = {}
+def _label_tail(label: str) -> bytes:
+    """The encoded extra keys of a stream of ``label`` (not a fork target
+    keyed by its source's label) whose request has no salt and no extras:
+    kept once per label."""
+    if len(_LABEL_TAILS) >= 4096:
+        _LABEL_TAILS.clear()  # bounded, as `_EXTRAS`
+    tail = _LABEL_TAILS[label] = prefix_hash.encode_extras(_extras(None, (), label))
+    return tail
+
+
+# page size -> (`prefix_hash.page_packer`, the count field, the root parent
+# field followed by the count field)
+_PAGE_FIELDS: dict[int, tuple[Callable[..., bytes], bytes, bytes]] = {}
 # label -> the encoded extra keys of a stream of it with no salt and no extras
 _LABEL_TAILS: dict[str, bytes] = {}
 

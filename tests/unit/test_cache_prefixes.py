@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -179,7 +181,8 @@ def test_two_streams_naming_one_shared_page_as_one_call_per_stream(same_ids: boo
 
 
 _VARIANTS = ("page", "page", "page", "start past", "bool", "float", "past 64 bits",
-             "no label", "other ids", "two pages", "from 0", "unknown")
+             "no label", "other ids", "two pages", "from 0", "unknown", "last a bool",
+             "numpy bool", "torch bool", "numpy ints", "ids 0 and 1")
 
 
 def _entry(mgr: KVManager, rid: str, variant: str) -> tuple[Any, ...]:
@@ -191,6 +194,16 @@ def _entry(mgr: KVManager, rid: str, variant: str) -> tuple[Any, ...]:
         return (rid, "main", ids, c + PS)
     if variant == "bool":
         return (rid, "main", [True, *ids[1:]], c)
+    if variant == "last a bool":
+        return (rid, "main", [*ids[:-1], False], c)
+    if variant == "numpy bool":
+        return (rid, "main", [*ids[:-1], np.True_], c)
+    if variant == "torch bool":
+        return (rid, "main", [*ids[:-1], torch.tensor(False)], c)
+    if variant == "numpy ints":  # ints all the same: keyed as the plain ones
+        return (rid, "main", [np.int64(t) for t in ids], c)
+    if variant == "ids 0 and 1":  # plain ints a bool packs like
+        return (rid, "main", [*ids[:-2], 0, 1], c)
     if variant == "float":
         return (rid, "main", [*ids[:-1], 2.0], c)
     if variant == "past 64 bits":
@@ -216,9 +229,11 @@ def test_the_one_pass_path_answers_as_the_general_path(data: st.DataObject) -> N
     leave two managers that took the same steps with the same answer or the
     same refusal, and in the same state. Batches are mostly one page per
     stream, at or past its commit, some entries with a defect the one-pass
-    path must hand over: a start off the chain, a bool, a float, an id past
-    64 bits, an unknown label or request, ids unlike a keyed page's, a run
-    of two pages, a stream named twice."""
+    path must hand over: a start off the chain, a bool (a Python, numpy or
+    torch one, first or last), a float, an id past 64 bits, an unknown label
+    or request, ids unlike a keyed page's, a run of two pages, a stream named
+    twice; and ids it may key as the general path does (numpy ints, plain
+    ids 0 and 1, which pack as bools do)."""
     (fast, d1), (slow, d2) = _mgr(), _mgr()
     rids = ["a", "b", "c"]
     for drv in (d1, d2):
