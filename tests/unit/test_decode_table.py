@@ -250,3 +250,26 @@ def test_an_earlier_plans_table_written_by_a_later_plan_is_found(
         window) else {}
     with pytest.raises(AssertionError, match=r"plan \d+'s main paged_kv_indices is now"):
         run(0, **cfg)
+
+
+def test_a_step_that_adds_no_page_hands_out_the_last_steps_indices() -> None:
+    """The kept indices are copied only when a row's pages change: a decode
+    step in which no stream crosses into a new page hands out the array of
+    the step before (both plans checked against their scratch build)."""
+    if decode_table.SMALL_BATCH > 1:
+        pytest.skip("planned afresh: each plan builds its own table")
+    mgr = make_manager(pages=40, page_size=PS, heads=1, head_dim=2, layers=1)
+    Checked(mgr)
+    drv = Driver(mgr)
+    batch = ["a", "b", "c", "d"]
+    drv.ingest(*batch)
+    for rid in batch:
+        fill(drv, rid, PS + 1)  # a page and one token: the next steps stay in page 2
+    drv.step([(r, "main", 1) for r in batch])  # the kept rows
+    tables = [drv.step([(r, "main", 1) for r in batch])["main"].cpu_indptrs
+              for _ in range(2)]
+    assert tables[0].paged_kv_indices is tables[1].paged_kv_indices
+    assert tables[0].paged_kv_indptr.tolist() == [0, 2, 4, 6, 8]
+    crossing = drv.step([(r, "main", 1) for r in batch])["main"].cpu_indptrs  # the 2nd page full
+    assert crossing.paged_kv_indptr.tolist() == [0, 3, 6, 9, 12]
+    assert crossing.paged_kv_indices.data_ptr() != tables[1].paged_kv_indices.data_ptr()
