@@ -35,7 +35,7 @@ import torch
 from kvref import observation, validate
 from kvref.core.cache import KVCache
 from kvref.core.config import KVConfig, KVReqConfig, KVSpec
-from kvref.core.errors import KVRefError, StepInFlightError
+from kvref.core.errors import StepInFlightError, StreamUnavailableError
 from kvref.core.labels import behaviours_of
 from kvref.core.page_pool import PagePool, ResetRefused
 from kvref.core.resource import CGSlotSpec, EngineResourceInfo, ProcessGroups
@@ -388,6 +388,8 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
     def cached_tokens(self, rid: str, label: str = "main") -> int:
         """Tokens of the stream its keyed pages cover: where a `cache_prefix`
         that names only new tokens starts."""
+        validate.request_id(rid, "cached_tokens")
+        validate.label(label, "cached_tokens", rid)
         with self._lock:
             return len(self._stream(rid, label).keys) * self.config.page_size
 
@@ -448,11 +450,13 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         and the part of its first retained page before the window, is not
         returned.
         """
+        validate.request_id(rid, "read_stream")
+        validate.label(label, "read_stream", rid)
         with self._lock:
             stream = self._stream(rid, label)
             if stream.offloaded:
-                raise KVRefError("stream is offloaded; reload it to read", request_id=rid,
-                                 label=label)
+                raise StreamUnavailableError("read_stream: the stream is offloaded; reload it "
+                                             "to read", request_id=rid, label=label)
             got = self.kv_cache.gather_stream(stream.page_indices,
                                               stream.stored_len - stream.released)
             # W1: from the first token the label still reads (0: full attention)

@@ -7,6 +7,8 @@ from typing import Any, Protocol
 
 import torch
 
+from kvref.core.errors import InvalidArgumentError
+
 
 class GatherGroup(Protocol):
     """One process group as a resource uses it: its size and an
@@ -87,7 +89,12 @@ class AttentionResource(Resource):
         self._default_layer_idx: int | None = None
 
     def set_default_label(self, label: str) -> None:
-        """The label calls that name none address (the model runner's cursor)."""
+        """The label calls that name none address (the model runner's cursor).
+        Raises `InvalidArgumentError` for a label that is not a ``str``: taken
+        as is, it surfaced later as an unknown stream, far from the call."""
+        if not isinstance(label, str):
+            raise InvalidArgumentError(
+                f"set_default_label: label must be a str, got {type(label).__name__} {label!r:.40}")
         self._default_label = label
 
     def set_default_layer_idx(self, layer_idx: int | None) -> None:

@@ -104,6 +104,7 @@ class EvictionCalls:
         and one two of its own streams share is counted once (S13); 0 once
         offloaded. `UnknownRequestError` for a request never ingested or
         removed (S28), as every call naming one."""
+        validate.request_id(rid, "reclaimable")
         with self._lock:
             streams = self._table.request(rid)
             return self._table.pages.reclaimable(

@@ -16,7 +16,7 @@ from _manager_fixtures import (
 )
 
 from kvref.core.config import KVLayout
-from kvref.core.errors import OffloadCopyError, OffloadStateError
+from kvref.core.errors import OffloadCopyError, OffloadStateError, StreamUnavailableError
 from kvref.manager import KVManager
 from kvref.stepping.step import KVStep, RequestOffloading, Segment, StepContext
 
@@ -311,6 +311,6 @@ def test_offload_priority_and_unknown() -> None:
     assert not mgr.reload("nope")
     assert mgr.read_stream("a").shape[1] == 9
     mgr.offload("a")
-    with pytest.raises(Exception, match="offloaded"):
+    with pytest.raises(StreamUnavailableError, match="offloaded"):
         mgr.read_stream("a")
     assert torch.equal(drv.expected("b"), mgr.read_stream("b"))
