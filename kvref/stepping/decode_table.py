@@ -84,7 +84,8 @@ class DecodePlan:
 
     def views(self) -> list[SequenceView]:
         """The step's views as `_sequence_views` builds them, from this plan's
-        table (its own buffer) and the generations read when it was made."""
+        table (arrays no later plan writes) and the generations read when it
+        was made."""
         n = len(self.segments)
         kv = self.head[n + 1:2 * n + 2].tolist()
         idx = self.indices
@@ -265,8 +266,8 @@ class DecodeTable:
         np.cumsum(npages, out=kv[1:])
         pos = view_len - 1
         off = pos % ps
-        # one int32 buffer, as `decode_tables` lays out its head: qo, kv, last
-        # page lengths
+        # qo, kv indptrs and last page lengths in one int32 buffer, laid out
+        # as the head of `decode_tables`' table
         b = (n + 1, 2 * n + 2, 3 * n + 2)
         head = np.empty(b[2], dtype=np.int32)
         head[:b[0]] = self._qo
