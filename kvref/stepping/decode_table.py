@@ -13,18 +13,24 @@ a commit of the planned step, an admit's appended pages) changed only by
 those; any other row (a copy-on-write swap, a window release, a truncate,
 an offload, a fork, a reset, a retrieve) is read again from its stream.
 
-The step's Python work is per row changed, not per page held: the page
-indices move only as int32 copies, once into the table handed out and
-once into the kept rows (a 2k-token context's decode costs within a few
-percent of a 128-token one's, `benchmarks.vs_vllm`). Below `SMALL_BATCH`
-rows the numpy set-up of an update costs more than building the table
-afresh from the admit's streams (`fresh_plan`), which is done instead.
+The step's Python work is per row changed, not per page held. The kept
+page indices are one int32 array that nothing writes after it is made:
+the plan hands out that array itself as ``paged_kv_indices``. A step that
+appends no page hands out the array of the step before (no copy); a step
+that changes rows writes a new array in one pass, from slices of the old
+one and the changed rows' streams, which becomes both the kept rows and
+the plan's table (one copy, where a buffer written in place would need a
+second to keep handed-out tables from changing). The indptrs and last page
+lengths are a fresh small buffer per plan. Below `SMALL_BATCH` rows the
+numpy set-up of an update costs more than building the table afresh from
+the admit's streams (`fresh_plan`), which is done instead.
 
 Outputs are the same bytes `decode_tables` gives over the same state
-(tests/unit/test_decode_table.py and the lockstep compare them); each plan
-hands out fresh buffers, so a caller holding an earlier plan's tables sees
-them unchanged. The views are built from the plan's own table on first
-read: most decode steps never read them.
+(tests/unit/test_decode_table.py and the lockstep compare them), and a
+caller holding an earlier plan's tables sees them unchanged: arrays a plan
+handed out are never written again (the same test holds every plan's
+tables to what they were when handed out). The views are built from the
+plan's own table on first read: most decode steps never read them.
 """
 
 from __future__ import annotations
@@ -62,22 +68,27 @@ class DecodePlan:
     """What `DecodeTable.plan` hands out: the host table, the write slots,
     and the plan-time rows the views are built from when first read."""
 
-    __slots__ = ("gens", "indptrs", "kept", "offset", "segments", "state", "table", "view_len")
+    __slots__ = ("gens", "head", "indices", "indptrs", "kept", "offset", "segments", "state",
+                 "view_len")
 
-    def __init__(self, segments: Sequence[Segment], table: Array, indptrs: PagedIndptrs,
-                 state: KVPlanState, gens: Array | list[int], view_len: Array | list[int],
-                 offset: Array | list[int]) -> None:
-        self.segments, self.table, self.indptrs, self.state = segments, table, indptrs, state
+    def __init__(self, segments: Sequence[Segment], head: Array, indices: Array,
+                 indptrs: PagedIndptrs, state: KVPlanState, gens: Array | list[int],
+                 view_len: Array | list[int], offset: Array | list[int]) -> None:
+        # ``head``: qo and kv indptrs, last page lengths (int32); ``indices``:
+        # the page indices, never written after this plan is made
+        self.segments, self.head, self.indices = segments, head, indices
+        self.indptrs, self.state = indptrs, state
         self.gens, self.view_len, self.offset = gens, view_len, offset
         # made by the kept table (`DecodeTable`), whose rows it now holds
         self.kept = False
 
     def views(self) -> list[SequenceView]:
         """The step's views as `_sequence_views` builds them, from this plan's
-        table (its own buffer) and the generations read when it was made."""
+        table (arrays no later plan writes) and the generations read when it
+        was made."""
         n = len(self.segments)
-        kv = self.table[n + 1:2 * n + 2].tolist()
-        idx = self.table[3 * n + 2:]
+        kv = self.head[n + 1:2 * n + 2].tolist()
+        idx = self.indices
         return [SequenceView(seg.request_id, seg.label, idx[kv[i]:kv[i + 1]].tolist(),
                              length, 1, gen, off)
                 for i, (seg, length, gen, off) in enumerate(zip(
@@ -130,7 +141,8 @@ def fresh_plan(segments: Sequence[Segment], streams: list[CacheStream], page_siz
         view_len.append(end + 1)
         offset.append(rel)
     table = np.concatenate((np.array([*range(n + 1), *kv, *last], dtype=np.int32), *arrays))
-    return DecodePlan(segments, table, table_indptrs(table, n),
+    b = 3 * n + 2
+    return DecodePlan(segments, table[:b], table[b:], table_indptrs(table, n),
                       decode_slots(np.array(pages + offsets, dtype=np.int64), device),
                       gens, view_len, offset)
 
@@ -151,7 +163,9 @@ class DecodeTable:
         self._npages: Array = np.empty(0, dtype=np.int64)
         self._offset: Array = np.empty(0, dtype=np.int64)
         self._kv: Array = np.zeros(1, dtype=np.int64)  # row i's pages: indices[kv[i]:kv[i+1]]
+        # never written once made: plans hand it out as their indices
         self._indices: Array = np.empty(0, dtype=np.int32)
+        self._indices_t: torch.Tensor | None = None  # its tensor, as handed out
         self._qo: Array = np.zeros(1, dtype=np.int64)
         # commits of a step this table planned since its last plan: each added
         # one token to every row and bumped its generation once
@@ -197,8 +211,9 @@ class DecodeTable:
         offset = np.fromiter(map(_released, streams), np.int64, n)
         view_len = np.fromiter(map(_stored, streams), np.int64, n) + 1 - offset
         npages = -(-view_len // self._ps)
-        pieces = [s.pages_array()[:k] for s, k in zip(streams, npages.tolist(), strict=True)]
-        return self._emit(gens, view_len, npages, offset, pieces)
+        indices = np.concatenate(
+            [s.pages_array()[:k] for s, k in zip(streams, npages.tolist(), strict=True)])
+        return self._emit(gens, view_len, npages, offset, indices)
 
     def _update(self, streams: list[CacheStream], grown: Sequence[int]) -> DecodePlan:
         n = len(streams)
@@ -224,10 +239,12 @@ class DecodeTable:
             changed = np.union1d(changed, dirty)
         indices = self._indices
         if not changed.size:
-            return self._emit(gens, view_len, npages, offset, [indices])
-        # the unchanged runs of rows as slices of the kept indices, the
-        # changed rows from their streams' kept page arrays: the new table
-        # is written from these in one pass (`_emit`)
+            # no row's pages changed: the kept array, which no plan writes,
+            # is this plan's table as it was the last one's
+            return self._emit(gens, view_len, npages, offset, indices)
+        # a new array, never the kept one written in place (an earlier plan
+        # holds it): the unchanged runs of rows as slices of it, the changed
+        # rows from their streams' kept page arrays, in one concatenate
         kv = self._kv.tolist()
         pieces: list[Array] = []
         prev = 0
@@ -236,35 +253,39 @@ class DecodeTable:
             pieces.append(streams[i].pages_array()[:k])
             prev = i + 1
         pieces.append(indices[kv[prev]:])
-        return self._emit(gens, view_len, npages, offset, pieces)
+        return self._emit(gens, view_len, npages, offset, np.concatenate(pieces))
 
     def _emit(self, gens: Array, view_len: Array, npages: Array, offset: Array,
-              pieces: list[Array]) -> DecodePlan:
-        """Keep the rows, and hand out a fresh copy of the tables. ``pieces``:
-        the rows' pages in order, int32, copied once into the table handed
-        out and once into the kept indices (never through a wider type)."""
+              indices: Array) -> DecodePlan:
+        """Keep the rows, and hand out their tables: ``indices``, the rows'
+        pages in order (int32, an array no one writes), kept and handed out
+        as it is; the indptrs and last page lengths in a fresh buffer."""
         n = gens.shape[0]
         ps = self._ps
         kv = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(npages, out=kv[1:])
         pos = view_len - 1
         off = pos % ps
-        # one int32 buffer, as `decode_tables`: qo, kv, last page lengths, indices
+        # qo, kv indptrs and last page lengths in one int32 buffer, laid out
+        # as the head of `decode_tables`' table
         b = (n + 1, 2 * n + 2, 3 * n + 2)
-        table = np.empty(b[2] + int(kv[-1]), dtype=np.int32)
-        table[:b[0]] = self._qo
-        table[b[0]:b[1]] = kv
-        table[b[1]:b[2]] = off + 1
-        np.concatenate(pieces, out=table[b[2]:])
-        # kept: the caller's table is its own (unchanged rows keep the kept ones)
-        indices = pieces[0] if len(pieces) == 1 and pieces[0] is self._indices else (
-            table[b[2]:].copy())
-        indptrs = table_indptrs(table, n)
+        head = np.empty(b[2], dtype=np.int32)
+        head[:b[0]] = self._qo
+        head[b[0]:b[1]] = kv
+        head[b[1]:] = off + 1
+        if indices is not self._indices or self._indices_t is None:
+            self._indices_t = torch.from_numpy(indices)
+        indptrs = PagedIndptrs(
+            qo_indptr=torch.from_numpy(head[:b[0]]),
+            paged_kv_indptr=torch.from_numpy(head[b[0]:b[1]]),
+            paged_kv_last_page_len=torch.from_numpy(head[b[1]:]),
+            paged_kv_indices=self._indices_t,
+        )
         state = decode_slots(np.concatenate((indices[kv[:-1] + pos // ps], off)),
                              self._device)
         self._gens, self._view_len, self._npages, self._offset = gens, view_len, npages, offset
         self._kv, self._indices = kv, indices
         self.commits = 0
-        plan = DecodePlan(self._segments, table, indptrs, state, gens, view_len, offset)
+        plan = DecodePlan(self._segments, head, indices, indptrs, state, gens, view_len, offset)
         plan.kept = True
         return plan

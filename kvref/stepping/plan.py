@@ -206,6 +206,10 @@ class KVPlanOutput:
     ``views`` may be given as a function building them: a decode step's plan
     (`kvref.stepping.decode_table`) makes them from its own table when first
     read, since most steps never read them.
+
+    The tables do not change after `plan` hands them out, and are read-only
+    to the engine: a decode step's ``paged_kv_indices`` is the manager's
+    kept array, shared with later plans that change no page.
     """
 
     __slots__ = ("_make_views", "_views", "cpu_indptrs", "cuda_indptrs")

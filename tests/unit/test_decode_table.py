@@ -2,7 +2,10 @@
 step after step, what the tables built from scratch over the same state
 hold: every plan below is compared with `kvref.testing.plan_oracle` (page
 table and views) and with `plan_tables`' write slots, and the token bytes
-each step wrote are read back (`Driver.check`).
+each step wrote are read back (`Driver.check`). Every plan is held to the
+end: its tables, write slots and views must stay what they were when it
+was handed out, though the kept table hands its page indices array out as
+the plan's own (a plant that writes that array in place is found below).
 
 Between the decode steps of one batch, each call that changes a stream
 other than by the step itself runs: a copy-on-write swap (a truncate into a
@@ -21,8 +24,8 @@ import torch
 
 from kvref.core.config import RetentionPolicy
 from kvref.manager import KVManager
-from kvref.stepping import decode_table
-from kvref.stepping.plan import KVPlanOutputs, plan_tables
+from kvref.stepping import admit_plan_commit, decode_table
+from kvref.stepping.plan import KVPlanOutputs, KVPlanState, SequenceView, plan_tables
 from kvref.stepping.step import KVStep, StepContext
 from kvref.testing import plan_oracle
 from tests.unit._manager_fixtures import Driver, Key, fill, make_manager, token_values
@@ -38,12 +41,55 @@ def kept_from_one_row(request: pytest.FixtureRequest, monkeypatch: pytest.Monkey
     monkeypatch.setattr(decode_table, "SMALL_BATCH", request.param)
 
 
+TABLE_FIELDS = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+
+
+def view_rows(views: list[SequenceView]) -> list[tuple[Any, ...]]:
+    return [(v.request_id, v.label, v.page_idxs, v.length, v.to_compute, v.generation,
+             v.offset) for v in views]
+
+
+class Held:
+    """An earlier plan, as a caller may keep it: its tables and write slots
+    (the tensors handed out, and their values then), and its views' maker,
+    which may first be called steps later."""
+
+    def __init__(self, n: int, out: KVPlanOutputs, states: dict[str, KVPlanState]) -> None:
+        self.n = n
+        self.tensors = [(f"{label} {field}", getattr(o.cpu_indptrs, field))
+                        for label, o in out.items() for field in TABLE_FIELDS]
+        self.tensors += [(f"{label} {field}", getattr(st, field))
+                         for label, st in states.items()
+                         for field in ("token_to_page", "token_to_cache")]
+        self.values = [t.clone() for _, t in self.tensors]
+        self.make_views = [(label, o._make_views) for label, o in out.items()
+                           if o._make_views is not None]
+        self.views: dict[str, list[tuple[Any, ...]]] = {}
+
+    def seen(self, out: KVPlanOutputs) -> None:
+        """Its views, as the oracle read (and checked) them."""
+        self.views = {label: view_rows(out[label].views) for label, _ in self.make_views}
+
+    def changed(self) -> str | None:
+        for (what, t), was in zip(self.tensors, self.values, strict=True):
+            if not torch.equal(t, was):
+                return f"plan {self.n}'s {what} is now {t.tolist()}, was {was.tolist()}"
+        for label, make in self.make_views:
+            rows = view_rows(make())
+            if rows != self.views[label]:
+                return f"plan {self.n}'s {label} views built now: {rows}, {self.views[label]}"
+        return None
+
+
 class Checked:
-    """Wraps ``mgr.plan``: each plan is compared with its scratch build."""
+    """Wraps ``mgr.plan``: each plan is compared with its scratch build, and
+    every earlier plan's tables, write slots and views with what they were
+    when handed out (a plan's tables never change under later plans)."""
 
     def __init__(self, mgr: KVManager) -> None:
         self.mgr = mgr
         self.kept = 0  # plans the kept table made (views built lazily)
+        self.held: list[Held] = []
         self._plan = mgr.plan
         mgr.plan = self.plan  # type: ignore[method-assign]
 
@@ -51,9 +97,15 @@ class Checked:
         out = self._plan(step, ctx)
         if ctx.is_preplan:
             return out
+        for held in self.held:
+            wrong = held.changed()
+            assert wrong is None, wrong
         self.kept += any(o._views is None for o in out.values())
+        held = Held(len(self.held), out, self.mgr._current_plan_states)
         wrong = plan_oracle.mismatch(self.mgr, step, out)
         assert wrong is None, wrong
+        held.seen(out)
+        self.held.append(held)
         views = plan_oracle.scratch_views(self.mgr, step)
         for label, vs in views.items():
             _, want, _ = plan_tables(vs, PS, torch.device("cpu"))
@@ -170,3 +222,54 @@ def test_kept_table_matches_a_rebuild_under_a_window(seed: int) -> None:
     """Each decode step past the window releases a page of some streams."""
     policy = RetentionPolicy(context_budget=6)
     assert run(seed, retention={"main": policy}) > 30
+
+
+class KeptWrittenInPlace(decode_table.DecodeTable):
+    """Planted: a step whose rows fill as many pages as the kept array holds
+    writes them into that array, saving the allocation, though an earlier
+    plan handed the array out as its table."""
+
+    def _emit(self, gens: Any, view_len: Any, npages: Any, offset: Any,
+              indices: Any) -> decode_table.DecodePlan:
+        kept = self._indices
+        if indices is not kept and indices.shape == kept.shape:
+            kept[:] = indices
+            indices = kept
+        return super()._emit(gens, view_len, npages, offset, indices)
+
+
+@pytest.mark.parametrize("window", [False, True], ids=["full", "window"])
+def test_an_earlier_plans_table_written_by_a_later_plan_is_found(
+        window: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plant above hands out correct tables at every plan (the oracle
+    agrees); only holding earlier plans' tables finds it."""
+    if decode_table.SMALL_BATCH > 1:
+        pytest.skip("the plant is in the kept table; these batches are planned afresh")
+    monkeypatch.setattr(admit_plan_commit, "DecodeTable", KeptWrittenInPlace)
+    cfg: dict[str, Any] = {"retention": {"main": RetentionPolicy(context_budget=6)}} if (
+        window) else {}
+    with pytest.raises(AssertionError, match=r"plan \d+'s main paged_kv_indices is now"):
+        run(0, **cfg)
+
+
+def test_a_step_that_adds_no_page_hands_out_the_last_steps_indices() -> None:
+    """The kept indices are copied only when a row's pages change: a decode
+    step in which no stream crosses into a new page hands out the array of
+    the step before (both plans checked against their scratch build)."""
+    if decode_table.SMALL_BATCH > 1:
+        pytest.skip("planned afresh: each plan builds its own table")
+    mgr = make_manager(pages=40, page_size=PS, heads=1, head_dim=2, layers=1)
+    Checked(mgr)
+    drv = Driver(mgr)
+    batch = ["a", "b", "c", "d"]
+    drv.ingest(*batch)
+    for rid in batch:
+        fill(drv, rid, PS + 1)  # a page and one token: the next steps stay in page 2
+    drv.step([(r, "main", 1) for r in batch])  # the kept rows
+    tables = [drv.step([(r, "main", 1) for r in batch])["main"].cpu_indptrs
+              for _ in range(2)]
+    assert tables[0].paged_kv_indices is tables[1].paged_kv_indices
+    assert tables[0].paged_kv_indptr.tolist() == [0, 2, 4, 6, 8]
+    crossing = drv.step([(r, "main", 1) for r in batch])["main"].cpu_indptrs  # the 2nd page full
+    assert crossing.paged_kv_indptr.tolist() == [0, 3, 6, 9, 12]
+    assert crossing.paged_kv_indices.data_ptr() != tables[1].paged_kv_indices.data_ptr()
