@@ -395,6 +395,15 @@ class CacheStream:
         self.keys += keys
         self.key_tokens += raw
 
+    @staticmethod
+    def extend_chains(streams: Sequence[CacheStream], keys: Sequence[bytes],
+                      raws: Sequence[bytes]) -> None:
+        """`extend_chain` of one page each: ``streams[i]``'s next key is
+        ``keys[i]``, over the ids ``raws[i]`` (a decode step's filled pages)."""
+        for s, key, raw in zip(streams, keys, raws, strict=True):
+            s.keys.append(key)
+            s.key_tokens += raw
+
     # offload
 
     def claim_offload(self, label: str) -> ClaimedStream:
