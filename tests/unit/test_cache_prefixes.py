@@ -139,6 +139,29 @@ def test_a_misuse_among_single_pages_changes_nothing(bad: Any, match: str) -> No
                                ("b", "main", IDS["b"][8:12], 8)]) == [1, 1]
 
 
+@pytest.mark.parametrize("page, match", [
+    ([*IDS["b"][8:11], True], "bool"),
+    ([np.bool_(False), *IDS["b"][9:12]], "bool"),
+    ([*IDS["b"][8:11], torch.tensor(True)], "bool"),
+    ([*IDS["b"][8:11], 1 << 64], "64-bit"),
+    ([*IDS["b"][8:11], 2.0], "64-bit"),
+    (IDS["b"][9:13], "committed"),  # start 12: ids past the 12 committed
+])
+def test_one_page_cache_prefix_refuses_as_the_general_path(page: list[Any], match: str) -> None:
+    """`cache_prefix` of the one page after the chain takes the one-pass path;
+    a page it must refuse (a bool of any kind, an id that is not a 64-bit
+    int, ids past the committed tokens) raises there as through the general
+    path, changing nothing; the right page keys one."""
+    mgr = _two_written_b_keyed()
+    before = _state(mgr)
+    with pytest.raises(InvalidArgumentError, match=match):
+        mgr.cache_prefix("b", "main", page, start=8 if page[0] != IDS["b"][9] else 12)
+    assert _state(mgr) == before
+    assert mgr.cache_prefix("b", "main", IDS["b"][8:12], start=8) == 1
+    assert mgr.cached_tokens("b") == 12
+    check_device_pages(mgr)
+
+
 def test_a_stream_a_preplanned_fork_copies_into_is_refused() -> None:
     """R57, as `cache_prefix`: nothing keys a page a staged fork will copy into."""
     from kvref import KVStep, Segment, StepContext
