@@ -231,6 +231,7 @@ def _one_page_each(table: StreamTable, calls: Sequence[object],
     streams_of = table.streams
     overrides = table.overrides
     behaviour = table.behaviour
+    caches = table.sharing.caches
     filled: list[CacheStream] = []
     raws: list[bytes] = []
     keys: list[PageKey] = []
@@ -260,7 +261,7 @@ def _one_page_each(table: StreamTable, calls: Sequence[object],
             if start != done * ps or start + ps > stream.stored_len:
                 return None
             if label is not last_label:
-                if type(label) is not str or not behaviour(label).cacheable:
+                if type(label) is not str or not caches(behaviour(label)):
                     return None
                 last_label = label
                 label_tail = _LABEL_TAILS.get(label) or _label_tail(label)

@@ -575,19 +575,19 @@ class Stepping:
         dropped = CacheStream.end_step(
             streams, map(_span, segments) if step.commit else None)
         for stream in dropped:
-            seg = segments[streams.index(stream)]
-            # unreachable under R2-R5; kept as the last defence, loudly,
-            # because it drops a committed span (I15)
-            logger.error(
-                "KV %s: dropping %d committed tokens for request %r label %r; "
-                "the stream was offloaded mid-step",
-                self._name, seg.span, seg.request_id, seg.label,
-            )
+            self._dropped_span(segments[streams.index(stream)])
         if self._table.releasing and step.commit:
             for seg, stream in zip(segments, streams, strict=True):
                 if seg.span and not stream.offloaded:
                     # the label's behaviour lets go of what it no longer keeps (W2)
                     self._table.retire((seg.request_id, seg.label), stream)
+
+    def _dropped_span(self, seg: Segment) -> None:
+        # unreachable under R2-R5; kept as the last defence, loudly, because
+        # it drops a committed span (I15)
+        logger.error("KV %s: dropping %d committed tokens for request %r label %r; "
+                     "the stream was offloaded mid-step",
+                     self._name, seg.span, seg.request_id, seg.label)
 
     def _add_spans(self, step: KVStep, streams: list[CacheStream] | None) -> None:
         """``streams``: the segments' streams, as a plain admit found them."""
@@ -601,13 +601,7 @@ class Stepping:
                 continue
             stream = streams[i] if streams is not None else all_streams[seg.request_id][seg.label]
             if stream.offloaded:
-                # unreachable under R2-R5; kept as the last defence,
-                # loudly, because it drops a committed span (I15)
-                logger.error(
-                    "KV %s: dropping %d committed tokens for request %r label %r; "
-                    "the stream was offloaded mid-step",
-                    self._name, span, seg.request_id, seg.label,
-                )
+                self._dropped_span(seg)
                 continue
             stream.append_tokens(span)  # W4: the next token's position moves with it
             if releasing:
