@@ -50,6 +50,7 @@ from kvref.offload.host_pool import CPUPagePool
 from kvref.offload.phases import HostOffload
 from kvref.parallel.rank_check import check_free_pages_agree
 from kvref.prefix import cache as prefix_cache
+from kvref.prefix import follow
 from kvref.prefix.keys import Tokens
 from kvref.stepping import truncation
 from kvref.stepping.admit_plan_commit import Stepping
@@ -384,6 +385,39 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
             targets = self._table.sharing.unkeyable(stepping.fork_targets) if (
                 stepping.preplan is not None or stepping.running is not None) else frozenset()
             return prefix_cache.cache_prefixes(self._table, calls, targets)
+
+    def follow_tokens(self, rid: str, token_ids: Sequence[int], label: str = "main") -> int:
+        """Key the stream's pages as they fill, from ``token_ids``: the
+        engine's own list of the stream's token ids, which it goes on
+        extending as tokens are decided (S33). Returns what `cache_prefix` of
+        the committed ids returns now.
+
+        From this call until the request is removed, each `commit` that
+        leaves the stream with full pages of committed tokens past its keyed
+        ones keys them from ``token_ids``, as `cache_prefix` would, with no
+        call from the engine: a step that fills no page costs one compare
+        per stream, and vLLM's request hashes its blocks the same way, as
+        tokens are appended. The list must hold at least the committed
+        tokens when a commit fills a page; ids past them (a draft not yet
+        verified) are never read, and a rejected draft is truncated from the
+        stream and from the list alike. A page a commit cannot key (ids
+        missing or not 64-bit ints, a stream a pending fork writes into) is
+        logged and left for a later commit or `cache_prefix`. Calling it
+        again hands over a new list. With the cache off, or for a label that
+        registers nothing (W9), it keys nothing and follows nothing.
+
+        Raises as `cache_prefix` does, changing nothing (ids that disagree
+        with the stream's keyed pages included), and `InvalidArgumentError`
+        for ``token_ids`` that is not a sequence.
+        """
+        validate.request_id(rid, "follow_tokens")
+        validate.label(label, "follow_tokens", rid)
+        with self._lock:
+            if (rid, label) in self._table.sharing.unkeyable(self._stepping.fork_targets):
+                raise StepInFlightError(
+                    "follow_tokens of a stream an admitted fork will still write into; "
+                    "commit that step first (R57, S32)", request_id=rid, label=label)
+            return follow.follow_tokens(self._table, rid, label, token_ids)
 
     def cached_tokens(self, rid: str, label: str = "main") -> int:
         """Tokens of the stream its keyed pages cover: where a `cache_prefix`

@@ -61,6 +61,7 @@ class StreamObservation:
     retrieve: RetrieveState
     received: bool  # filled by a retrieve (a peer's KV: never cached, R55)
     keyed_pages: int  # its first pages the prefix cache keys (`cached_tokens` / page size)
+    followed: bool = False  # its commits key the pages they fill (`follow_tokens`, S33)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +161,7 @@ def take(table: StreamTable, pool: PagePool, offloads: Mapping[str, Offload],
             pages=tuple(s.page_indices), generation=s.generation, released=s.released,
             in_flight=s.step_in_flight, offload=s.offload,
             retrieve=s.retrieve, received=s.received,
-            keyed_pages=len(s.keys))
+            keyed_pages=len(s.keys), followed=s.follow is not None)
 
     requests: dict[str, Mapping[str, StreamObservation]] = {}
     for rid, labels in table.streams.items():

@@ -137,6 +137,11 @@ class Stream:
     # (S23, as vLLM's cached-block count); a fork target takes its source's;
     # a truncate, a reset or an offload commit cuts it (`Model.step`)
     chain: int = 0
+    # (sharing) the engine handed its list of the stream's ids (S33): every
+    # commit that grows the stream keys its full pages past the chain, as
+    # its CachePrefix would. Kept through truncates, forks into it, resets
+    # and offloads, as the engine's list is; gone with the stream
+    followed: bool = False
 
 
 NO_STREAM = Stream()  # a stream not there yet (frozen: one value serves every lookup)
@@ -400,6 +405,16 @@ class CachePrefix:
 
 
 @dataclass(frozen=True)
+class FollowTokens:
+    """follow_tokens(rid, label, ids): the `CachePrefix` of the committed ids
+    now (its result and its refusals), and from then on every commit that
+    grows the stream keys what it filled (S33)"""
+
+    rid: int
+    label: int
+
+
+@dataclass(frozen=True)
 class MatchPrefix:
     """match_prefix(rid, label, ids) onto an empty stream (S24); the ids are
     `length` tokens of the label's own identity (what it would compute)"""
@@ -430,17 +445,17 @@ Action = (
     Ingest | Admit | Plan | Write | Read | Commit | ClearPreplan | OffloadClaim
     | OffloadCopy | OffloadCommit | OffloadAbandon | Reload | Publish | RetrieveStart
     | RetrieveComplete | Reset | Remove | Truncate | ReleasePublished | LeaseTimeout
-    | CachePrefix | MatchPrefix | ResetPrefixCache | NumFree | Reclaimable
+    | CachePrefix | FollowTokens | MatchPrefix | ResetPrefixCache | NumFree | Reclaimable
 )
 ACTIONS: tuple[type, ...] = (
     Ingest, Admit, Plan, Write, Read, Commit, ClearPreplan, OffloadClaim, OffloadCopy,
     OffloadCommit, OffloadAbandon, Reload, Publish, RetrieveStart, RetrieveComplete,
     Reset, Remove, Truncate, ReleasePublished, LeaseTimeout,
-    CachePrefix, MatchPrefix, ResetPrefixCache, NumFree, Reclaimable,
+    CachePrefix, FollowTokens, MatchPrefix, ResetPrefixCache, NumFree, Reclaimable,
 )
 # the actions of the prefix cache: the checker issues them only with sharing on
-SHARING_ACTIONS: tuple[type, ...] = (CachePrefix, MatchPrefix, ResetPrefixCache, NumFree,
-                                     Reclaimable)
+SHARING_ACTIONS: tuple[type, ...] = (CachePrefix, FollowTokens, MatchPrefix,
+                                     ResetPrefixCache, NumFree, Reclaimable)
 
 
 # -------------------------------------------------------------- results
@@ -828,7 +843,8 @@ class Model:
             _, pool = self._release(pool, k, tuple(p for p in v.table if p not in keep))
             # R12: a committed host copy is forgotten with the tokens
             off = RESIDENT if v.offload == OFFLOADED else v.offload
-            st[k] = self.tab(Stream(offload=off, retrieve=self._latch(v)), keep)
+            st[k] = self.tab(Stream(offload=off, retrieve=self._latch(v),
+                                    followed=v.followed), keep)
             if v.offload == CLAIMED:  # the offload's generation guard will fail
                 offloads[a.rid] = replace(offloads[a.rid], touched=True)
         host = s.host
@@ -1335,7 +1351,29 @@ class Model:
                                              a.fork_error and not fired)
         fired = fired or post_fired
         nxt = self._next(s, st, pool, current=None)
+        if p.step.commit:
+            nxt = self._key_followed(nxt, p.step)
         return (Fault("ForkCopyError") if fired else Ok()), nxt
+
+    def _key_followed(self, s: State, step: Step) -> State:
+        """S33: a commit's CachePrefix of each followed stream the step grew,
+        in segment order, after its forks ran (a copy failed or not): the
+        pages it filled keyed with no call from the engine. A CachePrefix
+        that would be refused (S32: a staged fork still writes into the
+        stream) keys nothing, and a later commit keys those pages."""
+        seen: set[Key] = set()
+        for g in step.segments:
+            k = (g.rid, g.label)
+            v = s.stream_map().get(k)
+            if g.span == 0 or k in seen or v is None or not v.followed:
+                continue
+            seen.add(k)
+            if v.offload != RESIDENT:
+                continue  # its span was dropped (I15): nothing grew
+            r, t = self.do_CachePrefix(s, CachePrefix(g.rid, g.label))
+            if not isinstance(r, Misuse):
+                s = t
+        return s
 
     def do_ClearPreplan(self, s: State, a: ClearPreplan) -> tuple[Result, State]:
         p = s.staged
@@ -1770,6 +1808,19 @@ class Model:
         st = s.stream_map()
         st[k] = replace(v, chain=chain)
         return Count(added), replace(s, pool=pool, streams=_sorted(st))
+
+    def do_FollowTokens(self, s: State, a: FollowTokens) -> tuple[Result, State]:
+        r, t = self.do_CachePrefix(s, CachePrefix(a.rid, a.label))
+        if isinstance(r, Misuse):
+            return r, s
+        if self.scope.window(a.label) is not None and self.W9_window_never_cached:
+            return r, t  # W9: its commits would key nothing, so nothing follows it
+        k = (a.rid, a.label)
+        st = t.stream_map()
+        if st[k].followed:
+            return r, t
+        st[k] = replace(st[k], followed=True)
+        return r, replace(t, streams=_sorted(st))
 
     @staticmethod
     def _fork_pending_into(s: State, k: Key) -> bool:

@@ -28,6 +28,7 @@ from kvref_model.core import (
     CachePrefix,
     ClearPreplan,
     Commit,
+    FollowTokens,
     Ingest,
     LeaseTimeout,
     MatchPrefix,
@@ -300,6 +301,7 @@ def prefix_calls(m: Model, s: State) -> Iterator[Action]:
     for r in sorted(s.requests()):
         for label in range(sc.labels):
             yield CachePrefix(r, label)
+            yield FollowTokens(r, label)
             yield MatchPrefix(r, label, longest)
         yield Reclaimable(r)
     yield NumFree()

@@ -39,7 +39,7 @@ Symmetry = tuple[Perm, Perm]  # (request permutation, label permutation)
 KNOWN_FIELDS: dict[type, tuple[str, ...]] = {
     State: ("free", "streams", "host", "current", "staged", "offloads", "leases", "pool"),
     Stream: ("pages", "stored_len", "contents", "in_flight", "offload", "retrieve", "table",
-             "keyed", "chain"),
+             "keyed", "chain", "followed"),
     Pending: ("step", "phase", "marks", "undo", "fresh", "forked", "basis", "preplanned"),
     Step: ("segments", "pre_forks", "post_forks", "padded", "commit"),
     Seg: ("rid", "label", "span"),
@@ -164,7 +164,8 @@ def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
         names, pool = _pages(s, order, rp, n_labels)
         streams: tuple[Any, ...] = tuple(sorted([
             ((rp[r], lb), v.stored_len, v.contents, v.in_flight, v.offload, v.retrieve,
-             tuple([names[p] for p in v.table]), v.keyed, v.chain) for (r, lb), v in s.streams]))
+             tuple([names[p] for p in v.table]), v.keyed, v.chain, v.followed)
+            for (r, lb), v in s.streams]))
         offloads: tuple[Any, ...] = tuple(sorted([
             (rp[r], tuple(sorted(o.claimed)), tuple(sorted(o.copied)), o.touched, o.hosted)
             for r, o in s.offloads]))
@@ -173,7 +174,7 @@ def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
     if same_labels:
         streams = tuple(sorted([
             ((rp[r], lb), v.pages, v.stored_len, v.contents, v.in_flight, v.offload,
-             v.retrieve, v.keyed, v.chain) for (r, lb), v in s.streams]))
+             v.retrieve, v.keyed, v.chain, v.followed) for (r, lb), v in s.streams]))
         offloads = tuple(sorted([
             (rp[r], tuple(sorted(o.claimed)), tuple(sorted(o.copied)), o.touched, o.hosted)
             for r, o in s.offloads]))
@@ -181,7 +182,8 @@ def _encode(s: State, rp: Perm, lp: Perm, tm: Perm, cur: tuple[Any, ...],
                 cur, staged, offloads, tuple(sorted([rp[r] for r in s.leases])))
     streams = tuple(sorted([
         ((rp[r], lp[lb]), v.pages, v.stored_len, tuple([tm[t] for t in v.contents]),
-         v.in_flight, v.offload, v.retrieve, v.keyed, v.chain) for (r, lb), v in s.streams]))
+         v.in_flight, v.offload, v.retrieve, v.keyed, v.chain, v.followed)
+        for (r, lb), v in s.streams]))
     host = tuple(sorted([((rp[r], lp[lb]), tuple([tm[t] for t in c]))
                          for (r, lb), c in s.host]))
     offloads = tuple(sorted([

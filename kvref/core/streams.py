@@ -19,6 +19,7 @@ this one writes a field, on any path, run or not.
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -58,6 +59,26 @@ _RESIDENT = OffloadState.RESIDENT
 _CLAIMED = OffloadState.CLAIMED
 _OFFLOADED = OffloadState.OFFLOADED
 
+# `CacheStream.key_at` of a stream whose pages no commit keys
+NEVER = sys.maxsize
+
+
+@dataclass(frozen=True, slots=True)
+class FollowedTokens:
+    """`KVManager.follow_tokens`: the engine's own list of a stream's token
+    ids, which it extends as tokens are decided; a commit keys the pages
+    that fill from it (S33). The request id and label are kept beside it
+    because a commit finds the stream, not its key; ``tail`` is the encoded
+    extra keys its pages hash with while the stream's ``space`` is
+    ``space`` (a fork into the stream changes that, and the general path
+    keys it then)."""
+
+    request_id: str
+    label: str
+    ids: Sequence[int]
+    space: str | None
+    tail: bytes
+
 
 class CacheStream:
     """One stream of one request: its pages, its length, and what may touch it.
@@ -75,7 +96,9 @@ class CacheStream:
         "_pages_buf",
         "_pages_n",
         "_pages_src",
+        "follow",
         "generation",
+        "key_at",
         "key_tokens",
         "keys",
         "offload",
@@ -128,6 +151,16 @@ class CacheStream:
         # hashed): a later call naming them otherwise is caught by a compare,
         # not by hashing the whole prefix again
         self.key_tokens = bytearray()
+        # S33: the ids a commit keys this stream's filled pages from (None:
+        # the engine keys them with `cache_prefix`, or not at all), and the
+        # length at or past which a commit looks at it: never past the end of
+        # the first page after the chain, so a commit that fills a page never
+        # misses it; every cut of the chain lowers it (`_chain_cut`), and a
+        # commit that looked sets it to where the next page ends. One compare
+        # per stream of a commit is all that following costs a step that
+        # fills no page
+        self.follow: FollowedTokens | None = None
+        self.key_at = NEVER
         # False guarantees the partial last page is private to the stream, so
         # the admit of every decode step skips the pool; only a truncate into
         # a shared page sets it (R52), and a check of the pool answers then
@@ -214,6 +247,7 @@ class CacheStream:
         self.read_future = None
         self.keys = []
         self.key_tokens = bytearray()
+        self._chain_cut()
         self.tail_maybe_shared = False
         self.space = None
         self.received = False
@@ -275,13 +309,15 @@ class CacheStream:
             s.step_in_flight = True
 
     @staticmethod
-    def end_step(streams: Sequence[CacheStream], spans: Iterable[int] | None
-                 ) -> list[CacheStream]:
+    def end_step(streams: Sequence[CacheStream], spans: Iterable[int] | None,
+                 due: list[CacheStream]) -> list[CacheStream]:
         """A step over ``streams`` ended: each one's in-flight mark is cleared
         and, where ``spans`` is given (the step keeps its tokens; one per
         stream), the stream's span is appended as `append_tokens` does. An
         offloaded stream's span is not appended (`append_tokens` refuses that
-        state): those streams are returned, for the caller to report."""
+        state): those streams are returned, for the caller to report. The
+        followed streams that may have a page to key now are added to ``due``
+        (S33)."""
         if spans is None:
             for s in streams:
                 s.step_in_flight = False
@@ -296,6 +332,8 @@ class CacheStream:
                 n = s.stored_len = s.stored_len + span
                 s.position = n
                 s.generation += 1  # I14: pages or length changed
+                if n >= s.key_at:
+                    due.append(s)
         return dropped
 
     def truncate_to(self, new_len: int, keep: int, page_size: int) -> list[int]:
@@ -314,6 +352,7 @@ class CacheStream:
         full = new_len // page_size
         del self.keys[full:]
         del self.key_tokens[full * page_size * 8:]
+        self._chain_cut()
         self.tail_maybe_shared = bool(new_len % page_size)
         self.generation += 1  # I14: pages or length changed
         return cut
@@ -358,6 +397,7 @@ class CacheStream:
         full = src.stored_len // page_size
         self.keys = src.keys[:full]
         self.key_tokens = src.key_tokens[: full * page_size * 8]
+        self._chain_cut()
         # the partial page was copied into one of its own (or every page was)
         self.tail_maybe_shared = False
         self.received = src.received
@@ -371,6 +411,7 @@ class CacheStream:
         self.released = 0
         self.keys = []
         self.key_tokens = bytearray()
+        self._chain_cut()
         self.generation += 1  # I14: pages or length changed
 
     # prefix cache
@@ -387,6 +428,7 @@ class CacheStream:
         self.position = n  # W4: the next token's position
         self.keys = keys
         self.key_tokens = bytearray(raw)
+        self._chain_cut()
         self.generation += 1  # I14: pages or length changed
 
     def extend_chain(self, keys: list[bytes], raw: bytes) -> None:
@@ -394,6 +436,24 @@ class CacheStream:
         two may lag: a register that failed part way keeps the keys it gave)."""
         self.keys += keys
         self.key_tokens += raw
+
+    def follow_with(self, followed: FollowedTokens | None, page_size: int) -> None:
+        """S33: commits key the stream's filled pages from ``followed`` (None:
+        they stop), from the first that fills the page after the chain."""
+        self.follow = followed
+        self.key_at = NEVER if followed is None else (len(self.keys) + 1) * page_size
+
+    def _chain_cut(self) -> None:
+        # the chain may end before ``key_at`` now: the next commit looks
+        self.key_at = NEVER if self.follow is None else 0
+
+    @staticmethod
+    def looked(streams: Iterable[CacheStream], page_size: int) -> None:
+        """A commit keyed what it could of each followed stream: the next
+        commit looks at it once its length reaches the end of the page after
+        its chain."""
+        for s in streams:
+            s.key_at = NEVER if s.follow is None else (len(s.keys) + 1) * page_size
 
     @staticmethod
     def extend_chains(streams: Sequence[CacheStream], keys: Sequence[bytes],
@@ -424,6 +484,7 @@ class CacheStream:
         self.page_indices = []
         self.keys = []
         self.key_tokens = bytearray()
+        self._chain_cut()
         self.tail_maybe_shared = False
         self.generation += 1  # I14: pages or length changed
 

@@ -120,7 +120,7 @@ def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
         # names it: the one-pass path costs a third less per call (issue 28);
         # anything it does not take, a misuse included, the general path
         # decides. The caller has refused a fork target already.
-        fast = _one_page_each(table, [(rid, label, tokens, start)], frozenset())
+        fast = one_page_each(table, [(rid, label, tokens, start)], frozenset())
         if fast is not None:
             return fast[0]
     todo = _checked(table, rid, label, tokens, start)
@@ -132,7 +132,7 @@ def cache_prefixes(table: StreamTable, calls: Sequence[tuple[str, str, Tokens, i
     """See `KVManager.cache_prefixes`: every call checked before any pages are
     keyed (S31), so a misuse in one changes nothing. ``fork_targets``: the
     streams an admitted fork will still write into (R57, S32, as `cache_prefix`)."""
-    fast = _one_page_each(table, calls, fork_targets) if type(calls) is list else None
+    fast = one_page_each(table, calls, fork_targets) if type(calls) is list else None
     if fast is not None:
         return fast
     if isinstance(calls, str | bytes) or not isinstance(calls, Sequence):
@@ -180,14 +180,14 @@ def _pages_that_filled(table: StreamTable, todo: list[_Todo | None]) -> list[int
         parent = stream.keys[-1] if stream.keys else None
         keyed.append((stream, raw, prefix_hash.next_page_key(
             parent, raw, extras_for(table, rid, stream.space or label))))
-    made = _key_filled(table, [st for st, _, _ in keyed], [raw for _, raw, _ in keyed],
+    made = key_filled(table, [st for st, _, _ in keyed], [raw for _, raw, _ in keyed],
                        [key for _, _, key in keyed],
                        [st.page_indices[len(st.keys)] for st, _, _ in keyed])
     counts = iter(made)
     return [0 if t is None else next(counts) for t in todo]
 
 
-def _key_filled(table: StreamTable, streams: list[CacheStream], raws: list[bytes],
+def key_filled(table: StreamTable, streams: list[CacheStream], raws: list[bytes],
                 keys: list[PageKey], pages: list[int]) -> list[int]:
     """Register each stream's page that just filled (``pages[i]``, ids
     ``raws[i]``) under its key, in one pool call; returns per entry 1 if
@@ -205,7 +205,7 @@ def _key_filled(table: StreamTable, streams: list[CacheStream], raws: list[bytes
     return took
 
 
-def _one_page_each(table: StreamTable, calls: Sequence[object],
+def one_page_each(table: StreamTable, calls: Sequence[object],
                    fork_targets: Set[tuple[str, str]]) -> list[int] | None:
     """`cache_prefixes` of a decode step's batch, each entry naming, as a list
     of ints, just the page after its stream's chain, every check of
@@ -221,12 +221,7 @@ def _one_page_each(table: StreamTable, calls: Sequence[object],
     ps = table.page_size
     if not calls or not table.sharing.shares:
         return None  # without shared pages no label keys: the general path says 0
-    fields = _PAGE_FIELDS.get(ps)
-    if fields is None:
-        count = prefix_hash.page_count_field(ps)
-        fields = _PAGE_FIELDS[ps] = (prefix_hash.page_packer(ps), count,
-                                     prefix_hash.ROOT_FIELD + count)
-    pack, count, root_count = fields
+    pack, count, root_count = page_fields(ps)
     child = prefix_hash.CHILD_FIELD
     streams_of = table.streams
     overrides = table.overrides
@@ -290,7 +285,18 @@ def _one_page_each(table: StreamTable, calls: Sequence[object],
         return None
     if len(set(filled)) != len(filled):
         return None  # a stream named twice: the general path refuses it
-    return _key_filled(table, filled, raws, keys, pages)
+    return key_filled(table, filled, raws, keys, pages)
+
+
+def page_fields(ps: int) -> tuple[Callable[..., bytes], bytes, bytes]:
+    """The packer of a page of ``ps`` ids, the count field, and the root
+    parent field followed by it: what hashing one page as it fills needs."""
+    fields = _PAGE_FIELDS.get(ps)
+    if fields is None:
+        count = prefix_hash.page_count_field(ps)
+        fields = _PAGE_FIELDS[ps] = (prefix_hash.page_packer(ps), count,
+                                     prefix_hash.ROOT_FIELD + count)
+    return fields
 
 
 def _label_tail(label: str) -> bytes:

@@ -28,6 +28,7 @@ from kvref.core.errors import (
 )
 from kvref.core.stream_table import Key, StreamTable
 from kvref.core.streams import CacheStream
+from kvref.prefix import follow
 from kvref.stepping import admission
 from kvref.stepping.decode_table import DecodeTable
 from kvref.stepping.forks import Forks
@@ -540,10 +541,12 @@ class Stepping:
              if lb in all_streams.get(r, {})}
             if self.preplan is not None else None
         )
+        # S33: the followed streams whose length reached a page to key
+        due: list[CacheStream] = []
         if running.streams is not None and staged_marks is None:
             # a plain admit's streams, one per segment (R2), looked up once:
             # marks cleared and spans added by one transition over them all
-            self._end_plain(step, running.streams)
+            self._end_plain(step, running.streams, due)
             if step.commit and running.table_planned:
                 self.decode_table.committed()
         else:
@@ -557,7 +560,7 @@ class Stepping:
                 if staged_marks is None or stream not in staged_marks:
                     stream.clear_in_flight()
             if step.commit:
-                self._add_spans(step, running.streams)
+                self._add_spans(step, running.streams, due)
                 if running.table_planned:
                     self.decode_table.committed()
         # post-forks copy what this step just wrote, so after the spans land
@@ -565,15 +568,31 @@ class Stepping:
             self._forks.run(running, step.post_forks)
         except ForkCopyError as err:
             fault = fault or err
+        if step.post_forks and step.commit:
+            # a post-fork may have cut a chain the spans' compare passed over:
+            # every followed stream the step grew is looked at
+            due = [st for seg in step.segments if seg.span
+                   for st in (all_streams.get(seg.request_id, {}).get(seg.label),)
+                   if st is not None and st.follow is not None]
+        if due:
+            # after the forks, as the model keys after them; before a fault is
+            # raised, as the model's Commit keys whether or not a copy failed
+            # S32: only a staged preplan's forks can still write into a stream
+            # now (the running step's ran), and admit refuses a preplan whose
+            # fork target the running step names (R57): asked, as the model
+            # asks, but found only where a preplan is staged
+            follow.key_followed(self._table, due, self._table.sharing.unkeyable(
+                self.fork_targets) if self.preplan is not None else frozenset())
         if fault is not None:
             raise fault
 
-    def _end_plain(self, step: KVStep, streams: list[CacheStream]) -> None:
+    def _end_plain(self, step: KVStep, streams: list[CacheStream],
+                   due: list[CacheStream]) -> None:
         """`commit` of a plain admit's step whose marks no staged preplan
         shares: what the general path's clear and `_add_spans` do."""
         segments = step.segments
         dropped = CacheStream.end_step(
-            streams, map(_span, segments) if step.commit else None)
+            streams, map(_span, segments) if step.commit else None, due)
         for stream in dropped:
             self._dropped_span(segments[streams.index(stream)])
         if self._table.releasing and step.commit:
@@ -589,8 +608,10 @@ class Stepping:
                      "the stream was offloaded mid-step",
                      self._name, seg.span, seg.request_id, seg.label)
 
-    def _add_spans(self, step: KVStep, streams: list[CacheStream] | None) -> None:
-        """``streams``: the segments' streams, as a plain admit found them."""
+    def _add_spans(self, step: KVStep, streams: list[CacheStream] | None,
+                   due: list[CacheStream]) -> None:
+        """``streams``: the segments' streams, as a plain admit found them;
+        ``due``: the followed ones a page may have filled in (S33)."""
         all_streams = self._table.streams
         # asked once per commit, not per segment: most caches release
         # nothing, and this loop runs for every request of every decode step
@@ -604,6 +625,8 @@ class Stepping:
                 self._dropped_span(seg)
                 continue
             stream.append_tokens(span)  # W4: the next token's position moves with it
+            if stream.stored_len >= stream.key_at:
+                due.append(stream)
             if releasing:
                 # W2: the label's behaviour lets go of what it no longer keeps
                 self._table.retire((seg.request_id, seg.label), stream)

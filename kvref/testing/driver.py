@@ -104,6 +104,8 @@ class ManagerUnderTest(Protocol):
     def layer_view(self, layer_idx: int | None = None) -> torch.Tensor: ...
     def cache_prefix(self, rid: str, label: str, token_ids: Sequence[int],
                      start: int = 0) -> int: ...
+    def follow_tokens(self, rid: str, token_ids: Sequence[int], label: str = "main"
+                      ) -> int: ...
     def match_prefix(self, rid: str, label: str, token_ids: Sequence[int]) -> int: ...
     def reset_prefix_cache(self) -> int | ResetRefused: ...
     def reclaimable(self, rid: str) -> int: ...
@@ -237,6 +239,9 @@ class Driver:
         # task the manager submitted to our runtime (RetrieveComplete runs it)
         self.retrieves: dict[tuple[int, int], Future[Any]] = {}
         self.model_state: m.State | None = None  # what `apply` was handed
+        # (rid, label) -> the list handed to `follow_tokens` (S33), kept and
+        # extended in place as the engine's own list is
+        self.followed: dict[tuple[int, int], list[int]] = {}
         self.model = m.Model(scope)  # its pool answers what a claim would free
 
     # -- model action -> kvref call -> model result ------------------------------
@@ -378,6 +383,7 @@ class Driver:
         return m.Ok()
 
     def _Commit(self, a: m.Commit) -> m.Result:
+        self.follow_ids(a)
         held, self.outputs, self.written = self.step, None, {}
         with self.copy_fault(a.fork_error):
             if held is None:
@@ -585,18 +591,40 @@ class Driver:
 
     # -- the prefix cache (Scope.sharing) ----------------------------------------
 
-    def _CachePrefix(self, a: m.CachePrefix) -> m.Result:
-        # the ids of the tokens the stream committed, as a careful engine names
-        # them: up to its first page no write filled, whose KV nobody computed
-        # (the model keys no further, and kvref cannot know it was not written)
-        assert self.model_state is not None, "CachePrefix needs the model's state: apply(a, s)"
-        v = self.model_state.stream_map().get((a.rid, a.label))
+    def engine_ids(self, s: m.State, key: m.Key) -> list[int]:
+        """The ids of the tokens the stream committed, as a careful engine names
+        them: up to its first page no write filled, whose KV nobody computed
+        (the model keys no further, and kvref cannot know it was not written)."""
+        v = s.stream_map().get(key)
         ids = list(v.contents) if v is not None else []
         if m.UNWRITTEN in ids:
             ps = self.scope.page_size
             ids = ids[: ids.index(m.UNWRITTEN) // ps * ps]
+        return ids
+
+    def _CachePrefix(self, a: m.CachePrefix) -> m.Result:
+        assert self.model_state is not None, "CachePrefix needs the model's state: apply(a, s)"
+        ids = self.engine_ids(self.model_state, (a.rid, a.label))
         ids += [a.label] * a.drafts  # a careless engine's draft ids, past the committed
         return m.Count(self.kv.cache_prefix(rid_name(a.rid), label_name(a.label), ids))
+
+    def _FollowTokens(self, a: m.FollowTokens) -> m.Result:
+        # the engine's own list, handed over once and extended in place from
+        # then on (`follow_ids`), as an engine appends to its request's ids
+        assert self.model_state is not None, "FollowTokens needs the model's state"
+        ids = self.followed.setdefault((a.rid, a.label), [])
+        ids[:] = self.engine_ids(self.model_state, (a.rid, a.label))
+        return m.Count(self.kv.follow_tokens(rid_name(a.rid), ids, label_name(a.label)))
+
+    def follow_ids(self, a: m.Action) -> None:
+        """Before a commit: each list handed to `follow_tokens` holds the ids
+        of the tokens its stream holds once the commit lands (the model's
+        state after it), as an engine's list holds a step's input ids."""
+        if not self.followed or self.model_state is None:
+            return
+        _, after = self.model.step(self.model_state, a)
+        for key, ids in self.followed.items():
+            ids[:] = self.engine_ids(after, key)
 
     def _MatchPrefix(self, a: m.MatchPrefix) -> m.Result:
         # the ids of a prompt of the label's own tokens (a token's identity is
@@ -652,6 +680,7 @@ class Driver:
                 contents=known.contents if known is not None else (),
                 in_flight=s.in_flight, offload=OFFLOAD_STATE[s.offload],
                 retrieve=RETRIEVE_STATE[s.retrieve], chain=s.keyed_pages,
+                followed=s.followed,
             )
         host = []
         for c in seen.host.copies if seen.host is not None else ():

@@ -140,7 +140,7 @@ def prefix_calls(model: m.Model, rid: st.SearchStrategy[int],
     if not sc.sharing:
         return []
     longest = sc.device_pages * sc.page_size + 1
-    return [st.builds(m.CachePrefix, rid, label),
+    return [st.builds(m.CachePrefix, rid, label), st.builds(m.FollowTokens, rid, label),
             st.builds(m.MatchPrefix, rid, label, st.integers(0, longest)),
             st.just(m.ResetPrefixCache()), st.just(m.NumFree()),
             st.builds(m.Reclaimable, rid)]
@@ -160,6 +160,9 @@ def events(model: m.Model, before: m.State, action: m.Action, got: m.Result,
     if isinstance(action, m.ResetPrefixCache):
         out.append(f"ResetPrefixCache ({type(got).__name__})")
     old = before.stream_map()
+    if isinstance(action, m.Commit) and any(
+            v.followed and v.chain > old.get(k, m.Stream()).chain for k, v in after.streams):
+        out.append("Commit (keyed a followed stream)")  # S33
     if sc.sharing and isinstance(action, (m.Plan, m.Commit)):
         # a fork between two full-attention labels that left them sharing a
         # page (S19): a second full label is what makes it drawable
@@ -711,6 +714,11 @@ class Lockstep(RuleBasedStateMachine):
     def cache_prefix(self, data: st.DataObject) -> None:
         self.run(self.draw_enabled(data, m.CachePrefix))
 
+    @precondition(lambda self: self.has(m.FollowTokens))
+    @rule(data=st.data())
+    def follow_tokens(self, data: st.DataObject) -> None:
+        self.run(self.draw_enabled(data, m.FollowTokens))
+
     @precondition(lambda self: self.has(m.MatchPrefix))
     @rule(data=st.data())
     def match_prefix(self, data: st.DataObject) -> None:
@@ -734,7 +742,10 @@ class Lockstep(RuleBasedStateMachine):
                                            if sc.window(lb) is None]), label="label")
         span = data.draw(st.integers(1, sc.max_span), label="prompt")
         self.run_whole(m.Step((m.Seg(rid, label, span),), padded=(rid,)))
-        self.run(m.CachePrefix(rid, label))
+        # keyed by a call, or handed its ids so the commits below key what
+        # they fill (S33)
+        follows = data.draw(st.booleans(), label="follows its ids")
+        self.run(m.FollowTokens(rid, label) if follows else m.CachePrefix(rid, label))
         other = data.draw(st.integers(0, sc.requests - 1), label="finds")
         self.run(m.Ingest(other))
         v = self.state.stream_map().get((rid, label))
@@ -868,6 +879,7 @@ def run_lockstep(config: DriverConfig, scope: m.Scope = SCOPE,
         issued = [t for t in m.ACTIONS if scope.sharing or t not in m.SHARING_ACTIONS]
         if scope.sharing:
             faults |= {"MatchPrefix (hit)", "MatchPrefix (miss)", "CachePrefix (keyed)",
+                       "Commit (keyed a followed stream)",
                        "ResetPrefixCache (Count)", "ResetPrefixCache (Refused)",
                        "copy-on-write", "cached page evicted"}
         if any(w is not None for w in scope.windows):

@@ -50,6 +50,11 @@ FOUND_AT: dict[str, tuple[str, str, int]] = {
     "preplan_skips_copy_on_write": ("trace", "preplanned write after a truncate into a shared page",
                                     10),
     "truncate_forgets_the_shared_tail": ("trace", "write after a truncate into a shared page", 10),
+    # pages keyed as they fill (S33)
+    "page_filled_at_its_end_missed": ("trace", "decode of a followed stream", 10),
+    "truncate_hides_the_fill": ("trace", "decode of a followed stream", 23),
+    "reset_stops_following": ("trace", "decode of a followed stream", 28),
+    "commit_keys_in_reverse": ("trace", "one step fills a key twice", 8),
 }
 
 def run(layer: str, target: str, plant: seam_plants.Plant | None) -> Found:

@@ -43,9 +43,10 @@ DATA = Path(__file__).with_name("features_off.json")
 
 # not in the page-counting model: the one model's page ids, and (sharing's
 # alone, so at their defaults here: checked) the keyed slots a host copy
-# remembers (S29) and the length of a stream's chain of keys (S23)
-DROP = {"table", "pool", "keyed", "chain", "hosted", "preplanned"}
-SHARING_ONLY = {"keyed", "chain", "hosted"}  # hosted: windows only (W8)
+# remembers (S29), the length of a stream's chain of keys (S23) and whether
+# its commits key its pages (S33)
+DROP = {"table", "pool", "keyed", "chain", "followed", "hosted", "preplanned"}
+SHARING_ONLY = {"keyed", "chain", "followed", "hosted"}  # hosted: windows only (W8)
 
 # (variant, scope keywords, depth), sharing and windows off (Scope's defaults)
 CASES: dict[str, tuple[str, dict[str, int], int]] = {

@@ -119,6 +119,9 @@ class ComposedManager:
                      start: int = 0) -> int:
         return self._inner.cache_prefix(rid, label, token_ids, start)
 
+    def follow_tokens(self, rid: str, token_ids: Sequence[int], label: str = "main") -> int:
+        return self._inner.follow_tokens(rid, token_ids, label)
+
     def match_prefix(self, rid: str, label: str, token_ids: Sequence[int]) -> int:
         return self._inner.match_prefix(rid, label, token_ids)
 

@@ -15,7 +15,7 @@ import pytest
 from kvref.core.labels import LabelBehaviour, SlidingWindow
 from kvref.core.sharing import PageSharing, PrefixSharing
 from kvref.core.stream_table import Key, StreamTable
-from kvref.core.streams import CacheStream
+from kvref.core.streams import CacheStream, FollowedTokens
 from kvref.manager import KVManager
 from kvref.offload.calls import EvictionCalls
 from kvref.offload.phases import HostOffload
@@ -603,3 +603,70 @@ def failed_fork_keeps_shared_pages(mp: pytest.MonkeyPatch) -> None:
         dst.generation += 1
 
     mp.setattr(Forks, "_emptied", emptied)
+
+
+# -- pages keyed as they fill (S33) -------------------------------------------
+
+
+def truncate_hides_the_fill(mp: pytest.MonkeyPatch) -> None:
+    """A truncate cuts a followed stream's chain but leaves its commit mark
+    (`key_at`) where the old chain had it: the pages written after the cut
+    fill unseen, and stay unkeyed until the stream grows past the old mark."""
+    orig = CacheStream.truncate_to
+
+    def bad(self: CacheStream, new_len: int, keep: int, page_size: int) -> list[int]:
+        mark = self.key_at
+        cut = orig(self, new_len, keep, page_size)
+        self.key_at = mark
+        return cut
+
+    mp.setattr(CacheStream, "truncate_to", bad)
+
+
+def reset_stops_following(mp: pytest.MonkeyPatch) -> None:
+    """A reset request forgets the engine's list, so the commits recomputing
+    it key nothing (the model follows it through the reset, S33)."""
+    orig = CacheStream.reset
+
+    def bad(self: CacheStream, freed: bool = False) -> None:
+        orig(self, freed)
+        self.follow_with(None, 1)
+
+    mp.setattr(CacheStream, "reset", bad)
+
+
+def page_filled_at_its_end_missed(mp: pytest.MonkeyPatch) -> None:
+    """Off by one: a commit looks at a followed stream only once it is past
+    the end of the page after its chain, so the page a step fills exactly is
+    keyed a step late."""
+    orig = CacheStream.looked
+
+    def bad(streams: list[CacheStream], page_size: int) -> None:
+        streams = list(streams)
+        orig(streams, page_size)
+        for st in streams:
+            if st.follow is not None:
+                st.key_at += 1
+
+    mp.setattr(CacheStream, "looked", staticmethod(bad))
+    orig_follow = CacheStream.follow_with
+
+    def bad_follow(self: CacheStream, followed: FollowedTokens | None, page_size: int) -> None:
+        orig_follow(self, followed, page_size)
+        if followed is not None:
+            self.key_at += 1
+
+    mp.setattr(CacheStream, "follow_with", bad_follow)
+
+
+def commit_keys_in_reverse(mp: pytest.MonkeyPatch) -> None:
+    """The one-pass keying registers a step's filled pages last segment
+    first: of two pages filled with one key in one step, the later
+    segment's takes it (S11 gives it to the first)."""
+    orig = prefix_cache.key_filled
+
+    def bad(table: StreamTable, streams: list[CacheStream], raws: list[bytes],
+            keys: list[bytes], pages: list[int]) -> list[int]:
+        return orig(table, streams[::-1], raws[::-1], keys[::-1], pages[::-1])[::-1]
+
+    mp.setattr(prefix_cache, "key_filled", bad)

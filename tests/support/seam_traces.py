@@ -81,4 +81,16 @@ TRACES: dict[str, tuple[m.Scope, list[m.Action]]] = {
         *SHARED_PREFIX, m.Truncate(1, 0, 3), *run(1, 0, 1)]),
     "preplanned write after a truncate into a shared page": (SHARED, [
         *SHARED_PREFIX, m.Truncate(1, 0, 3), *run(1, 0, 1, preplan=True)]),
+    # pages keyed as they fill (S33): a followed stream decoded a token a
+    # step, truncated back into its keyed pages, decoded on, reset, recomputed
+    "decode of a followed stream": (SHARED, [
+        m.Ingest(0), *run(0, 0, 1), m.FollowTokens(0, 0), *run(0, 0, 1), *run(0, 0, 1),
+        *run(0, 0, 1), m.Truncate(0, 0, 1), *run(0, 0, 1), *run(0, 0, 2), m.Reset(0, True),
+        *run(0, 0, 3)]),
+    # two followed requests fill the same page in one step: the first segment's
+    # page takes the key (S11), the other stays its own
+    "one step fills a key twice": (SHARED, [
+        m.Ingest(0), m.Ingest(1), m.FollowTokens(0, 0), m.FollowTokens(1, 0),
+        m.Admit(m.Step((m.Seg(0, 0, 2), m.Seg(1, 0, 2)), padded=(0, 1))), m.Plan(),
+        m.Write(), m.Commit(), m.Remove(1), m.Remove(0), m.NumFree()]),
 }

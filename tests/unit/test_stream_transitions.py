@@ -184,7 +184,9 @@ def test_ending_a_step_is_the_single_transitions_over_each_stream() -> None:
         return out
 
     ended, one_by_one = batch(), batch()
-    assert CacheStream.end_step(ended, spans) == [ended[3]]
+    due: list[CacheStream] = []
+    assert CacheStream.end_step(ended, spans, due) == [ended[3]]
+    assert due == []  # none is followed (S33): no commit keys them
     for s, span in zip(one_by_one, spans, strict=True):
         s.clear_in_flight()
         if span and not s.offloaded:
@@ -193,6 +195,6 @@ def test_ending_a_step_is_the_single_transitions_over_each_stream() -> None:
     assert ended[0].stored_len == 7 and ended[1].stored_len == 5
     kept = batch()
     before = [s.generation for s in kept]
-    assert CacheStream.end_step(kept, None) == []
+    assert CacheStream.end_step(kept, None, due) == []
     assert [s.generation for s in kept] == before
     assert not any(s.step_in_flight for s in kept)

@@ -1,0 +1,139 @@
+"""Pages keyed as they fill (S33): the engine hands the manager its own list
+of a stream's token ids once (`follow_tokens`), and every commit keys the
+pages that filled from it, with no call per page and no ids carried by the
+step.
+
+vLLM's request hashes its blocks as tokens are appended to it; an engine
+has that list anyway, so the manager reads it only where a page filled,
+and a step that fills no page pays one compare per stream
+(`CacheStream.key_at`). A commit keys what a `cache_prefix` of the ids
+from the stream's chain to its committed length would key, stream by
+stream in segment order (the model composes `CachePrefix` into `Commit`
+the same way): nothing for a stream an admitted fork will still write
+into (S32), which a later commit keys instead; the ids past the committed
+length, a draft not yet verified among them, are never read (R56).
+
+Each function runs under the stream table's lock, which `KVManager` holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+from collections.abc import Sequence, Set
+
+from kvref.core import page_keys as prefix_hash
+from kvref.core.errors import InvalidArgumentError, KVRefError
+from kvref.core.page_keys import PageKey
+from kvref.core.stream_table import StreamTable
+from kvref.core.streams import CacheStream, FollowedTokens
+from kvref.prefix import cache as prefix_cache
+
+logger = logging.getLogger(__name__)
+
+
+def follow_tokens(table: StreamTable, rid: str, label: str, ids: Sequence[int]) -> int:
+    """See `KVManager.follow_tokens`: the `cache_prefix` of the committed ids
+    now (its checks and refusals), then commits key from ``ids``."""
+    if isinstance(ids, str | bytes | bytearray) or not isinstance(ids, Sequence):
+        raise InvalidArgumentError(
+            f"follow_tokens takes the engine's sequence of token ids (a list it extends), "
+            f"got {type(ids).__name__}", request_id=rid, label=label)
+    stream = table.stream(rid, label)
+    n = prefix_cache.cache_prefix(table, rid, label, ids[:stream.stored_len])
+    if table.sharing.caches(table.behaviour(label)):
+        # a label that registers nothing (W9, or no shared pages at all)
+        # would only make every commit look at it for nothing
+        space = stream.space
+        tail = prefix_hash.encode_extras(prefix_cache.extras_for(table, rid, space or label))
+        stream.follow_with(FollowedTokens(rid, label, ids, space, tail), table.page_size)
+    return n
+
+
+def key_followed(table: StreamTable, due: list[CacheStream],
+                 unkeyable: Set[tuple[str, str]]) -> None:
+    """A commit's keying of its followed streams ``due`` (segment order, each
+    once: R2): each one's full committed pages past its chain, from its ids.
+    A decode step's (at most the one page after each chain, ids in a list)
+    in one pass and one pool call; anything else stream by stream, as
+    `cache_prefix` would key it."""
+    ps = table.page_size
+    pack, count, root_count = prefix_cache.page_fields(ps)
+    child, sha, join = prefix_hash.CHILD_FIELD, hashlib.sha256, b"".join
+    looked: list[CacheStream] = []
+    filled: list[CacheStream] = []
+    raws: list[bytes] = []
+    keys: list[PageKey] = []
+    pages: list[int] = []
+    one_pass = True
+    for stream in due:
+        f = stream.follow
+        if f is None or stream.offloaded:
+            continue
+        if unkeyable and (f.request_id, f.label) in unkeyable:
+            continue  # S32: keyed by a commit after the fork ran, not now
+        looked.append(stream)
+        if not one_pass:
+            continue
+        chain = stream.keys
+        done = len(chain)
+        start = done * ps
+        n = stream.stored_len
+        if n < start + ps:
+            continue  # the step filled no page (the compare is conservative)
+        ids = f.ids
+        if (n >= start + 2 * ps or type(ids) is not list or f.space is not stream.space
+                or stream.received or stream.read_future is not None
+                or stream.read_error is not None):
+            one_pass = False
+            continue
+        tokens = ids[start:start + ps]
+        try:
+            raw = pack(*tokens)
+        except struct.error:
+            one_pass = False  # too few ids, or not 64-bit ints: said below
+            continue
+        # a bool packs as 0 or 1: only where an id's low byte is 0 or 1 are
+        # the types counted (as `cache_prefix`'s one-pass path)
+        if len(raw[::8].translate(None, b"\x00\x01")) != ps and (
+                sum(type(t) is int for t in tokens) != ps):
+            one_pass = False
+            continue
+        filled.append(stream)
+        raws.append(raw)
+        keys.append(sha(join((child, chain[-1], count, raw, f.tail)) if done
+                        else join((root_count, raw, f.tail))).digest())
+        pages.append(stream.page_indices[done])
+    if one_pass:
+        if filled:
+            prefix_cache.key_filled(table, filled, raws, keys, pages)
+    else:
+        _key_each(table, looked)
+    CacheStream.looked(looked, ps)
+
+
+def _key_each(table: StreamTable, streams: list[CacheStream]) -> None:
+    """`cache_prefix` of each stream's ids from its chain to its committed
+    full pages, in order; a refusal keys nothing of that stream."""
+    ps = table.page_size
+    for stream in streams:
+        f = stream.follow
+        assert f is not None
+        done, full = len(stream.keys), stream.stored_len // ps
+        if full <= done:
+            continue
+        try:
+            ids = f.ids[done * ps:full * ps]
+            prefix_cache.cache_prefix(table, f.request_id, f.label, ids, done * ps)
+            if len(ids) < (full - done) * ps:
+                raise InvalidArgumentError(
+                    f"its ids end at {done * ps + len(ids)}, before the {full * ps} tokens "
+                    "of full pages the stream committed: the rest wait for the ids")
+        except (KVRefError, TypeError, ValueError, IndexError) as err:
+            # the step is committed whatever its ids say: the pages stay
+            # unkeyed (a later commit, or a `cache_prefix`, may key them)
+            # and the engine hears why here, as the cache_prefix it did not
+            # call would have said
+            logger.warning("commit could not key pages of request %r label %r from the "
+                           "ids it follows: %s", f.request_id, f.label, err)
