@@ -15,9 +15,14 @@ above 1 means kvref is faster. Only manager calls are timed; neither side
 writes KV (kvref's cache is 1 layer, 1 head of 8 floats). What each side's
 timed region holds:
 
-- decode: kvref admit + plan + commit of a step of B one-token segments,
-  then, caching on, the engine's one `cache_prefixes` call naming each page
-  that just filled (its 16 ids, ``start`` at the keyed end; S31). vLLM: per request
+- decode: kvref admit + plan + commit of a step of B one-token segments.
+  Caching on, each request's ids were handed over once (`follow_tokens`,
+  S33), so the commit keys each page that fills; the rows "keyed by
+  cache_prefixes" instead time, after the commit, the engine's loop finding
+  the pages that filled and its one `cache_prefixes` call naming them (S31).
+  The engine's own list of ids is not appended to in kvref's timed region
+  (an engine appends to it whether or not kvref reads it); vLLM's append is
+  timed, since that is where vLLM hashes. vLLM: per request
   ``allocate_slots(req, 1)`` (which caches a full block), then
   ``num_computed_tokens += 1`` and ``append_output_token_ids`` (which hashes
   a block as it fills). kvref also builds the FlashInfer tables and write
@@ -236,7 +241,10 @@ class Bench:
     # -- decode ------------------------------------------------------------------
 
     def decode(self, batch: int, prompt: int, caching: bool, window: int | None = None,
-               steps: int | None = None, label: str | None = None) -> None:
+               steps: int | None = None, label: str | None = None,
+               batched: bool = False) -> None:
+        """``batched``: caching on, the engine keys with `cache_prefixes`
+        after each commit, not by `follow_tokens`."""
         s, vl = self.s, self.vl
         steps = s.decode_steps if steps is None else steps
         total = s.warmup + steps
@@ -255,7 +263,10 @@ class Bench:
                 ctx)
         if caching and window is None:
             for i, rid in enumerate(rids):
-                kv.cache_prefix(rid, "main", ids[i][:lengths[i]])
+                if batched:
+                    kv.cache_prefix(rid, "main", ids[i][:lengths[i]])
+                else:  # the whole list: ids past the committed are never read
+                    kv.follow_tokens(rid, ids[i])
         reqs = [vl.request(ids[i][:lengths[i]], hashed=caching) for i in range(batch)]
         for r in reqs:
             vl.admit(vm, r)
@@ -263,7 +274,7 @@ class Bench:
             vl.running(r, self.rng)
         step = KVStep([Segment(r, "main", 1) for r in rids])
         kv_len = list(lengths)
-        keying = caching and window is None
+        keying = caching and window is None and batched
         k_vl = [0]
 
         def kv_go() -> float:
@@ -295,10 +306,12 @@ class Bench:
 
         got = paired(kv_go, vl_go, steps, s.warmup, per=batch)
         assert kv.stored_len(rids[0]) == reqs[0].num_computed_tokens
-        if keying:
-            assert kv.cached_tokens(rids[-1]) == kv_len[-1] // PAGE * PAGE
+        if caching and window is None:
+            for rid in rids:  # keyed as they filled, either way
+                assert kv.cached_tokens(rid) == kv.stored_len(rid) // PAGE * PAGE
         on = "on" if caching else "off"
-        self.add(label or f"decode B={batch}, {prompt}-token prompts, caching {on}",
+        how = ", keyed by cache_prefixes" if batched else ""
+        self.add(label or f"decode B={batch}, {prompt}-token prompts, caching {on}{how}",
                  "µs/req/step", got)
 
     # -- admission -----------------------------------------------------------------
@@ -490,6 +503,8 @@ def run(vl: VLLM, sizes: Sizes, seed: int = 0) -> list[Row]:
     for batch, prompt in sizes.decode:
         for caching in (True, False):
             b.decode(batch, prompt, caching)
+        if prompt == sizes.decode[0][1]:
+            b.decode(batch, prompt, True, batched=True)
     b.admission(hit=True)
     b.admission(hit=False)
     b.hashing()
@@ -516,9 +531,10 @@ def derived(rows: list[Row]) -> list[str]:
     kv = {r.op: r.kvref.median for r in rows if r.op.startswith("decode B=")}
     out = []
     for op, t in kv.items():
-        off = op.replace("caching on", "caching off")
-        if op.endswith("caching on") and off in kv:
-            out.append(f"kvref {op.removesuffix(', caching on')}: caching on / off "
+        off = op.replace(", keyed by cache_prefixes", "").replace("caching on", "caching off")
+        if "caching on" in op and off in kv:
+            head, how = op.split(", caching on")
+            out.append(f"kvref {head}: caching on{how or ' (follow_tokens)'} / off "
                        f"{t / kv[off]:.2f}")
     batch = max((int(op.split()[1][2:].rstrip(",")) for op in kv), default=0)
     ctx = sorted({int(op.split()[2].split("-")[0]) for op in kv
