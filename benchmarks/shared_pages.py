@@ -235,6 +235,10 @@ class DecodeRow:
     on_ratio: Spread  # on / off, per step
     named_ratio: Spread  # named / off, per step
     cache_calls_per_step: float
+    # caching on, each request's ids handed over once (`follow_tokens`, S33):
+    # the commits key the pages that fill
+    followed_us: Spread
+    followed_ratio: Spread  # followed / off, per step
 
 
 def bench_decode(batch: int, steps: int, warmup: int = 5) -> DecodeRow:
@@ -243,12 +247,14 @@ def bench_decode(batch: int, steps: int, warmup: int = 5) -> DecodeRow:
     total = steps + warmup
     tokens = {rid: token_ids(rng, n + total) for rid, n in lengths.items()}
     pages = sum(pages_for(n + total) for n in lengths.values()) + 1
-    mgrs = [manager(True, pages), manager(True, pages), manager(False, pages)]
+    mgrs = [manager(True, pages), manager(True, pages), manager(False, pages),
+            manager(True, pages)]
     for mgr in mgrs:
         cp.prefill(mgr, lengths)
-    named = mgrs[0]
+    named, followed = mgrs[0], mgrs[3]
     for rid, n in lengths.items():
         named.cache_prefix(rid, "main", tokens[rid][:n])
+        followed.follow_tokens(rid, tokens[rid])  # ids past the committed are never read
     step = KVStep([Segment(rid, "main", 1) for rid in lengths])
     ctx = StepContext()
     length = dict(lengths)
@@ -265,11 +271,12 @@ def bench_decode(batch: int, steps: int, warmup: int = 5) -> DecodeRow:
                 calls[0] += 1
 
     fns: list[Callable[[], None]] = [decode_named, lambda: run_step(mgrs[1], step, ctx),
-                                     lambda: run_step(mgrs[2], step, ctx)]
-    times: list[list[float]] = [[], [], []]
+                                     lambda: run_step(mgrs[2], step, ctx),
+                                     lambda: run_step(followed, step, ctx)]
+    times: list[list[float]] = [[], [], [], []]
     with no_gc():
         for i in range(total):
-            order = (0, 1, 2) if i % 2 == 0 else (2, 1, 0)
+            order = (0, 1, 2, 3) if i % 2 == 0 else (3, 2, 1, 0)
             for j in order:
                 t0 = time.perf_counter()
                 fns[j]()
@@ -279,10 +286,13 @@ def bench_decode(batch: int, steps: int, warmup: int = 5) -> DecodeRow:
             if i == warmup - 1:
                 calls[0] = 0
     off = times[2]
+    for rid, n in length.items():  # both keyed every page that filled
+        assert named.cached_tokens(rid) == followed.cached_tokens(rid) == n // PAGE_SIZE * PAGE_SIZE
     return DecodeRow(batch, steps, spread(off), spread(times[1]), spread(times[0]),
                      spread([a / b for a, b in zip(times[1], off, strict=True)]),
                      spread([a / b for a, b in zip(times[0], off, strict=True)]),
-                     calls[0] / steps)
+                     calls[0] / steps, spread(times[3]),
+                     spread([a / b for a, b in zip(times[3], off, strict=True)]))
 
 
 # -- memory ---------------------------------------------------------------------------
@@ -487,6 +497,9 @@ def tables(r: Results) -> str:
                  _us(h.hashing.ours_us), f"{_us(h.hashing.theirs_us)} (pickle chain)",
                  _ratio(h.hashing.ratio), "report"])
     for d in r.decode:
+        rows.append([f"decode B={d.batch}, caching on, pages keyed by the commits "
+                     "(follow_tokens), µs/step", _us(d.followed_us),
+                     f"{_us(d.off_us)} (caching off)", _ratio(d.followed_ratio), "≤ 1.05"])
         rows.append([f"decode B={d.batch}, caching on, tokens named "
                      f"({d.cache_calls_per_step:.1f} cache_prefix/step), µs/step",
                      _us(d.named_us), f"{_us(d.off_us)} (caching off)",

@@ -52,7 +52,8 @@ def test_json_structure_and_timings_are_well_formed(
             check_spread(r["hit"][k][side])
     assert [d["batch"] for d in r["decode"]] == list(sp.DECODE_BATCHES)
     for d in r["decode"]:
-        for k in ("off_us", "on_us", "named_us", "on_ratio", "named_ratio"):
+        for k in ("off_us", "on_us", "named_us", "on_ratio", "named_ratio", "followed_us",
+                  "followed_ratio"):
             check_spread(d[k])
         assert d["cache_calls_per_step"] > 0  # the engine named tokens as pages filled
 

@@ -133,6 +133,10 @@ def careless(model: m.Model, s: m.State) -> st.SearchStrategy[m.Action]:
     )
 
 
+# the calls that key a stream's pages: now, or now and at every commit (S33)
+KEYING = (m.CachePrefix, m.FollowTokens)
+
+
 def prefix_calls(model: m.Model, rid: st.SearchStrategy[int],
                  label: st.SearchStrategy[int]) -> list[st.SearchStrategy[m.Action]]:
     """The prefix cache's calls, with any arguments (a scope with sharing on)."""
@@ -256,16 +260,17 @@ class Lockstep(RuleBasedStateMachine):
         stray = set(changed.tolist()) - allowed
         assert not stray, f"I8: write touched pages {sorted(stray)} outside {sorted(allowed)}"
 
-    def enabled_of(self, kind: type) -> list[m.Action]:
+    def enabled_of(self, kind: type | tuple[type, ...]) -> list[m.Action]:
         # every rule's precondition asks; enumerate the protocol once per state
         if self.enabled_memo[0] is not self.state:
             self.enabled_memo = (self.state, list(enabled(self.model, self.state)))
         return [a for a in self.enabled_memo[1] if isinstance(a, kind)]
 
-    def draw_enabled(self, data: st.DataObject, kind: type) -> m.Action:
-        return data.draw(st.sampled_from(self.enabled_of(kind)), label=kind.__name__)
+    def draw_enabled(self, data: st.DataObject, kind: type | tuple[type, ...]) -> m.Action:
+        name = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        return data.draw(st.sampled_from(self.enabled_of(kind)), label=name)
 
-    def has(self, kind: type) -> bool:
+    def has(self, kind: type | tuple[type, ...]) -> bool:
         return bool(self.enabled_of(kind))
 
     def ready(self) -> list[int]:
@@ -709,15 +714,14 @@ class Lockstep(RuleBasedStateMachine):
 
     # -- the prefix cache (a scope with sharing on) ------------------------------
 
-    @precondition(lambda self: self.has(m.CachePrefix))
+    @precondition(lambda self: self.has(KEYING))
     @rule(data=st.data())
     def cache_prefix(self, data: st.DataObject) -> None:
-        self.run(self.draw_enabled(data, m.CachePrefix))
-
-    @precondition(lambda self: self.has(m.FollowTokens))
-    @rule(data=st.data())
-    def follow_tokens(self, data: st.DataObject) -> None:
-        self.run(self.draw_enabled(data, m.FollowTokens))
+        """`cache_prefix`, or `follow_tokens` (S33): the same keys now, and
+        from then on at every commit. One rule for both, so a scope without
+        the prefix cache draws exactly as it did before S33 (the mutants'
+        budgets are measured there, tests/conformance/test_mutations.py)."""
+        self.run(self.draw_enabled(data, KEYING))
 
     @precondition(lambda self: self.has(m.MatchPrefix))
     @rule(data=st.data())

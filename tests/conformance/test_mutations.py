@@ -359,9 +359,11 @@ FIRST_ROUND = {name for name in MUTANTS if ":" not in name}
 # fails on it
 NIGHTLY_ONLY = FIRST_ROUND | {"overlap: promotion skips the committed-as-admitted check"}
 # found within the full budget the control passes, not within half: the draws
-# follow the library's source, and the one model's (issue 27) moved this one's
-# finding past the half-way mark; the margin is lost for it, the check is not
-FULL_BUDGET_ONLY = {"d: an offload copy does not wait for the read"}
+# follow the library's source, and the one model's (issue 27) moved d's
+# finding past the half-way mark, follow_tokens' (S33, issue 28) e's; the
+# margin is lost for them, the check is not
+FULL_BUDGET_ONLY = {"d: an offload copy does not wait for the read",
+                    "e: a promoted preplan keeps stale view generations"}
 
 
 @pytest.fixture(autouse=True)

@@ -198,7 +198,8 @@ def stale_window(mp: pytest.MonkeyPatch) -> None:
         stream.released = upto * ps
         return self.give_back(key, go)
 
-    def add_position(self: object, step: object, streams: object = None) -> None:
+    def add_position(self: object, step: object, streams: object = None,
+                     due: object = None) -> None:
         # position moves by the span, not to the length
         for seg in step.segments:  # type: ignore[attr-defined]
             if seg.span:
@@ -209,7 +210,8 @@ def stale_window(mp: pytest.MonkeyPatch) -> None:
                     s.generation += 1
                     self._table.retire((seg.request_id, seg.label), s)  # type: ignore[attr-defined]
 
-    def end_plain(self: object, step: object, streams: list[CacheStream]) -> None:
+    def end_plain(self: object, step: object, streams: list[CacheStream],
+                  due: object = None) -> None:
         # a plain admit's commit: its marks cleared, its spans added as above
         for s in streams:
             s.clear_in_flight()
