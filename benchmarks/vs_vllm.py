@@ -1,6 +1,6 @@
 """kvref beside vLLM v1's ``KVCacheManager``, in one process, as ratios (issue 28).
 
-    python -m benchmarks.vs_vllm [--vllm PATH] [--quick] [--json PATH]
+    python -m benchmarks.vs_vllm [--vllm PATH] [--quick] [--runs N] [--json PATH]
 
 ``--vllm``: a copy of vLLM 0.33.0's KV-manager files, unmodified, with stubs
 for the heavy modules they import (``scripts/vllm_copy.py`` builds one
@@ -45,6 +45,7 @@ import argparse
 import dataclasses
 import os
 import random
+import statistics
 import sys
 import time
 import warnings
@@ -514,6 +515,23 @@ def run(vl: VLLM, sizes: Sizes, seed: int = 0) -> list[Row]:
     return b.rows
 
 
+def combined(runs: list[list[Row]]) -> list[Row]:
+    """One row per operation from whole runs of the same rows: each figure
+    (median, p10, p90) the median of that figure over the runs. The derived
+    ratios compare rows timed apart (caching on against off), so a run's
+    drift moved them by a tenth or more; across runs it does not."""
+    if len(runs) == 1:
+        return runs[0]
+
+    def mid(xs: list[Spread]) -> Spread:
+        return Spread(statistics.median(x.median for x in xs),
+                      statistics.median(x.p10 for x in xs),
+                      statistics.median(x.p90 for x in xs), sum(x.n for x in xs))
+
+    return [Row(r.op, r.unit, mid([k[i].kvref for k in runs]), mid([k[i].vllm for k in runs]),
+                mid([k[i].ratio for k in runs])) for i, r in enumerate(runs[0])]
+
+
 def table(rows: list[Row]) -> str:
     def f(x: Spread) -> str:
         d = 2 if x.median < 10 else 1 if x.median < 100 else 0
@@ -558,6 +576,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (~10 s)")
     ap.add_argument("--tiny", action="store_true", help="the smoke test's sizes")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", type=int, default=1,
+                    help="whole runs (seeds seed..seed+runs-1); each figure is the median "
+                         "over them, so one run's drift on a shared machine moves none")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     copy = find_copy(args.vllm)
@@ -568,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     vl = VLLM(copy)
     sizes = TINY if args.tiny else QUICK if args.quick else FULL
     load_start, t0 = os.getloadavg()[0], time.perf_counter()
-    rows = run(vl, sizes, args.seed)
+    rows = combined([run(vl, sizes, args.seed + k) for k in range(max(1, args.runs))])
     seconds, load_end = time.perf_counter() - t0, os.getloadavg()[0]
     print(f"### {heading(vl.version)}\n")
     print(table(rows))
@@ -581,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         # (`scripts/docs_figures.py` renders it)
         write_json(args.json, {
             "benchmark": "vs_vllm", "quick": args.quick, "tiny": args.tiny, "vllm": vl.version,
+            "runs": max(1, args.runs),
             "machine": machine(), "cpus": os.cpu_count(), "load_start": load_start,
             "load_end": load_end, "seconds": seconds,
             "rows": [dataclasses.asdict(r) for r in rows]})

@@ -6,7 +6,7 @@ Two steps, so that no page is edited by hand with numbers:
     python -m benchmarks.attention --json docs/performance/data/attention.json   #    (all
     python -m benchmarks.shared_pages --json docs/performance/data/shared_pages.json #  four)
     python -m benchmarks.retention --json docs/performance/data/retention.json
-    python -m benchmarks.vs_vllm --json docs/performance/data/vs_vllm.json        # (a vLLM copy)
+    python -m benchmarks.vs_vllm --runs 5 --json docs/performance/data/vs_vllm.json # (a vLLM copy)
     python scripts/docs_figures.py                                               # 2: render
 
 Step 2 reads the JSON only (it measures nothing) and writes
@@ -191,7 +191,8 @@ def render(data: Path = DATA) -> str:
         run = json.loads(beside.read_text())
         rows = [rebuild(vs_vllm.Row, r) for r in run["rows"]]
         command = "python -m benchmarks.vs_vllm" + (" --tiny" if run.get("tiny") else
-                                                     " --quick" if run["quick"] else "")
+                                                     " --quick" if run["quick"] else "") + (
+            f" --runs {run['runs']}" if run.get("runs", 1) > 1 else "")
         out += ["", "## Beside vLLM's KV-cache manager", "", conditions(run, command), "",
                 f"{vs_vllm.heading(run['vllm'])}; each ratio is vLLM's time over kvref's, "
                 "median [p10, p90] of per-pair ratios (the module's docstring says what "
