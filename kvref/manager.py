@@ -397,14 +397,15 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         ones keys them from ``token_ids``, as `cache_prefix` would, with no
         call from the engine: a step that fills no page costs one compare
         per stream, and vLLM's request hashes its blocks the same way, as
-        tokens are appended. The list must hold at least the committed
-        tokens when a commit fills a page; ids past them (a draft not yet
-        verified) are never read, and a rejected draft is truncated from the
-        stream and from the list alike. A page a commit cannot key (ids
-        missing or not 64-bit ints, a stream a pending fork writes into) is
-        logged and left for a later commit or `cache_prefix`. Calling it
-        again hands over a new list. With the cache off, or for a label that
-        registers nothing (W9), it keys nothing and follows nothing.
+        tokens are appended. The list holds the tokens the engine kept: a
+        page of committed tokens past its end (speculative drafts before
+        their verify) is keyed by the first commit after the engine appended
+        the kept ones, and ids past the committed tokens (the next step's
+        input) are never read; a rejected draft is truncated from the stream
+        only. A page whose ids are not 64-bit ints is left unkeyed and logged
+        (the step is committed whatever its ids say). Calling it again hands
+        over a new list. With the cache off, or for a label that registers
+        nothing (W9), it keys nothing and follows nothing.
 
         Raises as `cache_prefix` does, changing nothing (ids that disagree
         with the stream's keyed pages included), and `InvalidArgumentError`

@@ -10,8 +10,10 @@ and a step that fills no page pays one compare per stream
 from the stream's chain to its committed length would key, stream by
 stream in segment order (the model composes `CachePrefix` into `Commit`
 the same way): nothing for a stream an admitted fork will still write
-into (S32), which a later commit keys instead; the ids past the committed
-length, a draft not yet verified among them, are never read (R56).
+into (S32), which a later commit keys instead. The list holds the tokens
+the engine kept: committed tokens past its end (a speculative draft before
+its verify) wait until the engine appends them, and ids past the committed
+length (the next step's input) are never read (R56).
 
 Each function runs under the stream table's lock, which `KVManager` holds.
 """
@@ -124,12 +126,11 @@ def _key_each(table: StreamTable, streams: list[CacheStream]) -> None:
         if full <= done:
             continue
         try:
+            # a list shorter than the committed tokens keys the pages it
+            # covers: the rest hold drafts not yet verified (the engine
+            # appends only the tokens it kept), keyed once it appends them
             ids = f.ids[done * ps:full * ps]
             prefix_cache.cache_prefix(table, f.request_id, f.label, ids, done * ps)
-            if len(ids) < (full - done) * ps:
-                raise InvalidArgumentError(
-                    f"its ids end at {done * ps + len(ids)}, before the {full * ps} tokens "
-                    "of full pages the stream committed: the rest wait for the ids")
         except (KVRefError, TypeError, ValueError, IndexError) as err:
             # the step is committed whatever its ids say: the pages stay
             # unkeyed (a later commit, or a `cache_prefix`, may key them)

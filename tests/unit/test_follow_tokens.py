@@ -150,19 +150,21 @@ def test_unknown_and_offloaded_streams_are_refused() -> None:
     assert not _followed(mgr, "a")
 
 
-def test_a_list_behind_the_commits_is_keyed_once_it_catches_up(
-        caplog: pytest.LogCaptureFixture) -> None:
-    """A commit that fills a page the list does not reach yet keys nothing
-    and says so; the first commit after the list caught up keys it."""
+def test_drafts_wait_for_their_verify(caplog: pytest.LogCaptureFixture) -> None:
+    """A verify step commits the drafts' KV before the engine knows which it
+    keeps; its list holds only the kept tokens, so their pages wait, quietly,
+    and the first commit after the engine appended the kept ones keys them."""
     mgr, drv = _mgr()
     drv.ingest("a")
-    ids: list[int] = []
+    ids = list(IDS["a"][:3])
+    drv.step([("a", "main", 3)])
     mgr.follow_tokens("a", ids)
     with caplog.at_level(logging.WARNING, logger="kvref.prefix.follow"):
-        drv.step([("a", "main", 5)])
-    assert mgr.cached_tokens("a") == 0
-    assert "request 'a'" in caplog.text
-    ids += IDS["a"][:6]
+        drv.step([("a", "main", 4)])  # the last input and three drafts
+    assert (mgr.stored_len("a"), mgr.cached_tokens("a"), caplog.text) == (7, 0, "")
+    mgr.truncate("a", "main", 5)  # the first draft kept, the other two not
+    del drv.model[("a", "main")][5:]
+    ids += IDS["a"][3:6]  # the kept ones and the target's own next token
     drv.step([("a", "main", 1)])
     assert mgr.cached_tokens("a") == 4
     check_device_pages(mgr)
