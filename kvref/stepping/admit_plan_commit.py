@@ -541,8 +541,9 @@ class Stepping:
              if lb in all_streams.get(r, {})}
             if self.preplan is not None else None
         )
-        # S33: the followed streams whose length reached a page to key
-        due: list[CacheStream] = []
+        # S33: the followed streams whose length reached a page to key (None:
+        # the cache is off, and no stream is followed)
+        due: list[CacheStream] | None = [] if self._table.sharing.shares else None
         if running.streams is not None and staged_marks is None:
             # a plain admit's streams, one per segment (R2), looked up once:
             # marks cleared and spans added by one transition over them all
@@ -568,7 +569,7 @@ class Stepping:
             self._forks.run(running, step.post_forks)
         except ForkCopyError as err:
             fault = fault or err
-        if step.post_forks and step.commit:
+        if step.post_forks and step.commit and due is not None:
             # a post-fork may have cut a chain the spans' compare passed over:
             # every followed stream the step grew is looked at
             due = [st for seg in step.segments if seg.span
@@ -587,7 +588,7 @@ class Stepping:
             raise fault
 
     def _end_plain(self, step: KVStep, streams: list[CacheStream],
-                   due: list[CacheStream]) -> None:
+                   due: list[CacheStream] | None) -> None:
         """`commit` of a plain admit's step whose marks no staged preplan
         shares: what the general path's clear and `_add_spans` do."""
         segments = step.segments
@@ -609,7 +610,7 @@ class Stepping:
                      self._name, seg.span, seg.request_id, seg.label)
 
     def _add_spans(self, step: KVStep, streams: list[CacheStream] | None,
-                   due: list[CacheStream]) -> None:
+                   due: list[CacheStream] | None) -> None:
         """``streams``: the segments' streams, as a plain admit found them;
         ``due``: the followed ones a page may have filled in (S33)."""
         all_streams = self._table.streams
@@ -625,7 +626,7 @@ class Stepping:
                 self._dropped_span(seg)
                 continue
             stream.append_tokens(span)  # W4: the next token's position moves with it
-            if stream.stored_len >= stream.key_at:
+            if due is not None and stream.stored_len >= stream.key_at:
                 due.append(stream)
             if releasing:
                 # W2: the label's behaviour lets go of what it no longer keeps
