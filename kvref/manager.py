@@ -28,7 +28,8 @@ the reference manager, ``specs/rules.md`` says why (the rule IDs below cite it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -359,14 +360,22 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         running and not yet run) will still write into it (R57, S32);
         `UnknownRequestError`.
         """
-        validate.request_id(rid, "cache_prefix")
-        validate.label(label, "cache_prefix", rid)
+        with self._keyable(rid, label, "cache_prefix"):
+            return prefix_cache.cache_prefix(self._table, rid, label, token_ids, start)
+
+    @contextlib.contextmanager
+    def _keyable(self, rid: str, label: str, call: str) -> Iterator[None]:
+        """Under the lock, a stream whose pages ``call`` may key: its id and
+        label checked, and no fork of an admitted step (preplanned, or
+        running and not yet run) still to write into it (R57, S32)."""
+        validate.request_id(rid, call)
+        validate.label(label, call, rid)
         with self._lock:
             if (rid, label) in self._table.sharing.unkeyable(self._stepping.fork_targets):
                 raise StepInFlightError(
-                    "cache_prefix of a stream an admitted fork will still write into; "
+                    f"{call} of a stream an admitted fork will still write into; "
                     "commit that step first (R57, S32)", request_id=rid, label=label)
-            return prefix_cache.cache_prefix(self._table, rid, label, token_ids, start)
+            yield
 
     def cache_prefixes(self, calls: Sequence[tuple[str, str, Tokens, int]]) -> list[int]:
         """`cache_prefix` of each ``(request_id, label, token_ids, start)``, in
@@ -411,13 +420,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         with the stream's keyed pages included), and `InvalidArgumentError`
         for ``token_ids`` that is not a sequence.
         """
-        validate.request_id(rid, "follow_tokens")
-        validate.label(label, "follow_tokens", rid)
-        with self._lock:
-            if (rid, label) in self._table.sharing.unkeyable(self._stepping.fork_targets):
-                raise StepInFlightError(
-                    "follow_tokens of a stream an admitted fork will still write into; "
-                    "commit that step first (R57, S32)", request_id=rid, label=label)
+        with self._keyable(rid, label, "follow_tokens"):
             return follow.follow_tokens(self._table, rid, label, token_ids)
 
     def cached_tokens(self, rid: str, label: str = "main") -> int:
