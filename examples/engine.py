@@ -15,9 +15,9 @@ kvref's page table keeping them apart. What it shows, each counted in
   request's prompt ids go to ``match_prefix`` when it arrives, which attaches
   the cached pages holding its head to its empty stream; only the rest of the
   prompt is computed, at positions from the hit on, attending to the cached
-  KV. After every commit (prefill chunk, decode, verify once truncated)
-  ``cache_prefix`` names the ids the stream holds, so its full pages become
-  findable for the requests after it;
+  KV. Each stream's list of ids (the prompt, then the tokens kept) is
+  handed over once (``follow_tokens``), and every commit keys the pages
+  it filled, so they become findable for the requests after it;
 - parallel sampling: a request asks for two samples; once its prompt is in,
   a fork step forks its ``main`` stream onto ``s1`` (forks apply to every
   request in ``padded_request_ids``, so that step pads only this request).
@@ -48,7 +48,7 @@ disaggregated prefill: its prompt is longer than the window, so the prefill
 manager publishes only the retained pages with ``released`` set, and the
 decode manager's retrieve copies only those (W16, W17 of specs/retention.md).
 kvref refuses prefix sharing: ``match_prefix`` answers 0 and
-``cache_prefix`` registers nothing (W9/W10), so the windowed demo has no
+``follow_tokens`` follows nothing (W9/W10), so the windowed demo has no
 prefix hits. ``truncate`` refuses (``ReleasedPrefixError``) a length
 whose window would reach into released tokens; the margin keeps
 ``draft_len`` tokens past the window, so a verify step that rejects every
@@ -198,6 +198,9 @@ class Request:
     speculative: bool = False
     disaggregated: bool = False  # prefilled on the prefill worker's manager
     out: dict[str, list[int]] = field(default_factory=dict)  # label -> tokens
+    # label -> the stream's ids: the prompt, then the tokens kept, as the
+    # manager reads them when a commit fills a page (`follow_tokens`)
+    ids: dict[str, list[int]] = field(default_factory=dict)
     state: str = "new"  # new, transferring, running, swapped, done
     published: Any = None  # the prefill worker's publication, until it landed
     runner_up: int = -1  # the second-best first token: the second sample's start
@@ -205,6 +208,12 @@ class Request:
 
     def labels(self) -> list[str]:
         return list(self.out) or [MAIN]
+
+    def keep(self, label: str, tokens: list[int]) -> None:
+        """Tokens the stream keeps: its output, and its list of ids (a
+        verify step's drafts join only once accepted)."""
+        self.out.setdefault(label, []).extend(tokens)
+        self.ids.setdefault(label, list(self.prompt)).extend(tokens)
 
     def prefilled(self, kv: KVManager) -> bool:
         return kv.stored_len(self.rid) >= len(self.prompt)
@@ -231,7 +240,7 @@ class Stats:
     leases_released: int = 0
     prompt_tokens: int = 0  # every request's prompt
     hit_tokens: int = 0  # of them, attached from the prefix cache
-    pages_cached: int = 0  # pages `cache_prefix` made findable
+    pages_cached: int = 0  # pages the prefix caches name at the end: keyed as they filled
     pages_saved: int = 0  # at most, in one step: page tables summed minus pages held
     window_pages: int = 0  # the most pages a windowed stream held entering a step
     window_bound: int = 0  # ceil(W / page_size) + 1: what it may hold (0: no window)
@@ -313,6 +322,10 @@ class Engine:
                 elif any(r.state == "transferring" for r in requests):
                     time.sleep(0.001)  # only copies in flight: wait for them
                 self.stats.steps += 1
+        # what the prefix caches name now, held or free: every page keyed as
+        # it filled and not evicted since
+        self.stats.pages_cached = sum(p.key is not None for kv in (self.kv, self.prefill_kv)
+                                      for p in kv.observe().pages)
         return self.stats
 
     def arrive(self) -> None:
@@ -325,6 +338,8 @@ class Engine:
                     self.kv.ingest_request(r.rid)
                     r.hit = self.kv.match_prefix(r.rid, MAIN, r.prompt)
                     self.stats.hit_tokens += r.hit
+                    # from here on every commit keys the pages it filled
+                    self.kv.follow_tokens(r.rid, r.ids.setdefault(MAIN, list(r.prompt)))
                     r.state = "running"
 
     def schedule(self) -> list[Work]:
@@ -356,19 +371,13 @@ class Engine:
         self.stats.mixed_steps += any(not w.req.out for w in work) and any(w.req.out for w in work)
         for w in work:
             self.sample(w, logits[rows[(w.req.rid, w.label)]])
-            # committed, and a verify step's rejected drafts truncated away
-            self.cache(self.kv, w.req, w.label)
         # after every sample: a fork may preempt a request sampled in this step
         for r in {w.req.rid: w.req for w in work}.values():
             if r.samples == 2 and r.out and SAMPLE not in r.out:
                 self.fork(r)
-                r.out[SAMPLE] = [r.runner_up]
-
-    def cache(self, kv: KVManager, r: Request, label: str) -> None:
-        """Name the ids the stream holds, so its full pages can be hit: the
-        prompt, then the sampled tokens fed back (the last one is not yet)."""
-        held = (r.prompt + r.out.get(label, []))[:kv.stored_len(r.rid, label)]
-        self.stats.pages_cached += kv.cache_prefix(r.rid, label, held)
+                r.keep(SAMPLE, [r.runner_up])
+                # the sample's own list: the prompt, then its tokens
+                self.kv.follow_tokens(r.rid, r.ids[SAMPLE], SAMPLE)
 
     def count_shared(self, plan: KVPlanOutput) -> None:
         """Pages saved now: the step's page tables summed (each stream's pages
@@ -438,7 +447,7 @@ class Engine:
                 self.first_tokens(r, logits[-1])
             return
         if not w.draft:
-            r.out[w.label].append(int(logits[-1].argmax()))
+            r.keep(w.label, [int(logits[-1].argmax())])
             return
         # verify: row i predicts the token after tokens[i]; keep the drafted
         # tokens the target agrees with, then the target's own next token
@@ -446,7 +455,7 @@ class Engine:
         accepted = 0
         while accepted < len(w.draft) and w.draft[accepted] == target[accepted]:
             accepted += 1
-        r.out[w.label] += target[:accepted + 1]
+        r.keep(w.label, target[:accepted + 1])
         keep = self.kv.stored_len(r.rid, w.label) - (len(w.draft) - accepted)
         self.stats.pages_truncated += self.kv.truncate(r.rid, w.label, keep)
         self.stats.verify_steps += 1
@@ -455,7 +464,7 @@ class Engine:
 
     def first_tokens(self, r: Request, last: torch.Tensor) -> None:
         top = last.topk(2).indices.tolist()
-        r.out[MAIN] = [top[0]]
+        r.keep(MAIN, [top[0]])
         r.runner_up = top[1]  # where a second sample starts
 
     def fork(self, r: Request) -> None:
@@ -530,6 +539,7 @@ class Engine:
         pkv.ingest_request(r.rid)
         hit = r.hit = pkv.match_prefix(r.rid, MAIN, r.prompt)  # the worker caches too
         self.stats.hit_tokens += hit
+        pkv.follow_tokens(r.rid, r.ids.setdefault(MAIN, list(r.prompt)))
         step = KVStep(segments=[Segment(r.rid, MAIN, len(r.prompt) - hit)])
         ctx = StepContext(padded_request_ids=[r.rid])
         outcome = pkv.admit(step, ctx)
@@ -537,9 +547,8 @@ class Engine:
             raise RuntimeError(f"prefill worker refused {r.rid}: {outcome.reason}")
         plan = pkv.plan(step, ctx)[MAIN]
         logits, _ = self.forward(pkv, plan, {(r.rid, MAIN): Work(r, MAIN, r.prompt[hit:])})
-        pkv.commit(step, ctx)
-        r.out[MAIN] = [int(logits[-1].argmax())]
-        self.cache(pkv, r, MAIN)
+        pkv.commit(step, ctx)  # keys the prompt's full pages
+        r.keep(MAIN, [int(logits[-1].argmax())])
         published = pkv.publish(r.rid)  # leased: the worker keeps these pages until released
         if isinstance(published, PublishRefused):
             raise RuntimeError(f"publish of {r.rid} refused: {published.reason}")
