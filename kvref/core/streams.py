@@ -351,6 +351,8 @@ class CacheStream:
         self.page_indices = pages[:keep]
         self.stored_len = new_len
         self.position = new_len  # W4: the next commit's window is from the new length
+        if not new_len:
+            self._holds_no_kv()
         full = new_len // page_size
         del self.keys[full:]
         del self.key_tokens[full * page_size * 8:]
@@ -404,6 +406,8 @@ class CacheStream:
         self.tail_maybe_shared = False
         self.received = src.received
         self.space = space
+        if not src.stored_len:
+            self._holds_no_kv()
         self.generation += 1  # I14: pages or length changed
 
     def empty_torn(self) -> None:
@@ -414,7 +418,18 @@ class CacheStream:
         self.keys = []
         self.key_tokens = bytearray()
         self._chain_cut()
+        self._holds_no_kv()
         self.generation += 1  # I14: pages or length changed
+
+    def _holds_no_kv(self) -> None:
+        # an empty stream holds nobody's KV: the tokens it computes next are
+        # its own label's, and no peer's (S25, R55). A fork target kept its
+        # source's label past a fork from an empty source, a truncate to 0 or
+        # a torn copy, and keyed its own tokens under the source's: another
+        # page of the same tokens under its own label was never found (the
+        # nightly lockstep, 2026-12-05)
+        self.space = None
+        self.received = False
 
     # prefix cache
 

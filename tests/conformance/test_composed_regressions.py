@@ -406,3 +406,26 @@ def test_a_failed_preplanned_fork_from_a_keyed_source() -> None:
     assert replay([m.Ingest(0), m.Admit(one), m.Plan(), m.Write(), m.Commit(),
                    m.Admit(pp, preplan=True), m.CachePrefix(0, 0), m.Plan(fork_error=True)],
                   TWO_FULL) == m.Fault("ForkCopyError")
+
+
+# a stream of label 1 holding nothing yet (a step that names it with no span)
+_EMPTY_LABEL_1 = [m.Admit(m.Step((m.Seg(0, 1, 0),), padded=(0,))), m.Plan(), m.Write(),
+                  m.Commit()]
+
+
+@pytest.mark.parametrize("how", ["fork from an empty source", "truncate to 0"])
+def test_an_emptied_fork_target_keys_its_own_tokens_as_its_own(how: str) -> None:
+    """kvref defect (S25), found by the nightly lockstep (2026-12-05): a fork
+    target keys its pages under its source's label, since it holds the
+    source's KV; it kept that label once it held nothing of the source's
+    (forked from an empty source, or truncated to 0), and keyed the tokens
+    it computed next under the source's label. The model keys them as its
+    own label's: another page of the same tokens under its own label holds
+    the key, so this one is passed over (S11). kvref keyed it afresh."""
+    own = [m.Ingest(1), *run(1, 0, 2), m.CachePrefix(1, 0)]  # (0, 0)'s tokens, keyed
+    if how == "truncate to 0":
+        head = [m.Ingest(0), *run(0, 1, 2), *run(0, 0, 0, pre=((1, 0),)), m.Truncate(0, 0, 0)]
+    else:
+        head = [m.Ingest(0), *run(0, 0, 2), *_EMPTY_LABEL_1, *run(0, 0, 0, pre=((1, 0),))]
+    trace = [*own, *head, *run(0, 0, 2), m.CachePrefix(0, 0)]
+    assert replay(trace, SHARED) == m.Count(0)
