@@ -193,6 +193,16 @@ class KVCache:
             self._fault("fork.copy")
         copy_page_blocks(self.tensor, dst, self.tensor, src)
 
+    def copy_page_head(self, src: int, dst: int, slots: int) -> None:
+        """Copy the first ``slots`` token slots of page ``src`` into ``dst``,
+        every layer, K and V; the rest of ``dst`` is not touched (a copy
+        landing there may be writing it)."""
+        if self._fault is not None:
+            self._fault("fork.copy")
+        for layer in range(self.tensor.shape[0]):
+            view = self._token_major(layer)
+            view[dst, :, :slots] = view[src, :, :slots]
+
     def gather_stream(self, pages: list[int], length: int) -> torch.Tensor:
         """``[layers, length, 2, H, D]``: a stream's first ``length`` tokens, in order."""
         cfg = self.config

@@ -102,12 +102,12 @@ def group_by_plan_label(
 class StepForks(Protocol):
     """What publish and retrieve ask of the step mechanism (`kvref.stepping.
     admit_plan_commit.Stepping` answers): whether a running or staged step
-    still forks onto a request (R50), and a copy-on-write of a stream's
-    shared last page before a retrieve writes into it (R52). Called under
-    the table's lock."""
+    still forks onto a request (R50), and the copy of the tokens a stream
+    holds in its shared last page into the private page a retrieve writes
+    after them (R52). Called under the table's lock."""
 
     def forks_pending(self, rid: str) -> bool: ...
 
     def release_pending(self, rid: str) -> bool: ...
 
-    def copy_on_write(self, rid: str, label: str) -> None: ...
+    def copy_page_head(self, src: int, dst: int, slots: int) -> None: ...

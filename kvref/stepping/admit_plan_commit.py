@@ -294,10 +294,11 @@ class Stepping:
         return staged is not None and admission.releases_published(
             staged.step, streams, settled, behaviour, ps, rid)
 
-    def copy_on_write(self, rid: str, label: str) -> None:
-        """Make the stream's shared last page private (`Forks.copy_on_write`),
-        for a retrieve that writes into it (R52). Called under the table's lock."""
-        self._forks.copy_on_write(rid, label)
+    def copy_page_head(self, src: int, dst: int, slots: int) -> None:
+        """The first ``slots`` tokens of the shared page ``src`` into the
+        stream's own ``dst``, where a retrieve writes the tokens after them
+        (R52; `KVCache.copy_page_head`). Called under the table's lock."""
+        self._forks.copy_page_head(src, dst, slots)
 
     def _stale_reason(self, staged: StagedPreplan, key: Key) -> PreplanStale:
         stream = self._table.streams.get(key[0], {}).get(key[1])

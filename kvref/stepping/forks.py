@@ -204,6 +204,11 @@ class Forks:
         table.give_back(key, old)
         stream.rehome_pages(pages)
 
+    def copy_page_head(self, src: int, dst: int, slots: int) -> None:
+        """`KVCache.copy_page_head`: a retrieve's copy-on-write (R52), whose
+        page the copy names before it starts and takes once it started."""
+        self._kv_cache.copy_page_head(src, dst, slots)
+
     def copy_on_write(self, rid: str, label: str) -> None:
         """Give the stream a private copy of its partial last page, which it
         shares or which is registered, before a write lands in it (R52).

@@ -266,18 +266,25 @@ class Retrieval:
         ps = self._table.page_size
         released = self._released_after(label, stream, info)
         start = max(old_len, released)  # only retained tokens are copied (W16)
-        if old_len >= released and self._table.sharing.cow_needed((rid, label), stream):
-            # the copy lands after the stream's last token, in its partial
-            # page: made private first, as an admit's write is (R52)
-            self._stepping.copy_on_write(rid, label)
         kept = self._kept(stream, released)
         short = pages_for(info.seq_len, ps) - released // ps - len(kept)
+        # the copy lands after the stream's last token, in its partial page:
+        # one the stream shares is made private, as an admit's write is
+        # (R52), into a page of its own (``cow``), which the copy names
+        cow = old_len >= released and self._table.sharing.cow_needed((rid, label), stream)
         # counted by the caller, under the same lock; named to the copy but
         # taken only once it started: taking first evicted free-cached pages
         # that a failed start then gave back blank, their keys lost (the
-        # shipped-configuration lockstep found the cache one page short)
-        got = self._table.pages.peek(short) if short > 0 else []
-        pages = kept + got  # slot released // ps onward
+        # shipped-configuration lockstep found the cache one page short), and
+        # a copy-on-write made before a start that failed stayed made (the
+        # nightly lockstep, 2026-12-05: a refused retrieve had moved a page)
+        got = self._table.pages.peek(short + cow) if short + cow > 0 else []
+        pages = kept + got[cow:]  # slot released // ps onward
+        if cow:
+            # the partial page's slot among the kept ones (spare pages may
+            # follow it: a reset that kept them, a step never committed)
+            tail = old_len // ps - max(released, stream.released) // ps
+            shared, pages[tail] = pages[tail], got[0]
         try:
             # both lists by position: a released slot (never read) names the sink
             fut = self._transfer.start_async_retrieve(
@@ -295,12 +302,17 @@ class Retrieval:
                 request_id=rid, label=label,
             )
         if got:
-            taken = self._table.take((rid, label), short)
+            taken = self._table.take((rid, label), short + cow)
             assert taken == got, f"peeked pages {got}, allocated {taken}"
         # the pages of slots now released go (tail first, W7); the copy writes
         # none of them. Set here, with stored_len: the copy's landing changes
         # neither (admission.retrieve_state only clears the future)
         gone = stream.page_indices[:len(stream.page_indices) - len(kept)]
+        if cow:
+            # the tokens before the copy's first slot, from the shared page:
+            # slots the copy never writes, so the order of the two is free
+            self._stepping.copy_page_head(shared, got[0], old_len % ps)
+            gone.append(shared)
         # a peer's KV is never keyed into the prefix cache (R55)
         stream.start_retrieve(pages, released, fut, info.seq_len)
         self._table.give_back((rid, label), gone)

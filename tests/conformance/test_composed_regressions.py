@@ -10,7 +10,7 @@ from kvref.testing.driver import Driver, DriverConfig
 from kvref.testing.exhaustive import run_trace
 from kvref.testing.lockstep import SHIPPED_SCOPE
 from kvref_model import core as m
-from tests.support.seam_traces import SHARED, TRACES, run
+from tests.support.seam_traces import SHARED, SHARED_PREFIX, TRACES, run
 
 SHARING = m.Scope(requests=2, labels=3, device_pages=2, host_pages=1, page_size=1,
                   max_span=2, sharing=True, windows=(None, 1, 1), margins=(0, 1, 1))
@@ -429,3 +429,17 @@ def test_an_emptied_fork_target_keys_its_own_tokens_as_its_own(how: str) -> None
         head = [m.Ingest(0), *run(0, 0, 2), *_EMPTY_LABEL_1, *run(0, 0, 0, pre=((1, 0),))]
     trace = [*own, *head, *run(0, 0, 2), m.CachePrefix(0, 0)]
     assert replay(trace, SHARED) == m.Count(0)
+
+
+@pytest.mark.parametrize("starts", [False, True])
+def test_a_retrieve_into_a_shared_partial_page_that_cannot_start(starts: bool) -> None:
+    """kvref defect (R26 at R52), found by the nightly lockstep (2026-12-05):
+    a retrieve into a stream whose partial last page it shares (a truncate
+    into a shared page) made that page private before starting its copy,
+    and a start that raised left it made: a refused call had moved a page.
+    The private page is now named to the copy and taken once it started."""
+    trace = [*SHARED_PREFIX, m.Truncate(1, 0, 3),
+             m.RetrieveStart(1, 0, 6, start_error=not starts)]
+    if starts:
+        trace += [m.RetrieveComplete(1, 0, True), *run(1, 0, 1), *run(0, 0, 1)]
+    replay(trace, SHARED)
