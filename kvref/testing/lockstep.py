@@ -750,7 +750,11 @@ class Lockstep(RuleBasedStateMachine):
         # they fill (S33)
         follows = data.draw(st.booleans(), label="follows its ids")
         self.run(m.FollowTokens(rid, label) if follows else m.CachePrefix(rid, label))
-        other = data.draw(st.integers(0, sc.requests - 1), label="finds")
+        # mostly a request of its salt, which can hit; now and then one of
+        # another salt, which must not (S25)
+        same = [r for r in range(sc.requests) if not sc.salts or sc.salts[r] == sc.salts[rid]]
+        other = data.draw(st.sampled_from(same) | st.integers(0, sc.requests - 1),
+                          label="finds")
         self.run(m.Ingest(other))
         v = self.state.stream_map().get((rid, label))
         length = (v.stored_len if v is not None else 0) + data.draw(st.integers(0, 2))

@@ -279,12 +279,13 @@ class Retrieval:
         # a copy-on-write made before a start that failed stayed made (the
         # nightly lockstep, 2026-12-05: a refused retrieve had moved a page)
         got = self._table.pages.peek(short + cow) if short + cow > 0 else []
-        pages = kept + got[cow:]  # slot released // ps onward
+        pages = kept + got[:short]  # slot released // ps onward
         if cow:
             # the partial page's slot among the kept ones (spare pages may
-            # follow it: a reset that kept them, a step never committed)
+            # follow it: a reset that kept them, a step never committed); its
+            # private page is the last one taken, as the model takes it
             tail = old_len // ps - max(released, stream.released) // ps
-            shared, pages[tail] = pages[tail], got[0]
+            shared, pages[tail] = pages[tail], got[-1]
         try:
             # both lists by position: a released slot (never read) names the sink
             fut = self._transfer.start_async_retrieve(
@@ -311,8 +312,10 @@ class Retrieval:
         if cow:
             # the tokens before the copy's first slot, from the shared page:
             # slots the copy never writes, so the order of the two is free
-            self._stepping.copy_page_head(shared, got[0], old_len % ps)
-            gone.append(shared)
+            self._stepping.copy_page_head(shared, got[-1], old_len % ps)
+            # let go of before the released slots' pages, as the model does:
+            # the order they reach the free-cached list is the order evicted
+            self._table.give_back((rid, label), [shared])
         # a peer's KV is never keyed into the prefix cache (R55)
         stream.start_retrieve(pages, released, fut, info.seq_len)
         self._table.give_back((rid, label), gone)
