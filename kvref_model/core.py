@@ -1598,21 +1598,33 @@ class Model:
         assert pool is not None
         if not copies or self.reload_need(s, a.rid) > s.free:
             return Flag(False), s  # nothing moves
-        if a.copy_error:  # all streams or none: the pages taken go back (R26)
-            return Fault("ReloadCopyError"), s
         hits = self._reattach(s, a.rid)
         # first every stream shares its pages the cache still holds, then each
         # takes fresh ones for the rest: a fresh page never evicts a page the
         # reload re-attaches (S29)
+        taken: list[tuple[Key, tuple[int, ...]]] = []
         for k in copies:  # in label order (S29)
             if k in hits:
-                pool = self._attach(pool, k, tuple(hits[k].values()))
+                taken.append((k, tuple(hits[k].values())))
+                pool = self._attach(pool, k, taken[-1][1])
+        for k, c in copies.items():
+            z = self.released(st.get(k, NO_STREAM)) if self.W8_reload_only_retained else 0
+            got, pool = self._alloc(pool, k, self.need(len(c)) - z - len(hits.get(k, {})))
+            taken.append((k, got))
+        if a.copy_error:
+            # all streams or none (R26): the streams and host copies stay as
+            # they were and the pages taken go back, in the order taken. A
+            # free-cached page taken as a fresh one comes back blank: the copy
+            # may have written it before it failed, so its key is not kept
+            for k, got in taken:
+                _, pool = self._release(pool, k, got)
+            return Fault("ReloadCopyError"), replace(s, pool=pool)
+        fresh_of = dict(taken[len(taken) - len(copies):])
         for k, c in copies.items():
             v = st.get(k, NO_STREAM)
             z = self.released(v) if self.W8_reload_only_retained else 0
             mine = hits.get(k, {})
-            got, pool = self._alloc(pool, k, self.need(len(c)) - z - len(mine))
-            fresh = iter(got)
+            fresh = iter(fresh_of[k])
             table = (0,) * z + tuple(mine[i] if i in mine else next(fresh)
                                      for i in range(z, self.need(len(c))))
             st[k] = replace(self.tab(v, table), stored_len=len(c), contents=c,

@@ -343,6 +343,7 @@ class HostOffload:
                         shared_again = list(hits[label].values())
                         table.pages.attach((rid, label), shared_again)
                         taken.append((label, shared_again))
+                copies: list[tuple[str, list[int], list[int]]] = []
                 for label in labels:
                     mine = hits.get(label, {})
                     n = pool.num_pages(rid, label)
@@ -352,10 +353,17 @@ class HostOffload:
                     taken.append((label, fresh))
                     got = iter(fresh)
                     tables[label] = [mine[i] if i in mine else next(got) for i in range(n)]
+                    copies.append((label, fresh, slots))
+                # every page is taken before any copy runs, so what a failed
+                # copy gives back does not depend on which label's copy failed
+                for label, fresh, slots in copies:
                     pool.copy_in(rid, label, self._kv_cache.tensor, fresh, slots)
             except Exception as err:
-                # all streams or none (R26): the pages go back, the host copies
-                # stay, and a later reload can try again
+                # all streams or none (R26): the pages go back in the order
+                # taken, the host copies stay, and a later reload can try
+                # again. A free-cached page taken as a fresh one goes back
+                # blank (its key was dropped when it was taken): the copy may
+                # have written it before it failed
                 for label, pages in taken:
                     table.give_back((rid, label), pages)
                 raise ReloadCopyError(

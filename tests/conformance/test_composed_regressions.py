@@ -443,3 +443,24 @@ def test_a_retrieve_into_a_shared_partial_page_that_cannot_start(starts: bool) -
     if starts:
         trace += [m.RetrieveComplete(1, 0, True), *run(1, 0, 1), *run(0, 0, 1)]
     replay(trace, SHARED)
+
+
+def test_a_failed_reload_gives_back_a_cached_page_it_took_blank() -> None:
+    """Model hole (R26 with S29), found by the packaged harness at 300 runs
+    (2026-12-05; shrunk from 71 calls to 19 and rewritten here): the model
+    said a reload whose copy failed moved nothing, yet a fresh page it took
+    may be a free-cached one, evicted as it was taken and perhaps written by
+    the copy before it failed. kvref gave it back blank; the model kept it
+    cached. The model now gives back the pages taken, in the order taken."""
+    keyed = [m.Ingest(1), *run(1, 0, 2), m.CachePrefix(1, 0), m.Remove(1)]  # 1 cached
+    offloaded = [m.Ingest(0), *run(0, 0, 3), m.OffloadClaim(0), m.OffloadCopy(0, 0),
+                 m.OffloadCommit(0)]  # its 2 pages on the host
+    fill = [m.Ingest(2), *run(2, 0, 3), *run(2, 0, 3), *run(2, 0, 2)]  # 1 blank left
+    trace = [*keyed, *offloaded, *fill, m.Reload(0, copy_error=True)]
+    assert replay(trace, SHIPPED_SCOPE) == m.Fault("ReloadCopyError")
+    model = m.Model(SHIPPED_SCOPE)
+    s = model.init()
+    for a in trace:
+        _, s = model.step(s, a)
+    assert s.pool is not None and s.pool.lru == () and s.free == 2  # both back, blank
+    assert replay([*trace, m.Reload(0)], SHIPPED_SCOPE) == m.Flag(True)

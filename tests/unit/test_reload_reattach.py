@@ -182,6 +182,37 @@ def test_a_failed_reload_copy_shares_nothing_and_can_be_retried() -> None:
     drv.check("a")
 
 
+def test_a_failed_reload_gives_back_a_cached_page_it_took_blank() -> None:
+    """R26 with sharing on: the pages a failed reload took go back, but a
+    free-cached page it took as a fresh one comes back unkeyed (the copy may
+    have written it), and a page it shared again goes back to the LRU's
+    tail. Found by the packaged harness at 300 runs: kvref dropped the key,
+    where the model said nothing moved."""
+    mgr, drv = _mgr(pages=14)  # 13 usable
+    drv.ingest("a")
+    drv.step([("a", "main", 2 * PS)])  # two pages, not keyed
+    mgr.offload_outcome("a")
+    _prompt(mgr, drv, "k")
+    mgr.remove_request("k")  # 4 cached, 9 blank
+    drv.ingest("c")
+    drv.step([("c", "main", 8 * PS)])  # 1 blank left beside the 4 cached
+    evicted = mgr._pages.snapshot().lru[0]  # the second fresh page evicts the LRU's head
+    pool: Any = mgr._host_offload.pool
+
+    def fails(*args: Any) -> None:
+        raise OSError("host-to-device copy failed (injected)")
+
+    pool._copy_in = fails
+    with pytest.raises(ReloadCopyError):
+        mgr.reload("a")
+    del pool._copy_in
+    assert mgr.is_offloaded("a") and mgr.num_free_pages == 5
+    assert mgr.num_cached_pages == 3 and mgr._pages.key_of(evicted) is None
+    check_device_pages(mgr)
+    assert mgr.reload("a")  # the host copy was kept: the retry brings it back
+    drv.check("a")
+
+
 def test_without_the_prefix_cache_a_reload_copies_everything_back() -> None:
     mgr = make_manager(page_size=PS, pages=64, cpu_pages=16, sharing=False)
     drv = Driver(mgr)
