@@ -252,12 +252,22 @@ def i15(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
 
 def i17(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
     """A fault keeps the call's promise: beside what a fault-free call does,
-    a fork fault may only leave fork targets empty; reload moves nothing; a
+    a fork fault may only leave fork targets empty; a reload gives back the
+    pages it took (the free-cached ones it took uncached); a
     copy fault leaves nothing of the offload behind."""
     if not isinstance(r, Fault):
         return None
     if isinstance(a, Reload):
-        return None if n == s else "a faulted reload moved something"
+        # the pages it took came back (R26): only the pool may differ, every
+        # page held as before, and a key gone only from a page that was
+        # free-cached (taken as a fresh one, perhaps written by the copy)
+        if replace(n, pool=s.pool) != s or n.free != s.free:
+            return "a faulted reload moved something"
+        if s.pool is not None and n.pool is not None and any(
+                q.holders != p.holders or (q.key != p.key and (q.key is not None or p.holders))
+                for p, q in zip(s.pool.pages, n.pool.pages, strict=True)):
+            return "a faulted reload moved a page"
+        return None
     if isinstance(a, OffloadCopy):
         off = s.offload_of(a.rid)
         claimed = {(a.rid, label) for label, _ in off.claimed} if off else set()
