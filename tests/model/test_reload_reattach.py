@@ -58,3 +58,34 @@ def test_reload_need_counts_only_the_pages_it_takes() -> None:
     r, n = m.step(s, core.Reload(0))
     assert r == core.Flag(True) and n.free == s.free - 1
     assert n.stream_map()[(0, 0)].table[0] == n.stream_map()[(1, 0)].table[0]
+
+
+class _KeepsTheEvictedKey(core.Model):
+    """A failed reload that keeps the cache as it was: the state before the
+    call, with its Fault (what the model said before the composed harness
+    found kvref disagreeing)."""
+
+    def do_Reload(self, s: core.State, a: core.Reload) -> tuple[core.Result, core.State]:
+        got, n = super().do_Reload(s, a)
+        return got, (s if got == core.Fault("ReloadCopyError") else n)
+
+
+class _FaultAfterReloading(core.Model):
+    """A failed reload that leaves the request reloaded (a half-kept call)."""
+
+    def do_Reload(self, s: core.State, a: core.Reload) -> tuple[core.Result, core.State]:
+        got, n = super().do_Reload(s, a)
+        if got != core.Fault("ReloadCopyError"):
+            return got, n
+        _, done = super().do_Reload(s, core.Reload(a.rid))
+        return got, done
+
+
+def test_a_faulted_reload_gives_back_what_it_took() -> None:
+    """I17 at a reload fault: the pages come back, every stream and host copy
+    as it was; the old 'nothing moves' model passes too (I17 allows a key
+    kept), the half-kept one is found."""
+    clean = _check(core.Model(SCOPE))
+    assert "I17" not in clean.violations
+    assert "I17" not in _check(_KeepsTheEvictedKey(SCOPE)).violations
+    assert "I17" in _check(_FaultAfterReloading(SCOPE)).violations

@@ -159,21 +159,28 @@ def test_device_full_counts_only_the_pages_the_reload_takes() -> None:
     check_device_pages(mgr)
 
 
-def test_a_failed_reload_copy_shares_nothing_and_can_be_retried() -> None:
-    mgr, drv = _mgr()
-    _prompt(mgr, drv, "a")
-    _shared_with(mgr, drv, "b", "a")
-    mgr.offload_outcome("a")
-    free, b = mgr.num_free_pages, _pages(mgr, "b")
+def reload_whose_copy_fails(mgr: KVManager, rid: str) -> None:
+    """``rid``'s reload, its host-to-device copy raising (injected)."""
     pool: Any = mgr._host_offload.pool
 
     def fails(*args: Any) -> None:
         raise OSError("host-to-device copy failed (injected)")
 
     pool._copy_in = fails
-    with pytest.raises(ReloadCopyError):
-        mgr.reload("a")
-    del pool._copy_in
+    try:
+        with pytest.raises(ReloadCopyError):
+            mgr.reload(rid)
+    finally:
+        del pool._copy_in
+
+
+def test_a_failed_reload_copy_shares_nothing_and_can_be_retried() -> None:
+    mgr, drv = _mgr()
+    _prompt(mgr, drv, "a")
+    _shared_with(mgr, drv, "b", "a")
+    mgr.offload_outcome("a")
+    free, b = mgr.num_free_pages, _pages(mgr, "b")
+    reload_whose_copy_fails(mgr, "a")
     assert mgr.num_free_pages == free and mgr.is_offloaded("a")
     assert all(mgr._pages.holders(p) == {("b", "main")} for p in b[:4])  # let go again
     check_device_pages(mgr)
@@ -186,8 +193,8 @@ def test_a_failed_reload_gives_back_a_cached_page_it_took_blank() -> None:
     """R26 with sharing on: the pages a failed reload took go back, but a
     free-cached page it took as a fresh one comes back unkeyed (the copy may
     have written it), and a page it shared again goes back to the LRU's
-    tail. Found by the packaged harness at 300 runs: kvref dropped the key,
-    where the model said nothing moved."""
+    tail. Found by the packaged harness at 300 runs: kvref dropped the key
+    where the model said nothing moved; the model now says what kvref does."""
     mgr, drv = _mgr(pages=14)  # 13 usable
     drv.ingest("a")
     drv.step([("a", "main", 2 * PS)])  # two pages, not keyed
@@ -197,15 +204,7 @@ def test_a_failed_reload_gives_back_a_cached_page_it_took_blank() -> None:
     drv.ingest("c")
     drv.step([("c", "main", 8 * PS)])  # 1 blank left beside the 4 cached
     evicted = mgr._pages.snapshot().lru[0]  # the second fresh page evicts the LRU's head
-    pool: Any = mgr._host_offload.pool
-
-    def fails(*args: Any) -> None:
-        raise OSError("host-to-device copy failed (injected)")
-
-    pool._copy_in = fails
-    with pytest.raises(ReloadCopyError):
-        mgr.reload("a")
-    del pool._copy_in
+    reload_whose_copy_fails(mgr, "a")
     assert mgr.is_offloaded("a") and mgr.num_free_pages == 5
     assert mgr.num_cached_pages == 3 and mgr._pages.key_of(evicted) is None
     check_device_pages(mgr)
