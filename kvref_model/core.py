@@ -1607,10 +1607,15 @@ class Model:
             if k in hits:
                 taken.append((k, tuple(hits[k].values())))
                 pool = self._attach(pool, k, taken[-1][1])
+        tables: dict[Key, tuple[int, ...]] = {}
         for k, c in copies.items():
             z = self.released(st.get(k, NO_STREAM)) if self.W8_reload_only_retained else 0
-            got, pool = self._alloc(pool, k, self.need(len(c)) - z - len(hits.get(k, {})))
+            mine = hits.get(k, {})
+            got, pool = self._alloc(pool, k, self.need(len(c)) - z - len(mine))
             taken.append((k, got))
+            fresh = iter(got)
+            tables[k] = (0,) * z + tuple(mine[i] if i in mine else next(fresh)
+                                         for i in range(z, self.need(len(c))))
         if a.copy_error:
             # all streams or none (R26): the streams and host copies stay as
             # they were and the pages taken go back, in the order taken. A
@@ -1619,16 +1624,9 @@ class Model:
             for k, got in taken:
                 _, pool = self._release(pool, k, got)
             return Fault("ReloadCopyError"), replace(s, pool=pool)
-        fresh_of = dict(taken[len(taken) - len(copies):])
         for k, c in copies.items():
-            v = st.get(k, NO_STREAM)
-            z = self.released(v) if self.W8_reload_only_retained else 0
-            mine = hits.get(k, {})
-            fresh = iter(fresh_of[k])
-            table = (0,) * z + tuple(mine[i] if i in mine else next(fresh)
-                                     for i in range(z, self.need(len(c))))
-            st[k] = replace(self.tab(v, table), stored_len=len(c), contents=c,
-                            offload=RESIDENT, keyed=())
+            st[k] = replace(self.tab(st.get(k, NO_STREAM), tables[k]), stored_len=len(c),
+                            contents=c, offload=RESIDENT, keyed=())
         return Flag(True), self._next(s, st, pool,
                                       host=tuple(h for h in s.host if h[0] not in copies))
 

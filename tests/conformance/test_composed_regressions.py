@@ -16,15 +16,20 @@ SHARING = m.Scope(requests=2, labels=3, device_pages=2, host_pages=1, page_size=
                   max_span=2, sharing=True, windows=(None, 1, 1), margins=(0, 1, 1))
 
 
-def replay(trace: list[m.Action], scope: m.Scope = SHARING) -> m.Result:
-    """The trace on the model and on kvref, every call compared; the last result."""
+def on_the_model(trace: list[m.Action], scope: m.Scope) -> tuple[m.Result, m.State]:
+    """The trace on the model alone: its last result and the state after it."""
     model = m.Model(scope)
-    run_trace(model, trace, DriverConfig())
     s, got = model.init(), None
     for a in trace:
         got, s = model.step(s, a)
     assert got is not None
-    return got
+    return got, s
+
+
+def replay(trace: list[m.Action], scope: m.Scope = SHARING) -> m.Result:
+    """The trace on the model and on kvref, every call compared; the last result."""
+    run_trace(m.Model(scope), trace, DriverConfig())
+    return on_the_model(trace, scope)[0]
 
 
 @pytest.mark.parametrize("label", [0, 1])
@@ -458,9 +463,6 @@ def test_a_failed_reload_gives_back_a_cached_page_it_took_blank() -> None:
     fill = [m.Ingest(2), *run(2, 0, 3), *run(2, 0, 3), *run(2, 0, 2)]  # 1 blank left
     trace = [*keyed, *offloaded, *fill, m.Reload(0, copy_error=True)]
     assert replay(trace, SHIPPED_SCOPE) == m.Fault("ReloadCopyError")
-    model = m.Model(SHIPPED_SCOPE)
-    s = model.init()
-    for a in trace:
-        _, s = model.step(s, a)
+    _, s = on_the_model(trace, SHIPPED_SCOPE)
     assert s.pool is not None and s.pool.lru == () and s.free == 2  # both back, blank
     assert replay([*trace, m.Reload(0)], SHIPPED_SCOPE) == m.Flag(True)
