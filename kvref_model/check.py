@@ -386,6 +386,12 @@ def add_scope_arguments(ap: argparse.ArgumentParser, d: Scope | None = None) -> 
                     help="each label's rollback margin k; empty: 0 for all")
     sc.add_argument("--salts", default=",".join(d.salts), metavar="a,b",
                     help="each request's cache_salt; empty: one salt for all")
+    sc.add_argument("--groups", type=_labels, default=d.groups, metavar="None,1",
+                    help="hybrid model: each attention group's window (None: full "
+                    "attention); empty: one full group")
+    sc.add_argument("--window-cache", action=argparse.BooleanOptionalAction,
+                    default=d.window_cache,
+                    help="windowed streams key pages and hit (H2-H4); off: W9 and W10")
 
 
 def scope_of(o: argparse.Namespace) -> Scope:
@@ -393,7 +399,8 @@ def scope_of(o: argparse.Namespace) -> Scope:
     return Scope(o.requests, o.labels, o.device_pages, o.host_pages, o.page_size, o.max_span,
                  o.depth, o.sharing, tuple(o.windows),
                  tuple(int(k or 0) for k in o.margins),
-                 tuple(o.salts.split(",")) if o.salts else ())
+                 tuple(o.salts.split(",")) if o.salts else (), tuple(o.groups),
+                 o.window_cache)
 
 
 def _parser() -> _Parser:

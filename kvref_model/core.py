@@ -103,11 +103,33 @@ class Scope:
     windows: tuple[int | None, ...] = ()
     margins: tuple[int, ...] = ()
     salts: tuple[str, ...] = ()
+    # hybrid models (H1-H5, specs/retention.md): each attention group's
+    # window, None for full attention; () is one full group, every config
+    # before groups. With groups a label's stream is one stream per group
+    # (internal label `label * len(groups) + group`), `windows` stays () and
+    # `margins` are the groups'
+    groups: tuple[int | None, ...] = ()
+    # a windowed stream keys its pages and hits (H2-H4); off: W9 and W10,
+    # kept for comparison
+    window_cache: bool = False
+
+    @property
+    def group_count(self) -> int:
+        return max(1, len(self.groups))
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some stream has a window (a label's, or a group's)."""
+        return bool(self.windows) or any(w is not None for w in self.groups)
 
     def window(self, label: int) -> int | None:
+        if self.groups:  # an internal label: its group's window
+            return self.groups[label % len(self.groups)]
         return self.windows[label] if label < len(self.windows) else None
 
     def margin(self, label: int) -> int:
+        if self.groups:
+            label %= len(self.groups)
         return self.margins[label] if label < len(self.margins) else 0
 
 
@@ -646,14 +668,23 @@ class Model:
     W9_window_never_cached = True
     W10_window_never_hits = True
     W16_retrieve_only_retained = True
+    # hybrid models (specs/retention.md H1-H5), acting with Scope.groups or
+    # Scope.window_cache on
+    H1_groups_move_together = True
+    H2_hit_every_group = True
+    H3_window_release_blank = True
+    H4_window_frees_head_first = True
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
         off = {attr: False for name, attr in POOL_RULES.items() if not getattr(self, name)}
         self.pool = (type("Pool", (_Pool,), off) if off else _Pool)(pool_model.Scope(
-            pages=scope.device_pages, holders=scope.requests * scope.labels,
+            pages=scope.device_pages, holders=scope.requests * scope.labels * scope.group_count,
             page_size=scope.page_size, extras=()))
-        self._plain = not (scope.sharing or scope.windows)
+        self._plain = not (scope.sharing or scope.windowed)
+        # the streams' labels inside the model: one per (label, group); a
+        # token's identity is its internal label (a peer's: nlab + label)
+        self.nlab = scope.labels * scope.group_count
 
     def init(self) -> State:
         return State(free=self.scope.device_pages, pool=self.pool.init())
@@ -664,7 +695,7 @@ class Model:
     # --- pages
 
     def holder(self, k: Key) -> int:
-        return k[0] * self.scope.labels + k[1]
+        return k[0] * self.nlab + k[1]
 
     def extras(self, rid: int) -> pool_model.Extras:
         # the label is not an extra key: a token's identity names the label
@@ -697,15 +728,20 @@ class Model:
         assert isinstance(r, pool_model.Pages), r  # the caller counted the free pages
         return r.pages, pool
 
-    def _release(self, pool: pool_model.State, k: Key, table: tuple[int, ...]
-                 ) -> tuple[int, pool_model.State]:
+    def _release(self, pool: pool_model.State, k: Key, table: tuple[int, ...],
+                 blank: bool = False) -> tuple[int, pool_model.State]:
         """k lets go of the pages of ``table`` (given in slot order), tail first
         (S6), one pool call; the pages that became free. A call the pool
         refuses changes nothing (P1 then reports the tables and holders apart)."""
-        go = tuple(p for p in reversed(table) if p)
+        # H4: a window's cached pages go head first, so the tail a window hit
+        # reads is evicted last (vLLM 48435: tail first, round-robin sessions
+        # lost every hit)
+        head_first = (self.scope.window_cache and self.H4_window_frees_head_first
+                      and self.scope.window(k[1]) is not None)
+        go = tuple(p for p in (table if head_first else reversed(table)) if p)
         if not go:
             return 0, pool
-        r, nxt = self.pool.step(pool, pool_model.Release(self.holder(k), go))
+        r, nxt = self.pool.step(pool, pool_model.Release(self.holder(k), go, blank))
         return (r.n, nxt) if isinstance(r, pool_model.Count) else (0, pool)
 
     def window_first(self, label: int, n: int) -> int:
@@ -727,7 +763,10 @@ class Model:
             return v, pool
         if not any(v.table[:upto]):
             return v, pool
-        _, pool = self._release(pool, k, v.table[:upto])
+        # H3: what the window passes goes back blank, so it never pushes
+        # another stream's cached prefix toward eviction (vLLM 42948)
+        _, pool = self._release(pool, k, v.table[:upto], blank=self.scope.window_cache
+                                and self.H3_window_release_blank)
         return self.tab(v, (0,) * upto + v.table[upto:]), pool
 
     def _cow(self, st: dict[Key, Stream], pool: pool_model.State, step: Step,
@@ -769,6 +808,13 @@ class Model:
                        **changes)
 
     def step(self, s: State, a: Action) -> tuple[Result, State]:
+        if self.scope.groups and self.H1_groups_move_together:
+            from kvref_model import groups  # it builds on this module
+            return groups.step(self, s, a)
+        return self.step_one(s, a)
+
+    def step_one(self, s: State, a: Action) -> tuple[Result, State]:
+        """One action on the streams it names (internal labels, with groups)."""
         # the class's handler, looked up once per (model class, action class):
         # the checker steps millions of times (an instance's own do_ attribute,
         # which nothing sets, would not be seen)
@@ -800,7 +846,8 @@ class Model:
         st = s.stream_map()
         if (a.rid, MAIN) in st:
             return Ok(), s  # idempotent, as the reference (the very state: nothing to copy)
-        st[(a.rid, MAIN)] = Stream()
+        for g in range(self.scope.group_count):  # main's stream in every group (H1)
+            st[(a.rid, MAIN + g)] = Stream()
         return Ok(), replace(s, streams=_sorted(st))
 
     def _in_flight(self, s: State, rid: int) -> bool:
@@ -920,7 +967,7 @@ class Model:
         # W3: pages for the retained slots only; a fork target takes its
         # source's released prefix (W5), so a fork of a windowed stream
         # reserves its window, not its length (issue 27, defect 1)
-        rel = {k: self.released(v) for k, v in st.items()} if self.scope.windows else {}
+        rel = {k: self.released(v) for k, v in st.items()} if self.scope.windowed else {}
 
         def ask(k: Key, tokens: int) -> None:
             want[k] = max(want.get(k, 0), self.need(tokens) - rel.get(k, 0))
@@ -989,7 +1036,7 @@ class Model:
         elif not a.preplan and s.current is not None and step != s.current.step:
             return Misuse("StepInFlightError")  # one running step (R23)
         sc = self.scope
-        if sc.windows and any((sc.window(f), sc.margin(f)) != (sc.window(t), sc.margin(t))
+        if sc.windowed and any((sc.window(f), sc.margin(f)) != (sc.window(t), sc.margin(t))
                               for f, t in step.pre_forks + step.post_forks):
             # W5: a fork keeps the retention; a windowed source cannot give a
             # full-attention target the tokens it released
@@ -1147,7 +1194,7 @@ class Model:
         forks = step.pre_forks + step.post_forks
         pending = () if p is None else p.step.post_forks + (
             () if p.forked else p.step.pre_forks)
-        if sc.windows:
+        if sc.windowed:
             if any(sc.window(lb) is not None for fk in forks for lb in fk):
                 return True  # R67: its forks name a windowed label
             if p is not None:
@@ -1445,7 +1492,7 @@ class Model:
         return max(0, self.need(tokens) - z)
 
     def host_used(self, s: State) -> int:
-        if not self.scope.windows:
+        if not self.scope.windowed:
             return sum(self.need(len(c)) for _, c in s.host)
         st, offs = s.stream_map(), dict(s.offloads)
         used = 0
@@ -1481,7 +1528,7 @@ class Model:
             return Fault("OffloadCopyError"), nxt
         offloads = dict(s.offloads)
         off = replace(off, copied=off.copied | {a.label})
-        if self.scope.windows:  # without, a copy's pages are its tokens' (host_used)
+        if self.scope.windowed:  # without, a copy's pages are its tokens' (host_used)
             off = replace(off, hosted=tuple(sorted(
                 (*off.hosted, (a.label, self.host_need(v, v.stored_len))))))
         offloads[a.rid] = off
@@ -1699,7 +1746,7 @@ class Model:
         if a.start_error:  # the copy never started: nothing taken, nothing latched (R26)
             return Refused("AdmitRuntimeError"), s
         # retrieved tokens carry identity labels+label: distinct from local writes
-        tokens = v.contents + (self.scope.labels + a.label,) * (a.length - v.stored_len)
+        tokens = v.contents + (self.nlab + a.label,) * (a.length - v.stored_len)
         got, pool = self._alloc(pool, k, new)
         table = list(v.table) + [0] * (self.need(a.length) - len(v.table))
         for i, q in zip(slots, got, strict=False):
@@ -1773,7 +1820,12 @@ class Model:
     def _cachable(self, tokens: Tokens) -> bool:
         # never KV nobody wrote, nor a peer's (R55), nor a fork of it
         return UNWRITTEN not in tokens and (not self.S30_received_never_cached
-                                            or all(t < self.scope.labels for t in tokens))
+                                            or all(t < self.nlab for t in tokens))
+
+    def _never_cached(self, label: int) -> bool:
+        """W9 (a setting: Scope.window_cache off): a windowed label keys nothing."""
+        return (self.scope.window(label) is not None and self.W9_window_never_cached
+                and not self.scope.window_cache)
 
     def do_CachePrefix(self, s: State, a: CachePrefix) -> tuple[Result, State]:
         k = (a.rid, a.label)
@@ -1792,9 +1844,10 @@ class Model:
             # S23/R56: uncommitted tokens' KV may still change (vLLM PRs
             # 18668/19006 cached draft tokens); nothing is keyed
             return Misuse("InvalidArgumentError"), s
-        if self.scope.window(a.label) is not None and self.W9_window_never_cached:
+        if self._never_cached(a.label):
             return Count(0), s  # W9: a windowed label registers nothing
         ps, pool, parent, added = self.scope.page_size, s.pool, None, 0
+        gone = self.released(v)  # H2: the chain runs on past a window's released slots
         assert pool is not None
         for i in range(v.chain):  # the chain so far: keyed or passed over (S23)
             parent = self.pool.key_of(parent, v.contents[i * ps:(i + 1) * ps],
@@ -1802,6 +1855,10 @@ class Model:
         chain = v.chain
         for i in range(v.chain, min(v.stored_len // ps, len(v.table))):
             tokens = v.contents[i * ps:(i + 1) * ps]
+            if i < gone and self._cachable(tokens):
+                parent = self.pool.key_of(parent, tokens, self.extras(a.rid))
+                chain = i + 1
+                continue
             if not v.table[i] or not self._cachable(tokens):
                 break  # a chain goes no further than its first gap
             fresh = pool.pages[v.table[i] - 1].key is None
@@ -1823,7 +1880,7 @@ class Model:
         r, t = self.do_CachePrefix(s, CachePrefix(a.rid, a.label))
         if isinstance(r, Misuse):
             return r, s
-        if self.scope.window(a.label) is not None and self.W9_window_never_cached:
+        if self._never_cached(a.label):
             return r, t  # W9: its commits would key nothing, so nothing follows it
         k = (a.rid, a.label)
         st = t.stream_map()
@@ -1881,8 +1938,11 @@ class Model:
         # S24: the stream is created if missing, as an admit naming it would
         # (R16), hit or not
         made = s if k in st else replace(s, streams=_sorted({**st, k: v}))
-        if self.scope.window(a.label) is not None and self.W10_window_never_hits:
+        if self.scope.window(a.label) is not None and self.W10_window_never_hits \
+                and not self.scope.window_cache:
             return Count(0), made  # W10: a windowed label never hits
+        if self.scope.window(a.label) is not None:
+            return self.hit_every_group(s, made, a.rid, (a.label,), a.length)
         tokens = (a.label,) * a.length
         assert s.pool is not None
         r, pool = self.pool.step(s.pool, pool_model.Match(self.holder(k), tokens,
@@ -1896,6 +1956,44 @@ class Model:
         st[k] = replace(self.tab(v, r.pages + v.table), stored_len=r.num_tokens,
                         contents=tokens[:r.num_tokens], chain=len(r.pages))
         return Count(r.num_tokens), self._next(s, st, pool)
+
+    def serves(self, label: int, cached: tuple[int | None, ...], pages: int) -> bool:
+        """H2: whether ``label``'s stream can attach a hit of ``pages`` full
+        pages: every page its window reads there is cached (a full-attention
+        stream's window is all of them); the slots before hold none."""
+        lo = min(pages, self.retired_slots(label, pages * self.scope.page_size))
+        return all(p is not None for p in cached[lo:pages])
+
+    def hit_every_group(self, s: State, made: State, rid: int, labels: tuple[int, ...],
+                        length: int) -> tuple[Result, State]:
+        """H2: the longest hit every one of ``labels`` (a label's groups) can
+        serve, whole pages in each, the same tokens attached in each; a
+        windowed one takes only the pages its window reads. ``made`` is ``s``
+        with the streams created (S24)."""
+        assert s.pool is not None
+        pool, st, extras = s.pool, made.stream_map(), self.extras(rid)
+        found = [self.pool.cached(pool, (lb,) * length, extras) for lb in labels]
+        pages = len(found[0])
+        if self.H2_hit_every_group:
+            both = tuple(zip(labels, found, strict=True))
+            while pages and not all(self.serves(lb, c, pages) for lb, c in both):
+                pages -= 1
+        else:  # each group its own longest hit: the lengths disagree (vllm-ascend 12394)
+            pages = max(j for j in range(pages + 1) if self.serves(labels[0], found[0], j))
+        if not pages:
+            return Count(0), made
+        n = pages * self.scope.page_size
+        for lb, c in zip(labels, found, strict=True):
+            k, lo = (rid, lb), min(pages, self.retired_slots(lb, n))
+            got = tuple(p for p in c[lo:pages] if p is not None)
+            r, pool = self.pool.step(pool, pool_model.Take(self.holder(k), got))
+            if isinstance(r, pool_model.Misuse):
+                return Misuse(r.kind), s
+            v = st[k]
+            # the hit pages (the released slots first), then its old spare ones
+            st[k] = replace(self.tab(v, (0,) * lo + got + v.table), stored_len=n,
+                            contents=(lb,) * n, chain=pages)
+        return Count(n), self._next(s, st, pool)
 
     def do_ResetPrefixCache(self, s: State, a: ResetPrefixCache) -> tuple[Result, State]:
         if self.S14o_reset_refuses_offloaded and any(

@@ -130,7 +130,7 @@ def i7(m: Model, s: State) -> Msg:
     for k, v in s.streams:
         if len(v.contents) != v.stored_len:
             return f"{k} stores {v.stored_len} tokens but holds {len(v.contents)}"
-        if any(not 0 <= t < 2 * m.scope.labels and t != UNWRITTEN for t in v.contents):
+        if any(not 0 <= t < 2 * m.nlab and t != UNWRITTEN for t in v.contents):
             return f"{k} holds a token no write or retrieve produced"
     return None
 
@@ -198,7 +198,7 @@ def i11(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
             return f"reset of {k[0]} kept the latched retrieve failure"
         if not cleared and after[k].retrieve != FAILED:
             return f"latched failure on {k} vanished on {type(a).__name__}"
-        asked = isinstance(a, RetrieveStart) and (a.rid, a.label) == k
+        asked = isinstance(a, RetrieveStart) and (a.rid, a.label * m.scope.group_count) == k
         if asked and r != Refused("AdmitRuntimeError"):
             return f"retrieve on failed {k} answered {r}"
     return None
@@ -336,14 +336,14 @@ def i18(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
 def i19(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
     # a retrieve of stale published info never copies: it fails, latched
     if isinstance(a, RetrieveComplete) and a.moved:
-        k = (a.rid, a.label)
+        k = (a.rid, a.label * m.scope.group_count)  # group 0's (I30: they agree)
         v = n.stream_map().get(k)
         if v is not None and v.retrieve == IDLE:
             return f"a copy whose publisher moved mid-copy landed in {k}"
         return None
     if not isinstance(a, RetrieveStart) or not a.stale:
         return None
-    k = (a.rid, a.label)
+    k = (a.rid, a.label * m.scope.group_count)
     old, new = s.stream_map().get(k), n.stream_map().get(k)
     if new is None:
         return None
@@ -492,7 +492,7 @@ def i25(m: Model, s: State) -> Msg:
 def i26(m: Model, s: State) -> Msg:
     """W1-W3, W15: a windowed stream on the device holds no page wholly before
     max(0, n - W - k), and every slot of its window [max(0, n - W), n) holds one."""
-    if s.pool is None or not m.scope.windows:
+    if s.pool is None or not m.scope.windowed:
         return None
     ps = m.scope.page_size
     for k, v in s.streams:
@@ -539,8 +539,8 @@ def i28(m: Model, s: State) -> Msg:
     stream's prefix toward eviction (vLLM 42948), and a hit never attaches
     pages before a window (the retired retention model's V5, V11)."""
     pool = s.pool
-    if pool is None or not m.scope.windows:
-        return None
+    if pool is None or not m.scope.windowed or m.scope.window_cache:
+        return None  # with window_cache, W9 and W10 are off: H2-H4 instead
     for k, v in s.streams:
         if m.scope.window(k[1]) is None:
             continue
@@ -564,10 +564,55 @@ def i29(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
     return None
 
 
+def i30(m: Model, s: State) -> Msg:
+    """H1: a label's groups move together: each group's stream of a label
+    exists with group 0's and has its length, its tokens (each in its own
+    group's identity) and its flags; so a hit attached the same length in
+    every group, and a refused call changed none."""
+    g = m.scope.group_count
+    if g == 1:
+        return None
+    st = s.stream_map()
+    for (rid, lb), v in s.streams:
+        if lb % g:
+            continue
+        for i in range(1, g):
+            w = st.get((rid, lb + i))
+            if w is None:
+                return f"{(rid, lb)} has no stream for group {i}"
+            # group i's own token identity is group 0's plus i (UNWRITTEN stays)
+            same = tuple(t - i if t >= 0 else t for t in w.contents) == v.contents
+            if not same or (w.stored_len, w.in_flight, w.offload, w.retrieve, w.followed) != (
+                    v.stored_len, v.in_flight, v.offload, v.retrieve, v.followed):
+                return f"{(rid, lb)}: group {i} is at {w} where group 0 is at {v}"
+    return None
+
+
+def i31(m: Model, s: State) -> Msg:
+    """H3, H4: a window's free-cached pages are evicted in chain order: no
+    page waits behind a later page of its own chain, so the tail a window hit
+    reads is evicted last (vLLM 48435)."""
+    pool = s.pool
+    if pool is None or not m.scope.window_cache:
+        return None
+    place = {pool.pages[p - 1].key: i for i, p in enumerate(pool.lru)}
+    for i, p in enumerate(pool.lru):
+        key = pool.pages[p - 1].key
+        if key is None or not key.tokens or m.scope.window(key.tokens[0]) is None:
+            continue
+        up = key.parent
+        while up is not None:
+            if place.get(up, -1) > i:
+                return (f"window page {p} is evicted before page {pool.lru[place[up]]}, "
+                        "which comes before it in its chain")
+            up = up.parent
+    return None
+
+
 STATE: dict[str, StatePred] = {
     "I1": i1, "I2": i2, "I3": i3, "I4": i4, "I5": i5, "I6": i6, "I7": i7,
     "I8": i8_state, "I12": i12, "I13": i13, "I18": i18_state,
-    "I23": i23, "I24": i24, "I25": i25, "I26": i26, "I28": i28,
+    "I23": i23, "I24": i24, "I25": i25, "I26": i26, "I28": i28, "I30": i30, "I31": i31,
 }
 TRANSITION: dict[str, StepPred] = {
     "I8": i8, "I9": i9, "I10": i10, "I11": i11, "I14": i14, "I15": i15, "I17": i17,
@@ -578,10 +623,11 @@ TRANSITION: dict[str, StepPred] = {
 # tests/distributed checks it on real ranks.
 NOT_IN_MODEL = {"I16": "checked by the distributed test only (the model is one rank)"}
 INVARIANT_IDS = (*(f"I{i}" for i in range(1, 20)), "I21", "I22", "I23", "I24", "I25", "I26",
-                 "I27", "I28", "I29")
+                 "I27", "I28", "I29", "I30", "I31")
 # the invariants a scope setting gives content to: without it they hold vacuously
-FEATURE: dict[str, str] = {"I24": "sharing", "I25": "sharing", "I26": "windows",
-                           "I27": "sharing", "I28": "windows", "I29": "sharing"}
+FEATURE: dict[str, str] = {"I24": "sharing", "I25": "sharing", "I26": "windowed",
+                           "I27": "sharing", "I28": "windowed", "I29": "sharing",
+                           "I30": "groups", "I31": "window_cache"}
 
 
 def applies(i: str, scope: object) -> bool:
@@ -675,10 +721,17 @@ INTERESTING: dict[str, tuple[str, Callable[[Model, State, Action, Result, State]
               and n.free > s.free),
     "I28": _i("a prefix-cache call on a windowed stream",
               lambda m, s, a, r, n: isinstance(a, MatchPrefix | CachePrefix)
-              and m.scope.window(a.label) is not None),
+              and m.scope.window(a.label * m.scope.group_count) is not None),
     "I29": _i("reclaimable counted pages a removal would free",
               lambda m, s, a, r, n: isinstance(a, Reclaimable) and isinstance(r, Count)
               and r.n > 0),
+    "I30": _i("a hit attached in every group",
+              lambda m, s, a, r, n: isinstance(a, MatchPrefix) and isinstance(r, Count)
+              and r.n > 0 and m.scope.group_count > 1),
+    "I31": _i("a window page freed free-cached behind another",
+              lambda m, s, a, r, n: n.pool is not None and s.pool is not None
+              and len(n.pool.lru) > 1 and len(n.pool.lru) > len(s.pool.lru)
+              and any(m.scope.window(lb) is not None for lb in range(m.nlab))),
 }
 
 

@@ -163,6 +163,18 @@ class Release:
 
     holder: int
     pages: tuple[int, ...]
+    # a page this frees goes back blank, its key dropped, not free-cached
+    # (a window's release at commit: H3 of specs/retention.md)
+    blank: bool = False
+
+
+@dataclass(frozen=True)
+class Take:
+    """`holder` takes a reference on cached pages a lookup found, held or
+    free-cached (a hit that is not one chain from page 0: a window's, H2)."""
+
+    holder: int
+    pages: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -182,9 +194,9 @@ class ResetPrefixCache:
     pass
 
 
-Action = (Allocate | Match | Lookup | Write | Register | Share | Release | Reclaimable
-          | NumFree | ResetPrefixCache)
-ACTIONS: tuple[type, ...] = (Allocate, Match, Lookup, Write, Register, Share, Release,
+Action = (Allocate | Match | Lookup | Write | Register | Share | Release | Take
+          | Reclaimable | NumFree | ResetPrefixCache)
+ACTIONS: tuple[type, ...] = (Allocate, Match, Lookup, Write, Register, Share, Release, Take,
                              Reclaimable, NumFree, ResetPrefixCache)
 
 
@@ -288,6 +300,17 @@ class PagesModel:
             out.append(p)
         return tuple(out)
 
+    def cached(self, s: State, tokens: Tokens, extras: Extras) -> tuple[int | None, ...]:
+        """Per full page a hit may attach (S8's cap), the page its chain key
+        names, or None: a gap does not end the list, as it ends `hits`."""
+        ps = self.scope.page_size
+        cap = len(tokens) - 1 if self.CAP_BEFORE_LAST_TOKEN else len(tokens)
+        index, out, parent = s.index(), [], None
+        for i in range(max(cap, 0) // ps):
+            parent = self.key_of(parent, tokens[i * ps:(i + 1) * ps], extras)
+            out.append(index.get(parent))
+        return tuple(out)
+
     # ------------------------------------------------------------ step
 
     def step(self, s: State, a: Action) -> tuple[Result, State]:
@@ -326,6 +349,17 @@ class PagesModel:
         lru = tuple(p for p in s.lru if p not in hits) if self.HIT_LEAVES_LRU else s.lru
         return (Hit(hits, len(hits) * self.scope.page_size),
                 self._with(s, pages, lru=lru, add=(a.holder, hits)))
+
+    def _Take(self, s: State, a: Take) -> tuple[Result, State]:
+        if (len(set(a.pages)) != len(a.pages) or self._bad_pages(a.pages)
+                or any(s.page(p).key is None or a.holder in s.page(p).holders
+                       for p in a.pages)):
+            return Misuse(REF), s  # twice, not cached, or held by it already
+        pages = list(s.pages)
+        for p in a.pages:
+            pages[p - 1] = replace(pages[p - 1], holders=pages[p - 1].holders | {a.holder})
+        lru = tuple(p for p in s.lru if p not in a.pages) if self.HIT_LEAVES_LRU else s.lru
+        return Ok(), self._with(s, pages, lru=lru, add=(a.holder, a.pages))
 
     def _Lookup(self, s: State, a: Lookup) -> tuple[Result, State]:
         hits = self.hits(s, a.tokens, a.extras)
@@ -393,7 +427,7 @@ class PagesModel:
             pages[p - 1] = pg = replace(pg, holders=pg.holders - {a.holder})
             if not pg.holders:
                 freed += 1
-                if pg.key is not None:
+                if pg.key is not None and not a.blank:
                     lru += (p,)
                 else:
                     blanked += (p,)

@@ -171,6 +171,14 @@ def settled(v: Stream) -> bool:
     return not v.in_flight and v.offload == RESIDENT and v.retrieve == IDLE
 
 
+def _as_called(m: Model, s: State) -> State:
+    """With groups, the state as the calls name it (`kvref_model.groups`)."""
+    if not m.scope.groups:
+        return s
+    from kvref_model.groups import user_view
+    return user_view(m, s)
+
+
 def truncations(m: Model, s: State) -> Iterator[Action]:
     """Truncate by argument class (the answer, and the state it leads to, is
     the same within a class): a negative length and a stream that does not
@@ -211,6 +219,7 @@ def calls(m: Model, s: State) -> Iterator[Action]:
     request not leased is one no-op, whichever request it names.
     """
     sc = m.scope
+    s = _as_called(m, s)
     every = list(range(sc.requests))
     ingested = sorted(s.requests())
     st = s.stream_map()
@@ -312,6 +321,7 @@ def enabled(m: Model, s: State) -> Iterator[Action]:
     """What a careful engine issues: steps in order over ready requests, handle
     calls on open handles, no fault injected (the fault rules add those)."""
     sc = m.scope
+    s = _as_called(m, s)
     reqs = sorted(s.requests())
     st = s.stream_map()
     for r in range(sc.requests):

@@ -63,8 +63,10 @@ def symmetries(scope: Scope) -> list[Symmetry]:
         rps = rps[:1]
     # "main" (label 0) is special; the rest are not, unless the prefix cache
     # (keys name token identities, which name labels) or a window tells them apart
-    lps = [(0, *p) for p in itertools.permutations(range(1, scope.labels))]
-    if scope.sharing or scope.windows:
+    # with groups, the labels inside the model (one per label and group)
+    lps = [(0, *p) for p in itertools.permutations(
+        range(1, scope.labels * scope.group_count))]
+    if scope.sharing or scope.windowed or scope.groups:
         lps = lps[:1]
     return [(rp, lp) for rp in rps for lp in lps]
 
@@ -214,11 +216,12 @@ class Canonicaliser:
             print(f"kvref_model.symmetry: no symmetry reduction: the renaming does not know "
                   f"{', '.join(self.unknown)}", file=sys.stderr)
         self.reduce = reduce and not self.unknown
-        self.n_labels = scope.labels
+        nlab = scope.labels * scope.group_count
+        self.n_labels = nlab
         # with sharing or windows, page ids are part of the encoding (0: never)
-        self.ids = scope.labels if (scope.sharing or scope.windows) else 0
+        self.ids = nlab if (scope.sharing or scope.windowed) else 0
         syms = symmetries(scope) if self.reduce else []
-        self._renamings = [(rp, lp, token_map(lp, scope.labels)) for rp, lp in syms]
+        self._renamings = [(rp, lp, token_map(lp, nlab)) for rp, lp in syms]
         self._same_labels = [lp == tuple(range(len(lp))) for _, lp in syms]
         # per request: the renamings that make it request 0
         self._leading = [[j for j, (rp, _) in enumerate(syms) if rp[r] == 0]

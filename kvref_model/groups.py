@@ -1,0 +1,180 @@
+"""Hybrid models: a label's stream is one stream per attention group (H1).
+
+`Scope.groups` names each group's window (None: full attention).  Inside the
+model, group ``g`` of label ``L`` is the stream of internal label
+``L * G + g``: its own page table, from the one pool, under its group's
+window; a token's identity is its internal label, so a page key names its
+group and a hit never crosses groups.  The calls still name labels: this
+module is the one place that turns a call on a label into the calls on its
+groups, all or nothing (H1), and the groups' answers into the label's.  The
+hit every group serves (H2) is `Model.hit_every_group`.
+
+`user_view` is the state as the calls see it (group 0 of each label, under
+its label), for the checker's protocol: the groups agree (I30), so group 0
+speaks for them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvref_model.core import (
+    NO_STREAM,
+    Admit,
+    CachePrefix,
+    Claimed,
+    Count,
+    Fault,
+    Flag,
+    FollowTokens,
+    Key,
+    Latched,
+    MatchPrefix,
+    NotReady,
+    Offload,
+    OffloadCopy,
+    Ok,
+    Pending,
+    Published,
+    Result,
+    RetrieveComplete,
+    RetrieveStart,
+    Seg,
+    State,
+    Step,
+    Stream,
+    Truncate,
+    _sorted,
+    replace,
+)
+
+if TYPE_CHECKING:
+    from kvref_model.core import Action, Model
+
+_EXPANDED: dict[tuple[int, Step], Step] = {}
+
+
+def expand(step: Step, g: int) -> Step:
+    """The step on every group: each segment and fork once per group."""
+    got = _EXPANDED.get((g, step))
+    if got is None:
+        if len(_EXPANDED) > 4096:
+            _EXPANDED.clear()
+        got = _EXPANDED[(g, step)] = replace(
+            step,
+            segments=tuple(Seg(x.rid, x.label * g + i, x.span)
+                           for x in step.segments for i in range(g)),
+            pre_forks=tuple((f * g + i, t * g + i) for f, t in step.pre_forks for i in range(g)),
+            post_forks=tuple((f * g + i, t * g + i) for f, t in step.post_forks
+                             for i in range(g)))
+    return got
+
+
+def collapse(step: Step, g: int) -> Step:
+    """The step as its caller named it: group 0's segments and forks."""
+    return replace(
+        step,
+        segments=tuple(Seg(x.rid, x.label // g, x.span) for x in step.segments
+                       if x.label % g == 0),
+        pre_forks=tuple((f // g, t // g) for f, t in step.pre_forks if f % g == 0),
+        post_forks=tuple((f // g, t // g) for f, t in step.post_forks if f % g == 0))
+
+
+# the calls that name one label: each runs on the label's every group, in
+# group order, and the first that is not accepted answers for all, with the
+# state as it was (H1). MatchPrefix is one decision over the groups (H2).
+_PER_GROUP = (OffloadCopy, RetrieveStart, RetrieveComplete, Truncate, CachePrefix, FollowTokens)
+_GOES_ON = (Ok, NotReady, Count, Latched)  # the next group's call runs too
+
+
+def step(m: Model, s: State, a: Action) -> tuple[Result, State]:
+    """`Model.step` of a call, on a scope with groups."""
+    g = m.scope.group_count
+    if isinstance(a, Admit):
+        return m.step_one(s, replace(a, step=expand(a.step, g)))
+    if isinstance(a, _PER_GROUP):
+        return _on_every_group(m, s, a, g)
+    if isinstance(a, MatchPrefix):
+        return _match(m, s, a.rid, a.label, a.length, g)
+    r, t = m.step_one(s, a)
+    if isinstance(r, Claimed):
+        return Claimed(tuple(sorted({lb // g for lb in r.labels}))), t
+    if isinstance(r, Published):
+        return Published(tuple((lb // g, n) for lb, n in r.lengths if lb % g == 0)), t
+    return r, t
+
+
+def _on_every_group(m: Model, s: State, a: Action, g: int) -> tuple[Result, State]:
+    label: int = a.label  # type: ignore[union-attr]
+    t, added, first = s, 0, None
+    for i in range(g):
+        # an injected fault strikes the last group's call only (one copy
+        # raises), once the groups before it did what the call does first
+        # (a copy waits for the retrieve writing its pages)
+        each = replace(a, label=label * g + i)
+        if i < g - 1 and getattr(each, "copy_error", False):
+            each = replace(each, copy_error=False)
+        if i < g - 1 and getattr(each, "start_error", False):
+            each = replace(each, start_error=False)
+        r, t = m.step_one(t, each)
+        if first is None:
+            first = r
+        if not isinstance(r, _GOES_ON) and r != Flag(True):
+            # refused (a full host pool's Flag(False) too) or a misuse: no
+            # group changes (H1); a fault keeps what the groups before it
+            # did, as the offload's copies do per stream (its commit then
+            # moves nothing, I14)
+            return r, (t if isinstance(r, Fault) else s)
+        if isinstance(r, Count):
+            added += r.n
+    assert first is not None
+    return (Count(added) if isinstance(first, Count) else first), t
+
+
+def _match(m: Model, s: State, rid: int, label: int, length: int, g: int
+           ) -> tuple[Result, State]:
+    labels = tuple(label * g + i for i in range(g))
+    # group 0's call answers the misuses (the groups agree, I30) and makes
+    # its stream (S24); the other groups' streams are made with it
+    r, made = m.step_one(s, MatchPrefix(rid, labels[0], 0))
+    if not isinstance(r, Count):
+        return r, s
+    st = made.stream_map()
+    for lb in labels:
+        st.setdefault((rid, lb), NO_STREAM)
+    made = replace(made, streams=_sorted(st))
+    if any(m.scope.window(lb) is not None for lb in labels) and not m.scope.window_cache \
+            and m.W10_window_never_hits:
+        return Count(0), made  # W10: a windowed group never hits, so no label does
+    return m.hit_every_group(s, made, rid, labels, length)
+
+
+def user_view(m: Model, s: State) -> State:
+    """The state as a caller names it: group 0 of each label, under its label."""
+    g = m.scope.group_count
+
+    def mine(k: Key) -> bool:
+        return k[1] % g == 0
+
+    def lb(k: Key) -> Key:
+        return (k[0], k[1] // g)
+
+    def pending(p: Pending | None) -> Pending | None:
+        if p is None:
+            return None
+        return replace(p, step=collapse(p.step, g),
+                       marks=frozenset(lb(k) for k in p.marks if mine(k)),
+                       undo=tuple((lb(k), c) for k, c in p.undo if mine(k)),
+                       fresh=frozenset(lb(k) for k in p.fresh if mine(k)),
+                       basis=tuple((lb(k), n) for k, n in p.basis if mine(k)))
+
+    def offload(o: Offload) -> Offload:
+        return replace(o, claimed=tuple((x // g, n) for x, n in o.claimed if x % g == 0),
+                       copied=frozenset(x // g for x in o.copied if x % g == 0),
+                       hosted=tuple((x // g, n) for x, n in o.hosted if x % g == 0))
+
+    streams: tuple[tuple[Key, Stream], ...] = tuple((lb(k), v) for k, v in s.streams if mine(k))
+    return replace(s, streams=streams,
+                   host=tuple((lb(k), c) for k, c in s.host if mine(k)),
+                   current=pending(s.current), staged=pending(s.staged),
+                   offloads=tuple((r, offload(o)) for r, o in s.offloads))

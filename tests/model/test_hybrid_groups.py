@@ -1,0 +1,138 @@
+"""Hybrid models in the one model (`Scope.groups`, H1-H5 of specs/retention.md).
+
+The checker explores a hybrid scope (one full group, one window group) with
+every invariant on; each H rule switched off is shown to be found, by the
+checker where a CI-sized scope reaches it, else by the short trace that
+shows the defect it prevents (stated on the model's state, not on kvref,
+which does not implement groups yet)."""
+
+from __future__ import annotations
+
+from kvref_model import invariants as inv
+from kvref_model.check import Report, explore
+from kvref_model.core import (
+    Admit,
+    CachePrefix,
+    Commit,
+    Count,
+    Ingest,
+    MatchPrefix,
+    Model,
+    Ok,
+    Plan,
+    Remove,
+    Scope,
+    Seg,
+    State,
+    Step,
+    Write,
+)
+
+# one full group and one window group (W = 1), pages of one token: the
+# smallest scope where a window releases, keys and hits
+HYBRID = Scope(requests=2, labels=1, device_pages=3, host_pages=1, page_size=1, max_span=2,
+               depth=6, sharing=True, groups=(None, 1), window_cache=True)
+# room for a prompt of three tokens in both groups and a second request
+ROOMY = Scope(requests=2, labels=1, device_pages=8, host_pages=0, page_size=1, max_span=3,
+              depth=0, sharing=True, groups=(None, 1), window_cache=True)
+
+
+def _without(rule: str) -> type[Model]:
+    return type(f"Model_no_{rule}", (Model,), {rule: False})
+
+
+def _run(m: Model, *actions: object) -> tuple[list[object], State]:
+    s, out = m.init(), []
+    for a in actions:
+        r, s = m.step(s, a)  # type: ignore[arg-type]
+        out.append(r)
+    return out, s
+
+
+def _prompt(rid: int, n: int) -> tuple[object, ...]:
+    return (Admit(Step((Seg(rid, 0, n),), padded=(rid,))), Plan(), Write(), Commit())
+
+
+def _violations(m: Model, s: State) -> list[tuple[str, str]]:
+    return inv.violations(m, s)
+
+
+def _check(model: Model) -> Report:
+    rep = Report()
+    list(explore(model, report=rep, traces=False, states=False))
+    return rep
+
+
+def test_the_checker_passes_a_hybrid_scope() -> None:
+    rep = _check(Model(HYBRID))
+    assert not rep.violations, rep.violations
+    assert rep.states > 1000  # it went somewhere: depth 6 of the protocol
+
+
+def test_a_hit_is_served_by_every_group() -> None:
+    """H2: the window group serves the hit from the page its window reads at
+    the hit point; the slots before it name no page; both attach 3 tokens."""
+    m = Model(ROOMY)
+    out, s = _run(m, Ingest(0), *_prompt(0, 3), CachePrefix(0, 0), Ingest(1),
+                  MatchPrefix(1, 0, 4))
+    assert out[-1] == Count(3)
+    st = s.stream_map()
+    assert st[(1, 0)].table == st[(0, 0)].table  # the full group shares all three pages
+    assert st[(1, 1)].table[:2] == (0, 0) and st[(1, 1)].table[2] == st[(0, 1)].table[2]
+    assert _violations(m, s) == []
+
+
+def test_no_hit_where_the_window_group_cannot_serve() -> None:
+    """H2: ids whose cap stops before the window's kept page: the full group
+    could serve two tokens, the window group's pages there went back blank
+    (H3), so no group attaches anything."""
+    out, _ = _run(Model(ROOMY), Ingest(0), *_prompt(0, 3), CachePrefix(0, 0), Ingest(1),
+                  MatchPrefix(1, 0, 3))
+    assert out[-1] == Count(0)
+
+
+def test_h2_off_attaches_what_one_group_cannot_serve() -> None:
+    """Each group's own longest hit (vllm-ascend 12394, vLLM PR 50457): the
+    window group is given a length whose window it holds no page for (I3's
+    capacity, I26's window)."""
+    m = _without("H2_hit_every_group")(ROOMY)
+    out, s = _run(m, Ingest(0), *_prompt(0, 3), CachePrefix(0, 0), Ingest(1),
+                  MatchPrefix(1, 0, 3))
+    assert out[-1] == Count(2)
+    assert {"I3", "I26"} & set(dict(_violations(m, s)))
+
+
+def test_h1_off_is_found_by_the_checker() -> None:
+    """A call that moves one group only: the checker finds I30 broken."""
+    rep = _check(_without("H1_groups_move_together")(HYBRID))
+    assert "I30" in rep.violations
+
+
+def test_h4_off_is_found_by_i31() -> None:
+    """A window that lets go tail first (vLLM 48435): its kept tail is
+    evicted before the page before it, which I31 reports."""
+    sc = Scope(requests=2, labels=1, device_pages=8, host_pages=0, page_size=1, max_span=3,
+               depth=0, sharing=True, groups=(None, 2), window_cache=True)
+    calls = (Ingest(0), *_prompt(0, 3), CachePrefix(0, 0), Remove(0))
+    out, s = _run(Model(sc), *calls)
+    assert out[-1] == Ok() and _violations(Model(sc), s) == []
+    m = _without("H4_window_frees_head_first")(sc)
+    _, s = _run(m, *calls)
+    assert "I31" in dict(_violations(m, s))
+
+
+def test_h3_keeps_other_prefixes_cached() -> None:
+    """What a window passes goes back blank, so a later allocation takes it
+    before another request's cached prefix; with H3 off the passed window
+    pages are cached and the prefix is evicted first (vLLM 42948)."""
+    sc = Scope(requests=2, labels=1, device_pages=9, host_pages=0, page_size=1, max_span=3,
+               depth=0, sharing=True, groups=(None, 1), window_cache=True)
+    calls = (Ingest(1), *_prompt(1, 2), CachePrefix(1, 0), Remove(1),  # r1's prefix, cached
+             Ingest(0), *_prompt(0, 3), CachePrefix(0, 0),  # r0 fills the pool, keyed
+             *_prompt(0, 1))  # its window passes a keyed page
+    for model, kept in ((Model(sc), True), (_without("H3_window_release_blank")(sc), False)):
+        _, s = _run(model, *calls, *_prompt(0, 1))  # one more token: two pages to find
+        assert s.pool is not None
+        full_keys = [pg.key for pg in s.pool.pages if pg.key is not None
+                     and pg.key.tokens == (0,) and not pg.holders]
+        assert bool(full_keys) is kept, (model, s.pool)
