@@ -45,6 +45,7 @@ from kvref_model.pages import (
     Scope,
     Share,
     State,
+    Take,
     Write,
     variant,
 )
@@ -128,10 +129,15 @@ def _calls(m: PagesModel, s: State) -> Iterator[Action]:
                 yield Share(h, s.tables[g])  # a fork; refused if h holds one already
         if s.lru or s.blank:
             yield Share(h, ((s.lru or s.blank)[0],))  # careless: a free page
+        if s.lru:  # a window hit: the newest cached page, found past a gap (H2)
+            yield Take(h, (s.lru[-1],))
+        if s.blank:
+            yield Take(h, (s.blank[0],))  # careless: a page no key names
     for h in holders:
         table = s.tables[h]
         if table:
             yield Release(h, table[::-1])
+            yield Release(h, table[:1], blank=True)  # a window passing its first page (H3)
             yield Reclaimable(((h, table[::-1]),))
             yield Release(h, (table[-1], table[-1]))  # careless: twice in one list
             if len(table) > 1:

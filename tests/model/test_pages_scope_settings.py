@@ -85,4 +85,4 @@ def test_the_vllm_scope_checks_clean_and_the_default_search_is_unchanged() -> No
     rep = check(PagesModel(replace(VLLM, depth=6)))
     assert rep.complete and not rep.violations and rep.states > 500
     default = check(PagesModel(SCOPE))
-    assert (default.states, default.transitions) == (3544, 66045)
+    assert (default.states, default.transitions) == (4652, 81416)
