@@ -44,6 +44,7 @@ from kvref.core.runtime import Runtime, default_runtime, monotonic, shared
 from kvref.core.sharing import page_sharing
 from kvref.core.stream_table import StreamTable
 from kvref.core.streams import CacheStream
+from kvref.hybrid.layout import GroupLayout
 from kvref.lifecycle import RequestLifecycle
 from kvref.offload.calls import EvictionCalls
 from kvref.offload.handle import Offload
@@ -119,12 +120,15 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         # the shared containers come through the runtime seam: plain ones in
         # production, the race detector's in the tests
         runtime = self._runtime
+        # a hybrid model's attention groups (issue 40): each label is one
+        # stream per group, mapped here at the API (H1); None: one group
+        self._groups = GroupLayout(cfg.groups) if cfg.groups else None
         self._table = StreamTable(self._pages, runtime.lock(), runtime,
                                   cfg.page_size, shared(runtime, {}, "streams"),
                                   leases=LeaseTable(cfg.publish_lease_s,
                                                     lambda: monotonic(runtime)),
                                   sharing=page_sharing(cfg, self._pages),
-                                  behaviours=behaviours_of(cfg.retention))
+                                  behaviours=behaviours_of(cfg.retention, cfg.groups))
         # the manager's one lock, and the table every mechanism shares
         self._lock = self._table.lock
         self._streams = self._table.streams
@@ -187,7 +191,7 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
             # idempotent: one request reaches a worker once per partition it
             # serves, and replacing the streams on the second ingest dropped
             # the lengths the first partition had already filled
-            self._streams.setdefault(rid, {"main": CacheStream()})
+            self._streams.setdefault(rid, {lb: CacheStream() for lb in self._labels_of("main")})
             self._overrides.setdefault(rid, overrides if overrides is not None else KVReqConfig())
 
     def has_request(self, rid: str) -> bool:
@@ -198,7 +202,10 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         """The request's streams, in creation order; `UnknownRequestError`."""
         validate.request_id(rid, "labels")
         with self._lock:
-            return list(self._request(rid))
+            got = list(self._request(rid))
+        if self._groups is None:
+            return got
+        return [lb for lb in got if self._groups.is_first(lb)]  # a label, not its groups
 
     def stored_len(self, rid: str, label: str = "main") -> int:
         """Committed tokens of the stream; `UnknownRequestError` for an unknown
@@ -240,6 +247,8 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         step again is a no-op, admitting another raises.
         """
         self._validate_step(step, ctx)
+        if self._groups is not None:
+            step = self._groups.expand(step)  # every group reserves, or none (H1)
         with self._lock:
             return self._stepping.admit(step, ctx)
 
@@ -254,6 +263,8 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         self._validate_step(step, ctx)
         validate.slot_lease(step, ctx, self._graph_staging.max_seq_len)
         self.reset_default_cursors()
+        if self._groups is not None:
+            step = self._groups.expand(step)
         with self._lock:
             return self._stepping.plan(step, ctx)
 
@@ -286,6 +297,8 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         once the commit is otherwise complete (R26).
         """
         self._validate_step(step, ctx)
+        if self._groups is not None:
+            step = self._groups.expand(step)
         with self._lock:
             self._stepping.commit(step, ctx)
 
@@ -309,7 +322,13 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         validate.label(label, "truncate", rid)
         validate.new_length(new_len, "truncate", rid, label)
         with self._lock:
-            return truncation.truncate(self._table, rid, label, new_len)
+            if self._groups is None:
+                return truncation.truncate(self._table, rid, label, new_len)
+            # every group's stream checked before any is cut (H1)
+            labels = self._labels_of(label)
+            for lb in labels:
+                truncation.check(self._table, rid, lb, new_len)
+            return sum(truncation.truncate(self._table, rid, lb, new_len) for lb in labels)
 
     # -- the prefix cache (kvref.core.sharing: off, it keys and finds nothing) --
 
@@ -333,6 +352,10 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         validate.request_id(rid, "match_prefix")
         validate.label(label, "match_prefix", rid)
         with self._lock:
+            if self._groups is not None:
+                # the longest hit every group serves (H2)
+                return prefix_cache.match_prefix_groups(self._table, rid,
+                                                        self._labels_of(label), token_ids)
             return prefix_cache.match_prefix(self._table, rid, label, token_ids)
 
     def cache_prefix(self, rid: str, label: str, token_ids: Tokens, start: int = 0) -> int:
@@ -360,22 +383,29 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         running and not yet run) will still write into it (R57, S32);
         `UnknownRequestError`.
         """
-        with self._keyable(rid, label, "cache_prefix"):
+        with self._keyable(rid, label, "cache_prefix") as targets:
+            if self._groups is not None:
+                # each group's stream, every one checked before any is keyed (H1, S31)
+                return sum(prefix_cache.cache_prefixes(
+                    self._table, [(rid, lb, token_ids, start) for lb in self._labels_of(label)],
+                    targets))
             return prefix_cache.cache_prefix(self._table, rid, label, token_ids, start)
 
     @contextlib.contextmanager
-    def _keyable(self, rid: str, label: str, call: str) -> Iterator[None]:
+    def _keyable(self, rid: str, label: str, call: str) -> Iterator[frozenset[tuple[str, str]]]:
         """Under the lock, a stream whose pages ``call`` may key: its id and
         label checked, and no fork of an admitted step (preplanned, or
-        running and not yet run) still to write into it (R57, S32)."""
+        running and not yet run) still to write into it (R57, S32); gives
+        the streams such forks name."""
         validate.request_id(rid, call)
         validate.label(label, call, rid)
         with self._lock:
-            if (rid, label) in self._table.sharing.unkeyable(self._stepping.fork_targets):
+            targets = self._table.sharing.unkeyable(self._stepping.fork_targets)
+            if any((rid, lb) in targets for lb in self._labels_of(label)):
                 raise StepInFlightError(
                     f"{call} of a stream an admitted fork will still write into; "
                     "commit that step first (R57, S32)", request_id=rid, label=label)
-            yield
+            yield targets
 
     def cache_prefixes(self, calls: Sequence[tuple[str, str, Tokens, int]]) -> list[int]:
         """`cache_prefix` of each ``(request_id, label, token_ids, start)``, in
@@ -393,7 +423,24 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
             # only a staged preplan or a running step's copying forks name targets
             targets = self._table.sharing.unkeyable(stepping.fork_targets) if (
                 stepping.preplan is not None or stepping.running is not None) else frozenset()
+            if self._groups is None:
+                return prefix_cache.cache_prefixes(self._table, calls, targets)
+            return self._cache_prefixes_groups(calls, targets)
+
+    def _cache_prefixes_groups(self, calls: Sequence[tuple[str, str, Tokens, int]],
+                               targets: frozenset[tuple[str, str]]) -> list[int]:
+        """`cache_prefixes` of a hybrid config: each call on each of its
+        label's groups, all checked before any is keyed (S31, H1); each
+        call's count summed over its groups."""
+        if isinstance(calls, str | bytes) or not isinstance(calls, Sequence) or not all(
+                isinstance(c, tuple) and len(c) == 4 and isinstance(c[1], str) for c in calls):
+            # the general path names what is wrong with the batch
             return prefix_cache.cache_prefixes(self._table, calls, targets)
+        n = len(self._labels_of("main"))
+        got = prefix_cache.cache_prefixes(
+            self._table, [(rid, lb, ids, start) for rid, label, ids, start in calls
+                          for lb in self._labels_of(label)], targets)
+        return [sum(got[i:i + n]) for i in range(0, len(got), n)]
 
     def follow_tokens(self, rid: str, token_ids: Sequence[int], label: str = "main") -> int:
         """Key the stream's pages as they fill, from ``token_ids``: the
@@ -421,7 +468,10 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         for ``token_ids`` that is not a sequence.
         """
         with self._keyable(rid, label, "follow_tokens"):
-            return follow.follow_tokens(self._table, rid, label, token_ids)
+            # the groups' streams agree (H1): a refusal is the first group's,
+            # before any group follows
+            return sum(follow.follow_tokens(self._table, rid, lb, token_ids)
+                       for lb in self._labels_of(label))
 
     def cached_tokens(self, rid: str, label: str = "main") -> int:
         """Tokens of the stream its keyed pages cover: where a `cache_prefix`
@@ -447,6 +497,10 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
     def num_cached_pages(self) -> int:
         """Free pages the prefix cache keeps findable; part of `num_free_pages`."""
         return self._pages.num_cached
+
+    def _labels_of(self, label: str) -> tuple[str, ...]:
+        """The streams ``label`` names: one per attention group (H1), or itself."""
+        return (label,) if self._groups is None else self._groups.labels(label)
 
     # what the conformance and unit tests inspect: the stepping mechanism's state
     @property

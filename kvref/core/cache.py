@@ -139,8 +139,9 @@ class KVCache:
     @staticmethod
     def shape_for(cfg: KVConfig, num_pages: int) -> tuple[int, ...]:
         if cfg.layout is KVLayout.NHD:
-            return (cfg.num_layers, num_pages, 2, cfg.page_size, cfg.num_kv_heads, cfg.head_dim)
-        return (cfg.num_layers, num_pages, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
+            return (cfg.layers_per_page, num_pages, 2, cfg.page_size, cfg.num_kv_heads,
+                    cfg.head_dim)
+        return (cfg.layers_per_page, num_pages, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
 
     @property
     def token_shape(self) -> tuple[int, int]:
@@ -210,11 +211,12 @@ class KVCache:
         if n_pages > len(pages):
             raise ValueError(f"{length} tokens need {n_pages} pages, stream has {len(pages)}")
         if n_pages == 0:
-            return self.tensor.new_zeros((cfg.num_layers, 0, 2, cfg.num_kv_heads, cfg.head_dim))
+            return self.tensor.new_zeros((cfg.layers_per_page, 0, 2, cfg.num_kv_heads,
+                                          cfg.head_dim))
         blocks = self.tensor[:, torch.tensor(pages[:n_pages], dtype=torch.long, device=self.device)]
         if self.layout is KVLayout.HND:
             blocks = blocks.transpose(3, 4)  # -> [L, n, 2, ps, H, D]
         tokens = blocks.permute(0, 1, 3, 2, 4, 5).reshape(
-            cfg.num_layers, n_pages * self.page_size, 2, cfg.num_kv_heads, cfg.head_dim
+            cfg.layers_per_page, n_pages * self.page_size, 2, cfg.num_kv_heads, cfg.head_dim
         )
         return tokens[:, :length]

@@ -6,8 +6,12 @@ import copy as _copy
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvref.core.errors import InvalidConfigError
+
+if TYPE_CHECKING:
+    from kvref.core.groups import AttentionGroup
 
 
 class KVLayout(enum.Enum):
@@ -144,6 +148,10 @@ class KVConfig:
     # label -> its sliding window (issue 19, specs/retention.md); a label
     # absent is full attention. Empty: nothing is windowed
     retention: Mapping[str, RetentionPolicy] = field(default_factory=dict)
+    # a hybrid model's attention groups (`kvref.core.groups`, issue 40): each
+    # a set of layers of one type whose pages hold only those layers. Empty:
+    # one full-attention group of every layer, each page all of them
+    groups: Sequence[AttentionGroup] = ()
     # the tensor-parallel degree the head counts were divided by; 1 = unsharded
     sharded_by: int = field(default=1, init=False)
 
@@ -187,6 +195,15 @@ class KVConfig:
             raise InvalidConfigError(
                 f"KVConfig.retention must map str labels to RetentionPolicy, got "
                 f"{self.retention!r}")
+        from kvref.core.groups import check_groups  # it builds on this module
+        if isinstance(self.groups, (str, bytes)) or not isinstance(self.groups, Sequence):
+            raise InvalidConfigError(f"KVConfig.groups must be a sequence, got {self.groups!r}")
+        check_groups(self.groups, self.num_layers)
+        if self.groups and self.retention:
+            # a group's window is its layers'; a label's would cut every group
+            raise InvalidConfigError(
+                "KVConfig.retention names label windows; with groups, give each group its "
+                "retention (AttentionGroup.retention) instead")
         lease = self.publish_lease_s
         if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
                                   or not lease > 0):
@@ -211,6 +228,7 @@ class KVConfig:
         dup.validate()
         # the mapping is the one mutable field: the copy owns its own
         dup.retention = dict(self.retention)
+        dup.groups = tuple(self.groups)
         return dup
 
     def sharded(self, n: int) -> KVConfig:
@@ -248,6 +266,12 @@ class KVConfig:
         """The label's retention window W in tokens, or None (full attention)."""
         policy = self.retention.get(label)
         return None if policy is None else policy.context_budget
+
+    @property
+    def layers_per_page(self) -> int:
+        """The layers one page holds: a group's (every group has as many), or
+        every layer without groups."""
+        return len(self.groups[0].layers) if self.groups else self.num_layers
 
     @property
     def usable_pages(self) -> int:

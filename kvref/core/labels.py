@@ -18,11 +18,12 @@ Core: imports nothing above `kvref.core`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvref.core.config import RetentionPolicy
+from kvref.core.groups import GROUP_SEP, AttentionGroup
 
 
 class LabelBehaviour(Protocol):
@@ -88,6 +89,9 @@ class SlidingWindow:
 
     window_tokens: int
     margin: int = 0
+    # a hybrid model's window group keys its pages and hits (H2-H4 of
+    # specs/retention.md); a label's window (KVConfig.retention) does not (W9, W10)
+    cached: bool = False
 
     @property
     def releases(self) -> bool:
@@ -95,7 +99,7 @@ class SlidingWindow:
 
     @property
     def cacheable(self) -> bool:
-        return False
+        return self.cached
 
     def first_read(self, length: int) -> int:
         return max(0, length - self.window_tokens)
@@ -121,7 +125,36 @@ def behaviour_of(retention: Mapping[str, RetentionPolicy], label: str) -> LabelB
     return SlidingWindow(policy.context_budget, policy.rollback_margin)
 
 
-def behaviours_of(retention: Mapping[str, RetentionPolicy]) -> dict[str, LabelBehaviour]:
+def behaviours_of(retention: Mapping[str, RetentionPolicy],
+                  groups: Sequence[AttentionGroup] = ()) -> dict[str, LabelBehaviour]:
     """Every label ``KVConfig.retention`` names, with its behaviour; a label
-    absent from the result is full attention (`StreamTable.behaviour`)."""
+    absent from the result is full attention (`StreamTable.behaviour`).
+    With attention groups, every label's behaviour is its group's."""
+    if groups:
+        return GroupBehaviours(groups)
     return {label: behaviour_of(retention, label) for label in retention}
+
+
+class GroupBehaviours(dict[str, LabelBehaviour]):
+    """A hybrid model's behaviours: a group label ``L@name`` has group
+    ``name``'s, a bare label the first group's (`kvref.core.groups`). Held
+    by group name; `get` resolves any label, and the values are every
+    group's, which is what `StreamTable.releasing` asks of them."""
+
+    def __init__(self, groups: Sequence[AttentionGroup]) -> None:
+        super().__init__({g.name: _group_behaviour(g) for g in groups})
+        self._first = self[groups[0].name]
+
+    def get(self, label: str, default: object = None) -> LabelBehaviour:
+        _, sep, name = label.rpartition(GROUP_SEP)
+        if not sep:
+            return self._first
+        got = dict.get(self, name)
+        return self._first if got is None else got
+
+
+def _group_behaviour(g: AttentionGroup) -> LabelBehaviour:
+    r = g.retention
+    if r is None:
+        return FULL_ATTENTION
+    return SlidingWindow(r.context_budget, r.rollback_margin, cached=True)

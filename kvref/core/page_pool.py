@@ -421,6 +421,22 @@ class PagePool:
         with self._lock:
             return self._drop_table(owner, pages)
 
+    def release_blank(self, owner: Owner, pages: list[int]) -> int:
+        """`release_table`, but a page this frees goes back blank, its key
+        dropped, never onto the LRU (H3 of specs/retention.md: what a
+        window passes at a commit is read by no later hit worth keeping, and
+        cached it would push other prefixes toward eviction, vLLM 42948). A
+        page another holder keeps keeps its key. Refused whole as `release`."""
+        with self._lock:
+            self._check_release(owner, pages)  # before a key goes: nothing changes
+            key, index = self._key, self._index
+            for p in pages:
+                k = key[p]
+                if k is not None and self._count(p) == 1:
+                    del index[k]
+                    key[p] = None
+            return self._drop_table(owner, pages)
+
     # ------------------------------------------------------------ contents
 
     def check_writable(self, owner: Owner, page: int) -> None:

@@ -102,7 +102,12 @@ class StreamTable:
         released = self.behaviour(key[1]).released_after(stream.released, stream.stored_len, ps)
         if released == stream.released:
             return 0
-        return self.give_back(key, stream.release_window_to(released, ps))
+        gone = stream.release_window_to(released, ps)
+        if self.behaviour(key[1]).cacheable:
+            # H3: what a cached window passes goes back blank, so it never
+            # pushes another stream's prefix toward eviction (vLLM 42948)
+            return self.pages.release_blank(key, gone) if gone else 0
+        return self.give_back(key, gone)
 
     def take(self, key: Key, n: int) -> list[int]:
         """``n`` fresh pages for the stream ``key``; the caller counted them
@@ -114,8 +119,15 @@ class StreamTable:
     def give_back(self, key: Key, pages: list[int]) -> int:
         """The stream ``key`` lets its pages go; returns how many became free.
         Tail first, so a cached prefix is evicted after its own suffix (S6)."""
+        if not pages:
+            return 0
+        b = self.behaviour(key[1])
+        if b.releases and b.cacheable:
+            # H4: a cached window lets go head first, so its tail, what a
+            # window hit at its end reads, is evicted last (vLLM 48435)
+            return self.pages.release_table(key, list(pages))
         # a table's own list: `release_table` skips the per-page type check
-        return self.pages.release_table(key, pages[::-1]) if pages else 0
+        return self.pages.release_table(key, pages[::-1])
 
     def request(self, rid: str) -> dict[str, CacheStream]:
         streams = self.streams.get(rid)

@@ -434,13 +434,16 @@ class CacheStream:
     # prefix cache
 
     def attach_prefix(self, pages: list[int], n: int, keys: list[bytes],
-                      raw: bytes) -> None:
+                      raw: bytes, released: int = 0) -> None:
         """A `match_prefix` hit of ``n`` tokens: its pages before the empty
-        stream's spare ones, and their keys and token ids."""
+        stream's spare ones, and their keys and token ids. ``released``: the
+        tokens before the pages a window hit attaches (H2), whole pages; the
+        keys still cover every page from the first."""
         if self.stored_len:
             raise self._refuse("attach_prefix", "the stream holds tokens")
         self._need_resident("attach_prefix")
         self.page_indices = pages + self.page_indices
+        self.released = released
         self.stored_len = n
         self.position = n  # W4: the next token's position
         self.keys = keys

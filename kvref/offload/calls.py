@@ -11,6 +11,7 @@ from kvref import validate
 from kvref.core.config import KVConfig
 from kvref.core.stream_table import StreamTable
 from kvref.core.streams import CacheStream
+from kvref.hybrid.layout import GroupLayout
 from kvref.offload.handle import Offload
 from kvref.offload.host_pool import CPUPagePool
 from kvref.offload.outcomes import (
@@ -35,6 +36,7 @@ class EvictionCalls:
     _streams: dict[str, dict[str, CacheStream]]
     _cpu_pool: CPUPagePool | None
     _host_offload: HostOffload | None
+    _groups: GroupLayout | None
 
     @property
     def supports_eviction(self) -> bool:
@@ -91,6 +93,8 @@ class EvictionCalls:
     def pages_needed(self, step: KVStep, ctx: StepContext) -> int:
         """New device pages `admit` would take now, forks included; changes nothing (R46)."""
         validate.step(step, ctx)
+        if self._groups is not None:
+            step = self._groups.expand(step)  # what admit reserves: every group's (H1)
         with self._lock:
             return step_pages(self._table, step, ctx, self.config.max_seq_len)
 

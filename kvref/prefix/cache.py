@@ -80,19 +80,7 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
     streams = table.request(rid)
     # encoded once: the check of every id, the hashes and the stream's record
     raw = prefix_hash.token_bytes(tokens)
-    stream = streams.get(label)
-    if stream is not None:
-        if stream.step_in_flight:
-            # the admitted step writes from the stream's length, 0, and would
-            # overwrite what the hit attached
-            raise StepInFlightError("match_prefix onto a stream a step names; commit it "
-                                    "first", request_id=rid, label=label)
-        _settled(stream, rid, label, "match_prefix")
-        if stream.stored_len:
-            raise InvalidArgumentError(
-                f"match_prefix onto a stream that holds {stream.stored_len} tokens: a hit "
-                "attaches a prompt's first pages, so only to an empty stream",
-                request_id=rid, label=label)
+    stream = _matchable(table, streams, rid, label)
     table.leases.refuse(rid, "match_prefix")
     if stream is None:
         # as an admit naming it would (R16): the engine's next call names it
@@ -110,6 +98,78 @@ def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> in
     # an empty stream's pages are spare and private to it: they follow the hit
     stream.attach_prefix(list(hit.pages), n, list(hit.keys), raw[:n * 8])
     return n
+
+
+def match_prefix_groups(table: StreamTable, rid: str, labels: Sequence[str],
+                        tokens: Tokens) -> int:
+    """`KVManager.match_prefix` of a hybrid label whose group streams are
+    ``labels``: the longest hit every group serves (H2 of specs/retention.md),
+    whole pages in each, at most ``len(tokens) - 1`` tokens, the same tokens
+    attached in each. A full-attention group serves ``h`` tokens if every
+    page before ``h`` is cached; a window group if the pages its window reads
+    at ``h`` are, and its slots before them hold no page. The lookup goes
+    past a gap: a later hit point stands where an earlier page was evicted.
+    Every check of every group passes before any page is attached."""
+    streams = table.request(rid)
+    raw = prefix_hash.token_bytes(tokens)
+    found = [_matchable(table, streams, rid, lb) for lb in labels]
+    table.leases.refuse(rid, "match_prefix")
+    for lb, stream in zip(labels, found, strict=True):
+        if stream is None:
+            streams[lb] = CacheStream()  # R16, in every group (H1)
+    behaviours = [table.behaviour(lb) for lb in labels]
+    ps = table.page_size
+    most = (len(raw) // 8 - 1) // ps  # S8: the last token is always computed
+    if most <= 0 or not all(table.sharing.caches(b) for b in behaviours):
+        return 0
+    chains: list[list[PageKey]] = []
+    cached: list[list[int | None]] = []
+    for lb in labels:
+        extras = extras_for(table, rid, streams[lb].space or lb)
+        keys = prefix_hash.page_keys(tokens, ps, extras, pages=most, encoded=raw)
+        chains.append(keys)
+        cached.append([table.pages.cached_page(k) for k in keys])
+
+    def first_read(i: int, n: int) -> int:
+        # the first slot group i's window reads at n tokens (0: full attention)
+        return min(n // ps, behaviours[i].released_after(0, n, ps) // ps)
+
+    def serves(n: int) -> bool:
+        return all(p is not None for i, got in enumerate(cached)
+                   for p in got[first_read(i, n):n // ps])
+
+    pages = most
+    while pages and not serves(pages * ps):
+        pages -= 1
+    if not pages:
+        return 0
+    n = pages * ps
+    for i, lb in enumerate(labels):
+        lo = first_read(i, n)
+        got = [p for p in cached[i][lo:pages] if p is not None]
+        table.pages.attach((rid, lb), got)
+        streams[lb].attach_prefix(got, n, chains[i][:pages], raw[:n * 8], released=lo * ps)
+    return n
+
+
+def _matchable(table: StreamTable, streams: dict[str, CacheStream], rid: str, label: str
+               ) -> CacheStream | None:
+    """`match_prefix`'s refusals of one stream, changing nothing; the stream
+    (None: the request lacks it, and the hit makes it)."""
+    stream = streams.get(label)
+    if stream is not None:
+        if stream.step_in_flight:
+            # the admitted step writes from the stream's length, 0, and would
+            # overwrite what the hit attached
+            raise StepInFlightError("match_prefix onto a stream a step names; commit it "
+                                    "first", request_id=rid, label=label)
+        _settled(stream, rid, label, "match_prefix")
+        if stream.stored_len:
+            raise InvalidArgumentError(
+                f"match_prefix onto a stream that holds {stream.stored_len} tokens: a hit "
+                "attaches a prompt's first pages, so only to an empty stream",
+                request_id=rid, label=label)
+    return stream
 
 
 def cache_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens,
@@ -177,12 +237,15 @@ def _pages_that_filled(table: StreamTable, todo: list[_Todo | None]) -> list[int
         stream, rid, label, _, raw, start = t
         if len(raw) != 8 * ps or start != len(stream.keys) * ps:
             return None
+        if len(stream.keys) < stream.released // ps:
+            return None  # a window passed the page: the general path keys the chain only
         parent = stream.keys[-1] if stream.keys else None
         keyed.append((stream, raw, prefix_hash.next_page_key(
             parent, raw, extras_for(table, rid, stream.space or label))))
     made = key_filled(table, [st for st, _, _ in keyed], [raw for _, raw, _ in keyed],
                        [key for _, _, key in keyed],
-                       [st.page_indices[len(st.keys)] for st, _, _ in keyed])
+                       [st.page_indices[len(st.keys) - st.released // ps]
+                        for st, _, _ in keyed])
     counts = iter(made)
     return [0 if t is None else next(counts) for t in todo]
 
@@ -278,9 +341,12 @@ def one_page_each(table: StreamTable, calls: Sequence[object],
                 tail = prefix_hash.encode_extras(extras_for(table, rid, stream.space or label))
             filled.append(stream)
             raws.append(raw)
+            slot = done - stream.released // ps  # page_indices starts at the window
+            if slot < 0:
+                return None  # a window passed the page: the general path keys the chain
             keys.append(sha(join((child, chain[-1], count, raw, tail)) if done
                             else join((root_count, raw, tail))).digest())
-            pages.append(stream.page_indices[done])
+            pages.append(stream.page_indices[slot])
     except (KeyError, TypeError, ValueError, struct.error):
         return None
     if len(set(filled)) != len(filled):
@@ -367,13 +433,18 @@ def _register(table: StreamTable, todo: _Todo) -> int:
     keyed = len(stream.keys) * ps
     full = (start + len(raw) // 8) // ps
     extras = extras_for(table, rid, stream.space or label)
+    # page_indices holds slot `off` onward: a window's released slots hold
+    # no page, and their keys only carry the chain (H3)
+    off = stream.released // ps
+    if len(stream.keys) < off:
+        return _register_past_window(table, todo, extras, off)
     if full * ps - keyed == ps and start == keyed and len(raw) == 8 * ps:
         # the page that just filled, named alone (a decode step's): one hash
         # of the bytes as given, no slicing of the ids
         key = prefix_hash.next_page_key(stream.keys[-1] if stream.keys else None, raw,
                                         extras)
         done, keyed_now, err = table.pages.register_chain(
-            stream.page_indices[len(stream.keys):full], [key])
+            stream.page_indices[len(stream.keys) - off:full - off], [key])
         # on a failure the key it gave stays, and no token ids are added
         stream.extend_chain([key] if done else [], raw if err is None else b"")
         if err is not None:
@@ -386,7 +457,7 @@ def _register(table: StreamTable, todo: _Todo) -> int:
     new_keys = prefix_hash.page_keys(fresh, ps, extras, parent=parent, encoded=fresh_raw)
     # one pass under the pool's lock for the whole run of pages
     done, keyed_now, err = table.pages.register_chain(
-        stream.page_indices[len(stream.keys):full], new_keys)
+        stream.page_indices[len(stream.keys) - off:full - off], new_keys)
     # deduplicated or not, the key names these tokens: the chain goes on
     stream.extend_chain(new_keys[:done], fresh_raw if err is None else b"")
     if err is not None:
@@ -394,6 +465,32 @@ def _register(table: StreamTable, todo: _Todo) -> int:
     # the pages findable because of this call (S23): a page passed over
     # under another page's key makes nothing new findable
     return keyed_now
+
+
+def _register_past_window(table: StreamTable, todo: _Todo, extras: ExtraKeys,
+                          off: int) -> int:
+    """`_register` of a window's stream whose chain stops before its
+    released slots: the keys of those carry the chain only (their pages
+    went back blank, H3), then the live pages are keyed from the chain."""
+    stream, rid, label, tokens, raw, start = todo
+    ps = table.page_size
+    keyed = len(stream.keys)
+    upto = min(off, (start + len(raw) // 8) // ps)
+    ids = raw[(keyed * ps - start) * 8:(upto * ps - start) * 8]
+    parent = stream.keys[-1] if stream.keys else None
+    stream.extend_chain(_chain_of(ids, ps, extras, parent), ids)
+    if (start + len(raw) // 8) // ps <= off:
+        return 0
+    return _register(table, (stream, rid, label, tokens, raw, start))
+
+
+def _chain_of(ids: bytes, ps: int, extras: ExtraKeys, parent: PageKey | None
+              ) -> list[PageKey]:
+    keys: list[PageKey] = []
+    for i in range(0, len(ids), 8 * ps):
+        parent = prefix_hash.next_page_key(parent, ids[i:i + 8 * ps], extras)
+        keys.append(parent)
+    return keys
 
 
 def reset_prefix_cache(table: StreamTable) -> int | ResetRefused:

@@ -87,7 +87,8 @@ def key_followed(table: StreamTable, due: list[CacheStream],
         ids = f.ids
         if (n >= start + 2 * ps or type(ids) is not list or f.space is not stream.space
                 or stream.received or stream.read_future is not None
-                or stream.read_error is not None):
+                or stream.read_error is not None or done < stream.released // ps):
+            # (the last: a window passed the page; `cache_prefix` keys the chain)
             one_pass = False
             continue
         tokens = ids[start:start + ps]
@@ -106,7 +107,7 @@ def key_followed(table: StreamTable, due: list[CacheStream],
         raws.append(raw)
         keys.append(sha(join((child, chain[-1], count, raw, f.tail)) if done
                         else join((root_count, raw, f.tail))).digest())
-        pages.append(stream.page_indices[done])
+        pages.append(stream.page_indices[done - stream.released // ps])
     if one_pass:
         if filled:
             prefix_cache.key_filled(table, filled, raws, keys, pages)

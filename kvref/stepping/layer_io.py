@@ -14,6 +14,7 @@ from kvref.core.cache import KVCache
 from kvref.core.config import KVConfig
 from kvref.core.errors import KVShapeError, StepNotAdmittedError
 from kvref.core.resource import AttentionResource
+from kvref.hybrid.layout import GroupLayout
 from kvref.stepping.admit_plan_commit import Stepping
 from kvref.stepping.plan import KVPlanState
 
@@ -25,6 +26,9 @@ class LayerIO(AttentionResource):
     config: KVConfig
     kv_cache: KVCache
     _stepping: Stepping
+    # a hybrid model's groups (None: every page holds every layer): a layer
+    # reads and writes its group's streams, at its slot in the group's pages
+    _groups: GroupLayout | None
 
     def set_default_layer_idx(self, layer_idx: int | None) -> None:
         """The layer `write_kv`, `read_kv` and `layer_view` use when given none."""
@@ -47,18 +51,19 @@ class LayerIO(AttentionResource):
         if layer_idx is None:
             layer_idx = self._default_layer_idx
         assert layer_idx is not None
-        return self.kv_cache.layer_view(layer_idx)
+        return self.kv_cache.layer_view(self._slot(layer_idx))
 
     def read_kv(self, layer_idx: int | None = None, plan_label: str | None = None) -> torch.Tensor:
         """The slots this step's plan writes: ``[num_tokens, 2, H, D]`` (K, then V)."""
         validate.optional_label(plan_label, "read_kv")
         validate.layer_idx(self._default_layer_idx if layer_idx is None else layer_idx,
                            self.config.num_layers, "read_kv")
-        state, _ = self._plan_state_for(plan_label)
-        n = state.write_len
         layer = self._default_layer_idx if layer_idx is None else layer_idx
         assert layer is not None
-        return self.kv_cache.read_tokens(layer, state.token_to_page[:n], state.token_to_cache[:n])
+        state, _ = self._plan_state_for(self._group_label(plan_label, layer))
+        n = state.write_len
+        return self.kv_cache.read_tokens(self._slot(layer), state.token_to_page[:n],
+                                         state.token_to_cache[:n])
 
     def write_kv(
         self,
@@ -78,7 +83,9 @@ class LayerIO(AttentionResource):
                            self.config.num_layers, "write_kv")
         validate.kv_pair(k, v, self.kv_cache.tensor.device,
                          self._default_label if label is None else label)
-        state, plan_label = self._plan_state_for(label)
+        layer = self._default_layer_idx if layer_idx is None else layer_idx
+        assert layer is not None
+        state, plan_label = self._plan_state_for(self._group_label(label, layer))
         n = state.write_len
         want = (n, *self.kv_cache.token_shape)
         for name, t in (("k", k), ("v", v)):
@@ -88,11 +95,21 @@ class LayerIO(AttentionResource):
                     f"wants {want} {self.kv_cache.dtype}",
                     label=plan_label,
                 )
-        layer = self._default_layer_idx if layer_idx is None else layer_idx
-        assert layer is not None
         return self.kv_cache.write_tokens(
-            layer, k, v, state.token_to_page[:n], state.token_to_cache[:n], return_tensor
+            self._slot(layer), k, v, state.token_to_page[:n], state.token_to_cache[:n],
+            return_tensor
         )
+
+    def _slot(self, layer: int) -> int:
+        """The layer's index in the cache tensor: its slot in its group's pages."""
+        return layer if self._groups is None else self._groups.layer(layer)[1]
+
+    def _group_label(self, label: str | None, layer: int) -> str | None:
+        """The plan label a layer's call addresses: with groups, its group's
+        stream of ``label`` (the cursor's label where none is given)."""
+        if self._groups is None:
+            return label
+        return self._groups.plan_label(self._default_label if label is None else label, layer)
 
     def _plan_state_for(self, label: str | None) -> tuple[KVPlanState, str]:
         plan_label = self._default_label if label is None else label

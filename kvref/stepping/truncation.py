@@ -17,11 +17,22 @@ from kvref.core.errors import (
     StreamUnavailableError,
 )
 from kvref.core.stream_table import StreamTable, pages_for
+from kvref.core.streams import CacheStream
 from kvref.stepping.admission import FAILED, PENDING, retrieve_state
 
 
 def truncate(table: StreamTable, rid: str, label: str, new_len: int) -> int:
     """See `KVManager.truncate`. Every refusal raises before anything changes."""
+    stream = check(table, rid, label, new_len)
+    if new_len == stream.stored_len:
+        # nothing to cut: the spare pages stay for the next step (R39)
+        return 0
+    return _cut(table, rid, label, stream, new_len)
+
+
+def check(table: StreamTable, rid: str, label: str, new_len: int) -> CacheStream:
+    """Every refusal of `truncate`, changing nothing; the stream it would cut.
+    A hybrid label checks each group's stream before any is cut (H1)."""
     stream = table.stream(rid, label)
     if stream.step_in_flight:
         # the step (or a staged preplan) addresses slots past the new end
@@ -54,9 +65,10 @@ def truncate(table: StreamTable, rid: str, label: str, new_len: int) -> int:
             f"truncate to {new_len} tokens: its window ({behaviour}) would start at "
             f"{first}, before the {stream.released} tokens already released",
             request_id=rid, label=label)
-    if new_len == stream.stored_len:
-        # nothing to cut: the spare pages stay for the next step (R39)
-        return 0
+    return stream
+
+
+def _cut(table: StreamTable, rid: str, label: str, stream: CacheStream, new_len: int) -> int:
     # in slots: page_indices holds slot released // ps onward
     keep = pages_for(new_len, table.page_size) - stream.released // table.page_size
     cut = stream.truncate_to(new_len, keep, table.page_size)
