@@ -82,7 +82,7 @@ KVREF = Path(kvref.__file__).parent
 # the home, the config it is chosen from, the kernels that mask to a window,
 # and the harness that maps the model's scope onto a config; then the one
 # place each other module may name one (the export, the build, the default)
-HOMES = ("core/labels.py", "core/config.py", "attention/", "testing/")
+HOMES = ("core/labels.py", "core/config.py", "core/groups.py", "attention/", "testing/")
 ALLOWED = {"__init__.py": {"RetentionPolicy"}, "manager.py": {"retention"},
            "core/stream_table.py": {"FULL_ATTENTION"}}
 
