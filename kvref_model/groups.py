@@ -106,7 +106,7 @@ def step(m: Model, s: State, a: Action) -> tuple[Result, State]:
 
 def _on_every_group(m: Model, s: State, a: Action, g: int) -> tuple[Result, State]:
     label: int = a.label  # type: ignore[union-attr]
-    t, added, first = s, 0, None
+    t, added, first, short = s, 0, None, False
     for i in range(g):
         # an injected fault strikes the last group's call only (one copy
         # raises), once the groups before it did what the call does first
@@ -119,15 +119,21 @@ def _on_every_group(m: Model, s: State, a: Action, g: int) -> tuple[Result, Stat
         r, t = m.step_one(t, each)
         if first is None:
             first = r
+        if r == Flag(False):
+            # a host copy is one stream's: the host pool full for this
+            # group's, the other groups' copies still run (each waits for
+            # its retrieve first), and the label's copy answers False
+            short = True
+            continue
         if not isinstance(r, _GOES_ON) and r != Flag(True):
-            # refused (a full host pool's Flag(False) too) or a misuse: no
-            # group changes (H1); a fault keeps what the groups before it
-            # did, as the offload's copies do per stream (its commit then
-            # moves nothing, I14)
+            # refused or a misuse: no group changes (H1); a fault keeps what
+            # the groups before it did, and its offload is abandoned (R8)
             return r, (t if isinstance(r, Fault) else s)
         if isinstance(r, Count):
             added += r.n
     assert first is not None
+    if short:
+        return Flag(False), t
     return (Count(added) if isinstance(first, Count) else first), t
 
 
