@@ -112,6 +112,12 @@ class Scope:
     # a windowed stream keys its pages and hits (H2-H4); off: W9 and W10,
     # kept for comparison
     window_cache: bool = False
+    # another engine's pool, stated as the pool model's settings
+    # (kvref_model.pages.Scope; docs/verification/vllm-hybrid-coordinator.md):
+    # one key names several pages (no dedup), and freed blank pages go to the
+    # front of the free queue. Off: kvref's rules
+    duplicates: bool = False
+    blank_to_front: bool = False
 
     @property
     def group_count(self) -> int:
@@ -586,7 +592,7 @@ class _Pool(pool_model.PagesModel):
               lru: tuple[int, ...] | None = None, blank: tuple[int, ...] | None = None,
               add: tuple[int, tuple[int, ...]] = (0, ())) -> pool_model.State:
         return pool_model.State(tuple(pages), s.lru if lru is None else lru,
-                                s.blank if blank is None else blank, s.tables)
+                                s.blank if blank is None else blank, s.tables, s.order)
 
 
 # the Model's names of the pool's rules (kvref_model.pages.PagesModel's attributes)
@@ -680,7 +686,8 @@ class Model:
         off = {attr: False for name, attr in POOL_RULES.items() if not getattr(self, name)}
         self.pool = (type("Pool", (_Pool,), off) if off else _Pool)(pool_model.Scope(
             pages=scope.device_pages, holders=scope.requests * scope.labels * scope.group_count,
-            page_size=scope.page_size, extras=()))
+            page_size=scope.page_size, extras=(), duplicates=scope.duplicates,
+            blank_to_front=scope.blank_to_front))
         self._plain = not (scope.sharing or scope.windowed)
         # the streams' labels inside the model: one per (label, group); a
         # token's identity is its internal label (a peer's: nlab + label)

@@ -126,3 +126,69 @@ def planted_copy(root: str | Path, plant: Plant) -> Iterator[tuple[Path, str]]:
                         ignore=shutil.ignore_patterns("__pycache__"))
         form = apply(dest, plant)
         yield dest, form
+
+
+# ------------------------------------------------------------------ hybrid
+
+COORDINATOR = "vllm/v1/core/kv_cache_coordinator.py"
+SINGLE = "vllm/v1/core/single_type_kv_cache_manager.py"
+
+# vLLM's historic hybrid-coordinator defects, for kvref.testing.vllm_hybrid's
+# lockstep (issue 40, item 4). Each is planted where 0.33's code still has the
+# place; vllm-ascend PR 13330 (a compressed group's hit under-counted) is not
+# among them: 0.33 has no compressed group.
+HYBRID_PLANTS: dict[str, Plant] = {
+    "hit_length_one_scalar": Plant(
+        "vllm-ascend PR 12394", "HybridKVCacheCoordinator.find_longest_cache_hit",
+        "the groups' hit lengths come back as one scalar, the longest group's: the "
+        "full group's hit is returned while the window group's blocks are shorter, so "
+        "the request attaches more tokens than every group serves",
+        (Patch(COORDINATOR,
+               "        return cache_hit_blocks, hit_length, num_uncached_common_prefix_tokens\n",
+               "        return cache_hit_blocks, longest_hit_length, 0\n"),)),
+    "window_hit_stops_at_first_miss": Plant(
+        "vLLM 57610", "SlidingWindowManager.find_longest_cache_hit",
+        "the right-to-left scan gives up at the first block that is not cached, so "
+        "ids that go past a cached prompt's last block (diverge there) miss the "
+        "window hit the blocks before them serve",
+        (Patch(SINGLE,
+               "                    match_found = True\n"
+               "                    break\n"
+               "            else:\n"
+               "                num_contiguous_blocks = 0\n",
+               "                    match_found = True\n"
+               "                    break\n"
+               "            else:\n"
+               "                num_contiguous_blocks = 0\n"
+               "                break\n"),)),
+    "full_hit_not_reconciled": Plant(
+        "vLLM PR 50457", "HybridKVCacheCoordinator.find_longest_cache_hit",
+        "the full-attention group's blocks are not cut back to the hit every group "
+        "serves: it attaches its own longer hit beside the reconciled length",
+        (Patch(COORDINATOR,
+               "                    del blks[num_blocks:]\n"
+               "                    hit_length_by_group[group_id] = hit_length\n",
+               "                    hit_length_by_group[group_id] = hit_length\n"),)),
+    "allocation_evicts_own_hit": Plant(
+        "vLLM 42948", "KVCacheManager.allocate_slots",
+        "the hit's blocks are taken (touched) only after the new blocks are "
+        "allocated, so the allocation may evict the free cached blocks its own "
+        "lookup is about to attach",
+        (Patch(SINGLE,
+               "        # Touch the computed blocks to make sure they won't be evicted.\n"
+               "        if self.enable_caching:\n"
+               "            self.block_pool.touch(new_computed_blocks)\n",
+               "        if self.enable_caching:\n"
+               "            pass\n"),
+         Patch(MANAGER,
+               "            num_encoder_tokens,\n"
+               "        )\n"
+               "\n"
+               "        # P/D: delay caching blocks",
+               "            num_encoder_tokens,\n"
+               "        )\n"
+               "        for hit_blocks in new_computed_block_list:\n"
+               "            self.block_pool.touch([b for b in hit_blocks if not b.is_null])\n"
+               "\n"
+               "        # P/D: delay caching blocks"))),
+}
