@@ -72,6 +72,10 @@ class Scope:
     # The model still answers one with Misuse; only the write check stays, since
     # vLLM answers it (BlockPool.is_block_writable).
     trusts_caller: bool = False
+    # A release may send the pages it frees back blank, their keys dropped (a
+    # window passing pages, H3 of specs/retention.md). vLLM's free_blocks has
+    # no such release: a freed block keeps its hash until evicted.
+    blank_release: bool = True
 
 
 @dataclass(frozen=True)

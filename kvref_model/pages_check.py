@@ -137,7 +137,8 @@ def _calls(m: PagesModel, s: State) -> Iterator[Action]:
         table = s.tables[h]
         if table:
             yield Release(h, table[::-1])
-            yield Release(h, table[:1], blank=True)  # a window passing its first page (H3)
+            if sc.blank_release:  # a window passing its first page (H3)
+                yield Release(h, table[:1], blank=True)
             yield Reclaimable(((h, table[::-1]),))
             yield Release(h, (table[-1], table[-1]))  # careless: twice in one list
             if len(table) > 1:

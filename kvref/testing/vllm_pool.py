@@ -62,7 +62,7 @@ from kvref_model.pages_invariants import (
 
 # the model's scope settings that state vLLM's pool (see DIFFERENCES)
 VLLM_FLAGS: dict[str, bool] = {"duplicates": True, "blank_to_front": True,
-                               "trusts_caller": True}
+                               "trusts_caller": True, "blank_release": False}
 # the extra keys the checks use: a LoRA named "a" and a cache salt "a" differ only
 # by their tags (vLLM 44701), and no extra key at all
 EXTRAS: tuple[M.Extras, ...] = ((), (("lora", "a"),), (("salt", "a"),))
@@ -80,6 +80,9 @@ DIFFERENCES: tuple[tuple[str, str], ...] = (
      "its caller: a double release, a release of a block not held, a touch of a "
      "free block as a share, a repeated register are its manager's to prevent; "
      "the protocol leaves them out (the careless replay shows what vLLM does)"),
+    ("blank_release", "free_blocks keeps a freed block's hash until it is evicted: "
+     "there is no release that sends a block back blank (kvref's window passing "
+     "pages, H3); the protocol leaves it out"),
 )
 # correspondences that need no setting (stated in docs/verification/vllm-block-pool.md)
 SAME_UNDER_NAMES: tuple[tuple[str, str], ...] = (
@@ -337,7 +340,15 @@ class VllmPool:
         self.pool.touch(self.blocks(a.pages))
         return M.Ok()
 
+    def _Take(self, a: M.Take) -> M.Result:
+        # a hit's pages found one by one (a window's, H2): touch takes a
+        # cached block whether free or held, as a hit does
+        self.pool.touch(self.blocks(a.pages))
+        return M.Ok()
+
     def _Release(self, a: M.Release) -> M.Result:
+        if a.blank:
+            raise Unexpressible("free_blocks keeps a freed block's hash: no blank release")
         before = self.pool.get_num_free_blocks()
         self.pool.free_blocks(self.blocks(a.pages))
         return M.Count(self.pool.get_num_free_blocks() - before)
@@ -665,7 +676,9 @@ def _kind(s: M.State, a: M.Action, want: M.Result) -> str:
         why = "a free page"
     elif isinstance(a, M.Release):
         why = "a page it does not hold"
-    elif isinstance(a, M.Share | M.Match):
+    elif isinstance(a, M.Take) and any(s.page(p).key is None for p in pages):
+        why = "a page no key names"
+    elif isinstance(a, M.Share | M.Match | M.Take):
         why = "a page it holds already"
     elif isinstance(a, M.Allocate):
         why = "a negative count"

@@ -114,7 +114,7 @@ def test_careless_calls_vllm_does_not_refuse(vllm: V.Vllm) -> None:
         "Release, a page it does not hold", "Release, a page twice in one list",
         "Share, a free page", "Share, a page it holds already",
         "Match, a page it holds already", "Register, a repeat",
-        "Register, other tokens for a cached page"}, rep.table()
+        "Register, other tokens for a cached page", "Take, a page no key names"}, rep.table()
     # the one vLLM stops: cache_full_blocks asserts on a block cached already
     for kind in ("Register, a repeat", "Register, other tokens for a cached page"):
         assert "raised AssertionError" in rep.findings[kind][1].got
