@@ -8,6 +8,7 @@ from kvref import _moved
 from kvref.core.allocator import PageAllocator
 from kvref.core.cache import KVCache
 from kvref.core.config import KVConfig, KVLayout, KVReqConfig, KVSpec, RetentionPolicy
+from kvref.core.groups import AttentionGroup, groups_for
 from kvref.core.errors import (
     AsymmetricStateError,
     ForkCopyError,
@@ -104,6 +105,7 @@ __all__ = [
     "AdmitRuntimeError",
     "AllocationFailed",
     "AsymmetricStateError",
+    "AttentionGroup",
     "AttentionResource",
     "BucketKey",
     "CGSlotSpec",
@@ -180,6 +182,7 @@ __all__ = [
     "build_paged_indptrs",
     "default_runtime",
     "group_by_plan_label",
+    "groups_for",
     "set_default_runtime",
 ]
 
