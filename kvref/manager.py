@@ -323,9 +323,11 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         past them lands in the stream's own pages. Creates the stream if the
         request lacks it, hit or not, as an admit naming it would (R58). 0
         with the cache off.
-        Raises, changing nothing: `InvalidArgumentError` for a stream that is
-        not empty or ids that are not 64-bit integers (a bool, a bool array or
-        tensor included: a mask passed as ids); `StepInFlightError`
+        Raises, changing nothing: `InvalidArgumentError` for ids that are not
+        a sequence of ids (None, a generator or other iterator, an int, a
+        ``str``), or not 64-bit integers (a bool, a bool array or tensor
+        included: a mask passed as ids), and for a stream that is not
+        empty; `StepInFlightError`
         while a step names the stream; `StreamUnavailableError` while it is
         offloaded or receiving a retrieve; `PublishLeasedError` while the
         request's publication is leased; `UnknownRequestError`.
@@ -354,7 +356,8 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         `InvalidArgumentError` for ids past the committed tokens, a ``start``
         that is not a page boundary at or before the keyed pages' end, or ids
         that disagree with those named before for a keyed page, or that are
-        not 64-bit integers (a bool, a bool array or tensor included);
+        not a sequence of 64-bit integers (None, an iterator, an int, a
+        ``str``; a bool, a bool array or tensor included);
         `StreamUnavailableError` while offloaded or receiving a retrieve;
         `StepInFlightError` while a fork of an admitted step (preplanned, or
         running and not yet run) will still write into it (R57, S32);
@@ -418,7 +421,9 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
 
         Raises as `cache_prefix` does, changing nothing (ids that disagree
         with the stream's keyed pages included), and `InvalidArgumentError`
-        for ``token_ids`` that is not a sequence.
+        for ``token_ids`` that is not a sequence (None, an iterator, an int,
+        a ``str``, an array or tensor: the engine's list is read again at
+        every commit).
         """
         with self._keyable(rid, label, "follow_tokens"):
             return follow.follow_tokens(self._table, rid, label, token_ids)

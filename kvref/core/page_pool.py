@@ -447,6 +447,7 @@ class PagePool:
         arguments (`page_keys.iter_page_keys` over a chain), not hashed
         again."""
         self._check_page(page, PageRegisterError)
+        page_keys.check_ids(tokens)  # before its length is read
         if len(tokens) != self.page_size:
             raise PageRegisterError(f"page {page}: {len(tokens)} tokens; only a full page "
                                     f"({self.page_size}) is registered")
@@ -784,6 +785,8 @@ class PagePool:
 
     def _hits(self, tokens: Tokens, extras: ExtraKeys, encoded: bytes | None = None
               ) -> tuple[list[int], list[PageKey]]:
+        if encoded is None:  # else `token_bytes` checked them
+            page_keys.check_ids(tokens)  # before its length is read
         return page_keys.cached_head(self._index, tokens, self.page_size, extras,
                                      pages=self._cacheable_pages(len(tokens)),
                                      encoded=encoded)
