@@ -511,10 +511,13 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
     def observe(self) -> observation.KVObservation:
         """A read-only snapshot of the manager's state (`kvref.observation.KVObservation`).
 
-        Every stream (length, page table, generation, in-flight mark, offload
-        and retrieve state, tokens a window released), every device page (its
-        holders, its prefix-cache key, held / free-cached / free-blank), the
-        offloads open, the leases held and the host pool's copies. Taken under
+        Every stream (length, position, page table, generation, in-flight
+        mark, offload and retrieve state, tokens a window released, the ids
+        its keyed pages were keyed with), every request's cache salt and
+        extra keys, every device page (its holders, its prefix-cache key,
+        held / free-cached / free-blank), the staged preplan and the lengths
+        it was planned against, the offloads open, the leases held and the
+        host pool's copies. Taken under
         the manager's lock, so it is one consistent state; frozen, and sharing
         no mutable object with the manager, so later calls do not change it.
         Costs a walk of every stream and page: for checks and debugging, not
@@ -522,7 +525,20 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         call that reads the leases does).
         """
         with self._lock:
-            return observation.take(self._table, self._pages, self._offloads, self._cpu_pool)
+            return observation.take(self._table, self._pages, self._offloads, self._cpu_pool,
+                                    self._stepping.preplan)
+
+    def check(self) -> list[str]:
+        """What is wrong with the device page pool's own structures, one line
+        each; empty when they are consistent (a correct manager: always).
+
+        What `observe` cannot show: each page held, free-cached or free-blank
+        exactly once, the LRU list against its count, and the prefix cache's
+        key index against the pages' keys (`PagePool.sanity_check`, which
+        raises instead). With `observe`, all a check from outside needs.
+        Changes nothing; walks every page, so for checks, not every step.
+        """
+        return self._pages.problems()
 
     @property
     def num_free_pages(self) -> int:

@@ -555,6 +555,14 @@ class PagePool:
 
     def sanity_check(self) -> None:
         """Raise `PagePoolCorruptedError` naming every broken part of the invariant."""
+        bad = self.problems()
+        if bad:
+            raise PagePoolCorruptedError("; ".join(bad))
+
+    def problems(self) -> list[str]:
+        """Every broken part of the pool's invariant, one line each (empty:
+        consistent): each page held, cached or blank exactly once, the LRU
+        list and its count, the key index against the pages' keys."""
         with self._lock:
             bad: list[str] = []
             lru = list(self._lru)
@@ -581,8 +589,7 @@ class PagePool:
                     if self._key[p] is not None]
             bad += [f"the index names page {p} for a key it does not have"
                     for k, p in self._index.items() if self._key[p] != k]
-            if bad:
-                raise PagePoolCorruptedError("; ".join(bad))
+            return bad
 
     # ------------------------------------------------------------ internals
 
