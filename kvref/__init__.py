@@ -8,7 +8,6 @@ from kvref import _moved
 from kvref.core.allocator import PageAllocator
 from kvref.core.cache import KVCache
 from kvref.core.config import KVConfig, KVLayout, KVReqConfig, KVSpec, RetentionPolicy
-from kvref.core.groups import AttentionGroup, groups_for
 from kvref.core.errors import (
     AsymmetricStateError,
     ForkCopyError,
@@ -30,6 +29,7 @@ from kvref.core.errors import (
     UnknownRequestError,
     WindowUnsupportedError,
 )
+from kvref.core.groups import AttentionGroup, groups_for
 from kvref.core.page_pool import ResetRefused
 from kvref.core.resource import (
     AttentionResource,
@@ -48,6 +48,8 @@ from kvref.observation import (
     OffloadState,
     PageObservation,
     PageState,
+    PreplanObservation,
+    RequestConfigObservation,
     RetrieveState,
     StreamObservation,
 )
@@ -143,6 +145,7 @@ __all__ = [
     "PageObservation",
     "PageState",
     "PagedIndptrs",
+    "PreplanObservation",
     "PreplanPendingError",
     "PreplanRefused",
     "PreplanStale",
@@ -156,6 +159,7 @@ __all__ = [
     "ReloadCopyError",
     "ReloadOutcome",
     "ReloadReason",
+    "RequestConfigObservation",
     "RequestOffloading",
     "ResetRefused",
     "Resource",

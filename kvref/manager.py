@@ -342,9 +342,11 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         past them lands in the stream's own pages. Creates the stream if the
         request lacks it, hit or not, as an admit naming it would (R58). 0
         with the cache off.
-        Raises, changing nothing: `InvalidArgumentError` for a stream that is
-        not empty or ids that are not 64-bit integers (a bool, a bool array or
-        tensor included: a mask passed as ids); `StepInFlightError`
+        Raises, changing nothing: `InvalidArgumentError` for ids that are not
+        a sequence of ids (None, a generator or other iterator, an int, a
+        ``str``), or not 64-bit integers (a bool, a bool array or tensor
+        included: a mask passed as ids), and for a stream that is not
+        empty; `StepInFlightError`
         while a step names the stream; `StreamUnavailableError` while it is
         offloaded or receiving a retrieve; `PublishLeasedError` while the
         request's publication is leased; `UnknownRequestError`.
@@ -377,7 +379,8 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         `InvalidArgumentError` for ids past the committed tokens, a ``start``
         that is not a page boundary at or before the keyed pages' end, or ids
         that disagree with those named before for a keyed page, or that are
-        not 64-bit integers (a bool, a bool array or tensor included);
+        not a sequence of 64-bit integers (None, an iterator, an int, a
+        ``str``; a bool, a bool array or tensor included);
         `StreamUnavailableError` while offloaded or receiving a retrieve;
         `StepInFlightError` while a fork of an admitted step (preplanned, or
         running and not yet run) will still write into it (R57, S32);
@@ -465,7 +468,9 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
 
         Raises as `cache_prefix` does, changing nothing (ids that disagree
         with the stream's keyed pages included), and `InvalidArgumentError`
-        for ``token_ids`` that is not a sequence.
+        for ``token_ids`` that is not a sequence (None, an iterator, an int,
+        a ``str``, an array or tensor: the engine's list is read again at
+        every commit).
         """
         with self._keyable(rid, label, "follow_tokens"):
             # the groups' streams agree (H1): a refusal is the first group's,
@@ -560,10 +565,13 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
     def observe(self) -> observation.KVObservation:
         """A read-only snapshot of the manager's state (`kvref.observation.KVObservation`).
 
-        Every stream (length, page table, generation, in-flight mark, offload
-        and retrieve state, tokens a window released), every device page (its
-        holders, its prefix-cache key, held / free-cached / free-blank), the
-        offloads open, the leases held and the host pool's copies. Taken under
+        Every stream (length, position, page table, generation, in-flight
+        mark, offload and retrieve state, tokens a window released, the ids
+        its keyed pages were keyed with), every request's cache salt and
+        extra keys, every device page (its holders, its prefix-cache key,
+        held / free-cached / free-blank), the staged preplan and the lengths
+        it was planned against, the offloads open, the leases held and the
+        host pool's copies. Taken under
         the manager's lock, so it is one consistent state; frozen, and sharing
         no mutable object with the manager, so later calls do not change it.
         Costs a walk of every stream and page: for checks and debugging, not
@@ -571,7 +579,20 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         call that reads the leases does).
         """
         with self._lock:
-            return observation.take(self._table, self._pages, self._offloads, self._cpu_pool)
+            return observation.take(self._table, self._pages, self._offloads, self._cpu_pool,
+                                    self._stepping.preplan)
+
+    def check(self) -> list[str]:
+        """What is wrong with the device page pool's own structures, one line
+        each; empty when they are consistent (a correct manager: always).
+
+        What `observe` cannot show: each page held, free-cached or free-blank
+        exactly once, the LRU list against its count, and the prefix cache's
+        key index against the pages' keys (`PagePool.sanity_check`, which
+        raises instead). With `observe`, all a check from outside needs.
+        Changes nothing; walks every page, so for checks, not every step.
+        """
+        return self._pages.problems()
 
     @property
     def num_free_pages(self) -> int:

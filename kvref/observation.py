@@ -1,11 +1,14 @@
 """`KVManager.observe`: a read-only, immutable snapshot of a manager's state.
 
 What a conformance harness, a debugger or an engine's metrics need to see,
-without reaching into the manager: every stream (length, page table,
-generation, in-flight mark, offload and retrieve state, what a window
-released), every device page (its holders, its prefix-cache key, whether it
-is held, free-cached or free-blank), the offloads open, the publications
-leased and the host pool's copies.
+without reaching into the manager: every stream (length, position, page
+table, generation, in-flight mark, offload and retrieve state, what a window
+released, the ids its keyed pages were keyed with), every request's cache
+config (salt and extra keys), every device page (its holders, its
+prefix-cache key, whether it is held, free-cached or free-blank), the staged
+preplan and what it was planned against, the offloads open, the
+publications leased and the host pool's copies. The pool's own consistency
+(its key index, LRU and blank queue) is `KVManager.check`'s.
 
 The snapshot is taken under the manager's lock, so it is one consistent
 state, and it is built of frozen dataclasses, tuples, frozensets and
@@ -16,12 +19,15 @@ taken, and nothing done to a snapshot changes the manager.
 
 from __future__ import annotations
 
+import array
 import enum
+import sys
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from kvref.core.steps import Segment
 from kvref.core.streams import OffloadState as OffloadState
 from kvref.core.streams import RetrieveState as RetrieveState
 
@@ -31,6 +37,7 @@ if TYPE_CHECKING:
     from kvref.core.streams import CacheStream
     from kvref.offload.handle import Offload
     from kvref.offload.host_pool import CPUPagePool
+    from kvref.stepping.running_step import StagedPreplan
 
 
 class PageState(enum.Enum):
@@ -62,6 +69,50 @@ class StreamObservation:
     received: bool  # filled by a retrieve (a peer's KV: never cached, R55)
     keyed_pages: int  # its first pages the prefix cache keys (`cached_tokens` / page size)
     followed: bool = False  # its commits key the pages they fill (`follow_tokens`, S33)
+    # the next token's absolute position (W4): ``stored_len`` in every state
+    # kvref reaches; a window's attention reads back from it
+    position: int = 0
+    # the ids the keyed pages were keyed with, ``keyed_pages * page_size`` of
+    # them, as hashed (signed 64-bit little-endian): what a later
+    # `cache_prefix` naming them otherwise is refused against. Bytes, so the
+    # snapshot copies them in one go; `keyed_ids` reads them as ints
+    key_tokens: bytes = b""
+
+    def keyed_ids(self) -> tuple[int, ...]:
+        """The ids of the keyed pages' tokens, in order (``key_tokens`` as ints)."""
+        ids = array.array("q", self.key_tokens)
+        if sys.byteorder != "little":
+            ids.byteswap()
+        return tuple(ids)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestConfigObservation:
+    """What a request's pages are keyed under (`KVReqConfig`, R58): pages
+    hit only between requests whose salt and extra keys are the same."""
+
+    cache_salt: str | None
+    extra_keys: tuple[tuple[str, str | bytes | int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PreplanObservation:
+    """The staged preplan (R41): a step admitted, and maybe planned, while
+    another runs, not yet promoted by the real plan."""
+
+    segments: tuple[Segment, ...]  # as admitted
+    padded: tuple[str, ...]  # the admit's padded request ids: what its forks apply to
+    pre_forks: tuple[tuple[str, str], ...]
+    post_forks: tuple[tuple[str, str], ...]
+    commit: bool
+    planned: bool  # its preplan pass planned it (page tables staged)
+    # what it was planned against: for the streams the running step names
+    # too, the length that step leaves once committed as admitted; a
+    # promotion finding another length is refused (R42)
+    basis: Mapping[tuple[str, str], int]
+    # for those of them whose label releases: the tokens released then (R67)
+    released: Mapping[tuple[str, str], int]
+    created: tuple[tuple[str, str], ...]  # streams its admit created (gone if cleared, I9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +178,10 @@ class KVObservation:
     offloads: Mapping[str, OffloadObservation]  # request id -> its open offload
     leases: frozenset[str]  # requests whose publication is leased now (R33)
     host: HostPoolObservation | None  # None without a host pool
+    # request id -> its cache config, for every request the manager keeps
+    # one for (each ingested and not removed; a removed one's is gone)
+    configs: Mapping[str, RequestConfigObservation]
+    preplan: PreplanObservation | None  # the staged preplan, if any
 
     def streams(self) -> tuple[StreamObservation, ...]:
         """Every stream, request by request."""
@@ -152,7 +207,7 @@ class KVObservation:
 
 
 def take(table: StreamTable, pool: PagePool, offloads: Mapping[str, Offload],
-         host: CPUPagePool | None) -> KVObservation:
+         host: CPUPagePool | None, preplan: StagedPreplan | None = None) -> KVObservation:
     """The snapshot; the caller holds the manager's lock (``table.lock``)."""
     def stream(rid: str, label: str, s: CacheStream) -> StreamObservation:
         # the stream's own named states: nothing rebuilt from flags here
@@ -161,7 +216,8 @@ def take(table: StreamTable, pool: PagePool, offloads: Mapping[str, Offload],
             pages=tuple(s.page_indices), generation=s.generation, released=s.released,
             in_flight=s.step_in_flight, offload=s.offload,
             retrieve=s.retrieve, received=s.received,
-            keyed_pages=len(s.keys), followed=s.follow is not None)
+            keyed_pages=len(s.keys), followed=s.follow is not None,
+            position=s.position, key_tokens=bytes(s.key_tokens))
 
     requests: dict[str, Mapping[str, StreamObservation]] = {}
     for rid, labels in table.streams.items():
@@ -186,4 +242,19 @@ def take(table: StreamTable, pool: PagePool, offloads: Mapping[str, Offload],
             for rid, off in offloads.items()}),
         leases=frozenset(table.leases.leased()),
         host=host.observe() if host is not None else None,
+        configs=MappingProxyType({
+            rid: RequestConfigObservation(cfg.cache_salt, tuple(cfg.extra_keys))
+            for rid, cfg in table.overrides.items()}),
+        preplan=_preplan(preplan) if preplan is not None else None,
     )
+
+
+def _preplan(p: StagedPreplan) -> PreplanObservation:
+    # the step as admitted (`shape_of`): the caller's lists may change after
+    segments, commit, pre_forks, post_forks, _ = p.shape
+    return PreplanObservation(
+        segments=segments, padded=tuple(p.ctx.padded_request_ids),
+        pre_forks=tuple((a, b) for a, b in pre_forks),
+        post_forks=tuple((a, b) for a, b in post_forks), commit=commit,
+        planned=p.outputs is not None, basis=MappingProxyType(dict(p.basis)),
+        released=MappingProxyType(dict(p.released)), created=tuple(p.created))

@@ -103,8 +103,50 @@ def _encode_extras(extras: ExtraKeys) -> bytes:
     return b"".join(out)
 
 
+# the usual ids, passed by one type check (`check_ids` runs on every
+# `cache_prefix` of a decode step)
+_ID_LISTS = frozenset({list, tuple})
+
+
+def check_ids(tokens: object, *, arrays: bool = True) -> None:
+    """Raise `InvalidArgumentError` naming what ``tokens`` is unless it is a
+    sequence of ids that can be read more than once and has a length: a
+    list, a tuple, any other `Sequence` but a ``str`` or ``bytes``, and
+    where ``arrays``, a 1-D numpy array or torch tensor. Whether the items
+    are 64-bit integers is `token_bytes`' business. Every call that takes
+    token ids checks them here, so None, an iterator or a bare int is a
+    typed misuse, not a ``TypeError`` from ``len``, and is found before
+    anything is touched."""
+    if type(tokens) in _ID_LISTS:
+        return
+    if arrays and isinstance(tokens, np.ndarray):
+        return  # its dtype and shape: `token_bytes`
+    if arrays and _is_tensor(tokens):
+        ndim = getattr(tokens, "ndim", None)
+        if ndim != 1:
+            raise InvalidArgumentError(f"token_ids must be a 1-D tensor of ids, got a tensor "
+                                       f"of {ndim} dimensions")
+        return
+    if isinstance(tokens, str | bytes | bytearray) or not isinstance(tokens, Sequence):
+        what = "None" if tokens is None else type(tokens).__name__
+        if isinstance(tokens, Iterator):
+            # a generator would be read once by the length and again by the hash
+            what += " (an iterator: pass the ids as a list)"
+        kinds = ("a list, a tuple, a 1-D integer array or tensor" if arrays
+                 else "a list (or another sequence) the engine extends")
+        raise InvalidArgumentError(f"token_ids must be a sequence of ids ({kinds}), got "
+                                   f"{what}")
+
+
+def _is_tensor(tokens: object) -> bool:
+    # by its module, so this module needs no torch; a Parameter is one too
+    return type(tokens).__module__.split(".", 1)[0] == "torch"
+
+
 def token_bytes(tokens: Tokens) -> bytes:
-    """Token ids as signed 64-bit little-endian integers, back to back."""
+    """Token ids as signed 64-bit little-endian integers, back to back;
+    `InvalidArgumentError` for anything else (`check_ids`)."""
+    check_ids(tokens)
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise InvalidArgumentError(
@@ -200,6 +242,7 @@ def _chain_setup(tokens: Tokens, page_size: int, extras: ExtraKeys,
     length, and the first page's parent field."""
     if page_size <= 0:
         raise InvalidArgumentError(f"page_size must be positive, got {page_size}")
+    check_ids(tokens)  # before its length is read
     n = len(tokens) // page_size
     if pages is not None:
         n = min(n, max(pages, 0))

@@ -463,6 +463,7 @@ class PagePool:
         arguments (`page_keys.iter_page_keys` over a chain), not hashed
         again."""
         self._check_page(page, PageRegisterError)
+        page_keys.check_ids(tokens)  # before its length is read
         if len(tokens) != self.page_size:
             raise PageRegisterError(f"page {page}: {len(tokens)} tokens; only a full page "
                                     f"({self.page_size}) is registered")
@@ -570,6 +571,14 @@ class PagePool:
 
     def sanity_check(self) -> None:
         """Raise `PagePoolCorruptedError` naming every broken part of the invariant."""
+        bad = self.problems()
+        if bad:
+            raise PagePoolCorruptedError("; ".join(bad))
+
+    def problems(self) -> list[str]:
+        """Every broken part of the pool's invariant, one line each (empty:
+        consistent): each page held, cached or blank exactly once, the LRU
+        list and its count, the key index against the pages' keys."""
         with self._lock:
             bad: list[str] = []
             lru = list(self._lru)
@@ -596,8 +605,7 @@ class PagePool:
                     if self._key[p] is not None]
             bad += [f"the index names page {p} for a key it does not have"
                     for k, p in self._index.items() if self._key[p] != k]
-            if bad:
-                raise PagePoolCorruptedError("; ".join(bad))
+            return bad
 
     # ------------------------------------------------------------ internals
 
@@ -800,6 +808,8 @@ class PagePool:
 
     def _hits(self, tokens: Tokens, extras: ExtraKeys, encoded: bytes | None = None
               ) -> tuple[list[int], list[PageKey]]:
+        if encoded is None:  # else `token_bytes` checked them
+            page_keys.check_ids(tokens)  # before its length is read
         return page_keys.cached_head(self._index, tokens, self.page_size, extras,
                                      pages=self._cacheable_pages(len(tokens)),
                                      encoded=encoded)

@@ -75,11 +75,21 @@ def _settled(stream: CacheStream, rid: str, label: str, call: str) -> None:
                                      "to)", request_id=rid, label=label)
 
 
+def encoded_ids(tokens: Tokens, rid: str, label: str, call: str) -> bytes:
+    """`prefix_hash.token_bytes` of a call's ids, a misuse of them raised
+    naming the call, the request and the label."""
+    try:
+        return prefix_hash.token_bytes(tokens)
+    except InvalidArgumentError as err:
+        raise InvalidArgumentError(f"{call}: {err}", request_id=rid, label=label) from None
+
+
 def match_prefix(table: StreamTable, rid: str, label: str, tokens: Tokens) -> int:
     """See `KVManager.match_prefix`."""
+    # encoded once: the check of every id, the hashes and the stream's
+    # record; ids that are not ids are refused first, as the API table says
+    raw = encoded_ids(tokens, rid, label, "match_prefix")
     streams = table.request(rid)
-    # encoded once: the check of every id, the hashes and the stream's record
-    raw = prefix_hash.token_bytes(tokens)
     stream = _matchable(table, streams, rid, label)
     table.leases.refuse(rid, "match_prefix")
     if stream is None:
@@ -110,8 +120,8 @@ def match_prefix_groups(table: StreamTable, rid: str, labels: Sequence[str],
     at ``h`` are, and its slots before them hold no page. The lookup goes
     past a gap: a later hit point stands where an earlier page was evicted.
     Every check of every group passes before any page is attached."""
+    raw = encoded_ids(tokens, rid, labels[0], "match_prefix")
     streams = table.request(rid)
-    raw = prefix_hash.token_bytes(tokens)
     found = [_matchable(table, streams, rid, lb) for lb in labels]
     table.leases.refuse(rid, "match_prefix")
     for lb, stream in zip(labels, found, strict=True):
@@ -395,7 +405,7 @@ def _checked(table: StreamTable, rid: str, label: str, tokens: Tokens, start: in
         raise InvalidArgumentError(f"cache_prefix start={start!r}: a whole number of pages "
                                    f"(a multiple of {ps}) at or after 0",
                                    request_id=rid, label=label)
-    raw = prefix_hash.token_bytes(tokens)
+    raw = encoded_ids(tokens, rid, label, "cache_prefix")
     end = start + len(raw) // 8
     _settled(stream, rid, label, "cache_prefix")
     if end > stream.stored_len:

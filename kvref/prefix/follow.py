@@ -38,10 +38,12 @@ logger = logging.getLogger(__name__)
 def follow_tokens(table: StreamTable, rid: str, label: str, ids: Sequence[int]) -> int:
     """See `KVManager.follow_tokens`: the `cache_prefix` of the committed ids
     now (its checks and refusals), then commits key from ``ids``."""
-    if isinstance(ids, str | bytes | bytearray) or not isinstance(ids, Sequence):
-        raise InvalidArgumentError(
-            f"follow_tokens takes the engine's sequence of token ids (a list it extends), "
-            f"got {type(ids).__name__}", request_id=rid, label=label)
+    try:
+        # the engine's own list, read again at every commit: no array
+        prefix_hash.check_ids(ids, arrays=False)
+    except InvalidArgumentError as err:
+        raise InvalidArgumentError(f"follow_tokens: {err}", request_id=rid,
+                                   label=label) from None
     stream = table.stream(rid, label)
     n = prefix_cache.cache_prefix(table, rid, label, ids[:stream.stored_len])
     if table.sharing.caches(table.behaviour(label)):

@@ -8,6 +8,7 @@ from kvref.core.page_keys import (
     ExtraValue,
     PageKey,
     Tokens,
+    check_ids,
     encode_extras,
     iter_page_keys,
     next_page_key,
@@ -17,6 +18,6 @@ from kvref.core.page_keys import (
 )
 
 __all__ = [
-    "DIGEST_SIZE", "ExtraKeys", "ExtraValue", "PageKey", "Tokens", "encode_extras",
+    "DIGEST_SIZE", "ExtraKeys", "ExtraValue", "PageKey", "Tokens", "check_ids", "encode_extras",
     "iter_page_keys", "next_page_key", "page_key", "page_keys", "token_bytes",
 ]

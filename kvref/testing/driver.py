@@ -59,7 +59,7 @@ from kvref import (
     StepContext,
     TransferEngineInfo,
 )
-from kvref.testing import plan_oracle
+from kvref.testing import observed_state, plan_oracle
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.testing.page_checks import check_device_pages
 from kvref_model import core as m
@@ -112,6 +112,7 @@ class ManagerUnderTest(Protocol):
     @property
     def num_free_pages(self) -> int: ...
     def observe(self) -> KVObservation: ...
+    def check(self) -> list[str]: ...
 
 
 ManagerFactory = Callable[..., ManagerUnderTest]
@@ -794,6 +795,18 @@ class Driver:
                 return (f"W17: r{rid}/{name} published released={info.released} pages "
                         f"{info.page_indices}; the model released {want}, kvref holds {held}")
         return None
+
+    def check_observed(self, model_state: m.State, seen: KVObservation | None = None) -> None:
+        """What the model knows beyond streams and pages, on the observation:
+        the staged preplan and its basis, request configs, positions and
+        keyed ids (`kvref.testing.observed_state`)."""
+        seen = seen if seen is not None else self.observe()
+        salts = dict(enumerate(self.scope.salts))
+        observed_state.check_positions(seen)
+        observed_state.check_configs(model_state, seen, salts)
+        observed_state.check_staged(model_state, seen)
+        if self.scope.sharing:
+            observed_state.check_keyed_ids(model_state, seen, self.scope.page_size)
 
     def check_pages(self, seen: KVObservation | None = None) -> None:
         """I1 and I2 on page ids: every page exactly once in free list, sink or a stream."""

@@ -71,6 +71,7 @@ def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig) -> 
         if wrong is not None:
             raise Mismatch(f"step {i} {a}: {wrong}")
         d.check_pages(seen)
+        d.check_observed(s, seen)
         d.check_page_map(s, seen)
         d.check_host_lengths(s, seen)
         d.check_bytes(s)

@@ -819,6 +819,7 @@ class Lockstep(RuleBasedStateMachine):
         got = self.driver.abstract(self.state, seen)
         assert got == m.project(self.state), f"kvref state\n  {got}\nmodel state\n  {self.state}"
         self.driver.check_pages(seen)
+        self.driver.check_observed(self.state, seen)
         self.driver.check_page_map(self.state, seen)
         self.driver.check_host_lengths(self.state, seen)
         self.driver.check_bytes(self.state)

@@ -21,11 +21,13 @@ from kvref import SINK_PAGE, KVObservation
 
 
 class Observed(Protocol):
-    """A manager the check can read: `KVManager.observe` and its free count."""
+    """A manager the check can read: `KVManager.observe`, its free count, and
+    `KVManager.check`, the pool's own structures observe does not show."""
 
     @property
     def num_free_pages(self) -> int: ...
     def observe(self) -> KVObservation: ...
+    def check(self) -> list[str]: ...
 
 
 def check_pool(seen: KVObservation) -> None:
@@ -57,6 +59,9 @@ def check_device_pages(kv: Observed, seen: KVObservation | None = None) -> None:
     thread inside the manager; ``seen``: its observation, if already taken."""
     seen = seen if seen is not None else kv.observe()
     check_pool(seen)
+    # the key index, the LRU list's count, holder sets: the manager's own check
+    broken = kv.check()
+    assert not broken, "page pool (KVManager.check): " + "; ".join(broken)
     named: dict[int, set[tuple[str, str]]] = defaultdict(set)
     ps = seen.page_size
     for s in seen.streams():

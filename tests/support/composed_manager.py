@@ -138,6 +138,9 @@ class ComposedManager:
     def observe(self) -> KVObservation:
         return self._inner.observe()
 
+    def check(self) -> list[str]:
+        return self._inner.check()
+
 
 def make_manager(**kwargs: Any) -> ComposedManager:
     return ComposedManager(**kwargs)

@@ -353,6 +353,7 @@ class Linearizer:
             raise AssertionError(f"kvref state\n  {got}\nmodel state\n  {self.state}\n"
                                  + self.render())
         d.check_pages()
+        d.check_observed(self.state)  # preplan, configs, positions, keyed ids
         # page ids by structure: holders and keys (sharing on), released slots
         d.check_page_map(self.state)
         d.check_host_lengths(self.state)

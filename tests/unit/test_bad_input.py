@@ -378,3 +378,94 @@ def test_config_made_invalid_before_build_is_refused() -> None:
     cfg.page_size = 2.5  # type: ignore[assignment]
     with pytest.raises(InvalidConfigError, match="page_size"):
         KVManager(cfg, "kv", None, TransferEngineInfo(), "cpu", dtype=torch.float32)
+
+
+# -- token ids that are not a sequence of ids (issue 44) ----------------------------------
+
+
+def _ids_gen() -> Iterator[int]:
+    yield from range(8)
+
+
+# (id, ids, what the message must name besides "token_ids")
+BAD_IDS: list[tuple[str, Callable[[], object], str]] = [
+    ("none", lambda: None, "None"),
+    ("generator", _ids_gen, "generator"),
+    ("iterator", lambda: iter(range(8)), "iterator"),
+    ("int", lambda: 7, "int"),
+    ("str", lambda: "01234567", "str"),
+    ("bytes", lambda: bytes(range(8)), "bytes"),
+    ("set", lambda: set(range(8)), "set"),
+    ("dict", lambda: dict.fromkeys(range(8)), "dict"),
+    # follow_tokens takes no tensor at all (it reads the engine's growing list)
+    ("tensor-0d", lambda: torch.tensor(3), "tensor"),
+    ("tensor-2d", lambda: torch.arange(8).reshape(2, 4), "tensor"),
+]
+
+# every public call that takes token ids; "a" holds 8 committed tokens (two
+# pages, one keyed), "b" is empty, and ids are always the third argument
+IDS_CALLS: list[tuple[str, Callable[[KVManager, object], Any]]] = [
+    ("match_prefix", lambda m, ids: m.match_prefix("b", "main", ids)),  # type: ignore[arg-type]
+    ("match_prefix-new-label", lambda m, ids: m.match_prefix("b", "new", ids)),  # type: ignore[arg-type]
+    ("cache_prefix", lambda m, ids: m.cache_prefix("a", "main", ids)),  # type: ignore[arg-type]
+    ("cache_prefix-start", lambda m, ids: m.cache_prefix("a", "main", ids, 4)),  # type: ignore[arg-type]
+    ("cache_prefixes", lambda m, ids: m.cache_prefixes([("a", "main", ids, 0)])),  # type: ignore[list-item]
+    ("cache_prefixes-second", lambda m, ids: m.cache_prefixes(
+        [("b", "main", [], 0), ("a", "main", ids, 4)])),  # type: ignore[list-item]
+    ("follow_tokens", lambda m, ids: m.follow_tokens("a", ids)),  # type: ignore[arg-type]
+]
+
+
+@pytest.fixture
+def keyed() -> Iterator[KVManager]:
+    mgr = make_manager(pages=16, page_size=4)
+    drv = Driver(mgr)
+    drv.ingest("a", "b")
+    fill(drv, "a", 8)
+    assert mgr.cache_prefix("a", "main", list(range(4))) == 1
+    yield mgr
+    mgr.cleanup()
+
+
+@pytest.mark.parametrize(("make_ids", "names"), [b[1:] for b in BAD_IDS],
+                         ids=[b[0] for b in BAD_IDS])
+@pytest.mark.parametrize("call", [c[1] for c in IDS_CALLS], ids=[c[0] for c in IDS_CALLS])
+def test_ids_that_are_not_ids_are_typed_and_change_nothing(
+        keyed: KVManager, call: Callable[[KVManager, object], Any],
+        make_ids: Callable[[], object], names: str) -> None:
+    """None, an iterator, an int, a str: `InvalidArgumentError` naming
+    ``token_ids`` and what was given, the request and the label, never a bare
+    `TypeError` from ``len``; the observation before and after is one."""
+    before = keyed.observe()
+    with pytest.raises(KVRefError) as info:
+        call(keyed, make_ids())
+    assert type(info.value) is InvalidArgumentError, f"{type(info.value).__name__}: {info.value}"
+    message = str(info.value)
+    assert "token_ids" in message and names.lower() in message.lower(), message
+    assert info.value.request_id in ("a", "b") and info.value.label is not None, message
+    assert keyed.observe() == before
+    # and the manager goes on: the same call with a list of ids is taken
+    call(keyed, list(range(8)) if "follow" in message else list(range(4)))
+
+
+@pytest.mark.parametrize(("make_ids", "names"), [b[1:] for b in BAD_IDS],
+                         ids=[b[0] for b in BAD_IDS])
+def test_the_building_blocks_refuse_them_too(make_ids: Callable[[], object],
+                                             names: str) -> None:
+    """The keys and the page pool an engine may use alone check ids as the
+    manager's calls do."""
+    from kvref.core.page_pool import PagePool
+    from kvref.prefix import keys
+
+    pool = PagePool(8, 4, reserved=1)
+    page = pool.allocate("o", 1)[0]
+    calls: list[Callable[[object], object]] = [
+        keys.token_bytes, lambda t: keys.page_key(None, t), lambda t: keys.page_keys(t, 4),
+        lambda t: list(keys.iter_page_keys(t, 4)), pool.lookup, lambda t: pool.match("x", t),
+        lambda t: pool.register(page, None, t),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidArgumentError, match="token_ids") as info:
+            call(make_ids())  # type: ignore[arg-type]
+        assert names.lower() in str(info.value).lower()
+    assert pool.num_free == 6 and not pool.lookup(list(range(8))).pages

@@ -81,8 +81,9 @@ def immutable_parts(x: Any, seen: set[int]) -> list[str]:
 
 def test_the_snapshot_types_are_frozen() -> None:
     types = [obj for obj in vars(observation).values()
-             if isinstance(obj, type) and dataclasses.is_dataclass(obj)]
-    assert len(types) == 6, types
+             if isinstance(obj, type) and dataclasses.is_dataclass(obj)
+             and obj.__module__ == observation.__name__]
+    assert len(types) == 8, types
     for t in types:
         assert t.__dataclass_params__.frozen, t  # type: ignore[attr-defined]
     kv = manager()
@@ -235,3 +236,97 @@ def test_retrieve_states() -> None:
     rt.complete(task.future, ok=False)
     assert dst.observe().stream("x").retrieve is RetrieveState.FAILED
     assert isinstance(dst.observe(), KVObservation)
+
+
+# -- what a harness or a probe outside used to read privately (issue 44, item 4) ----------
+
+
+def test_request_configs_are_observed_and_go_with_the_request() -> None:
+    from kvref import KVReqConfig, RequestConfigObservation
+
+    kv = manager()
+    kv.ingest_request("t", KVReqConfig(cache_salt="tenant-1",
+                                       extra_keys=(("lora", "x"), ("mm", b"\x01"))))
+    kv.ingest_request("u")
+    seen = kv.observe()
+    assert dict(seen.configs) == {
+        "t": RequestConfigObservation("tenant-1", (("lora", "x"), ("mm", b"\x01"))),
+        "u": RequestConfigObservation(None, ())}
+    kv.remove_request("t")
+    assert set(kv.observe().configs) == {"u"}  # a removed request's config is gone
+    kv.ingest_request("t", KVReqConfig(cache_salt="tenant-2"))
+    assert kv.observe().configs["t"] == RequestConfigObservation("tenant-2", ())
+    assert seen.configs["t"].cache_salt == "tenant-1"  # the old snapshot stays
+
+
+def test_positions_and_the_ids_keyed_pages_were_keyed_with() -> None:
+    kv = manager()
+    busy(kv)
+    seen = kv.observe()
+    for s in seen.streams():
+        assert s.position == s.stored_len  # W4
+        assert len(s.keyed_ids()) == s.keyed_pages * PS
+    # a keyed its first two pages, b found them: both keyed with ids 0..7
+    assert seen.stream("a").keyed_ids() == seen.stream("b").keyed_ids() == tuple(range(8))
+    assert seen.stream("c").keyed_ids() == () and seen.stream("c").key_tokens == b""
+    # ids are signed 64-bit: read back as given
+    kv.ingest_request("n")
+    step(kv, "n", 4)
+    ids = [-5, 2**40, 0, 2**63 - 1]
+    assert kv.cache_prefix("n", "main", ids) == 1
+    assert kv.observe().stream("n").keyed_ids() == tuple(ids)
+    kv.truncate("n", "main", 2)  # the cut page's key goes, and its ids with it
+    cut = kv.observe().stream("n")
+    assert (cut.position, cut.keyed_pages, cut.keyed_ids()) == (2, 0, ())
+
+
+def test_the_staged_preplan_and_what_it_was_planned_against() -> None:
+    kv = manager()
+    kv.ingest_request("a")
+    step(kv, "a", 5)
+    running, ctx = KVStep([Segment("a", "main", 1)]), StepContext(["a"])
+    assert kv.admit(running, ctx).ok
+    kv.plan(running, ctx)
+    assert kv.observe().preplan is None
+    nxt = KVStep([Segment("a", "main", 1), Segment("a", "draft", 2)])
+    pre = StepContext(["a"], is_preplan=True)
+    assert kv.admit(nxt, pre).ok
+    staged = kv.observe().preplan
+    assert staged is not None and not staged.planned
+    assert staged.segments == (Segment("a", "main", 1), Segment("a", "draft", 2))
+    assert (staged.padded, staged.commit, staged.pre_forks, staged.post_forks) == (
+        ("a",), True, (), ())
+    # planned against main's length once the running step commits: 5 + 1
+    assert dict(staged.basis) == {("a", "main"): 6} and dict(staged.released) == {}
+    assert staged.created == (("a", "draft"),)
+    kv.plan(nxt, pre)
+    planned = kv.observe()
+    assert planned.preplan is not None and planned.preplan.planned
+    assert immutable_parts(planned, set()) == []
+    kv.commit(running, ctx)
+    kv.plan(nxt, StepContext(["a"]))  # promoted: staged no more
+    assert kv.observe().preplan is None
+    assert not staged.planned  # the old snapshot stays as it was
+    kv.commit(nxt, StepContext(["a"]))
+    # a cleared preplan is gone too
+    assert kv.admit(running, ctx).ok
+    assert kv.admit(running, StepContext(["a"], is_preplan=True)).ok
+    assert kv.observe().preplan is not None
+    kv.clear_preplan()
+    assert kv.observe().preplan is None
+
+
+def test_check_names_what_is_wrong_with_the_pool() -> None:
+    kv = manager()
+    busy(kv)
+    assert kv.check() == []
+    check_device_pages(kv)
+    # break what observe() cannot show: the key index loses a page's entry
+    pool = kv._pages
+    key, page = next(iter(pool._index.items()))
+    del pool._index[key]
+    assert kv.check() == [f"page {page}'s key is not indexed to it"]
+    with pytest.raises(AssertionError, match=r"KVManager\.check"):
+        check_device_pages(kv)
+    pool._index[key] = page
+    assert kv.check() == []

@@ -1,0 +1,90 @@
+"""What the model knows of kvref beyond streams and pages, checked on what
+`KVManager.observe` shows (issue 44, item 4): the staged preplan and what it
+was planned against, each request's cache config, a stream's position and
+the ids its keyed pages were keyed with. Read through the observation only,
+so a manager wrapped by composition is checked the same way.
+
+Each check takes the model's state after the same call and raises
+`AssertionError` naming what disagrees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvref import KVObservation
+from kvref_model import core as m
+
+
+def rid_name(rid: int) -> str:
+    return f"r{rid}"
+
+
+def key_name(key: m.Key) -> tuple[str, str]:
+    return rid_name(key[0]), m.LABEL_NAMES[key[1]]
+
+
+def check_positions(seen: KVObservation) -> None:
+    """W4: a stream's position is its length; its keyed ids cover exactly its
+    keyed pages (what a later `cache_prefix` is compared with)."""
+    ps = seen.page_size
+    for s in seen.streams():
+        where = f"{s.request_id}/{s.label}"
+        assert s.position == s.stored_len, (
+            f"W4: {where} at position {s.position}, holding {s.stored_len} tokens")
+        assert len(s.key_tokens) == 8 * ps * s.keyed_pages, (
+            f"{where}: {len(s.key_tokens) // 8} keyed ids for {s.keyed_pages} keyed pages")
+
+
+def check_keyed_ids(model_state: m.State, seen: KVObservation, page_size: int) -> None:
+    """The ids a stream's keyed pages were keyed with are the tokens the
+    model says it holds there (the harness's engine names each token by
+    its identity, `Driver.engine_ids`, and a hit attaches what it names)."""
+    for key, v in model_state.streams:
+        if not v.chain:
+            continue
+        rid, label = key_name(key)
+        got = seen.stream(rid, label).keyed_ids()
+        want = tuple(v.contents[:v.chain * page_size])
+        assert got == want, (
+            f"{rid}/{label}: its {v.chain} keyed pages were keyed with ids {got}, "
+            f"the model's tokens there are {want}")
+
+
+def check_configs(model_state: m.State, seen: KVObservation,
+                  salts: Mapping[int, str | None]) -> None:
+    """Every request the model has keeps the config it was ingested with,
+    and a removed request's is gone (a request id used again must not key
+    under the old one's salt or extra keys)."""
+    want = {rid_name(r): salts.get(r) for r in model_state.requests()}
+    got = {rid: c.cache_salt for rid, c in seen.configs.items()}
+    assert got == want, f"request configs (salts) {got}, the model's requests {want}"
+    extras = {rid: c.extra_keys for rid, c in seen.configs.items() if c.extra_keys}
+    assert not extras, f"extra keys no ingest gave: {extras}"
+
+
+def check_staged(model_state: m.State, seen: KVObservation) -> None:
+    """R41, R42: a preplan is staged exactly when the model has one, of the
+    same step, planned or not alike, built from the same lengths of the
+    streams the running step leaves."""
+    p, staged = seen.preplan, model_state.staged
+    assert (p is None) == (staged is None), (
+        f"kvref's staged preplan {p}, the model's {staged}")
+    if p is None or staged is None:
+        return
+    step = staged.step
+    want_segments = tuple((*key_name((g.rid, g.label)), g.span) for g in step.segments)
+    got_segments = tuple((g.request_id, g.label, g.span) for g in p.segments)
+    assert got_segments == want_segments, (
+        f"staged segments {got_segments}, the model's {want_segments}")
+    assert p.padded == tuple(rid_name(r) for r in step.padded), (p.padded, step.padded)
+    assert p.commit == step.commit, (p.commit, step.commit)
+    assert p.pre_forks == tuple((m.LABEL_NAMES[a], m.LABEL_NAMES[b]) for a, b in step.pre_forks)
+    assert p.post_forks == tuple(
+        (m.LABEL_NAMES[a], m.LABEL_NAMES[b]) for a, b in step.post_forks)
+    assert p.planned == (staged.phase != m.ADMITTED), (
+        f"staged preplan planned {p.planned}, the model's in phase {staged.phase}")
+    want_basis = {key_name(k): n for k, n in staged.basis}
+    assert dict(p.basis) == want_basis, (
+        f"R42: the preplan was planned against {dict(p.basis)}, the model's basis "
+        f"{want_basis}")
