@@ -1559,7 +1559,9 @@ class Model:
             k = (a.rid, label)
             if label in off.copied:
                 # the host copy remembers which full pages were keyed (S29)
-                keyed = self._keyed(pool, st[k])
+                # (not a window's: H5, its reload computes nothing again anyway
+                # past what its window reads, and shares nothing again)
+                keyed = () if self.scope.window(label) is not None else self._keyed(pool, st[k])
                 # only the pages whose last holder it was come free (R53); the
                 # released slots stay, so a reload takes retained ones only (W8)
                 n, pool = self._release(pool, k, st[k].table)
