@@ -166,8 +166,8 @@ class PrefixSharing:
         stream.keep_spare(kept)
 
     def remembered_keys(self, stream: CacheStream) -> tuple[PageKey | None, ...]:
-        # a windowed stream's pages are never keyed (W9): only a stream with
-        # no slot released has any
+        # a window's stream remembers none (H6; its caller asks only of a
+        # full-attention stream's): only a stream with no slot released has any
         if stream.released:
             return ()
         full = stream.page_indices[:stream.stored_len // self._page_size]

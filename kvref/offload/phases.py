@@ -224,7 +224,7 @@ class HostOffload:
                 stream = streams[label]
                 # the host copy remembers its pages' keys, read before they go
                 # (S29): a reload shares again those the cache still holds
-                self.pool.remember_keys(rid, label, self._keys_of(stream))
+                self.pool.remember_keys(rid, label, self._keys_of(label, stream))
                 # only pages whose last holder this was go free (R53)
                 freed += self.table.give_back((rid, label), stream.page_indices)
                 # the tokens are on the host: the length stays, the pages go
@@ -255,10 +255,12 @@ class HostOffload:
         if stream is not None:
             stream.abandon_offload()
 
-    def _keys_of(self, stream: CacheStream) -> tuple[PageKey | None, ...]:
+    def _keys_of(self, label: str, stream: CacheStream) -> tuple[PageKey | None, ...]:
         """The keys of the stream's full pages, one per host page (None where
-        a page is not keyed); () where nothing is (`PageSharing.remembered_keys`).
-        Under the lock."""
+        a page is not keyed); () where nothing is (`PageSharing.remembered_keys`),
+        and for a window's stream: its copy remembers none (H6). Under the lock."""
+        if self.table.behaviour(label).releases:
+            return ()
         return self.table.sharing.remembered_keys(stream)
 
     def _reattach(self, rid: str, labels: Sequence[str]) -> dict[str, dict[int, int]]:
