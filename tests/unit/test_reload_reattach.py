@@ -230,8 +230,8 @@ def _copies_back(self: HostOffload, rid: str, labels: Any) -> dict[str, dict[int
     return {}  # S29 undone: every page copied back private, as before issue 28
 
 
-def _shifted(self: HostOffload, stream: Any) -> tuple[bytes | None, ...]:
-    keys = _real_keys_of(self, stream)
+def _shifted(self: HostOffload, label: str, stream: Any) -> tuple[bytes | None, ...]:
+    keys = _real_keys_of(self, label, stream)
     return keys[1:] + keys[:1]  # each slot remembers its neighbour's key
 
 
