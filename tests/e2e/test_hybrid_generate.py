@@ -38,7 +38,7 @@ import torch
 from transformers import AttentionInterface, Gemma3ForCausalLM, Gemma3TextConfig
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvref.attention.paged import PagedAttention
+from kvref.attention.paged import Backend, PagedAttention
 from kvref.core.config import KVConfig, RetentionPolicy
 from kvref.core.groups import GROUP_SEP, AttentionGroup, groups_for
 from kvref.manager import KVManager
@@ -117,12 +117,14 @@ def hybrid_groups(model: Gemma3ForCausalLM) -> tuple[AttentionGroup, ...]:
     return groups_for([window if t == SLIDING else None for t in layer_types_of(model)])
 
 
-def make_manager(model: Gemma3ForCausalLM, page_size: int, pages: int = 256) -> KVManager:
+def make_manager(model: Gemma3ForCausalLM, page_size: int, pages: int = 256,
+                 host_pages: int = 0) -> KVManager:
     mc = model.config
     cfg = KVConfig(
         num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
         head_dim=mc.head_dim, max_seq_len=256, max_num_pages=pages, page_size=page_size,
         num_qo_heads=mc.num_attention_heads, groups=hybrid_groups(model),
+        cpu_offload_pages=host_pages,
     )
     return KVManager(cfg, "kv", None, TransferEngineInfo(), torch.device("cpu"), torch.float32)
 
@@ -209,6 +211,7 @@ class Engine:
     model: Gemma3ForCausalLM
     kv: KVManager
     chunk: int | None = None
+    backend: Backend = "torch"
     remove: bool = True  # remove a request once it finished (off: the test reads it first)
     steps: int = 0
     # the most pages a window group's stream held after a commit
@@ -225,7 +228,7 @@ class Engine:
         by_layer: dict[int, PagedAttention] = {}
         for g in self.groups:
             attn = PagedAttention.from_config(
-                self.kv.config, backend="torch", sm_scale=scaling,
+                self.kv.config, backend=self.backend, sm_scale=scaling,
                 window_left=-1 if g.retention is None else g.retention.window_left)
             by_layer.update(dict.fromkeys(g.layers, attn))
         return by_layer
@@ -429,9 +432,11 @@ def test_the_window_decides_the_tokens(model: Gemma3ForCausalLM) -> None:
     assert differs
 
 
-@pytest.mark.parametrize(("page_size", "chunk"), [(4, None), (2, 3)], ids=["ps4", "ps2-chunked"])
+@pytest.mark.parametrize(("page_size", "chunk", "backend"),
+                         [(4, None, "torch"), (2, 3, "sdpa")],
+                         ids=["ps4-torch", "ps2-chunked-sdpa"])
 def test_hybrid_generate_matches_transformers(
-    model: Gemma3ForCausalLM, page_size: int, chunk: int | None
+    model: Gemma3ForCausalLM, page_size: int, chunk: int | None, backend: Backend
 ) -> None:
     """(a) Prompts shorter and longer than the window, prefilled whole or in
     chunks beside other requests' decodes, generate what transformers does,
@@ -441,7 +446,7 @@ def test_hybrid_generate_matches_transformers(
     window = window_of(model)
     kv = make_manager(model, page_size)
     free = kv.num_free_pages
-    engine = Engine(model, kv, chunk, remove=False)
+    engine = Engine(model, kv, chunk, backend, remove=False)
     reqs = [Request(f"r{i}", p, 16 + i)
             for i, p in enumerate(prompts_of([5, 2 * window + 3, 1, window + 1]))]
     engine.run(reqs)
@@ -505,11 +510,13 @@ def test_fork_samples_match_transformers(model: Gemma3ForCausalLM) -> None:
     in, main forks onto a second sample in every group, copy on write, and
     both continue greedily, each from its own first token, beside another
     request. A forked sample keys its pages as its source does (in every
-    group): a later turn that re-sends the second sample's text hits it."""
+    group): a later turn that re-sends the second sample's text hits it,
+    sharing the pages the finished (still held) request holds."""
     window = window_of(model)
     ps = 2
     kv = make_manager(model, ps)
-    engine = Engine(model, kv, chunk=6)
+    free = kv.num_free_pages
+    engine = Engine(model, kv, chunk=6, remove=False)
     prompt = prompts_of([window + 9])[0]
     pair = Request("pair", prompt, 12, samples=2)
     solo = Request("solo", prompts_of([4], seed=5)[0], 14)
@@ -522,3 +529,30 @@ def test_fork_samples_match_transformers(model: Gemma3ForCausalLM) -> None:
     engine.run([again])
     assert again.hit == (len(prompt) + pair.new_tokens - 1) // ps * ps > window
     assert_sample_greedy(model, again)
+    for r in (pair, solo, again):
+        kv.remove_request(r.rid)
+    assert kv.num_free_pages == free
+
+
+def test_a_hit_request_offloads_and_reloads(model: Gemma3ForCausalLM) -> None:
+    """A request whose window groups' tables start past released slots
+    attached by a hit, preempted mid-decode (offload, every group) and
+    reloaded, goes on generating what transformers does."""
+    ps = 2
+    kv = make_manager(model, ps, host_pages=128)
+    engine = Engine(model, kv, chunk=5)
+    first = Request("turn1", prompts_of([11])[0], 12)
+    engine.run([first])
+    late = Request("turn2", first.prompt + first.out[MAIN] + prompts_of([6], seed=7)[0], 10)
+    by_layer = engine.attention()
+    with torch.no_grad(), attn_implementation(model, ATTN_NAME):
+        engine.arrive(late)
+        assert late.hit > window_of(model)
+        for _ in range(3):  # the prompt's rest, then a decode
+            engine.step([late], by_layer)
+        assert late.out and kv.offload(late.rid) > 0
+        assert kv.reload(late.rid)
+        while late.state != "done":
+            engine.step([late], by_layer)
+    assert_sample_greedy(model, late)
+    assert kv.num_free_pages == kv.config.max_num_pages - 1
