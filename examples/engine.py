@@ -54,15 +54,33 @@ whose window would reach into released tokens; the margin keeps
 ``draft_len`` tokens past the window, so a verify step that rejects every
 draft can always roll back (W15).
 
+A hybrid model (``--hybrid W``, ``Engine(..., sliding_window=W,
+hybrid=True)``): a Gemma 3 (the same shapes, RoPE bases per layer type,
+Gemma's query scale) whose layers alternate sliding-window attention (W)
+and full attention, as Gemma 2 and gpt-oss do (Gemma 3 runs 5:1). kvref
+serves it with attention groups, ``KVConfig.groups = groups_for(...)``: one
+group per attention type, a page holds one group's layers, and every group
+draws from the one pool. A label is one stream per group (``main`` for the
+full group, ``main@<group>`` for the window's), so ``plan`` returns a table
+per group; each layer attends with its group's table and window, and
+``write_kv``/``layer_view`` find its group and its slot in the group's pages
+by themselves. Every call on a label moves all its groups together: an admit
+reserves in both or neither, a fork, a truncate, an offload and a publish
+act on both. Prefix caching works here: a window group keys its pages as
+they fill, and a hit attaches what every group serves, the window group
+only the pages its window reads at the hit point. The pages a window
+passes go back blank, not cached (H1-H5 of specs/retention.md).
+
 The summary reports the prefix cache's hit rate (prompt tokens attached from
 the cache over all prompt tokens) and the pages saved: at the step where
 sharing saves most, the pages the step's page tables name, summed per stream
 (what they would hold without sharing), minus the pages the manager holds
 (``max_num_pages - 1 - num_free_pages``).
 
-Run it: ``python examples/engine.py``, or ``python examples/engine.py
---sliding-window 16`` for the windowed model. ``tests/e2e/test_example_engine.py``
-checks every sample's tokens against transformers' ``generate``, in both modes.
+Run it: ``python examples/engine.py``, ``python examples/engine.py
+--sliding-window 16`` for the windowed model, or ``python examples/engine.py
+--hybrid 16`` for the hybrid one. ``tests/e2e/test_example_engine.py``
+checks every sample's tokens against transformers' ``generate``, in every mode.
 """
 
 from __future__ import annotations
@@ -79,6 +97,8 @@ from typing import Any
 import torch
 from transformers import (
     AttentionInterface,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -98,6 +118,7 @@ from kvref import (
     TransferEngineInfo,
 )
 from kvref.attention.paged import PagedAttention
+from kvref.core.groups import GROUP_SEP, groups_for
 from kvref.transfer.published import PublishRefused
 
 ATTN_NAME = "kvref_example_engine"
@@ -105,7 +126,9 @@ VOCAB = 128
 MAIN, SAMPLE = "main", "s1"
 SYSTEM_LEN = 12  # the demo's shared system prompt, in tokens
 
-Model = LlamaForCausalLM | MistralForCausalLM
+Model = LlamaForCausalLM | MistralForCausalLM | Gemma3ForCausalLM
+# the hybrid model's layers: sliding and full attention, alternating
+HYBRID_LAYERS = ["sliding_attention", "full_attention"]
 
 
 # -- the model and kvref's attention inside it ------------------------------------
@@ -116,7 +139,9 @@ class Forward:
     """What one forward's attention layers need (passed down as a model kwarg)."""
 
     manager: KVManager
-    attention: PagedAttention
+    # each layer's attention: its group's page table and window (one for all
+    # layers without groups)
+    attention: dict[int, PagedAttention]
 
 
 def kvref_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -131,7 +156,7 @@ def kvref_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     fwd: Forward = kwargs["kvref"]
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     fwd.manager.write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), layer_idx=layer)
-    out = fwd.attention.run(query[0].transpose(0, 1), fwd.manager.layer_view(layer))
+    out = fwd.attention[layer].run(query[0].transpose(0, 1), fwd.manager.layer_view(layer))
     return out.unsqueeze(0), None
 
 
@@ -139,9 +164,12 @@ AttentionInterface.register(ATTN_NAME, kvref_attention)
 AttentionMaskInterface.register(ATTN_NAME, lambda *args, **kwargs: None)
 
 
-def build_model(seed: int = 0, sliding_window: int | None = None) -> Model:
+def build_model(seed: int = 0, sliding_window: int | None = None,
+                hybrid: bool = False) -> Model:
     """A random-weight Llama, or with ``sliding_window`` a Mistral (the same
-    shapes) whose every attention layer sees only that many tokens."""
+    shapes) whose every attention layer sees only that many tokens, or with
+    ``hybrid`` too a Gemma 3 whose layers alternate a window of that many
+    tokens and full attention (`HYBRID_LAYERS`)."""
     torch.manual_seed(seed)
     shape: dict[str, Any] = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -151,7 +179,18 @@ def build_model(seed: int = 0, sliding_window: int | None = None) -> Model:
         initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=0,
     )
     model: Model
-    if sliding_window is None:
+    if hybrid:
+        if sliding_window is None:
+            raise ValueError("a hybrid model needs its sliding_window")
+        gemma = Gemma3TextConfig(**{**shape, "num_hidden_layers": len(HYBRID_LAYERS)},
+                                 head_dim=16, layer_types=HYBRID_LAYERS,
+                                 sliding_window=sliding_window,
+                                 # tied, Gemma's scaled embedding dominates random
+                                 # logits: greedy would repeat one token
+                                 tie_word_embeddings=False)
+        gemma._attn_implementation = "eager"
+        model = Gemma3ForCausalLM(gemma)
+    elif sliding_window is None:
         llama = LlamaConfig(**shape)
         llama._attn_implementation = "eager"
         model = LlamaForCausalLM(llama)
@@ -266,11 +305,14 @@ class Engine:
     def __init__(self, model: Model, draft: Model | None = None, *,
                  page_size: int = 4, device_pages: int = 16, chunk: int = 4,
                  draft_len: int = 3, prefix_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, hybrid: bool = False) -> None:
         # the model's window must be the one kvref retains and masks with
         if sliding_window != getattr(model.config, "sliding_window", None):
             raise ValueError(f"sliding_window={sliding_window}, but the model's is "
                              f"{getattr(model.config, 'sliding_window', None)}")
+        if hybrid != isinstance(model, Gemma3ForCausalLM):
+            raise ValueError(f"hybrid={hybrid} for a {type(model).__name__}")
+        self.hybrid = hybrid
         self.model = model
         self.window = sliding_window
         self.prefix_caching = prefix_caching  # off: no hits, and forks copy every page
@@ -287,6 +329,9 @@ class Engine:
 
     def _manager(self, name: str, page_size: int, pages: int) -> KVManager:
         mc = self.model.config
+        # W15: the rollback margin keeps a verify step's rollback legal
+        window = None if self.window is None else RetentionPolicy(
+            context_budget=self.window, rollback_margin=self.draft_len)
         cfg = KVConfig(
             num_layers=mc.num_hidden_layers,
             num_kv_heads=mc.num_key_value_heads or mc.num_attention_heads,
@@ -294,12 +339,13 @@ class Engine:
             max_num_pages=pages + 1,  # + the sink page
             page_size=page_size, num_qo_heads=mc.num_attention_heads, cpu_offload_pages=64,
             enable_prefix_caching=self.prefix_caching,
-            # both labels: the fork's source and target must share a window
-            # (W5); the margin keeps a verify step's rollback legal (W15)
-            retention={} if self.window is None else {
-                lb: RetentionPolicy(context_budget=self.window,
-                                    rollback_margin=self.draft_len)
-                for lb in (MAIN, SAMPLE)},
+            # both labels: the fork's source and target must share a window (W5)
+            retention={} if window is None or self.hybrid else {
+                lb: window for lb in (MAIN, SAMPLE)},
+            # hybrid: a group per attention type, the window on the sliding
+            # layers' group; every label has both
+            groups=groups_for([window if t == "sliding_attention" else None
+                               for t in mc.layer_types or ()]) if self.hybrid else (),
         )
         return KVManager(cfg, name, None, TransferEngineInfo(), torch.device("cpu"),
                          torch.float32)
@@ -364,9 +410,9 @@ class Engine:
 
     def step(self, work: list[Work]) -> None:
         work, step, ctx = self.admit(work)
-        plan = self.kv.plan(step, ctx)[MAIN]
-        self.count_shared(plan)
-        logits, rows = self.forward(self.kv, plan, {(w.req.rid, w.label): w for w in work})
+        plans = self.kv.plan(step, ctx)
+        self.count_shared(plans)
+        logits, rows = self.forward(self.kv, plans, {(w.req.rid, w.label): w for w in work})
         self.kv.commit(step, ctx)
         self.stats.mixed_steps += any(not w.req.out for w in work) and any(w.req.out for w in work)
         for w in work:
@@ -379,10 +425,11 @@ class Engine:
                 # the sample's own list: the prompt, then its tokens
                 self.kv.follow_tokens(r.rid, r.ids[SAMPLE], SAMPLE)
 
-    def count_shared(self, plan: KVPlanOutput) -> None:
+    def count_shared(self, plans: dict[str, KVPlanOutput]) -> None:
         """Pages saved now: the step's page tables summed (each stream's pages
-        as if it held them alone) minus the pages the manager holds."""
-        tables = sum(len(v.page_idxs) for v in plan.views)
+        as if it held them alone, in every group) minus the pages the manager
+        holds."""
+        tables = sum(len(v.page_idxs) for plan in plans.values() for v in plan.views)
         held = self.kv.config.max_num_pages - 1 - self.kv.num_free_pages
         self.stats.pages_saved = max(self.stats.pages_saved, tables - held)
 
@@ -412,14 +459,15 @@ class Engine:
                       combined_labels=[labels] if len(labels) > 1 else ())
         return step, StepContext(padded_request_ids=sorted({w.req.rid for w in work}))
 
-    def forward(self, kv: KVManager, plan: KVPlanOutput, work: dict[tuple[str, str], Work],
+    def forward(self, kv: KVManager, plans: dict[str, KVPlanOutput],
+                work: dict[tuple[str, str], Work],
                 ) -> tuple[torch.Tensor, dict[tuple[str, str], slice]]:
-        """One packed forward in the plan's row order (label-major, as planned)."""
-        policy = kv.config.retention.get(MAIN)
-        attn = PagedAttention.from_config(kv.config, backend="torch",
-                                          sm_scale=self.model.model.layers[0].self_attn.scaling,
-                                          window_left=-1 if policy is None else policy.window_left)
-        attn.plan(plan)
+        """One packed forward in the plan's row order (label-major, as planned).
+
+        ``plans``: every plan label's table, one per group of ``main`` with
+        groups. Each layer attends over its group's table with its window."""
+        attention, windowed = self.attention(kv, plans)
+        plan = plans[MAIN]  # the first group's: its rows are every group's
         ids: list[int] = []
         pos: list[int] = []
         rows: dict[tuple[str, str], slice] = {}
@@ -432,13 +480,36 @@ class Engine:
             rows[(view.request_id, view.label)] = slice(len(ids), len(ids) + len(w.tokens))
             ids += w.tokens
             pos += range(start, view.offset + view.length)
-            if kv is self.kv and self.window is not None:
+        if kv is self.kv:
+            for view in (v for p in windowed for v in p.views):
                 # what the stream held entering the step: the retained pages
                 held = -(-(view.length - view.to_compute) // kv.config.page_size)
                 self.stats.window_pages = max(self.stats.window_pages, held)
         logits = self.model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
-                            use_cache=False, kvref=Forward(kv, attn)).logits[0]
+                            use_cache=False, kvref=Forward(kv, attention)).logits[0]
         return logits, rows
+
+    def attention(self, kv: KVManager, plans: dict[str, KVPlanOutput],
+                  ) -> tuple[dict[int, PagedAttention], list[KVPlanOutput]]:
+        """Each layer's attention, planned on its group's table, and the
+        windowed tables among them."""
+        cfg = kv.config
+        scale = self.model.model.layers[0].self_attn.scaling
+        # (plan label, window, layers): a group's plan label is main's stream in it
+        tables = ([(MAIN if g == 0 else MAIN + GROUP_SEP + group.name, group.retention,
+                    group.layers) for g, group in enumerate(cfg.groups)]
+                  or [(MAIN, cfg.retention.get(MAIN), tuple(range(cfg.num_layers)))])
+        attention: dict[int, PagedAttention] = {}
+        windowed: list[KVPlanOutput] = []
+        for label, policy, layers in tables:
+            attn = PagedAttention.from_config(
+                cfg, backend="torch", sm_scale=scale,
+                window_left=-1 if policy is None else policy.window_left)
+            attn.plan(plans[label])
+            attention.update(dict.fromkeys(layers, attn))
+            if policy is not None:
+                windowed.append(plans[label])
+        return attention, windowed
 
     def sample(self, w: Work, logits: torch.Tensor) -> None:
         r = w.req
@@ -524,11 +595,14 @@ class Engine:
             self.stats.reloads += 1
 
     def resident_pages(self, rid: str, label: str) -> int:
-        """The pages the stream holds on the device when resident: all its
-        pages, or for a windowed one those from its window's first page on."""
-        ps, n = self.kv.config.page_size, self.kv.stored_len(rid, label)
-        released = 0 if self.window is None else max(0, n - self.window) // ps
-        return -(-n // ps) - released
+        """The pages the label holds on the device when resident: all its
+        pages, or for a windowed one those from its window's first page on;
+        hybrid, summed over its groups."""
+        cfg = self.kv.config
+        ps, n = cfg.page_size, self.kv.stored_len(rid, label)
+        windows = [g.retention for g in cfg.groups] or [cfg.retention.get(label)]
+        return sum(-(-n // ps) - (0 if w is None else max(0, n - w.context_budget) // ps)
+                   for w in windows)
 
     # -- disaggregated prefill --------------------------------------------------
 
@@ -545,8 +619,8 @@ class Engine:
         outcome = pkv.admit(step, ctx)
         if not outcome.ok:
             raise RuntimeError(f"prefill worker refused {r.rid}: {outcome.reason}")
-        plan = pkv.plan(step, ctx)[MAIN]
-        logits, _ = self.forward(pkv, plan, {(r.rid, MAIN): Work(r, MAIN, r.prompt[hit:])})
+        plans = pkv.plan(step, ctx)
+        logits, _ = self.forward(pkv, plans, {(r.rid, MAIN): Work(r, MAIN, r.prompt[hit:])})
         pkv.commit(step, ctx)  # keys the prompt's full pages
         r.keep(MAIN, [int(logits[-1].argmax())])
         published = pkv.publish(r.rid)  # leased: the worker keeps these pages until released
@@ -612,17 +686,26 @@ def demo_requests(max_new: int = 10, seed: int = 1, windowed: bool = False) -> l
     ]
 
 
+# a hybrid page holds one group's layer, half the bytes of the demo's pages:
+# 40 are 20 of those, as tight (it preempts) and with room for two groups
+HYBRID_ENGINE: dict[str, Any] = {"device_pages": 40}
 WINDOWED_MAX_NEW = 40  # far past a window of 16: positions outgrow what a stream holds
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sliding-window", type=int, default=None, metavar="W",
-                        help="a Mistral whose attention sees W tokens, on windowed labels")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--sliding-window", type=int, default=None, metavar="W",
+                      help="a Mistral whose attention sees W tokens, on windowed labels")
+    mode.add_argument("--hybrid", type=int, default=None, metavar="W",
+                      help="a Gemma 3 whose layers alternate a window of W tokens and full "
+                           "attention, on attention groups")
     args = parser.parse_args(argv)
-    window = args.sliding_window
-    model = build_model(sliding_window=window)
-    engine = Engine(model, build_draft(model), sliding_window=window)
+    hybrid = args.hybrid is not None
+    window = args.hybrid if hybrid else args.sliding_window
+    model = build_model(sliding_window=window, hybrid=hybrid)
+    engine = Engine(model, build_draft(model), sliding_window=window, hybrid=hybrid,
+                    **HYBRID_ENGINE if hybrid else {})
     reqs = (demo_requests() if window is None
             else demo_requests(WINDOWED_MAX_NEW, windowed=True))
     stats = engine.run(reqs)
@@ -643,7 +726,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{engine.kv.config.max_num_pages - 1} ({engine.kv.num_cached_pages} of them cached)")
     if window is not None:
         longest = max(len(r.prompt) + r.max_new for r in reqs)
-        print(f"sliding window {window} (page size {engine.kv.config.page_size}): a windowed "
+        what = "a window group's" if hybrid else "a windowed"
+        print(f"sliding window {window} (page size {engine.kv.config.page_size}): {what} "
               f"stream held at most {s.window_pages} device pages, bound ceil((W+k)/ps)+1 = "
               f"{s.window_bound}, for sequences of up to {longest} tokens")
 

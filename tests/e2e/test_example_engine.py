@@ -185,3 +185,61 @@ def test_example_engine_windowed_matches_generate() -> None:
     assert stats.pages_truncated > 0, stats
     for kv in (engine.kv, engine.prefill_kv):
         assert kv.num_free_pages == kv.config.max_num_pages - 1
+
+
+def test_example_engine_hybrid_matches_generate() -> None:
+    """The hybrid option: a Gemma 3 whose layers alternate a window of 16 and
+    full attention, on attention groups (a stream per group, a table per
+    group), generates what ``generate`` does for every request and both
+    samples, through chunked prefill, prefix hits served by both groups,
+    preemption, the fork (copy on write in each group), speculative verify
+    steps and a disaggregated prefill; a window group's stream never holds
+    more than ``ceil((W + k) / ps) + 1`` pages, and one reaches that."""
+    window = 16
+    ex = load_example()
+    model = ex.build_model(sliding_window=window, hybrid=True)
+    engine = ex.Engine(model, ex.build_draft(model), sliding_window=window, hybrid=True,
+                       **ex.HYBRID_ENGINE)
+    reqs = ex.demo_requests(ex.WINDOWED_MAX_NEW, windowed=True)
+    stats = engine.run(reqs)
+    groups = engine.kv.config.groups
+    assert [g.retention is None for g in groups] == [True, False]
+
+    with torch.no_grad():
+        for r in reqs:
+            assert r.state == "done", r.rid
+            assert len(r.prompt) + r.max_new > 3 * window, r.rid
+            assert_greedy(model, r.prompt, r.out[ex.MAIN], r.rid)
+            if r.samples == 2:
+                runner_up = int(model(torch.tensor([r.prompt])).logits[0, -1].topk(2).indices[1])
+                assert r.out[ex.SAMPLE][0] == runner_up, r.rid
+                assert_greedy(model, [*r.prompt, runner_up], r.out[ex.SAMPLE][1:], r.rid)
+        # the window decides the tokens: with every layer reading all, they differ
+        model.config.sliding_window = 256
+        try:
+            full = [greedy(model, r.prompt, r.max_new) for r in reqs]
+        finally:
+            model.config.sliding_window = window
+        assert any(f != r.out[ex.MAIN] for f, r in zip(full, reqs, strict=True))
+
+    # the system prompt's pages hit in both groups: the later requests that
+    # open with it compute only what follows it
+    sharing = [r for r in reqs if r.prompt[:ex.SYSTEM_LEN] == reqs[0].prompt[:ex.SYSTEM_LEN]]
+    assert [r.hit for r in sharing] == [0] + [ex.SYSTEM_LEN] * (len(sharing) - 1)
+    assert stats.pages_cached > 0 and stats.pages_saved > 0, stats
+    ps = engine.kv.config.page_size
+    print(f"\nhybrid, window {window}, page size {ps}: hit rate {stats.hit_rate:.1%}, "
+          f"at most {stats.window_pages} window pages held, bound {stats.window_bound}")
+    assert stats.window_bound == -(-(window + engine.draft_len) // ps) + 1
+    assert stats.window_pages == stats.window_bound
+    # copy on write in each group: the prompt's partial last page, once per group
+    pair = next(r for r in reqs if r.samples == 2)
+    assert len(pair.prompt) % ps and stats.fork_pages == len(groups), stats
+    assert stats.mixed_steps > 0, stats
+    assert stats.preemptions > 0 and stats.reloads == stats.preemptions, stats
+    assert stats.forks == 1, stats
+    assert stats.verify_steps > 0 and 0 < stats.accepted < stats.drafted, stats
+    assert stats.pages_truncated > 0, stats
+    assert stats.transfers == stats.leases_released == 1, stats
+    for kv in (engine.kv, engine.prefill_kv):
+        assert kv.num_free_pages == kv.config.max_num_pages - 1
