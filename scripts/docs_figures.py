@@ -7,6 +7,7 @@ Two steps, so that no page is edited by hand with numbers:
     python -m benchmarks.shared_pages --json docs/performance/data/shared_pages.json #  four)
     python -m benchmarks.retention --json docs/performance/data/retention.json
     python -m benchmarks.vs_vllm --runs 5 --json docs/performance/data/vs_vllm.json # (a vLLM copy)
+    python -m benchmarks.hybrid --json docs/performance/data/hybrid.json           # (a vLLM copy)
     python scripts/docs_figures.py                                               # 2: render
 
 Step 2 reads the JSON only (it measures nothing) and writes
@@ -32,7 +33,15 @@ from typing import Any, TypeVar
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import attention, control_plane, data_plane, retention, shared_pages, vs_vllm
+from benchmarks import (
+    attention,
+    control_plane,
+    data_plane,
+    hybrid,
+    retention,
+    shared_pages,
+    vs_vllm,
+)
 from benchmarks.__main__ import control_tables, data_tables
 
 DATA = ROOT / "docs" / "performance" / "data"
@@ -199,6 +208,16 @@ def render(data: Path = DATA) -> str:
                 "each side's timed call holds).", "", vs_vllm.table(rows), "",
                 "kvref against itself, from the same run:", "",
                 *[f"- {line}" for line in vs_vllm.derived(rows)], ""]
+    groups = data / "hybrid.json"
+    if groups.exists():
+        run = json.loads(groups.read_text())
+        res = rebuild(hybrid.Results, run["results"])
+        command = "python -m benchmarks.hybrid" + (" --tiny" if run.get("tiny") else
+                                                    " --quick" if run["quick"] else "")
+        out += ["", "## Hybrid models beside vLLM's hybrid coordinator", "",
+                conditions(run, command), "", f"{hybrid.heading(run['vllm'], res.sizes)}; "
+                "the module's docstring says what each side holds and times.", "",
+                hybrid.tables(res)]
     return "\n".join(out).rstrip("\n") + "\n"
 
 
