@@ -144,13 +144,18 @@ class GroupBehaviours(dict[str, LabelBehaviour]):
     def __init__(self, groups: Sequence[AttentionGroup]) -> None:
         super().__init__({g.name: _group_behaviour(g) for g in groups})
         self._first = self[groups[0].name]
+        # label -> its behaviour, resolved once: every step asks per stream
+        self._resolved: dict[str, LabelBehaviour] = {}
 
     def get(self, label: str, default: object = None) -> LabelBehaviour:
-        _, sep, name = label.rpartition(GROUP_SEP)
-        if not sep:
-            return self._first
-        got = dict.get(self, name)
-        return self._first if got is None else got
+        got = self._resolved.get(label)
+        if got is None:
+            _, sep, name = label.rpartition(GROUP_SEP)
+            got = dict.get(self, name, self._first) if sep else self._first
+            if len(self._resolved) > 4096:
+                self._resolved.clear()  # bounded: labels are few, but come from engines
+            self._resolved[label] = got
+        return got
 
 
 def _group_behaviour(g: AttentionGroup) -> LabelBehaviour:
