@@ -41,7 +41,7 @@ def lifecycle_ops(rids: st.SearchStrategy[int] = RIDS,
                   sharing: bool = False) -> st.SearchStrategy[Op]:
     """Reset, remove, re-ingest, truncate; with the prefix cache on, a prefix
     hit (match_prefix of up to three pages of the label's tokens),
-    reset_prefix_cache and reclaimable too."""
+    reset_prefix_cache, reclaimable and cache_prefixes too."""
     ops = [
         st.builds(Op, st.just("reset"), rids, st.just(0), st.integers(0, 1)),
         st.builds(Op, st.just("remove"), rids),

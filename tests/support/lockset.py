@@ -18,7 +18,13 @@ The data watched, and how:
 - the host pool's copies table and pending-free list;
 - the offload table (`offloads`);
 - the manager's staged preplan and the plan states `write_kv`/`read_kv` read
-  (`watch_manager`: the two attributes become recording properties).
+  (`watch_manager`: the two attributes become recording properties);
+- the lease table and the request configs (`watch_tables`).
+
+Besides the lockset, a discipline (`Detector.guard`): every access to the
+manager's state (`GUARDED`) made inside a public call must hold that
+manager's lock. It needs one thread, not two: a call whose work moved out
+of its ``with self._lock`` is reported on its first run.
 
 What it does not see: state outside those containers (an `Offload`'s own
 fields, the transfer manager's, `_overrides`, tensors), order that comes
