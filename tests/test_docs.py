@@ -323,7 +323,7 @@ def _plants() -> dict[str, set[str]]:
     from tests.conformance.test_interaction_plants import FOUND_AT
     from tests.conformance.test_mutations import MUTANTS
     from tests.conformance.test_page_pool_plants import PLANTS as POOL
-    from tests.support.sched_planted import DATA_RACES, RACES
+    from tests.support.sched_planted import DATA_RACES, LOCK_RACES, RACES
 
     validate = _load(ROOT / "tests" / "unit" / "_plant_validate.py")
     source = (ROOT / "tests" / "model" / "test_mutations.py").read_text()
@@ -331,7 +331,8 @@ def _plants() -> dict[str, set[str]]:
                      if isinstance(node, ast.ClassDef)}
     return {
         "tests/conformance/test_mutations.py": set(MUTANTS),
-        "tests/support/sched_planted.py": {race.name for race in (*RACES, *DATA_RACES)},
+        "tests/support/sched_planted.py": {
+            race.name for race in (*RACES, *DATA_RACES, *LOCK_RACES)},
         "tests/concurrency/test_publish_races.py": set(PLANTED),
         "tests/conformance/test_page_pool_plants.py": set(POOL),
         "tests/conformance/test_feature_plants.py": set(FEATURES),

@@ -39,18 +39,25 @@ def worker_ops() -> st.SearchStrategy[Op]:
 
 def lifecycle_ops(rids: st.SearchStrategy[int] = RIDS,
                   sharing: bool = False) -> st.SearchStrategy[Op]:
-    """Reset, remove, re-ingest; with the prefix cache on, a prefix hit
-    (match_prefix of up to three pages of the label's tokens) and
-    reset_prefix_cache too."""
+    """Reset, remove, re-ingest, truncate; with the prefix cache on, a prefix
+    hit (match_prefix of up to three pages of the label's tokens),
+    reset_prefix_cache, reclaimable and cache_prefixes too."""
     ops = [
         st.builds(Op, st.just("reset"), rids, st.just(0), st.integers(0, 1)),
         st.builds(Op, st.just("remove"), rids),
         st.builds(Op, st.just("ingest"), rids),
+        # a verify step's rollback, racing the engine's steps and the worker
+        st.builds(Op, st.just("truncate"), rids, st.integers(0, SCOPE.labels - 1),
+                  st.integers(0, 4)),
     ]
     if sharing:
         ops += [st.builds(Op, st.just("match"), rids, st.integers(0, SCOPE.labels - 1),
                           st.integers(2, 3 * SCOPE.page_size + 1)),
-                st.just(Op("resetcache", 0))]
+                st.just(Op("resetcache", 0)),
+                # an engine's victim filter, reading the pool and the streams
+                st.builds(Op, st.just("reclaimable"), rids),
+                # keying a batch, racing what shortens or removes the stream
+                st.builds(Op, st.just("cacheprefixes"), rids)]
     return st.one_of(*ops)
 
 
@@ -74,6 +81,10 @@ def programs(draw: Any, avoid_known_races: bool = False, sharing: bool = True
                       min_size=1, max_size=4))
     progs = [Program("engine", engine)]
     xfer_rids = {op.rid for op in engine if isinstance(op, Op)}
+    # cache_prefixes names the ids a stream held after the set-up
+    # (`CachePrefixIds`): only for one no engine step or retrieve grows
+    grown = xfer_rids | {g.rid for op in engine if isinstance(op, StepOp)
+                         for g in op.step.segments}
     offloaded: set[int] = set()
     if "worker" in others:
         work = draw(ops(worker_ops(), min_size=1, max_size=3))
@@ -87,8 +98,11 @@ def programs(draw: Any, avoid_known_races: bool = False, sharing: bool = True
             life = draw(ops(lifecycle_ops(st.sampled_from(every), sharing), min_size=1,
                             max_size=3))
             # a reset/remove of a request the known races involve becomes an ingest
-            life = [op if op.kind in ("ingest", "match", "resetcache") or op.rid in free
+            life = [op if op.kind in ("ingest", "match", "resetcache", "reclaimable")
+                    or op.rid in free
                     else Op("ingest", op.rid) for op in life]
+            life = [Op("reclaimable", op.rid) if op.kind == "cacheprefixes" and op.rid in grown
+                    else op for op in life]
             progs.append(Program(name, life))
     return progs
 

@@ -18,7 +18,13 @@ The data watched, and how:
 - the host pool's copies table and pending-free list;
 - the offload table (`offloads`);
 - the manager's staged preplan and the plan states `write_kv`/`read_kv` read
-  (`watch_manager`: the two attributes become recording properties).
+  (`watch_manager`: the two attributes become recording properties);
+- the lease table and the request configs (`watch_tables`).
+
+Besides the lockset, a discipline (`Detector.guard`): every access to the
+manager's state (`GUARDED`) made inside a public call must hold that
+manager's lock. It needs one thread, not two: a call whose work moved out
+of its ``with self._lock`` is reported on its first run.
 
 What it does not see: state outside those containers (an `Offload`'s own
 fields, the transfer manager's, `_overrides`, tensors), order that comes
@@ -51,6 +57,22 @@ LOCK_FREE: dict[tuple[str, str], str] = {
     # atomic under the GIL. A stale answer orders the call before the ingest
     # or removal it missed, and remove re-reads the table under the lock.
     ("streams", "__contains__"): "one atomic lookup; remove re-checks under the lock",
+}
+
+# The manager's state: every read and write of it, made on behalf of a call
+# into kvref, must hold that manager's lock (``Detector.guarding``). Kinds are
+# matched by prefix. The host pool and the allocators' free lists have locks of
+# their own, which the lockset check above covers.
+GUARDED: tuple[str, ...] = ("streams", "stream.", "offloads", "manager.", "device pages.",
+                             "leases", "overrides")
+# (kind prefix, the public call on the stack) -> why it may touch that state
+# without the manager's lock.
+GUARD_FREE: dict[tuple[str, str], str] = {
+    # one count read in one section of the pool's own lock: a snapshot no
+    # other state has to agree with (what an engine's admission loop polls)
+    ("device pages.", "num_free_pages"): "one read under the pool's lock",
+    ("device pages.", "num_cached_pages"): "one read under the pool's lock",
+    ("device pages.", "post_warmup_validate"): "one read under the pool's lock",
 }
 # Also lock-free, and not containers, so not watched: a stream's read
 # `Future` is polled through `done()` outside the manager's lock (reset's and
@@ -91,6 +113,34 @@ class RaceReport:
                 f"{self.first.render()}\n{self.second.render()}")
 
 
+@dataclass(frozen=True)
+class GuardReport:
+    """An access to the manager's state, inside ``call``, without its lock."""
+
+    datum: str
+    call: str
+    access: Access
+
+    def __str__(self) -> str:
+        return (f"unguarded access to {self.datum} in {self.call}: the manager's "
+                f"lock is not held\n{self.access.render()}")
+
+
+_ENTRY_TYPES: tuple[type, ...] = ()
+
+
+def _entry_types() -> tuple[type, ...]:
+    """The classes whose calls are kvref's entry points (imported late: the
+    manager's modules import the runtime this module's users install)."""
+    global _ENTRY_TYPES
+    if not _ENTRY_TYPES:
+        from kvref.manager import KVManager
+        from kvref.offload.handle import Offload
+
+        _ENTRY_TYPES = (KVManager, Offload)
+    return _ENTRY_TYPES
+
+
 def _stack(depth: int = 8) -> tuple[tuple[Any, int], ...]:
     """The caller's frames as (code, line): cheap now, rendered only in a report."""
     out: list[tuple[Any, int]] = []
@@ -118,6 +168,11 @@ class Detector:
         self._keep: list[object] = []
         self._seen: set[tuple[str, Any, Any]] = set()
         self.reports: list[RaceReport] = []
+        # the lock discipline (`guarding`): the managers' locks, and what broke it
+        self.guarding = False
+        self._guards: set[int] = set()
+        self.unguarded: list[GuardReport] = []
+        self._unguarded_seen: set[tuple[Any, ...]] = set()
         self.accesses = 0
         # called before an access made holding no lock: the scheduler's switch point
         self.preempt: Callable[[str], None] | None = None
@@ -138,6 +193,51 @@ class Detector:
         held = self._held()
         if lock in held:
             held.remove(lock)
+
+    # -- the lock discipline ------------------------------------------------------
+
+    def guard(self, on: bool = True) -> None:
+        """Check, besides the lockset, that every access to the manager's state
+        (`GUARDED`) made inside a call into a `KVManager` (or its `Offload`)
+        holds that manager's lock, whatever other thread runs: a read or
+        write moved out of ``with self._lock`` is reported by a run with one
+        thread, on the first call that reaches it, where the lockset check
+        needs a second thread touching the same datum (and sees nothing at
+        all when the datum has a lock of its own, as the page pool has)."""
+        self.guarding = on
+
+    def _unguarded(self, datum: str, kind: str, op: str, write: bool) -> None:
+        # slow path only: no manager's lock known to be held. The entry is the
+        # outermost frame whose ``self`` is a manager or an offload handle
+        entry: tuple[Any, str] | None = None
+        f: Any = sys._getframe(2)
+        while f is not None:
+            code = f.f_code
+            if code.co_argcount and code.co_varnames[0] == "self":
+                obj = f.f_locals.get("self")
+                if isinstance(obj, _entry_types()):
+                    entry = (obj, code.co_name)
+            f = f.f_back
+        if entry is None:
+            return  # the test's own read, or a background task's
+        who, name = entry
+        # the manager's lock (an offload handle's: its manager's), known from now on
+        lock = getattr(who, "_lock", None) or who._phases.table.lock
+        self._guards.add(id(lock))
+        if any(lk is lock for lk in getattr(self._tl, "held", None) or ()):
+            return
+        if any(kind.startswith(k) and name == call for k, call in GUARD_FREE):
+            return
+        stack = _stack()
+        key = (kind, op, name, stack[:3])
+        with self._meta:
+            if key in self._unguarded_seen:
+                return
+            self._unguarded_seen.add(key)
+            held = getattr(self._tl, "held", None) or ()
+            self.unguarded.append(GuardReport(datum, name, Access(
+                threading.current_thread().name, threading.get_ident(), op, write,
+                tuple(held), stack)))
 
     # -- scope -------------------------------------------------------------------
 
@@ -169,6 +269,9 @@ class Detector:
             self.preempt(f"{op} {base}{field}")
         if not self.record or (kind, op) in LOCK_FREE:
             return
+        if self.guarding and kind.startswith(GUARDED) and not (
+                held and any(id(lk) in self._guards for lk in held)):
+            self._unguarded(base + field, kind, op, write)
         locks = tuple(held) if held else ()
         ids = frozenset(id(lk) for lk in locks)
         me = threading.get_ident()
@@ -250,8 +353,17 @@ class Detector:
         kv.__class__ = sub
         self._manager_serial = self.new_serial(kv)
 
+    def watch_tables(self, kv: Any) -> None:
+        """Instrument the lease table and the request configs, which kvref
+        makes as plain dicts (not through the runtime): the discipline
+        watches them too."""
+        leases = kv._table.leases
+        leases._leases = self.wrap(leases._leases, "leases")
+        # the manager keeps its own name for the table: both the instrumented one
+        kv._overrides = kv._table.overrides = self.wrap(kv._table.overrides, "overrides")
+
     def report_text(self) -> str:
-        return "\n".join(str(r) for r in self.reports)
+        return "\n".join(str(r) for r in [*self.reports, *self.unguarded])
 
 
 def _attr_property(det: Detector, name: str, kind: str) -> property:

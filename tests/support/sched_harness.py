@@ -70,6 +70,18 @@ class PublisherMoves:
     label: int
 
 
+@dataclass(frozen=True)
+class CachePrefixIds:
+    """`cache_prefixes` of one stream, naming the ``n`` ids it held when the
+    set-up ended (a program's call races the calls that shorten it, so the
+    engine may name ids past the committed ones by the time it runs): the
+    model's `CachePrefix` with those past its length as drafts, a misuse."""
+
+    rid: int
+    label: int
+    n: int
+
+
 class ConcurrentModel(m.Model):
     """The model plus the answers kvref gives to calls on a request another
     thread removed. A sequential engine never makes them (the protocol only
@@ -79,6 +91,10 @@ class ConcurrentModel(m.Model):
     def step(self, s: m.State, a: m.Action) -> tuple[m.Result, m.State]:
         if isinstance(a, PublisherMoves):
             return m.Ok(), s
+        if isinstance(a, CachePrefixIds):
+            v = s.stream_map().get((a.rid, a.label))
+            drafts = max(0, a.n - (v.stored_len if v is not None else 0))
+            a = m.CachePrefix(a.rid, a.label, drafts)
         gone = self.gone(s, a)
         if gone is not None:
             return gone, s
@@ -386,7 +402,9 @@ class Op:
     publish / release (release_published) / move (the publisher of the retrieve
     with the same rid, label and n moves: `PublisherMoves`); with the prefix
     cache on, match (match_prefix of n of the label's tokens) / resetcache
-    (reset_prefix_cache); truncate (to n tokens)."""
+    (reset_prefix_cache) / cacheprefixes (cache_prefixes of the ids the
+    stream held after the set-up: `CachePrefixIds`); truncate (to n tokens);
+    reclaimable."""
 
     kind: str
     rid: int
@@ -431,6 +449,9 @@ class Harness:
         self.scope = scope
         self.sched = Scheduler(strategy, max_steps=max_steps)
         self.detector = Detector(record=lockset)
+        # and every access to the manager's state inside a kvref call holds
+        # its lock, whichever thread runs (the lock discipline)
+        self.detector.guard(lockset)
         self.lockset = lockset
         self.runtime = CoopRuntime(self.sched, self.detector, access_points)
         base = config or DriverConfig()
@@ -448,6 +469,7 @@ class Harness:
         self.sched.observer = self.lin
         kv = self.kv
         self.detector.watch_manager(kv)
+        self.detector.watch_tables(kv)
         assert kv._cpu_pool is not None
         for lk, role in ((kv._lock, "manager"), (kv._cpu_pool._lock, "pool"),
                          (kv._transfer._lock, "transfer")):
@@ -461,6 +483,7 @@ class Harness:
             lk.switch = False
         self._instrument()
         self.published: dict[tuple[int, int, int], PublishedKVInfo] = {}
+        self.setup_state = self.lin.state
         self.publishers: dict[tuple[int, int, int], KVManager] = {}
 
     # -- offload's phases are model actions ---------------------------------------------
@@ -550,6 +573,7 @@ class Harness:
                         self.publishers[key] = src
         with self.detector.ignoring():
             lin.check()
+        self.setup_state = lin.state  # what the engine knows of its tokens
         # the set-up ran before the threads started: it happens-before them
         self.detector.forget()
 
@@ -629,6 +653,14 @@ class Harness:
             lin.call(a_match, lambda: d.apply(a_match))
         elif op.kind == "resetcache":
             lin.call(m.ResetPrefixCache(), lambda: d.apply(m.ResetPrefixCache()))
+        elif op.kind == "reclaimable":
+            a_count = m.Reclaimable(op.rid)
+            lin.call(a_count, lambda: d.apply(a_count))
+        elif op.kind == "cacheprefixes":
+            ids = d.engine_ids(self.setup_state, (op.rid, op.label))
+            calls = [(name, label_name(op.label), ids, 0)]
+            lin.call(CachePrefixIds(op.rid, op.label, len(ids)),
+                     lambda: m.Count(kv.cache_prefixes(calls)[0]))
         elif op.kind == "truncate":
             a_cut = m.Truncate(op.rid, op.label, op.n)
             lin.call(a_cut, lambda: d.apply(a_cut))
@@ -689,7 +721,7 @@ class Harness:
             raise ScheduleFailure(
                 f"{err}\n{describe(programs)}\nschedule={self.sched.schedule}",
                 list(self.sched.schedule)) from None
-        if self.lockset and self.detector.reports:
+        if self.lockset and (self.detector.reports or self.detector.unguarded):
             raise ScheduleFailure(
                 f"{self.races()}{describe(programs)}\nschedule={self.sched.schedule}",
                 list(self.sched.schedule))
@@ -697,9 +729,12 @@ class Harness:
     def races(self) -> str:
         if not self.lockset:
             return ""
-        reports = self.detector.reports
-        return "".join(f"{r}\n" for r in reports[:3]) + (
-            f"(and {len(reports) - 3} more)\n" if len(reports) > 3 else "")
+        out = ""
+        # the first few of each kind: races, then accesses without the manager's lock
+        for reports in (self.detector.reports, self.detector.unguarded):
+            out += "".join(f"{r}\n" for r in reports[:3]) + (
+                f"(and {len(reports) - 3} more)\n" if len(reports) > 3 else "")
+        return out
 
 
 def describe(programs: Sequence[Program]) -> str:
@@ -729,7 +764,8 @@ class Stats:
 
 
 __all__ = [
-    "PLAIN_SCOPE", "SCOPE", "SCOPES", "SHIPPED_SCOPE", "ConcurrentModel", "Harness",
+    "PLAIN_SCOPE", "SCOPE", "SCOPES", "SHIPPED_SCOPE", "CachePrefixIds", "ConcurrentModel",
+    "Harness",
     "Linearizer", "Op", "Program", "Setup", "StepOp", "describe", "replay", "retrieve_state",
     "run_once",
 ]

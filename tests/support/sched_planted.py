@@ -25,9 +25,12 @@ from kvref import KVManager
 from kvref.core.allocator import PageAllocator
 from kvref.core.streams import ClaimedStream
 from kvref.lifecycle import RequestLifecycle
+from kvref.offload.calls import EvictionCalls
 from kvref.offload.handle import Offload
 from kvref.offload.outcomes import OffloadOutcome
 from kvref.offload.phases import HostOffload
+from kvref.prefix import cache as prefix_cache
+from kvref.stepping import truncation
 from kvref_model import core as m
 from tests.support.lockset import Detector
 from tests.support.sched_harness import Op, Program, StepOp, run_once
@@ -166,6 +169,49 @@ def streams_read_outside_lock() -> AbstractContextManager[None]:
 
 
 @contextmanager
+def reclaimable_reads_pool_unlocked() -> Iterator[None]:
+    """`reclaimable` takes the request's page lists under the manager's lock and
+    counts them in the pool after releasing it: a reset, truncate or admit
+    in between changes the lists (or the holders) it counts."""
+    def racy(self: KVManager, rid: str) -> int:
+        with self._lock:
+            going = {(rid, label): s.page_indices
+                     for label, s in self._table.request(rid).items()}
+        return self._table.pages.reclaimable(going)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EvictionCalls, "reclaimable", racy)
+        yield
+
+
+@contextmanager
+def truncate_unlocked() -> Iterator[None]:
+    """`truncate` with its ``with self._lock`` deleted: its refusals read the
+    stream, then it cuts, while an admit or an offload claim runs between."""
+    def racy(self: KVManager, rid: str, label: str, new_len: int) -> int:
+        return truncation.truncate(self._table, rid, label, new_len)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KVManager, "truncate", racy)
+        yield
+
+
+@contextmanager
+def cache_prefixes_registers_unlocked() -> Iterator[None]:
+    """`cache_prefixes` checks its batch under the manager's lock and registers
+    it after releasing it: a removal, reset, truncate or offload commit in
+    between, and pages that left the stream are keyed."""
+    def racy(self: KVManager, calls: Sequence[tuple[str, str, Any, int]]) -> list[int]:
+        with self._lock:
+            todo = [prefix_cache._checked(self._table, *call) for call in calls]
+        return [0 if t is None else prefix_cache._register(self._table, t) for t in todo]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KVManager, "cache_prefixes", racy)
+        yield
+
+
+@contextmanager
 def nothing() -> Iterator[None]:
     yield
 
@@ -238,6 +284,22 @@ DATA_RACES = (
     Race("reset reads streams outside the lock", streams_read_outside_lock,
          (Program("engine", [STEP_NEW_LABEL]), Program("life", [Op("reset", 0)]))),
 )
+
+# issue 44: public calls whose work moved outside the manager's lock (no
+# program called them before), each paired with a call it conflicts with. The
+# lock discipline reports each on one thread (a tour of every public call,
+# tests/concurrency/test_lock_discipline.py) and on the run-to-completion
+# schedule of its program; bounded DFS finds each from a wrong result alone
+LOCK_RACES = (
+    Race("reclaimable reads the pool outside the lock", reclaimable_reads_pool_unlocked,
+         (Program("query", [Op("reclaimable", 0)]), Program("life", [Op("remove", 0)]))),
+    Race("truncate outside the lock", truncate_unlocked,
+         (Program("engine", [STEP0]), Program("life", [Op("truncate", 0, 0, 1)]))),
+    Race("cache_prefixes registers after the lock", cache_prefixes_registers_unlocked,
+         (Program("life", [Op("cacheprefixes", 0)]), Program("life2", [Op("remove", 0)]))),
+)
+UNLOCKED_CALLS: dict[str, Callable[[], AbstractContextManager[None]]] = {
+    r.name: r.patch for r in LOCK_RACES}
 
 # the same program, unpatched: kvref's reset drains, then takes its lock, and a
 # retrieve that starts in between still runs under the reset (test_known_races)
