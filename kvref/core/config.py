@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvref.core.errors import InvalidConfigError
+from kvref.core.page_keys import PAGE_KEY_HASHES, key_hash_named
 
 
 class KVLayout(enum.Enum):
@@ -120,6 +121,14 @@ class KVConfig:
     ``publish_lease_s``: seconds a `publish` lease pins the request's pages
     before it expires on its own (R34); `DEFAULT_PUBLISH_LEASE_S` (480 s)
     unless given, None for no deadline (until `release_published`; R49).
+
+    ``page_key_hash``: the hash of the prefix cache's page keys, one of
+    `PAGE_KEY_HASHES`: ``"sha256"`` (the default; cryptographic, so with
+    `KVReqConfig.cache_salt` no tenant can craft a collision with another's
+    prompt) or ``"xxh3_128"`` (xxHash, several times faster per page, not
+    collision resistant against a chosen input; ``pip install
+    'kvref[fast-hash]'``). The chain and the message hashed are the same;
+    only the digest differs (docs/concepts/shared-pages.md).
     """
 
     num_layers: int
@@ -144,6 +153,9 @@ class KVConfig:
     # label -> its sliding window (issue 19, specs/retention.md); a label
     # absent is full attention. Empty: nothing is windowed
     retention: Mapping[str, RetentionPolicy] = field(default_factory=dict)
+    # the prefix cache's page-key hash (`PAGE_KEY_HASHES`): SHA-256 unless an
+    # engine that needs no cryptographic keys asks for the fast one
+    page_key_hash: str = "sha256"
     # the tensor-parallel degree the head counts were divided by; 1 = unsharded
     sharded_by: int = field(default=1, init=False)
 
@@ -187,6 +199,11 @@ class KVConfig:
             raise InvalidConfigError(
                 f"KVConfig.retention must map str labels to RetentionPolicy, got "
                 f"{self.retention!r}")
+        if not isinstance(self.page_key_hash, str) or self.page_key_hash not in PAGE_KEY_HASHES:
+            raise InvalidConfigError(
+                f"KVConfig.page_key_hash must be one of {list(PAGE_KEY_HASHES)}, got "
+                f"{self.page_key_hash!r}")
+        key_hash_named(self.page_key_hash)  # its package missing: the extra to install
         lease = self.publish_lease_s
         if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
                                   or not lease > 0):

@@ -15,7 +15,6 @@ Each function runs under the stream table's lock, which `KVManager` holds.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections.abc import Callable, Sequence, Set
 from operator import countOf
@@ -179,7 +178,8 @@ def _pages_that_filled(table: StreamTable, todo: list[_Todo | None]) -> list[int
             return None
         parent = stream.keys[-1] if stream.keys else None
         keyed.append((stream, raw, prefix_hash.next_page_key(
-            parent, raw, extras_for(table, rid, stream.space or label))))
+            parent, raw, extras_for(table, rid, stream.space or label),
+            key_hash=table.pages.key_hash)))
     made = key_filled(table, [st for st, _, _ in keyed], [raw for _, raw, _ in keyed],
                        [key for _, _, key in keyed],
                        [st.page_indices[len(st.keys)] for st, _, _ in keyed])
@@ -231,7 +231,8 @@ def one_page_each(table: StreamTable, calls: Sequence[object],
     raws: list[bytes] = []
     keys: list[PageKey] = []
     pages: list[int] = []
-    sha, join = hashlib.sha256, b"".join
+    # the pool's hash (`KVConfig.page_key_hash`), its constructor called per page
+    new, join = table.pages.key_hash.new, b"".join
     # the label of the entry before, found cacheable (a batch names one
     # label, the same object, throughout), and the encoding of its extra
     # keys for a request with none of its own
@@ -278,7 +279,7 @@ def one_page_each(table: StreamTable, calls: Sequence[object],
                 tail = prefix_hash.encode_extras(extras_for(table, rid, stream.space or label))
             filled.append(stream)
             raws.append(raw)
-            keys.append(sha(join((child, chain[-1], count, raw, tail)) if done
+            keys.append(new(join((child, chain[-1], count, raw, tail)) if done
                             else join((root_count, raw, tail))).digest())
             pages.append(stream.page_indices[done])
     except (KeyError, TypeError, ValueError, struct.error):
@@ -371,7 +372,7 @@ def _register(table: StreamTable, todo: _Todo) -> int:
         # the page that just filled, named alone (a decode step's): one hash
         # of the bytes as given, no slicing of the ids
         key = prefix_hash.next_page_key(stream.keys[-1] if stream.keys else None, raw,
-                                        extras)
+                                        extras, key_hash=table.pages.key_hash)
         done, keyed_now, err = table.pages.register_chain(
             stream.page_indices[len(stream.keys):full], [key])
         # on a failure the key it gave stays, and no token ids are added
@@ -383,7 +384,8 @@ def _register(table: StreamTable, todo: _Todo) -> int:
     fresh_raw = raw[(keyed - start) * 8:(full * ps - start) * 8]
     parent = stream.keys[-1] if stream.keys else None
     # hashed from the bytes already checked above, not encoded again
-    new_keys = prefix_hash.page_keys(fresh, ps, extras, parent=parent, encoded=fresh_raw)
+    new_keys = prefix_hash.page_keys(fresh, ps, extras, parent=parent, encoded=fresh_raw,
+                                     key_hash=table.pages.key_hash)
     # one pass under the pool's lock for the whole run of pages
     done, keyed_now, err = table.pages.register_chain(
         stream.page_indices[len(stream.keys):full], new_keys)

@@ -20,7 +20,6 @@ Each function runs under the stream table's lock, which `KVManager` holds.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import struct
 from collections.abc import Sequence, Set
@@ -62,7 +61,8 @@ def key_followed(table: StreamTable, due: list[CacheStream],
     `cache_prefix` would key it."""
     ps = table.page_size
     pack, count, root_count = prefix_cache.page_fields(ps)
-    child, sha, join = prefix_hash.CHILD_FIELD, hashlib.sha256, b"".join
+    # the pool's hash (`KVConfig.page_key_hash`), its constructor called per page
+    child, new, join = prefix_hash.CHILD_FIELD, table.pages.key_hash.new, b"".join
     looked: list[CacheStream] = []
     filled: list[CacheStream] = []
     raws: list[bytes] = []
@@ -104,7 +104,7 @@ def key_followed(table: StreamTable, due: list[CacheStream],
             continue
         filled.append(stream)
         raws.append(raw)
-        keys.append(sha(join((child, chain[-1], count, raw, f.tail)) if done
+        keys.append(new(join((child, chain[-1], count, raw, f.tail)) if done
                         else join((root_count, raw, f.tail))).digest())
         pages.append(stream.page_indices[done])
     if one_pass:
