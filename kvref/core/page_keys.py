@@ -69,11 +69,15 @@ class KeyHash:
     name: str
     new: Callable[[bytes], _Digest]
     digest_size: int
+    # ``new(message).digest()`` in one call, where the package has one: what
+    # keying a page as it fills calls (xxHash's costs half its constructor's)
+    one_shot: Callable[[bytes], bytes] | None = None
 
 
 SHA256 = KeyHash("sha256", hashlib.sha256, 32)
-# name -> (module, constructor, digest size, the extra that installs the module)
-_OPTIONAL = {"xxh3_128": ("xxhash", "xxh3_128", 16, "fast-hash")}
+# name -> (module, constructor, its one-shot digest, digest size, the extra
+# that installs the module)
+_OPTIONAL = {"xxh3_128": ("xxhash", "xxh3_128", "xxh3_128_digest", 16, "fast-hash")}
 # the names `KVConfig.page_key_hash` takes, the default first
 PAGE_KEY_HASHES = ("sha256", *_OPTIONAL)
 _LOADED: dict[str, KeyHash] = {"sha256": SHA256}
@@ -90,14 +94,14 @@ def key_hash_named(name: str) -> KeyHash:
     if not isinstance(name, str) or name not in _OPTIONAL:
         raise InvalidConfigError(
             f"KVConfig.page_key_hash must be one of {list(PAGE_KEY_HASHES)}, got {name!r}")
-    module, attr, size, extra = _OPTIONAL[name]
+    module, attr, one_shot, size, extra = _OPTIONAL[name]
     try:
-        new = getattr(importlib.import_module(module), attr)
+        mod = importlib.import_module(module)
     except ImportError as err:
         raise InvalidConfigError(
             f"KVConfig.page_key_hash={name!r} needs the {module!r} package: "
             f"pip install 'kvref[{extra}]' (or pip install {module})") from err
-    got = _LOADED[name] = KeyHash(name, new, size)
+    got = _LOADED[name] = KeyHash(name, getattr(mod, attr), size, getattr(mod, one_shot))
     return got
 
 
@@ -218,10 +222,15 @@ _PAGE_PACK = {n: struct.Struct(f"<{n}q") for n in (1, 8, 16, 32, 64, 128, 256)}
 
 
 def page_packer(page_size: int) -> Callable[..., bytes]:
-    """``pack(*ids)``: a page's ids as `token_bytes` encodes them, for ints
-    already checked to be plain ints (raises struct.error past 64 bits)."""
+    """``pack(*ids)``: ``page_size`` ids as `token_bytes` encodes them, for
+    ints already checked to be plain ints (raises struct.error past 64 bits
+    or for another count of ids)."""
     got = _PAGE_PACK.get(page_size)
-    return (got or struct.Struct(f"<{page_size}q")).pack
+    if got is None:
+        if len(_PAGE_PACK) >= 4096:
+            _PAGE_PACK.clear()  # bounded: sizes are a page's or less, a handful
+        got = _PAGE_PACK[page_size] = struct.Struct(f"<{page_size}q")
+    return got.pack
 
 
 def page_count_field(page_size: int) -> bytes:
