@@ -123,12 +123,13 @@ class KVConfig:
     unless given, None for no deadline (until `release_published`; R49).
 
     ``page_key_hash``: the hash of the prefix cache's page keys, one of
-    `PAGE_KEY_HASHES`: ``"sha256"`` (the default; cryptographic, so with
-    `KVReqConfig.cache_salt` no tenant can craft a collision with another's
-    prompt) or ``"xxh3_128"`` (xxHash, several times faster per page, not
-    collision resistant against a chosen input; ``pip install
-    'kvref[fast-hash]'``). The chain and the message hashed are the same;
-    only the digest differs (docs/concepts/shared-pages.md).
+    `PAGE_KEY_HASHES`: ``"sha256"`` (the default; cryptographic: nobody can
+    craft a prompt whose page key is another prompt's) or ``"xxh3_128"``
+    (xxHash, several times faster per page, not built to resist such a
+    crafted prompt; ``pip install 'kvref[fast-hash]'``). The chain and the
+    message hashed are the same; only the digest differs. Keys never cross
+    managers, so engines exchanging KV need not agree
+    (docs/concepts/shared-pages.md).
     """
 
     num_layers: int

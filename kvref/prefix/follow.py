@@ -20,6 +20,7 @@ Each function runs under the stream table's lock, which `KVManager` holds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 from collections.abc import Sequence, Set
@@ -53,8 +54,12 @@ def follow_tokens(table: StreamTable, rid: str, label: str, ids: Sequence[int]) 
         # page they begin is keyed from them as packed here, once (a chain
         # that stops short of the committed full pages, a received stream's,
         # keeps none: its pages are keyed the general way)
-        head = (prefix_hash.page_packer(stored - keyed)(*ids[keyed:stored])
-                if 0 < stored - keyed < ps else b"")
+        head = b""
+        # an id only `token_bytes` packs (a 0-d array, say) leaves none: that
+        # page is keyed as any other
+        with contextlib.suppress(struct.error, TypeError):
+            if 0 < stored - keyed < ps:
+                head = prefix_hash.page_packer(stored - keyed)(*ids[keyed:stored])
         stream.follow_with(FollowedTokens(rid, label, ids, space, tail, head, keyed), ps)
     return n
 
