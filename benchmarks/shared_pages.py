@@ -22,8 +22,12 @@ here asserts a time. CPU, one torch thread, the cyclic GC held off.
 - **Decode**: one decode step (a token for each of B requests holding
   100–500 tokens, as `benchmarks.control_plane`) with caching on, the engine
   naming a request's tokens (``cache_prefix``) each time its last page fills,
-  against caching off; also caching on with no tokens named. Interleaved per
-  step; ratio = median of per-step ratios.
+  against caching off; also caching on with no tokens named, and caching on
+  with each request's ids handed over once (``follow_tokens``) under each
+  page-key hash: SHA-256 (the default) and XXH3-128
+  (``KVConfig(page_key_hash="xxh3_128")``, a row only where the ``xxhash``
+  package is installed). Interleaved per step; ratio = median of per-step
+  ratios.
 - **Memory**: 16 requests whose prompts share a 1,024-token system prompt,
   each with 100 tokens of its own: the first computes and caches its prompt,
   the 15 others hit. Device pages held, against the same calls on a manager
@@ -53,6 +57,8 @@ from benchmarks import control_plane as cp
 from benchmarks.prefix_cache import CACHED, PAGE_SIZE, PROMPT, Pair, hashing, pair
 from kvref import KVConfig, KVManager, KVStep, Segment, StepContext
 from kvref.core.config import KVReqConfig
+from kvref.core.errors import InvalidConfigError
+from kvref.prefix.keys import key_hash_named
 
 SALT = "tenant-7"  # every request here is one tenant's: its pages hit each other
 FORK_TOKENS = (2048, 2057)  # whole pages, and a partial last page
@@ -68,12 +74,12 @@ def pages_for(tokens: int) -> int:
 
 def manager(sharing: bool, pages: int, *, layers: int = 1, kv_heads: int = 1,
             head_dim: int = 8, dtype: torch.dtype = torch.float32,
-            host_pages: int = 0) -> KVManager:
+            host_pages: int = 0, key_hash: str = "sha256") -> KVManager:
     """A CPU manager of ``pages`` usable pages (+ the sink), sharing on or off."""
     cfg = KVConfig(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                    max_seq_len=1 << 20, max_num_pages=pages + 1, page_size=PAGE_SIZE,
                    num_qo_heads=kv_heads, enable_prefix_caching=sharing,
-                   cpu_offload_pages=host_pages)
+                   cpu_offload_pages=host_pages, page_key_hash=key_hash)
     return KVManager(cfg, "kv", None, None, "cpu", dtype=dtype)
 
 
@@ -239,6 +245,23 @@ class DecodeRow:
     # the commits key the pages that fill
     followed_us: Spread
     followed_ratio: Spread  # followed / off, per step
+    # the same with the fast page-key hash (`FAST_HASH`); None where its
+    # package is not installed (or a run recorded before it was a choice)
+    fast_us: Spread | None = None
+    fast_ratio: Spread | None = None  # fast / off, per step
+
+
+# the fast page-key hash the decode rows measure beside SHA-256
+FAST_HASH = "xxh3_128"
+
+
+def fast_hash() -> str | None:
+    """`FAST_HASH` where its package is installed, else None (its rows left out)."""
+    try:
+        key_hash_named(FAST_HASH)
+    except InvalidConfigError:
+        return None
+    return FAST_HASH
 
 
 def bench_decode(batch: int, steps: int, warmup: int = 5) -> DecodeRow:
@@ -247,14 +270,18 @@ def bench_decode(batch: int, steps: int, warmup: int = 5) -> DecodeRow:
     total = steps + warmup
     tokens = {rid: token_ids(rng, n + total) for rid, n in lengths.items()}
     pages = sum(pages_for(n + total) for n in lengths.values()) + 1
+    fast = fast_hash()
     mgrs = [manager(True, pages), manager(True, pages), manager(False, pages),
             manager(True, pages)]
+    if fast is not None:  # the same as followed, keyed with the fast hash
+        mgrs.append(manager(True, pages, key_hash=fast))
     for mgr in mgrs:
         cp.prefill(mgr, lengths)
-    named, followed = mgrs[0], mgrs[3]
+    named = mgrs[0]
     for rid, n in lengths.items():
         named.cache_prefix(rid, "main", tokens[rid][:n])
-        followed.follow_tokens(rid, tokens[rid])  # ids past the committed are never read
+        for mgr in mgrs[3:]:
+            mgr.follow_tokens(rid, tokens[rid])  # ids past the committed are never read
     step = KVStep([Segment(rid, "main", 1) for rid in lengths])
     ctx = StepContext()
     length = dict(lengths)
@@ -270,13 +297,15 @@ def bench_decode(batch: int, steps: int, warmup: int = 5) -> DecodeRow:
                                    start=n - PAGE_SIZE)
                 calls[0] += 1
 
-    fns: list[Callable[[], None]] = [decode_named, lambda: run_step(mgrs[1], step, ctx),
-                                     lambda: run_step(mgrs[2], step, ctx),
-                                     lambda: run_step(followed, step, ctx)]
-    times: list[list[float]] = [[], [], [], []]
+    def stepper(mgr: KVManager) -> Callable[[], None]:
+        return lambda: run_step(mgr, step, ctx)
+
+    fns: list[Callable[[], None]] = [decode_named, *map(stepper, mgrs[1:])]
+    times: list[list[float]] = [[] for _ in fns]
+    forward = tuple(range(len(fns)))
     with no_gc():
         for i in range(total):
-            order = (0, 1, 2, 3) if i % 2 == 0 else (3, 2, 1, 0)
+            order = forward if i % 2 == 0 else forward[::-1]
             for j in order:
                 t0 = time.perf_counter()
                 fns[j]()
@@ -286,13 +315,16 @@ def bench_decode(batch: int, steps: int, warmup: int = 5) -> DecodeRow:
             if i == warmup - 1:
                 calls[0] = 0
     off = times[2]
-    for rid, n in length.items():  # both keyed every page that filled
-        assert named.cached_tokens(rid) == followed.cached_tokens(rid) == n // PAGE_SIZE * PAGE_SIZE
-    return DecodeRow(batch, steps, spread(off), spread(times[1]), spread(times[0]),
-                     spread([a / b for a, b in zip(times[1], off, strict=True)]),
-                     spread([a / b for a, b in zip(times[0], off, strict=True)]),
-                     calls[0] / steps, spread(times[3]),
-                     spread([a / b for a, b in zip(times[3], off, strict=True)]))
+    for rid, n in length.items():  # each keyed every page that filled
+        assert named.cached_tokens(rid) == n // PAGE_SIZE * PAGE_SIZE
+        assert all(mgr.cached_tokens(rid) == n // PAGE_SIZE * PAGE_SIZE for mgr in mgrs[3:])
+
+    def ratio(j: int) -> Spread:
+        return spread([a / b for a, b in zip(times[j], off, strict=True)])
+
+    return DecodeRow(batch, steps, spread(off), spread(times[1]), spread(times[0]), ratio(1),
+                     ratio(0), calls[0] / steps, spread(times[3]), ratio(3),
+                     *((spread(times[4]), ratio(4)) if fast is not None else ()))
 
 
 # -- memory ---------------------------------------------------------------------------
@@ -500,6 +532,10 @@ def tables(r: Results) -> str:
         rows.append([f"decode B={d.batch}, caching on, pages keyed by the commits "
                      "(follow_tokens), µs/step", _us(d.followed_us),
                      f"{_us(d.off_us)} (caching off)", _ratio(d.followed_ratio), "≤ 1.05"])
+        if d.fast_us is not None and d.fast_ratio is not None:
+            rows.append([f"decode B={d.batch}, caching on, pages keyed by the commits "
+                         f"(follow_tokens), {FAST_HASH} keys, µs/step", _us(d.fast_us),
+                         f"{_us(d.off_us)} (caching off)", _ratio(d.fast_ratio), "≤ 1.05"])
         rows.append([f"decode B={d.batch}, caching on, tokens named "
                      f"({d.cache_calls_per_step:.1f} cache_prefix/step), µs/step",
                      _us(d.named_us), f"{_us(d.off_us)} (caching off)",

@@ -38,6 +38,7 @@ from kvref.core.cache import KVCache
 from kvref.core.config import KVConfig, KVReqConfig, KVSpec
 from kvref.core.errors import StepInFlightError, StreamUnavailableError
 from kvref.core.labels import behaviours_of
+from kvref.core.page_keys import key_hash_named
 from kvref.core.page_pool import PagePool, ResetRefused
 from kvref.core.resource import CGSlotSpec, EngineResourceInfo, ProcessGroups
 from kvref.core.runtime import Runtime, default_runtime, monotonic, shared
@@ -115,7 +116,8 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         self.kv_cache = KVCache(cfg, self._device, dtype, tensor=tensor, runtime=self._runtime)
         # page 0, the sink, is reserved: never handed out, never shared
         self._pages = PagePool(cfg.max_num_pages, cfg.page_size, reserved=SINK_PAGE + 1,
-                               runtime=self._runtime, name="device pages")
+                               runtime=self._runtime, name="device pages",
+                               key_hash=key_hash_named(cfg.page_key_hash))
         self._transfer = KVTransferManager(info, self.kv_cache, runtime=self._runtime)
         # the shared containers come through the runtime seam: plain ones in
         # production, the race detector's in the tests

@@ -56,6 +56,11 @@ def test_json_structure_and_timings_are_well_formed(
                   "followed_ratio"):
             check_spread(d[k])
         assert d["cache_calls_per_step"] > 0  # the engine named tokens as pages filled
+        if sp.fast_hash() is not None:  # the fast page-key hash's row, where installed
+            check_spread(d["fast_us"])
+            check_spread(d["fast_ratio"])
+        else:
+            assert d["fast_us"] is None
 
 
 def test_a_copy_on_write_fork_copies_at_most_one_page(

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvref.core.errors import InvalidConfigError
+from kvref.core.page_keys import PAGE_KEY_HASHES, key_hash_named
 
 if TYPE_CHECKING:
     from kvref.core.groups import AttentionGroup
@@ -124,6 +125,15 @@ class KVConfig:
     ``publish_lease_s``: seconds a `publish` lease pins the request's pages
     before it expires on its own (R34); `DEFAULT_PUBLISH_LEASE_S` (480 s)
     unless given, None for no deadline (until `release_published`; R49).
+
+    ``page_key_hash``: the hash of the prefix cache's page keys, one of
+    `PAGE_KEY_HASHES`: ``"sha256"`` (the default; cryptographic: nobody can
+    craft a prompt whose page key is another prompt's) or ``"xxh3_128"``
+    (xxHash, several times faster per page, not built to resist such a
+    crafted prompt; ``pip install 'kvref[fast-hash]'``). The chain and the
+    message hashed are the same; only the digest differs. Keys never cross
+    managers, so engines exchanging KV need not agree
+    (docs/concepts/shared-pages.md).
     """
 
     num_layers: int
@@ -152,6 +162,9 @@ class KVConfig:
     # a set of layers of one type whose pages hold only those layers. Empty:
     # one full-attention group of every layer, each page all of them
     groups: Sequence[AttentionGroup] = ()
+    # the prefix cache's page-key hash (`PAGE_KEY_HASHES`): SHA-256 unless an
+    # engine that needs no cryptographic keys asks for the fast one
+    page_key_hash: str = "sha256"
     # the tensor-parallel degree the head counts were divided by; 1 = unsharded
     sharded_by: int = field(default=1, init=False)
 
@@ -204,6 +217,11 @@ class KVConfig:
             raise InvalidConfigError(
                 "KVConfig.retention names label windows; with groups, give each group its "
                 "retention (AttentionGroup.retention) instead")
+        if not isinstance(self.page_key_hash, str) or self.page_key_hash not in PAGE_KEY_HASHES:
+            raise InvalidConfigError(
+                f"KVConfig.page_key_hash must be one of {list(PAGE_KEY_HASHES)}, got "
+                f"{self.page_key_hash!r}")
+        key_hash_named(self.page_key_hash)  # its package missing: the extra to install
         lease = self.publish_lease_s
         if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
                                   or not lease > 0):

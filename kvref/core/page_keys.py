@@ -1,10 +1,12 @@
-"""Chained SHA-256 keys of full pages of tokens, for the prefix cache.
+"""Chained keys of full pages of tokens, for the prefix cache.
 
-A page's key is ``SHA-256(message)``, 32 bytes, where the message is, in
-order (integers are unsigned 64-bit little-endian unless said otherwise):
+A page's key is ``H(message)``, where ``H`` is the manager's page-key hash
+(`KVConfig.page_key_hash`): SHA-256 (32 bytes) by default, or xxHash's
+XXH3-128 (16 bytes, `KeyHash`), and the message is, in order (integers are
+unsigned 64-bit little-endian unless said otherwise):
 
 1. the parent: ``b"\\x00"`` for a stream's first page, else ``b"\\x01"``
-   followed by the previous page's 32-byte key;
+   followed by the previous page's key;
 2. the page's token count, then each token id as a *signed* 64-bit
    little-endian integer (the bytes of ``array("q")``, or of a numpy integer
    array cast to ``"<i8"``): no pickling, no ``repr``;
@@ -18,24 +20,29 @@ Every field is fixed-size or length-prefixed, so the message is parsed back
 uniquely: two different (parent, tokens, extras) never give one message,
 and ``(("lora", "a"), ("salt", "bc"))`` never encodes like
 ``(("lora", "ab"), ("salt", "c"))`` (vLLM 44701 joined untagged extra keys
-into one tuple). A collision of two keys is then a SHA-256 collision.
+into one tuple). A collision of two keys is then a collision of ``H``:
+for SHA-256 one nobody can construct; XXH3-128 is not built to resist one
+crafted on purpose (docs/concepts/shared-pages.md, "Choosing the page-key hash").
 Because each key covers its parent's, a key names the whole prefix: a page
-hits only under the same tokens before it, and the same extra keys.
+hits only under the same tokens before it, and the same extra keys. Only
+``H`` differs between the hashes: the message is the same bytes.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
-from kvref.core.errors import InvalidArgumentError
+from kvref.core.errors import InvalidArgumentError, InvalidConfigError
 
-DIGEST_SIZE = 32
+DIGEST_SIZE = 32  # SHA-256's, the default hash's; `KeyHash.digest_size` per hash
 PageKey = bytes
 ExtraValue = str | bytes | int
 ExtraKeys = Sequence[tuple[str, ExtraValue]]
@@ -45,6 +52,57 @@ _ROOT = b"\x00"
 _CHILD = b"\x01"
 # the parent field's prefixes, for a caller that builds a page's message itself
 ROOT_FIELD, CHILD_FIELD = _ROOT, _CHILD
+
+
+class _Digest(Protocol):
+    def digest(self) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class KeyHash:
+    """A page-key hash: ``new(message).digest()`` is a page's key.
+
+    The hashlib-style constructor, not a one-shot function, because SHA-256
+    has none: a wrapper would cost the default a Python call per page, and
+    the loops that key pages call ``new`` directly."""
+
+    name: str
+    new: Callable[[bytes], _Digest]
+    digest_size: int
+    # ``new(message).digest()`` in one call, where the package has one: what
+    # keying a page as it fills calls (xxHash's costs half its constructor's)
+    one_shot: Callable[[bytes], bytes] | None = None
+
+
+SHA256 = KeyHash("sha256", hashlib.sha256, 32)
+# name -> (module, constructor, its one-shot digest, digest size, the extra
+# that installs the module)
+_OPTIONAL = {"xxh3_128": ("xxhash", "xxh3_128", "xxh3_128_digest", 16, "fast-hash")}
+# the names `KVConfig.page_key_hash` takes, the default first
+PAGE_KEY_HASHES = ("sha256", *_OPTIONAL)
+_LOADED: dict[str, KeyHash] = {"sha256": SHA256}
+
+
+def key_hash_named(name: str) -> KeyHash:
+    """The page-key hash named ``name`` (one of `PAGE_KEY_HASHES`).
+
+    `InvalidConfigError` for another name, naming the choices, and for a
+    hash whose package is not installed, naming the extra that installs it."""
+    got = _LOADED.get(name) if isinstance(name, str) else None
+    if got is not None:
+        return got
+    if not isinstance(name, str) or name not in _OPTIONAL:
+        raise InvalidConfigError(
+            f"KVConfig.page_key_hash must be one of {list(PAGE_KEY_HASHES)}, got {name!r}")
+    module, attr, one_shot, size, extra = _OPTIONAL[name]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as err:
+        raise InvalidConfigError(
+            f"KVConfig.page_key_hash={name!r} needs the {module!r} package: "
+            f"pip install 'kvref[{extra}]' (or pip install {module})") from err
+    got = _LOADED[name] = KeyHash(name, getattr(mod, attr), size, getattr(mod, one_shot))
+    return got
 
 
 def _u64(n: int) -> bytes:
@@ -206,10 +264,15 @@ _PAGE_PACK = {n: struct.Struct(f"<{n}q") for n in (1, 8, 16, 32, 64, 128, 256)}
 
 
 def page_packer(page_size: int) -> Callable[..., bytes]:
-    """``pack(*ids)``: a page's ids as `token_bytes` encodes them, for ints
-    already checked to be plain ints (raises struct.error past 64 bits)."""
+    """``pack(*ids)``: ``page_size`` ids as `token_bytes` encodes them, for
+    ints already checked to be plain ints (raises struct.error past 64 bits
+    or for another count of ids)."""
     got = _PAGE_PACK.get(page_size)
-    return (got or struct.Struct(f"<{page_size}q")).pack
+    if got is None:
+        if len(_PAGE_PACK) >= 4096:
+            _PAGE_PACK.clear()  # bounded: sizes are a page's or less, a handful
+        got = _PAGE_PACK[page_size] = struct.Struct(f"<{page_size}q")
+    return got.pack
 
 
 def page_count_field(page_size: int) -> bytes:
@@ -217,26 +280,27 @@ def page_count_field(page_size: int) -> bytes:
     return _u64(page_size)
 
 
-def _parent_field(parent: PageKey | None) -> bytes:
+def _parent_field(parent: PageKey | None, h: KeyHash = SHA256) -> bytes:
     if parent is None:
         return _ROOT
-    if not isinstance(parent, bytes) or len(parent) != DIGEST_SIZE:
+    if not isinstance(parent, bytes) or len(parent) != h.digest_size:
         raise InvalidArgumentError(
-            f"a parent key is the {DIGEST_SIZE}-byte key of the previous page, got "
-            f"{parent!r:.80}")
+            f"a parent key is the {h.digest_size}-byte {h.name} key of the previous page, "
+            f"got {parent!r:.80}")
     return _CHILD + parent
 
 
-def page_key(parent: PageKey | None, tokens: Tokens, extras: ExtraKeys = ()) -> PageKey:
+def page_key(parent: PageKey | None, tokens: Tokens, extras: ExtraKeys = (), *,
+             key_hash: KeyHash = SHA256) -> PageKey:
     """The key of one page holding `tokens`, after the page keyed `parent`."""
     tb = token_bytes(tokens)
-    return hashlib.sha256(b"".join((_parent_field(parent), _u64(len(tb) // 8), tb,
-                                    encode_extras(extras)))).digest()
+    return key_hash.new(b"".join((_parent_field(parent, key_hash), _u64(len(tb) // 8), tb,
+                                  encode_extras(extras)))).digest()
 
 
 def _chain_setup(tokens: Tokens, page_size: int, extras: ExtraKeys,
-                 parent: PageKey | None, pages: int | None, encoded: bytes | None
-                 ) -> tuple[int, memoryview, bytes, bytes, int, bytes]:
+                 parent: PageKey | None, pages: int | None, encoded: bytes | None,
+                 h: KeyHash) -> tuple[int, memoryview, bytes, bytes, int, bytes]:
     """What hashing a chain needs: the number of pages, the ids encoded once
     (only what is hashed), the count and extras fields, the page's byte
     length, and the first page's parent field."""
@@ -249,37 +313,39 @@ def _chain_setup(tokens: Tokens, page_size: int, extras: ExtraKeys,
     if n == 0:
         return 0, memoryview(b""), b"", b"", 8 * page_size, b""  # nothing to hash
     tb = memoryview(token_bytes(tokens[:n * page_size]) if encoded is None else encoded)
-    return n, tb, _u64(page_size), encode_extras(extras), 8 * page_size, _parent_field(parent)
+    return (n, tb, _u64(page_size), encode_extras(extras), 8 * page_size,
+            _parent_field(parent, h))
 
 
 def iter_page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
                    parent: PageKey | None = None, pages: int | None = None,
-                   encoded: bytes | None = None) -> Iterator[PageKey]:
+                   encoded: bytes | None = None, key_hash: KeyHash = SHA256
+                   ) -> Iterator[PageKey]:
     """The chained keys of the whole pages of `tokens` (at most `pages` of
     them), lazily: a caller that stops at the first miss hashes no further.
     The tokens and the extra keys are encoded once for the whole chain;
     ``encoded``: `token_bytes` of `tokens`, where the caller has it already."""
     n, tb, count, tail, step, prev = _chain_setup(tokens, page_size, extras, parent, pages,
-                                                  encoded)
-    sha, join = hashlib.sha256, b"".join
+                                                  encoded, key_hash)
+    new, join = key_hash.new, b"".join
     for i in range(0, n * step, step):
-        key = sha(join((prev, count, tb[i:i + step], tail))).digest()
+        key = new(join((prev, count, tb[i:i + step], tail))).digest()
         yield key
         prev = _CHILD + key
 
 
 def page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
               parent: PageKey | None = None, pages: int | None = None,
-              encoded: bytes | None = None) -> list[PageKey]:
+              encoded: bytes | None = None, key_hash: KeyHash = SHA256) -> list[PageKey]:
     """`iter_page_keys` as a list: what an engine computes once per prompt
     (one loop, no generator to resume per page: a fifth less per prompt)."""
     n, tb, count, tail, step, prev = _chain_setup(tokens, page_size, extras, parent, pages,
-                                                  encoded)
-    sha, join, child = hashlib.sha256, b"".join, _CHILD
+                                                  encoded, key_hash)
+    new, join, child = key_hash.new, b"".join, _CHILD
     out: list[PageKey] = []
     add = out.append
     for i in range(0, n * step, step):
-        key = sha(join((prev, count, tb[i:i + step], tail))).digest()
+        key = new(join((prev, count, tb[i:i + step], tail))).digest()
         add(key)
         prev = child + key
     return out
@@ -287,17 +353,18 @@ def page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
 
 def cached_head(index: Mapping[PageKey, int], tokens: Tokens, page_size: int,
                 extras: ExtraKeys = (), *, pages: int | None = None,
-                encoded: bytes | None = None) -> tuple[list[int], list[PageKey]]:
+                encoded: bytes | None = None, key_hash: KeyHash = SHA256
+                ) -> tuple[list[int], list[PageKey]]:
     """The longest run of `tokens`' first pages (at most `pages`) whose keys
     ``index`` maps: the pages it maps them to, and the keys. Hashed page by
     page, stopping at the first miss, as a walk of `iter_page_keys` would."""
     n, tb, count, tail, step, prev = _chain_setup(tokens, page_size, extras, None, pages,
-                                                  encoded)
-    sha, join, child, find = hashlib.sha256, b"".join, _CHILD, index.get
+                                                  encoded, key_hash)
+    new, join, child, find = key_hash.new, b"".join, _CHILD, index.get
     found: list[int] = []
     keys: list[PageKey] = []
     for i in range(0, n * step, step):
-        key = sha(join((prev, count, tb[i:i + step], tail))).digest()
+        key = new(join((prev, count, tb[i:i + step], tail))).digest()
         p = find(key)
         if p is None:
             break
@@ -307,9 +374,10 @@ def cached_head(index: Mapping[PageKey, int], tokens: Tokens, page_size: int,
     return found, keys
 
 
-def next_page_key(parent: PageKey | None, encoded: bytes, extras: ExtraKeys = ()) -> PageKey:
+def next_page_key(parent: PageKey | None, encoded: bytes, extras: ExtraKeys = (), *,
+                  key_hash: KeyHash = SHA256) -> PageKey:
     """The key of the one page whose ids `encoded` holds (`token_bytes`),
     after the page keyed `parent`: `page_key` without encoding the ids again,
     for a page that just filled (`KVManager.cache_prefixes`)."""
-    return hashlib.sha256(b"".join((_parent_field(parent), _u64(len(encoded) // 8), encoded,
-                                    encode_extras(extras)))).digest()
+    return key_hash.new(b"".join((_parent_field(parent, key_hash), _u64(len(encoded) // 8),
+                                  encoded, encode_extras(extras)))).digest()

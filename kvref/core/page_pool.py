@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from kvref.core import page_keys
 from kvref.core.errors import InvalidArgumentError, KVRefError
-from kvref.core.page_keys import ExtraKeys, PageKey, Tokens
+from kvref.core.page_keys import SHA256, ExtraKeys, KeyHash, PageKey, Tokens
 from kvref.core.refusals import AllocationFailed
 from kvref.core.runtime import Runtime, default_runtime, shared
 
@@ -202,13 +202,17 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int, page_size: int, *, reserved: int = 1,
-                 runtime: Runtime | None = None, name: str = "pages") -> None:
+                 runtime: Runtime | None = None, name: str = "pages",
+                 key_hash: KeyHash = SHA256) -> None:
         if page_size <= 0 or not 0 <= reserved < num_pages:
             raise InvalidArgumentError(
                 f"PagePool needs page_size > 0 and 0 <= reserved < num_pages, got "
                 f"page_size={page_size}, reserved={reserved}, num_pages={num_pages}")
         rt = runtime if runtime is not None else default_runtime()
         self.num_pages, self.page_size, self.first = num_pages, page_size, reserved
+        # the hash of every key this pool holds (`KVConfig.page_key_hash`): the
+        # prefix cache's callers hash with it too, so a key is one hash's only
+        self.key_hash = key_hash
         self._lock = rt.lock()
         # None, one bare owner, or a set of two or more (Any: an owner is any
         # hashable, and mypy cannot tell a bare one from a set by `type(h) is set`)
@@ -468,7 +472,7 @@ class PagePool:
             raise PageRegisterError(f"page {page}: {len(tokens)} tokens; only a full page "
                                     f"({self.page_size}) is registered")
         if key is None:
-            key = page_keys.page_key(parent, tokens, extras)
+            key = page_keys.page_key(parent, tokens, extras, key_hash=self.key_hash)
         with self._lock:
             if self._holders[page] is None:
                 raise PageRegisterError(f"page {page} is free: it holds nothing committed")
@@ -812,4 +816,4 @@ class PagePool:
             page_keys.check_ids(tokens)  # before its length is read
         return page_keys.cached_head(self._index, tokens, self.page_size, extras,
                                      pages=self._cacheable_pages(len(tokens)),
-                                     encoded=encoded)
+                                     encoded=encoded, key_hash=self.key_hash)

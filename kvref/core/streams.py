@@ -22,7 +22,7 @@ import enum
 import sys
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,14 @@ class FollowedTokens:
     ids: Sequence[int]
     space: str | None
     tail: bytes
+    # the ids of the committed tokens past the chain's last full page at
+    # hand-over, from token ``head_at``, as checked and packed then
+    # (`token_bytes`): the page they begin is keyed from these bytes and the
+    # ids appended since, not from all its ids checked and packed again. Any
+    # cut of the chain drops them (`CacheStream._chain_cut`): a truncate may
+    # let the engine decide those tokens again
+    head: bytes = b""
+    head_at: int = 0
 
 
 class CacheStream:
@@ -465,6 +473,9 @@ class CacheStream:
 
     def _chain_cut(self) -> None:
         # the chain may end before ``key_at`` now: the next commit looks
+        f = self.follow
+        if f is not None and f.head:
+            self.follow = replace(f, head=b"")  # may name cut tokens
         self.key_at = NEVER if self.follow is None else 0
 
     @staticmethod

@@ -15,7 +15,6 @@ Each function runs under the stream table's lock, which `KVManager` holds.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections.abc import Callable, Sequence, Set
 from operator import countOf
@@ -136,7 +135,8 @@ def match_prefix_groups(table: StreamTable, rid: str, labels: Sequence[str],
     cached: list[list[int | None]] = []
     for lb in labels:
         extras = extras_for(table, rid, streams[lb].space or lb)
-        keys = prefix_hash.page_keys(tokens, ps, extras, pages=most, encoded=raw)
+        keys = prefix_hash.page_keys(tokens, ps, extras, pages=most, encoded=raw,
+                                     key_hash=table.pages.key_hash)
         chains.append(keys)
         cached.append([table.pages.cached_page(k) for k in keys])
 
@@ -251,7 +251,8 @@ def _pages_that_filled(table: StreamTable, todo: list[_Todo | None]) -> list[int
             return None  # a window passed the page: the general path keys the chain only
         parent = stream.keys[-1] if stream.keys else None
         keyed.append((stream, raw, prefix_hash.next_page_key(
-            parent, raw, extras_for(table, rid, stream.space or label))))
+            parent, raw, extras_for(table, rid, stream.space or label),
+            key_hash=table.pages.key_hash)))
     made = key_filled(table, [st for st, _, _ in keyed], [raw for _, raw, _ in keyed],
                        [key for _, _, key in keyed],
                        [st.page_indices[len(st.keys) - st.released // ps]
@@ -304,7 +305,8 @@ def one_page_each(table: StreamTable, calls: Sequence[object],
     raws: list[bytes] = []
     keys: list[PageKey] = []
     pages: list[int] = []
-    sha, join = hashlib.sha256, b"".join
+    # the pool's hash (`KVConfig.page_key_hash`), its constructor called per page
+    new, join = table.pages.key_hash.new, b"".join
     # the label of the entry before, found cacheable (a batch names one
     # label, the same object, throughout), and the encoding of its extra
     # keys for a request with none of its own
@@ -354,7 +356,7 @@ def one_page_each(table: StreamTable, calls: Sequence[object],
             slot = done - stream.released // ps  # page_indices starts at the window
             if slot < 0:
                 return None  # a window passed the page: the general path keys the chain
-            keys.append(sha(join((child, chain[-1], count, raw, tail)) if done
+            keys.append(new(join((child, chain[-1], count, raw, tail)) if done
                             else join((root_count, raw, tail))).digest())
             pages.append(stream.page_indices[slot])
     except (KeyError, TypeError, ValueError, struct.error):
@@ -452,7 +454,7 @@ def _register(table: StreamTable, todo: _Todo) -> int:
         # the page that just filled, named alone (a decode step's): one hash
         # of the bytes as given, no slicing of the ids
         key = prefix_hash.next_page_key(stream.keys[-1] if stream.keys else None, raw,
-                                        extras)
+                                        extras, key_hash=table.pages.key_hash)
         done, keyed_now, err = table.pages.register_chain(
             stream.page_indices[len(stream.keys) - off:full - off], [key])
         # on a failure the key it gave stays, and no token ids are added
@@ -464,7 +466,8 @@ def _register(table: StreamTable, todo: _Todo) -> int:
     fresh_raw = raw[(keyed - start) * 8:(full * ps - start) * 8]
     parent = stream.keys[-1] if stream.keys else None
     # hashed from the bytes already checked above, not encoded again
-    new_keys = prefix_hash.page_keys(fresh, ps, extras, parent=parent, encoded=fresh_raw)
+    new_keys = prefix_hash.page_keys(fresh, ps, extras, parent=parent, encoded=fresh_raw,
+                                     key_hash=table.pages.key_hash)
     # one pass under the pool's lock for the whole run of pages
     done, keyed_now, err = table.pages.register_chain(
         stream.page_indices[len(stream.keys) - off:full - off], new_keys)
@@ -488,17 +491,19 @@ def _register_past_window(table: StreamTable, todo: _Todo, extras: ExtraKeys,
     upto = min(off, (start + len(raw) // 8) // ps)
     ids = raw[(keyed * ps - start) * 8:(upto * ps - start) * 8]
     parent = stream.keys[-1] if stream.keys else None
-    stream.extend_chain(_chain_of(ids, ps, extras, parent), ids)
+    stream.extend_chain(_chain_of(table, ids, extras, parent), ids)
     if (start + len(raw) // 8) // ps <= off:
         return 0
     return _register(table, (stream, rid, label, tokens, raw, start))
 
 
-def _chain_of(ids: bytes, ps: int, extras: ExtraKeys, parent: PageKey | None
+def _chain_of(table: StreamTable, ids: bytes, extras: ExtraKeys, parent: PageKey | None
               ) -> list[PageKey]:
-    keys: list[PageKey] = []
-    for i in range(0, len(ids), 8 * ps):
-        parent = prefix_hash.next_page_key(parent, ids[i:i + 8 * ps], extras)
+    """The chained keys of the whole pages whose ids ``ids`` holds, packed."""
+    step, keys = 8 * table.page_size, []
+    for i in range(0, len(ids), step):
+        parent = prefix_hash.next_page_key(parent, ids[i:i + step], extras,
+                                           key_hash=table.pages.key_hash)
         keys.append(parent)
     return keys
 

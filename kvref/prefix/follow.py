@@ -20,7 +20,7 @@ Each function runs under the stream table's lock, which `KVManager` holds.
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import logging
 import struct
 from collections.abc import Sequence, Set
@@ -51,7 +51,18 @@ def follow_tokens(table: StreamTable, rid: str, label: str, ids: Sequence[int]) 
         # would only make every commit look at it for nothing
         space = stream.space
         tail = prefix_hash.encode_extras(prefix_cache.extras_for(table, rid, space or label))
-        stream.follow_with(FollowedTokens(rid, label, ids, space, tail), table.page_size)
+        ps, keyed, stored = table.page_size, len(stream.keys) * table.page_size, stream.stored_len
+        # the committed ids past the chain, checked by that cache_prefix: the
+        # page they begin is keyed from them as packed here, once (a chain
+        # that stops short of the committed full pages, a received stream's,
+        # keeps none: its pages are keyed the general way)
+        head = b""
+        # an id only `token_bytes` packs (a 0-d array, say) leaves none: that
+        # page is keyed as any other
+        with contextlib.suppress(struct.error, TypeError):
+            if 0 < stored - keyed < ps:
+                head = prefix_hash.page_packer(stored - keyed)(*ids[keyed:stored])
+        stream.follow_with(FollowedTokens(rid, label, ids, space, tail, head, keyed), ps)
     return n
 
 
@@ -64,7 +75,10 @@ def key_followed(table: StreamTable, due: list[CacheStream],
     `cache_prefix` would key it."""
     ps = table.page_size
     pack, count, root_count = prefix_cache.page_fields(ps)
-    child, sha, join = prefix_hash.CHILD_FIELD, hashlib.sha256, b"".join
+    # the pool's hash (`KVConfig.page_key_hash`): its one-shot digest where
+    # it has one, else its constructor's
+    h = table.pages.key_hash
+    child, new, one_shot, join = prefix_hash.CHILD_FIELD, h.new, h.one_shot, b"".join
     looked: list[CacheStream] = []
     filled: list[CacheStream] = []
     raws: list[bytes] = []
@@ -93,22 +107,33 @@ def key_followed(table: StreamTable, due: list[CacheStream],
             # (the last: a window passed the page; `cache_prefix` keys the chain)
             one_pass = False
             continue
-        tokens = ids[start:start + ps]
+        head = f.head
+        if head and start == f.head_at:
+            # the page the hand-over's ids began: only the ids appended since
+            # are checked and packed
+            have = len(head) // 8
+            tokens = ids[start + have:start + ps]
+            fresh, pk = ps - have, prefix_hash.page_packer(ps - have)
+        else:
+            tokens, fresh, pk = ids[start:start + ps], ps, pack
         try:
-            raw = pack(*tokens)
+            raw = pk(*tokens)
         except struct.error:
             one_pass = False  # too few ids, or not 64-bit ints: said below
             continue
         # a bool packs as 0 or 1: only where an id's low byte is 0 or 1 are
         # the types counted (as `cache_prefix`'s one-pass path)
-        if len(raw[::8].translate(None, b"\x00\x01")) != ps and (
-                sum(type(t) is int for t in tokens) != ps):
+        if len(raw[::8].translate(None, b"\x00\x01")) != fresh and (
+                sum(type(t) is int for t in tokens) != fresh):
             one_pass = False
             continue
+        if fresh != ps:
+            raw = head + raw
         filled.append(stream)
         raws.append(raw)
-        keys.append(sha(join((child, chain[-1], count, raw, f.tail)) if done
-                        else join((root_count, raw, f.tail))).digest())
+        msg = (join((child, chain[-1], count, raw, f.tail)) if done
+               else join((root_count, raw, f.tail)))
+        keys.append(one_shot(msg) if one_shot is not None else new(msg).digest())
         pages.append(stream.page_indices[done - stream.released // ps])
     if one_pass:
         if filled:

@@ -4,13 +4,17 @@ module keeps the import path engines and the docs use."""
 
 from kvref.core.page_keys import (
     DIGEST_SIZE,
+    PAGE_KEY_HASHES,
+    SHA256,
     ExtraKeys,
     ExtraValue,
+    KeyHash,
     PageKey,
     Tokens,
     check_ids,
     encode_extras,
     iter_page_keys,
+    key_hash_named,
     next_page_key,
     page_key,
     page_keys,
@@ -18,6 +22,7 @@ from kvref.core.page_keys import (
 )
 
 __all__ = [
-    "DIGEST_SIZE", "ExtraKeys", "ExtraValue", "PageKey", "Tokens", "check_ids", "encode_extras",
-    "iter_page_keys", "next_page_key", "page_key", "page_keys", "token_bytes",
+    "DIGEST_SIZE", "PAGE_KEY_HASHES", "SHA256", "ExtraKeys", "ExtraValue", "KeyHash",
+    "PageKey", "Tokens", "check_ids", "encode_extras", "iter_page_keys", "key_hash_named",
+    "next_page_key", "page_key", "page_keys", "token_bytes",
 ]

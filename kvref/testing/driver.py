@@ -156,6 +156,9 @@ class DriverConfig:
     # the driver issues: kvref's own tests hold admission's fast path to the
     # general rules there (tests/support/admission_check.py)
     before_admit: Callable[[ManagerUnderTest, KVStep, StepContext], None] | None = None
+    # `KVConfig.page_key_hash` of the manager under test: the model's keys
+    # are abstract, so every hash must pass the same lockstep
+    page_key_hash: str = "sha256"
 
 
 # the KVRefError kinds an injected fault surfaces as: a fault, not a misuse
@@ -209,6 +212,7 @@ class Driver:
             # each windowed label of the scope, with its rollback margin
             retention={label_name(i): RetentionPolicy(w, scope.margin(i))
                        for i, w in enumerate(scope.windows) if w is not None},
+            page_key_hash=self.config.page_key_hash,
         )
         self.kv = self.config.factory(
             cfg=self.cfg, name="kv", joint_comm_group=None,

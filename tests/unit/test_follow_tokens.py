@@ -6,6 +6,7 @@ pin its contract at the manager."""
 from __future__ import annotations
 
 import logging
+import struct
 from typing import Any
 
 import pytest
@@ -223,3 +224,64 @@ def test_with_the_cache_off_or_a_windowed_label_nothing_is_followed() -> None:
     assert not _followed(mgr, "a")
     drv.step([("a", "main", 4)])
     assert mgr.cached_tokens("a") == 0
+
+
+def test_the_handed_over_partial_page_is_not_packed_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The committed ids past the chain at hand-over were checked and packed
+    then: the page they begin is keyed from those bytes and only the ids
+    appended since are packed (issue 42). A truncate into that page drops
+    them: the engine decides those tokens again, and the page is keyed from
+    its new ids, as a `cache_prefix` of them keys it."""
+    (mgr, drv), (ref, rdrv) = _mgr(), _mgr()
+    for d in (drv, rdrv):
+        d.ingest("a", "b")
+        d.step([("a", "main", 6), ("b", "main", 6)])
+    a_ids, b_ids = list(IDS["a"][:6]), list(IDS["b"][:6])
+    mgr.follow_tokens("a", a_ids)
+    mgr.follow_tokens("b", b_ids)
+    heads = {r: mgr._streams[r]["main"].follow for r in ("a", "b")}
+    assert [(f.head, f.head_at) for f in heads.values() if f is not None] == [
+        (struct.pack("<2q", *IDS[r][4:6]), 4) for r in ("a", "b")]
+    packed: list[int] = []
+    real = follow.prefix_hash.page_packer
+
+    def counting(n: int) -> Any:
+        if n < PS:  # a part of a page (a whole page's packer is built once, kept)
+            packed.append(n)
+        return real(n)
+
+    monkeypatch.setattr(follow.prefix_hash, "page_packer", counting)
+    # b: truncated into its partial page, then decided otherwise
+    mgr.truncate("b", "main", 5)
+    ref.truncate("b", "main", 5)
+    del drv.model[("b", "main")][5:], rdrv.model[("b", "main")][5:]
+    del b_ids[5:]
+    assert mgr._streams["b"]["main"].follow.head == b""  # type: ignore[union-attr]
+    b_ids.append(7)
+    for d in (drv, rdrv):
+        d.step([("b", "main", 1)])
+    a_ids += IDS["a"][6:8]
+    b_ids += [8, 9]
+    for d in (drv, rdrv):
+        d.step([("a", "main", 2), ("b", "main", 2)])
+    # a: only the two ids appended since; b's head went with the truncate,
+    # so its page was packed whole (by the page's own packer, not counted)
+    assert packed == [2]
+    ref.cache_prefix("a", "main", a_ids)
+    ref.cache_prefix("b", "main", b_ids)
+    assert _state(mgr) == _state(ref)
+    # a decode step of one token filling a handed-over page
+    c_ids = list(IDS["c"][:7])
+    for d in (drv, rdrv):
+        d.ingest("c")
+        d.step([("c", "main", 7)])
+    mgr.follow_tokens("c", c_ids)
+    c_ids.append(IDS["c"][7])
+    for d in (drv, rdrv):
+        d.step([("c", "main", 1)])
+    # c: its three committed ids past the chain packed once, at hand-over;
+    # then the one id appended, not the page's four
+    assert packed == [2, 3, 1]
+    ref.cache_prefix("c", "main", c_ids)
+    assert _state(mgr) == _state(ref) and mgr.cached_tokens("c") == 8
