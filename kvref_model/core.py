@@ -631,6 +631,7 @@ class Model:
     R35_stale_retrieve_latched = True
     R50_lease_refuses_in_place_writes = True
     R70_lease_holds_the_window = True
+    R71_lease_keeps_its_pages = True
     R41_preplan_over_running_step = True
     R42_promotion_checks_basis = True
     R43_shared_marks = True
@@ -1083,6 +1084,13 @@ class Model:
         if self.R70_lease_holds_the_window and any(
                 self.releases_published(base, a.step, r) for r in s.leases):
             # R70: its commit would release window pages a peer may be copying
+            return Refused("PublishLeased"), s
+        if self.R71_lease_keeps_its_pages and self.scope.sharing and (
+                self.S18_append_copies_on_write) and any(
+                g.rid in s.leases and g.span and self.part_shared(s.pool, (g.rid, g.label),
+                                                                 st.get((g.rid, g.label)))
+                for g in a.step.segments):
+            # R71: its copy-on-write (S18) would give back a page the lease names
             return Refused("PublishLeased"), s
         shares: dict[Key, int] | None = (
             {} if self.scope.sharing and not a.preplan and self.S19_fork_shares_full_pages
@@ -1734,6 +1742,14 @@ class Model:
             return Misuse("StepInFlightError"), s
         if v.offload != RESIDENT:
             return Refused("RequestOffloading"), s
+        # its copy-on-write of a shared part page (W11, S18, R52)
+        cow = self.scope.sharing and self.S18_append_copies_on_write and self.part_shared(
+            s.pool, k, v)
+        if self.R71_lease_keeps_its_pages and a.rid in s.leases and (cow or any(
+                v.table[:min(self.retired_slots(a.label, a.length), self.need(v.stored_len))])):
+            # R71: the window's release (W16) or the copy-on-write would give
+            # back a page the lease names, which a peer may still be copying
+            return Refused("PublishLeased"), s
         if a.stale and self.R35_stale_retrieve_latched:
             # terminal, as a failed copy: latched, nothing taken, nothing copied
             st[k] = replace(v, retrieve=FAILED)
@@ -1746,9 +1762,6 @@ class Model:
             if self.W16_retrieve_only_retained else 0
         slots = [i for i in range(len(v.table), self.need(a.length)) if i >= lo]
         part = v.stored_len // self.scope.page_size
-        cow = (self.scope.sharing and self.S18_append_copies_on_write and v.stored_len % (
-            self.scope.page_size) != 0 and part < len(v.table) and v.table[part] != 0
-            and not self.private(pool, k, v.table[part]))
         new = len(slots) + cow
         if new > s.free:
             return Refused("AllocationFailed", new - s.free), s
@@ -2085,6 +2098,16 @@ class Model:
                                 self.need(v.stored_len))]):
                 return True
         return False
+
+    def part_shared(self, pool: pool_model.State | None, k: Key, v: Stream | None) -> bool:
+        """Whether the partly filled last page of ``v`` (its committed tokens)
+        is shared or keyed: a write after them copies it first (S18, R52)."""
+        ps = self.scope.page_size
+        if v is None or pool is None or not v.stored_len % ps:
+            return False
+        part = v.stored_len // ps
+        return part < len(v.table) and v.table[part] != 0 and not self.private(
+            pool, k, v.table[part])
 
     def window_pending(self, s: State, rid: int) -> bool:
         """R70: whether the running or the staged step's commit would release

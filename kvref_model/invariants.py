@@ -319,17 +319,26 @@ _NO_STREAM = Stream()  # a removed stream (frozen: one value serves every call)
 
 
 def i18(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
-    # the pin: pages a peer may be copying stay with their stream. Their tokens
-    # may still change (a fork onto the stream): the generation says so (R35)
+    # the pin: pages a peer may be copying stay with their stream, each at its
+    # slot, whatever the call (a retrieve's window release or copy-on-write
+    # too, R71). Their tokens may still change (a fork onto the stream): the
+    # generation says so (R35)
     before, after = s.stream_map(), n.stream_map()
     for rid in s.leases:
         for k, v in before.items():
+            if k[0] != rid:
+                continue
             # what publish named: the pages under its tokens (a label a cleared
             # preplan invented holds none of those, and goes with its pages)
             # (less the slots its window released: no page, nothing to copy)
-            if k[0] == rid and after.get(k, _NO_STREAM).pages < m.need(v.stored_len) - (
-                    m.released(v)):
+            w = after.get(k, _NO_STREAM)
+            if w.pages < m.need(v.stored_len) - m.released(v):
                 return f"{type(a).__name__} took pages of leased {k}"
+            # by identity where tables are kept (an abstract read-back has none)
+            for i in range(min(m.need(v.stored_len), len(v.table))):
+                p = v.table[i]
+                if p and (i >= len(w.table) or w.table[i] != p):
+                    return f"{type(a).__name__} let go of page {p} (slot {i}) of leased {k}"
     return None
 
 
@@ -693,8 +702,8 @@ INTERESTING: dict[str, tuple[str, Callable[[Model, State, Action, Result, State]
     "I15": _i("a commit of a span",
               lambda m, s, a, r, n: isinstance(a, Commit) and s.current is not None
               and s.current.step.commit and any(g.span for g in s.current.step.segments)),
-    "I18": _i("a claim, reset or remove of a leased request",
-              lambda m, s, a, r, n: isinstance(a, (OffloadClaim, Reset, Remove))
+    "I18": _i("a claim, reset, remove or retrieve of a leased request",
+              lambda m, s, a, r, n: isinstance(a, (OffloadClaim, Reset, Remove, RetrieveStart))
               and a.rid in s.leases and any(v.pages for k, v in s.streams if k[0] == a.rid)),
     "I19": _i("a retrieve of stale published info latched",
               lambda m, s, a, r, n: isinstance(a, RetrieveStart) and a.stale
@@ -804,7 +813,7 @@ INTERESTING_ON: dict[str, tuple[type, ...]] = {
     "I6": (OffloadCopy,), "I7": (Reload,), "I8": (Commit,), "I9": (ClearPreplan,),
     "I10": (Admit,), "I11": (RetrieveStart,), "I12": (Remove,), "I13": (Commit,),
     "I14": (OffloadCommit,), "I15": (Commit,), "I17": (Plan, Commit),
-    "I18": (OffloadClaim, Reset, Remove), "I19": (RetrieveStart,), "I21": (Plan,),
+    "I18": (OffloadClaim, Reset, Remove, RetrieveStart), "I19": (RetrieveStart,), "I21": (Plan,),
     "I23": (OffloadCommit,), "I24": (MatchPrefix,), "I25": (Plan,), "I26": (Commit,),
     "I27": (Reload,), "I28": (MatchPrefix, CachePrefix), "I29": (Reclaimable,),
 }

@@ -37,9 +37,12 @@ class RetrieveInProgress(AdmitFailedReason):
 
 @dataclass(frozen=True, kw_only=True)
 class PublishLeased(AdmitFailedReason):
-    """A fork of the step would overwrite a stream of a request whose
-    publication a peer still holds (R50); retry once the peer released it
-    (`release_published`) or the lease expired."""
+    """The call would overwrite or give back pages of a request whose
+    publication a peer still holds: a fork of the step (R50), a commit that
+    releases window pages (R70), a copy-on-write of a page it names, or a
+    retrieve into it that releases or copies such a page (R71). Nothing
+    changed; retry once the peer released it (`release_published`) or the
+    lease expired."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -145,6 +145,28 @@ def leased_release(step: KVStep, table: Table, settled: Mapping[Key, int],
     return None
 
 
+def leased_cow(step: KVStep, table: Table, sharing: PageSharing,
+               leased: Callable[[str], bool]) -> PublishLeased | None:
+    """R71: a segment of a leased request that writes after a partial last
+    page it shares (a truncate into a shared or keyed page, then publish)
+    would copy that page first (R52) and give back the one the lease names:
+    free-cached, the next allocation may evict it while a peer copies it.
+    Across processes nothing else tells the peer, so the step waits for the
+    lease to end, as one whose commit releases a window page does (R70)."""
+    for seg in step.segments:
+        rid = seg.request_id
+        if not seg.span or not leased(rid):
+            continue
+        stream = table.get(rid, {}).get(seg.label)
+        if stream is not None and sharing.cow_needed((rid, seg.label), stream):
+            return PublishLeased(
+                message=f"{rid!r}/{seg.label!r} writes into a shared page its publication "
+                        "names, which the write would copy and give back: retry after "
+                        "release_published or the lease's end",
+                request_id=rid, label=seg.label)
+    return None
+
+
 # what admission asks of shared pages; the name `kvref.admission` exported
 Sharing = PageSharing
 

@@ -93,12 +93,13 @@ class Stepping:
         # a plain step (no forks, no preplan: every decode step) with nothing
         # admitted or staged goes to admission.plain_grant, which checks the
         # lengths in its one pass
-        # (nor a step whose commit may release a leased request's pages: R70
-        # asks of it below)
+        # (nor a step whose commit may release a leased request's pages, or
+        # whose copy-on-write may give them back: R70 and R71 ask of it below)
         releasing = self._table.releasing
         plain = staged is None and running is None and not (
             ctx.is_preplan or step.pre_forks or step.post_forks or step.combined_labels
-        ) and not (releasing and self._table.leases.leased())
+        ) and not ((releasing or self._table.tails_maybe_shared)
+                   and self._table.leases.leased())
         settled: dict[Key, int] = {}
         if ctx.is_preplan and running is not None:
             # R41: step N+1 is planned while step N runs, from the lengths N
@@ -173,7 +174,9 @@ class Stepping:
         refused = admission.refusal(all_streams, keys) or admission.leased_fork_target(
             step, padded, self._table.leases.held) or (admission.leased_release(
                 step, all_streams, settled, behaviour, self._table.page_size,
-                self._table.leases.held) if releasing else None)
+                self._table.leases.held) if releasing else None) or (admission.leased_cow(
+                    step, all_streams, sharing, self._table.leases.held)
+                    if self._table.tails_maybe_shared else None)
         if refused is not None:
             return AdmitOutcome(ok=False, reason=refused)
         grant = admission.reserve(all_streams, step, padded, keys,

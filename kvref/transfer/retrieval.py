@@ -29,6 +29,7 @@ from kvref.stepping.step import (
     AdmitRuntimeError,
     AllocationFailed,
     ForkPending,
+    PublishLeased,
     RequestOffloading,
     RetrieveInProgress,
     WindowPending,
@@ -209,9 +210,13 @@ class Retrieval:
                 released = self._released_after(label, stream, info)
                 kept = self._kept(stream, released)
                 new_pages += max(0, pages_for(info.seq_len, ps) - released // ps - len(kept))
-                if stream is not None and old_len >= released and self._table.sharing.cow_needed(
-                        (rid, label), stream):
+                cow = stream is not None and old_len >= released and (
+                    self._table.sharing.cow_needed((rid, label), stream))
+                if cow:
                     new_pages += 1  # its shared partial page is copied first (R52)
+                leased = self._gives_back_leased(rid, label, stream, released, cow)
+                if leased is not None:
+                    return AdmitOutcome(ok=False, reason=leased)
                 todo.append((label, info, old_len))
             source = published.request_id if published is not None else None
             stale = [label for label, info, _ in todo if self._transfer.source_current(
@@ -320,6 +325,29 @@ class Retrieval:
         stream.start_retrieve(pages, released, fut, info.seq_len)
         self._table.give_back((rid, label), gone)
         return None
+
+    def _gives_back_leased(self, rid: str, label: str, stream: CacheStream | None,
+                           released: int, cow: bool) -> PublishLeased | None:
+        """R71: a retrieve into a request whose own publication is leased would
+        give back a page that publication names: a slot its window now
+        releases (W16) under tokens it held, or its shared partial page, copied
+        first (R52). Freed (or free-cached, then evicted), the page may be
+        reused while a peer still copies it, and across processes nothing else
+        tells that peer; so the retrieve waits for the lease to end, as a
+        commit that would release such a page does (R70). Refused before
+        anything moves."""
+        if stream is None:
+            return None  # a label the request lacks: no page of it is named
+        ps = self._table.page_size
+        named_released = min(released // ps, pages_for(stream.stored_len, ps))
+        if not (cow or named_released > stream.released // ps):
+            return None
+        if not self._table.leases.held(rid):
+            return None
+        return PublishLeased(
+            message=f"the retrieve would give back pages of {rid!r}/{label!r} that its "
+                    "publication names: retry after release_published or the lease's end",
+            request_id=rid, label=label)
 
     def _released_after(self, label: str, stream: CacheStream | None,
                         info: KVSequenceInfo) -> int:

@@ -466,3 +466,44 @@ def test_a_failed_reload_gives_back_a_cached_page_it_took_blank() -> None:
     _, s = on_the_model(trace, SHIPPED_SCOPE)
     assert s.pool is not None and s.pool.lru == () and s.free == 2  # both back, blank
     assert replay([*trace, m.Reload(0)], SHIPPED_SCOPE) == m.Flag(True)
+
+
+# issue 44, item 1 (R71): a retrieve into a request whose own publication is
+# leased. A windowed label (W=1, no margin, one token a page): a retrieve to 2
+# tokens releases slot 0 (W16), which publish named
+LEASED_WINDOW = m.Scope(requests=1, labels=2, device_pages=3, host_pages=1, page_size=1,
+                        max_span=2, sharing=True, windows=(None, 1), margins=(0, 0))
+WINDOW_PUBLISHED = [m.Ingest(0), m.Admit(m.Step((m.Seg(0, 1, 1),), padded=(0,))), m.Plan(),
+                    m.Write(), m.Commit(), m.Publish(0)]
+# full attention: r0's keyed page truncated into, then published; the next
+# write after its token (a retrieve's copy, or a step's) copies that page
+# first (R52), which gave the published page back free-cached
+KEYED = m.Scope(requests=1, labels=1, device_pages=3, host_pages=1, page_size=2, max_span=2,
+                sharing=True)
+KEYED_PUBLISHED = [m.Ingest(0), m.Admit(m.Step((m.Seg(0, 0, 2),), padded=(0,))), m.Plan(),
+                   m.Write(), m.Commit(), m.CachePrefix(0, 0), m.Truncate(0, 0, 1),
+                   m.Publish(0)]
+
+
+def test_a_retrieve_into_a_leased_window_waits_for_the_lease() -> None:
+    """Model and kvref bug (I18, R71): the retrieve's window release gave the
+    published page back to the pool, BLANK, under the lease."""
+    assert replay([*WINDOW_PUBLISHED, m.RetrieveStart(0, 1, 2)],
+                  LEASED_WINDOW) == m.Refused("PublishLeased")
+    assert replay([*WINDOW_PUBLISHED, m.RetrieveStart(0, 1, 2), m.ReleasePublished(0),
+                   m.RetrieveStart(0, 1, 2)], LEASED_WINDOW) == m.NotReady()
+    # full attention beside it releases nothing: the same retrieve goes ahead
+    assert replay([*WINDOW_PUBLISHED, m.RetrieveStart(0, 0, 2)], LEASED_WINDOW) == m.NotReady()
+
+
+@pytest.mark.parametrize("write", ["retrieve", "admit"])
+def test_a_write_after_a_truncate_into_a_keyed_page_waits_for_the_lease(write: str) -> None:
+    """Model and kvref bug (I18, R71): the copy-on-write of the published
+    partial page gave it back free-cached, the next allocation's to evict.
+    The admit's copy-on-write did the same: the checker found it once I18
+    followed pages through every call."""
+    call: m.Action = (m.RetrieveStart(0, 0, 2) if write == "retrieve"
+                      else m.Admit(m.Step((m.Seg(0, 0, 1),), padded=(0,))))
+    assert replay([*KEYED_PUBLISHED, call], KEYED) == m.Refused("PublishLeased")
+    after = m.NotReady() if write == "retrieve" else m.Ok()
+    assert replay([*KEYED_PUBLISHED, call, m.LeaseTimeout(), call], KEYED) == after

@@ -57,6 +57,12 @@ FOUND_AT: dict[str, tuple[str, str, int]] = {
     "truncate_hides_the_fill": ("trace", "decode of a followed stream", 23),
     "reset_stops_following": ("trace", "decode of a followed stream", 28),
     "commit_keys_in_reverse": ("trace", "one step fills a key twice", 8),
+    # a retrieve or a step under the request's own lease (R71, issue 44)
+    "retrieve_ignores_the_lease": ("trace", "retrieve into a leased window", 7),
+    "retrieve_ignores_the_lease@keyed": ("trace",
+                                         "write after a truncate into a keyed page, leased", 9),
+    "copy_on_write_ignores_the_lease": ("trace",
+                                        "write after a truncate into a keyed page, leased", 10),
 }
 
 def run(layer: str, target: str, plant: seam_plants.Plant | None) -> Found:

@@ -672,3 +672,21 @@ def commit_keys_in_reverse(mp: pytest.MonkeyPatch) -> None:
         return orig(table, streams[::-1], raws[::-1], keys[::-1], pages[::-1])[::-1]
 
     mp.setattr(prefix_cache, "key_filled", bad)
+
+
+# --- issue 44, item 1: a retrieve (or a step's copy-on-write) under the
+# request's own lease (R71). Found by the seam traces "retrieve into a
+# leased window" and "write after a truncate into a keyed page, leased"
+
+
+def retrieve_ignores_the_lease(mp: pytest.MonkeyPatch) -> None:
+    """R71 off in the retrieve: into a request whose publication is leased, its
+    window's release (W16) and its copy-on-write (R52) give back pages the
+    publication names, free to be reused while the peer copies them."""
+    mp.setattr(Retrieval, "_gives_back_leased", lambda *args: None)
+
+
+def copy_on_write_ignores_the_lease(mp: pytest.MonkeyPatch) -> None:
+    """R71 off in the admit: a step writing after a leased request's shared
+    partial page copies it first and gives back the page the lease names."""
+    mp.setattr(admission, "leased_cow", lambda *args: None)

@@ -93,4 +93,15 @@ TRACES: dict[str, tuple[m.Scope, list[m.Action]]] = {
         m.Ingest(0), m.Ingest(1), m.FollowTokens(0, 0), m.FollowTokens(1, 0),
         m.Admit(m.Step((m.Seg(0, 0, 2), m.Seg(1, 0, 2)), padded=(0, 1))), m.Plan(),
         m.Write(), m.Commit(), m.Remove(1), m.Remove(0), m.NumFree()]),
+    # a retrieve into a request whose own publication is leased (R71): a
+    # windowed stream's release of the published slot 0 (W16), then a
+    # full-attention keyed page truncated into and copied first (R52), by a
+    # retrieve and by a step
+    "retrieve into a leased window": (SHARED, [
+        m.Ingest(0), *run(0, 2, 2), m.Publish(0), m.RetrieveStart(0, 2, 6),
+        m.ReleasePublished(0), m.RetrieveStart(0, 2, 6), m.RetrieveComplete(0, 2, True)]),
+    "write after a truncate into a keyed page, leased": (SHARED, [
+        m.Ingest(0), *run(0, 0, 2), m.CachePrefix(0, 0), m.Truncate(0, 0, 1), m.Publish(0),
+        m.RetrieveStart(0, 0, 3), m.Admit(m.Step((m.Seg(0, 0, 1),), padded=(0,))),
+        m.LeaseTimeout(), *run(0, 0, 1)]),
 }

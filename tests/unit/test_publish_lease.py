@@ -26,6 +26,7 @@ from kvref import (
     PublishLeasedError,
     PublishRefused,
     RequestOffloading,
+    RetentionPolicy,
     RetrieveInProgress,
     RetrieveStale,
     TransferEngineInfo,
@@ -38,6 +39,7 @@ from kvref.core.errors import (
     PublishedInfoError,
     UnknownRequestError,
 )
+from kvref.stepping.step import PublishLeased
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.transfer.engine import StaleSourceError
 from kvref.transfer.lease import LeaseTable
@@ -404,3 +406,40 @@ def test_a_leased_refusal_names_the_call_and_the_remedy() -> None:
         "release_published it first (or let the lease expire)")
     assert info.value.request_id == "r"
     leases.refuse("s", "truncate")  # no lease: no refusal
+
+
+# -- R71: a retrieve into a leased request gives back no page it names ------------------
+
+
+def test_a_retrieve_into_a_leased_window_is_refused_and_changes_nothing(rt) -> None:  # type: ignore[no-untyped-def]
+    """b holds r (a window of 4 tokens) and published it: the lease is held.
+    A retrieve of a's longer publication of r would release b's slot 0 (W16),
+    a page b's publication names; it is refused until the lease ends."""
+    def windowed(name: str) -> KVManager:
+        cfg = dataclasses.replace(make_cfg(pages=16, page_size=4, retention={
+            "main": RetentionPolicy(context_budget=4)}), publish_lease_s=LEASE_S)
+        return KVManager(cfg, name, None, TransferEngineInfo(), "cpu", dtype=torch.float32,
+                         runtime=rt)
+
+    a, b = windowed("a"), windowed("b")
+    da, db = Driver(a), Driver(b)
+    da.ingest("r")
+    fill(da, "r", 12)  # a released slots 0 and 1
+    db.ingest("r")
+    fill(db, "r", 4)
+    published(b, "r")  # a third manager is still copying it
+    before = snapshot(b)
+    out = b.admit_retrieve("r", published=published(a, "r"))
+    assert not out.ok and isinstance(out.reason, PublishLeased), out
+    assert out.reason.request_id == "r" and out.reason.label == "main"
+    assert "release_published" in out.reason.message
+    assert_same(before, snapshot(b))
+    check_conservation(b)
+    b.release_published("r")
+    out = b.admit_retrieve("r", published=published(a, "r"))
+    assert out.ok and not out.ready, out
+    rt.complete_all()
+    assert b.admit_retrieve("r").ready
+    assert b._streams["r"]["main"].stored_len == 12
+    a.cleanup()
+    b.cleanup()
