@@ -430,6 +430,10 @@ class CachePrefix:
     rid: int
     label: int
     drafts: int = 0
+    # the ids named from this token on (S34): a whole number of pages, at
+    # most where the stream's chain ends; what it names before that is
+    # checked against the chain, not keyed again
+    start: int = 0
 
 
 @dataclass(frozen=True)
@@ -1866,9 +1870,14 @@ class Model:
             # S23/R56: uncommitted tokens' KV may still change (vLLM PRs
             # 18668/19006 cached draft tokens); nothing is keyed
             return Misuse("InvalidArgumentError"), s
+        ps = self.scope.page_size
+        if a.start < 0 or a.start % ps or a.start > v.chain * ps:
+            # S34: a key chains from the page before it, so ids from past
+            # the chain's end (or from within a page) key nothing
+            return Misuse("InvalidArgumentError"), s
         if self._never_cached(a.label):
             return Count(0), s  # W9: a windowed label registers nothing
-        ps, pool, parent, added = self.scope.page_size, s.pool, None, 0
+        pool, parent, added = s.pool, None, 0
         gone = self.released(v)  # H2: the chain runs on past a window's released slots
         assert pool is not None
         for i in range(v.chain):  # the chain so far: keyed or passed over (S23)

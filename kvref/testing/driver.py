@@ -25,6 +25,7 @@ holds still reads back wrong there).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ from kvref import (
     StepContext,
     TransferEngineInfo,
 )
+from kvref.core.page_keys import key_hash_named, next_page_key, token_bytes
 from kvref.testing import observed_state, plan_oracle
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.testing.page_checks import check_device_pages
@@ -126,6 +128,27 @@ def rid_name(rid: int) -> str:
     return f"r{rid}"
 
 
+def engine_id(token: int, position: int) -> int:
+    """The id the engine names for the token of identity ``token`` (the
+    label that computed it, `kvref_model.core.Stream.contents`) at
+    ``position``: ids differ along a stream, so a check that reads the ids
+    or keyed tokens of one page for another's (cache_prefix's ``start``)
+    sees other ids. A page's key chains over every page before it, so two
+    pages are keyed alike in kvref exactly when the model keys them alike."""
+    return token * 4096 + position
+
+
+def request_keys(salt: str) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+    """kvref's ``(cache_salt, extra_keys)`` for a model salt, which stands for
+    the whole tuple (S25): its ``+``-separated parts, ``tag=value`` a typed
+    extra key (a LoRA adapter, a multimodal hash), any other the cache salt;
+    "" neither. So a scope draws requests told apart by extra keys alone."""
+    parts = [p for p in salt.split("+") if p]
+    extra = tuple((t, v) for t, _, v in (p.partition("=") for p in parts if "=" in p))
+    bare = [p for p in parts if "=" not in p]
+    return (bare[0] if bare else None), extra
+
+
 def value(writer: int, token: int, position: int) -> float:
     """Exact in float32 and bf16-distinguishable for the small scopes used here."""
     return float(writer * 4096 + token * 256 + position + 1)
@@ -159,6 +182,17 @@ class DriverConfig:
     # `KVConfig.page_key_hash` of the manager under test: the model's keys
     # are abstract, so every hash must pass the same lockstep
     page_key_hash: str = "sha256"
+    # a request ingested anew takes the id a removed request went by, the
+    # most recently freed first (as an engine reusing its ids does), so a
+    # request's config left behind by remove_request is found: the model's
+    # requests have fixed salts, kvref's ids then do not
+    reuse_ids: bool = True
+    # the key kvref gives a page (None: not checked): each keyed page's key
+    # is compared with the one its model key names, hashed as S25 and
+    # kvref.core.page_keys say (salt, extra keys, label; the ids of
+    # `engine_id`). A manager keying otherwise passes its own, or None
+    page_key: Callable[[bytes | None, bytes, tuple[tuple[str, Any], ...]], bytes] | None = (
+        next_page_key)
 
 
 # the KVRefError kinds an injected fault surfaces as: a fault, not a misuse
@@ -248,6 +282,12 @@ class Driver:
         # extended in place as the engine's own list is
         self.followed: dict[tuple[int, int], list[int]] = {}
         self.model = m.Model(scope)  # its pool answers what a claim would free
+        # model request -> the id kvref knows it by while it lives; ids freed
+        # by a remove, oldest first (`DriverConfig.reuse_ids`)
+        self.names: dict[int, str] = {}
+        self.freed: list[str] = []
+        self.went_by: dict[str, int] = {}  # id -> the model request it named last
+        self.kv_keys: dict[pool_model.Key, bytes] = {}  # `kv_key`'s answers
 
     # -- model action -> kvref call -> model result ------------------------------
 
@@ -266,16 +306,46 @@ class Driver:
             return m.Fault(kind) if kind in FAULTS else m.Misuse(kind)
         return result
 
+    def name(self, rid: int) -> str:
+        """kvref's id of model request ``rid``: the one it was ingested under
+        while it lives, else one no live request goes by (a careless call
+        on a request that is gone must not reach another)."""
+        got = self.names.get(rid)
+        if got is not None:
+            return got
+        live = set(self.names.values())
+        ids = itertools.chain((rid_name(rid),), (f"r{rid}.{k}" for k in itertools.count()))
+        return next(n for n in ids if n not in live)
+
+    def rid_of(self, name: str) -> int:
+        """The model request kvref's id ``name`` stands for."""
+        for rid, n in self.names.items():
+            if n == name:
+                return rid
+        # a snapshot taken before its remove: the request it went by last
+        assert name in self.went_by, f"kvref holds request {name!r}, never ingested here"
+        return self.went_by[name]
+
     def _Ingest(self, a: m.Ingest) -> m.Result:
         names = tuple(label_name(i) for i in range(self.scope.labels))
+        salt, extra = request_keys(self.scope.salts[a.rid] if self.scope.salts else "")
         # a retrieve names one label through the walk, so readiness is that label's
         overrides = KVReqConfig(labels={("node", n): (n,) for n in names},
-                                cache_salt=self.scope.salts[a.rid] if self.scope.salts else None)
-        self.kv.ingest_request(rid_name(a.rid), overrides)
+                                cache_salt=salt, extra_keys=extra)
+        name = self.names.get(a.rid)
+        if name is None:
+            live = set(self.names.values())
+            reuse = [n for n in self.freed if n not in live] if self.config.reuse_ids else []
+            # one another request went by first: a config left behind then
+            # shows as another tenant's salt and extra keys
+            other = [n for n in reuse if self.went_by.get(n) != a.rid]
+            name = (other or reuse)[-1] if reuse else self.name(a.rid)
+        self.kv.ingest_request(name, overrides)
+        self.names[a.rid] = name
+        self.went_by[name] = a.rid
         return m.Ok()
 
-    @staticmethod
-    def to_kvref(step: m.Step, combine: bool = False) -> tuple[KVStep, StepContext]:
+    def to_kvref(self, step: m.Step, combine: bool = False) -> tuple[KVStep, StepContext]:
         """The kvref step; ``combine`` plans all its labels as one batch.
 
         Combining is invisible to the model (it changes which plan label
@@ -284,13 +354,14 @@ class Driver:
         """
         labels = tuple(dict.fromkeys(label_name(g.label) for g in step.segments))
         kv_step = KVStep(
-            segments=[Segment(rid_name(g.rid), label_name(g.label), g.span) for g in step.segments],
+            segments=[Segment(self.name(g.rid), label_name(g.label), g.span)
+                      for g in step.segments],
             commit=step.commit,
             pre_forks=[(label_name(f), label_name(t)) for f, t in step.pre_forks],
             post_forks=[(label_name(f), label_name(t)) for f, t in step.post_forks],
             combined_labels=[labels] if combine and len(labels) > 1 else [],
         )
-        return kv_step, StepContext(padded_request_ids=[rid_name(r) for r in step.padded])
+        return kv_step, StepContext(padded_request_ids=[self.name(r) for r in step.padded])
 
     # a step no engine admitted: what a careless plan or commit hands in
     STRAY = KVStep(segments=[Segment("r0", "main", 1)])
@@ -359,7 +430,7 @@ class Driver:
         for plan_label, out in self.outputs.items():
             rows: list[float] = []
             for view in out.views:
-                writer = writer_of(self.scope, int(view.request_id[1:]))
+                writer = writer_of(self.scope, self.rid_of(view.request_id))
                 token = m.LABEL_NAMES.index(view.label)
                 # a windowed view counts from its first retained page (W1):
                 # ``offset`` tokens in, so the positions written are past it
@@ -419,7 +490,7 @@ class Driver:
         engine's stale handle), else a handle that was never open."""
         off = self.offloads.get(rid) or self.closed.get(rid)
         if off is None:
-            off = self.closed[rid] = Offload(NeverOpened(), rid_name(rid), [], {})
+            off = self.closed[rid] = Offload(NeverOpened(), self.name(rid), [], {})
             off.abandon()
         return off
 
@@ -429,10 +500,10 @@ class Driver:
             self.closed[rid] = off
 
     def _OffloadClaim(self, a: m.OffloadClaim) -> m.Result:
-        off = self.kv.begin_offload(rid_name(a.rid))
+        off = self.kv.begin_offload(self.name(a.rid))
         if off is None:
             # a refused claim changes nothing, so the typed call refuses too, and why
-            out = self.kv.offload_outcome(rid_name(a.rid))
+            out = self.kv.offload_outcome(self.name(a.rid))
             assert out.pages_freed == 0 and not out.moved, f"refused claim, then {out}"
             self.said = (a.rid, out.reason, 0)
             return m.Claimed(())
@@ -469,16 +540,16 @@ class Driver:
         # without one no copy runs, so none fails
         with (self.runtime.failing("reload.copy") if a.copy_error
               else contextlib.nullcontext()):
-            reloaded = self.kv.reload(rid_name(a.rid))
+            reloaded = self.kv.reload(self.name(a.rid))
         if not reloaded:
             # a refused reload changes nothing, so the typed call refuses too, and why
-            out = self.kv.reload_outcome(rid_name(a.rid))
+            out = self.kv.reload_outcome(self.name(a.rid))
             assert not out.reloaded and out.pages_taken == 0, f"refused reload, then {out}"
             self.said = (a.rid, out.reason, out.pages_short)
         return m.Flag(reloaded)
 
     def _Publish(self, a: m.Publish) -> m.Result:
-        info = self.kv.publish(rid_name(a.rid))
+        info = self.kv.publish(self.name(a.rid))
         if isinstance(info, PublishRefused):
             return m.Refused(type(info.reason).__name__)
         self.publication = (a.rid, info)  # what the peer reads: `check_publication`
@@ -487,7 +558,7 @@ class Driver:
         )))
 
     def _ReleasePublished(self, a: m.ReleasePublished) -> m.Result:
-        self.kv.release_published(rid_name(a.rid))
+        self.kv.release_published(self.name(a.rid))
         return m.Ok()
 
     def _LeaseTimeout(self, a: m.LeaseTimeout) -> m.Result:
@@ -500,7 +571,7 @@ class Driver:
         (released, and reset: its generation bumped, as a reuse would)."""
         if not a.length:
             return None
-        rid = rid_name(a.rid)
+        rid = self.name(a.rid)
         src = self.publisher(a.rid, a.label, a.length)
         info = src.publish(rid)
         assert isinstance(info, PublishedKVInfo), info
@@ -511,7 +582,7 @@ class Driver:
         return info
 
     def _RetrieveStart(self, a: m.RetrieveStart) -> m.Result:
-        rid, label = rid_name(a.rid), label_name(a.label)
+        rid, label = self.name(a.rid), label_name(a.label)
         self.last_source = None
         info = self.published(a)
         # the copy the manager starts is a task submitted to our runtime
@@ -539,9 +610,9 @@ class Driver:
         src = KVManager(cfg, "publisher", None, TransferEngineInfo(), self.config.device,
                         dtype=self.config.dtype, runtime=self.runtime)
         name = label_name(label)
-        src.ingest_request(rid_name(rid))
-        step = KVStep([Segment(rid_name(rid), name, length)])
-        ctx = StepContext([rid_name(rid)])
+        src.ingest_request(self.name(rid))
+        step = KVStep([Segment(self.name(rid), name, length)])
+        ctx = StepContext([self.name(rid)])
         assert src.admit(step, ctx).ok
         src.plan(step, ctx)
         token = self.scope.labels + label
@@ -566,7 +637,7 @@ class Driver:
         # its lease released (a buggy peer, or expired), then reset, as a reuse
         # of its pages would; only the read after the copy can see it (R35).
         # The transfer passes the "retrieve.copied" checkpoint right there
-        rid = rid_name(a.rid)
+        rid = self.name(a.rid)
         src = self.source_of.pop(future)
 
         def move() -> None:
@@ -578,13 +649,17 @@ class Driver:
         return m.Ok()
 
     def _Reset(self, a: m.Reset) -> m.Result:
-        self.kv.reset_request(rid_name(a.rid), free=a.free)
+        self.kv.reset_request(self.name(a.rid), free=a.free)
         return m.Ok()
 
     def _Remove(self, a: m.Remove) -> m.Result:
-        self.kv.remove_request(rid_name(a.rid))
+        name = self.name(a.rid)
+        self.kv.remove_request(name)
+        if a.rid in self.names and not self.kv.has_request(name):
+            del self.names[a.rid]
+            self.freed = [n for n in self.freed if n != name] + [name]
         off = self.offloads.get(a.rid)
-        if off is not None and not self.kv.has_request(rid_name(a.rid)):
+        if off is not None and not self.kv.has_request(name):
             # the model forgets an offload whose request was removed; kvref's
             # handle is still open and finds nothing left to undo
             off.abandon()
@@ -592,7 +667,7 @@ class Driver:
         return m.Ok()
 
     def _Truncate(self, a: m.Truncate) -> m.Result:
-        return m.Freed(self.kv.truncate(rid_name(a.rid), label_name(a.label), a.new_len))
+        return m.Freed(self.kv.truncate(self.name(a.rid), label_name(a.label), a.new_len))
 
     # -- the prefix cache (Scope.sharing) ----------------------------------------
 
@@ -601,17 +676,27 @@ class Driver:
         them: up to its first page no write filled, whose KV nobody computed
         (the model keys no further, and kvref cannot know it was not written)."""
         v = s.stream_map().get(key)
-        ids = list(v.contents) if v is not None else []
-        if m.UNWRITTEN in ids:
+        tokens = list(v.contents) if v is not None else []
+        if m.UNWRITTEN in tokens:
             ps = self.scope.page_size
-            ids = ids[: ids.index(m.UNWRITTEN) // ps * ps]
-        return ids
+            tokens = tokens[: tokens.index(m.UNWRITTEN) // ps * ps]
+        return [engine_id(t, p) for p, t in enumerate(tokens)]
 
     def _CachePrefix(self, a: m.CachePrefix) -> m.Result:
         assert self.model_state is not None, "CachePrefix needs the model's state: apply(a, s)"
         ids = self.engine_ids(self.model_state, (a.rid, a.label))
-        ids += [a.label] * a.drafts  # a careless engine's draft ids, past the committed
-        return m.Count(self.kv.cache_prefix(rid_name(a.rid), label_name(a.label), ids))
+        # a careless engine's draft ids, past the committed
+        ids += [engine_id(a.label, len(ids) + i) for i in range(a.drafts)]
+        if a.start > 0 and not a.drafts:
+            # from ``start`` (S34), as an engine keying pages as they fill
+            # names them: the full pages from there, no partial one (the
+            # one-page call then takes kvref's one-pass path)
+            ps = self.scope.page_size
+            ids = ids[a.start: max(a.start, len(ids) // ps * ps)]
+        elif a.start > 0:
+            ids = ids[a.start:]
+        return m.Count(self.kv.cache_prefix(self.name(a.rid), label_name(a.label), ids,
+                                            a.start))
 
     def _FollowTokens(self, a: m.FollowTokens) -> m.Result:
         # the engine's own list, handed over once and extended in place from
@@ -619,7 +704,7 @@ class Driver:
         assert self.model_state is not None, "FollowTokens needs the model's state"
         ids = self.followed.setdefault((a.rid, a.label), [])
         ids[:] = self.engine_ids(self.model_state, (a.rid, a.label))
-        return m.Count(self.kv.follow_tokens(rid_name(a.rid), ids, label_name(a.label)))
+        return m.Count(self.kv.follow_tokens(self.name(a.rid), ids, label_name(a.label)))
 
     def follow_ids(self, a: m.Action) -> None:
         """Before a commit: each list handed to `follow_tokens` holds the ids
@@ -634,8 +719,8 @@ class Driver:
     def _MatchPrefix(self, a: m.MatchPrefix) -> m.Result:
         # the ids of a prompt of the label's own tokens (a token's identity is
         # the label that computes it)
-        ids = [a.label] * a.length
-        return m.Count(self.kv.match_prefix(rid_name(a.rid), label_name(a.label), ids))
+        ids = [engine_id(a.label, p) for p in range(a.length)]
+        return m.Count(self.kv.match_prefix(self.name(a.rid), label_name(a.label), ids))
 
     def _ResetPrefixCache(self, a: m.ResetPrefixCache) -> m.Result:
         got = self.kv.reset_prefix_cache()
@@ -649,7 +734,7 @@ class Driver:
         return m.Count(self.kv.num_free_pages)
 
     def _Reclaimable(self, a: m.Reclaimable) -> m.Result:
-        return m.Count(self.kv.reclaimable(rid_name(a.rid)))
+        return m.Count(self.kv.reclaimable(self.name(a.rid)))
 
     # -- kvref state -> model state ---------------------------------------------
 
@@ -678,7 +763,7 @@ class Driver:
         contents = model_state.stream_map()
         streams: dict[m.Key, m.Stream] = {}
         for s in seen.streams():
-            key = (int(s.request_id[1:]), m.LABEL_NAMES.index(s.label))
+            key = (self.rid_of(s.request_id), m.LABEL_NAMES.index(s.label))
             known = contents.get(key)
             streams[key] = m.Stream(
                 pages=len(s.pages), stored_len=s.stored_len,
@@ -689,14 +774,14 @@ class Driver:
             )
         host = []
         for c in seen.host.copies if seen.host is not None else ():
-            key = (int(c.request_id[1:]), m.LABEL_NAMES.index(c.label))
+            key = (self.rid_of(c.request_id), m.LABEL_NAMES.index(c.label))
             host.append((key, dict(model_state.host).get(key, ())))
         offloads = []
         for rname in seen.offloads:
-            rid = int(rname[1:])
+            rid = self.rid_of(rname)
             mine = model_state.offload_of(rid)
             offloads.append((rid, mine if mine is not None else m.Offload(())))
-        leases = tuple(sorted(int(r[1:]) for r in seen.leases))
+        leases = tuple(sorted(self.rid_of(r) for r in seen.leases))
         return m.State(
             free=kv.num_free_pages, streams=tuple(sorted(streams.items())),
             host=tuple(sorted(host)), current=model_state.current, staged=model_state.staged,
@@ -714,11 +799,11 @@ class Driver:
             copies = [c for k, c in model_state.host if k[0] == rid]
             # the pages a claim would free; 0 when refused or freeing none (R45)
             claimable = model.offload_priority(model_state, rid)
-            got = kv.get_offload_priority(rid_name(rid))
+            got = kv.get_offload_priority(self.name(rid))
             assert got == claimable, f"R45: priority of r{rid} {got}, model says {claimable}"
             # fresh pages, and the free-cached pages it shares again (S29)
             want = 0 if open_offload or not copies else self.model.reload_need(model_state, rid)
-            got_pages = kv.reload_pages_needed(rid_name(rid))
+            got_pages = kv.reload_pages_needed(self.name(rid))
             assert got_pages == want, f"R46: r{rid} reload needs {got_pages}, model {want}"
         # the model's count: a windowed copy holds its retained pages only (W8)
         used = model.host_used(model_state)
@@ -757,7 +842,7 @@ class Driver:
             assert not model_state.host, f"host copies without a host pool: {model_state.host}"
             return
         for (rid, label), tokens in model_state.host:
-            copy = seen.host_copy(rid_name(rid), label_name(label))
+            copy = seen.host_copy(self.name(rid), label_name(label))
             assert copy is not None, f"no host copy of {(rid, label)}"
             assert copy.stored_len == len(tokens), (rid, label, copy.stored_len, tokens)
 
@@ -793,7 +878,7 @@ class Driver:
         rid, pub = self.publication
         for name, info in pub.get(0).items():
             want = m.Model.released(st[(rid, m.LABEL_NAMES.index(name))]) * ps
-            mine = seen.stream(rid_name(rid), name)
+            mine = seen.stream(self.name(rid), name)
             held = mine.pages[:-(-info.seq_len // ps) - mine.released // ps]
             if info.released != want or tuple(info.page_indices) != held:
                 return (f"W17: r{rid}/{name} published released={info.released} pages "
@@ -837,8 +922,8 @@ class Driver:
         to_kv: dict[int, int] = {}
         to_model: dict[int, int] = {}
         for (rid, label), v in model_state.streams:
-            mine = seen.stream(rid_name(rid), label_name(label))
-            where = f"{rid_name(rid)}/{label_name(label)}"
+            mine = seen.stream(self.name(rid), label_name(label))
+            where = f"{self.name(rid)}/{label_name(label)}"
             released = m.Model.released(v)
             assert released * ps == mine.released or not v.table, (
                 f"W2: {where} released {mine.released} tokens, the model {released * ps}")
@@ -851,15 +936,126 @@ class Driver:
                     f"{to_kv[p]} / {to_model[q]}: a page shared on one side only")
         for p, q in to_kv.items():
             page, theirs = pool.page(p), seen.page(q)
-            want = {(rid_name(h // labels), label_name(h % labels)) for h in page.holders}
+            want = {(self.name(h // labels), label_name(h % labels)) for h in page.holders}
             assert set(theirs.holders) == want, (
                 f"page {q} (model {p}) held by {sorted(map(str, theirs.holders))}, the "
                 f"model says {sorted(want)}")
             assert (theirs.key is None) == (page.key is None), (
                 f"page {q} (model {p}) keyed {theirs.key is not None}, the model "
                 f"{page.key is not None}")
+            if page.key is not None and self.config.page_key is not None:
+                # the key itself: under the right salt, extra keys, label and
+                # ids (a key under another tenant's or label's is a hit lost,
+                # or a hit across tenants, that no count shows yet)
+                assert theirs.key == self.kv_key(page.key), (
+                    f"page {q} (model {p}) keyed otherwise than the model's key "
+                    f"{page.key} says (S25)")
         assert len(seen.free_cached) == len(pool.lru), (
             f"{len(seen.free_cached)} free pages cached, the model {len(pool.lru)}")
+
+    def kv_key(self, key: pool_model.Key) -> bytes:
+        """The key kvref gives a page the model keys ``key``: its parent's,
+        the ids (`engine_id`) of its tokens at its place in the chain, and
+        the extra keys of S25: the salt and typed keys its model salt stands
+        for (`request_keys`), then the label whose KV it is, which is the
+        label that computed the chain's first token (a fork target keys
+        under its source's)."""
+        got = self.kv_keys.get(key)
+        if got is not None:
+            return got
+        chain: list[pool_model.Key] = []
+        k: pool_model.Key | None = key
+        while k is not None:
+            chain.append(k)
+            k = k.parent
+        chain.reverse()
+        space = label_name(chain[0].tokens[0])
+        salt, extra = request_keys(dict(key.extras).get("salt", ""))
+        extras = ((("salt", salt),) if salt is not None else ()) + extra + (("label", space),)
+        ps = self.scope.page_size
+        parent: bytes | None = None
+        for depth, c in enumerate(chain):
+            ids = [engine_id(t, depth * ps + i) for i, t in enumerate(c.tokens)]
+            parent = self.kv_keys.get(c) or self._page_key(parent, token_bytes(ids), extras)
+            self.kv_keys[c] = parent
+        assert parent is not None
+        return parent
+
+    def _page_key(self, parent: bytes | None, raw: bytes,
+                  extras: tuple[tuple[str, Any], ...]) -> bytes:
+        """A page's key as the manager under test hashes it: the configured
+        `page_key`, with the manager's `KVConfig.page_key_hash` where that is
+        kvref's own."""
+        pk = self.config.page_key
+        assert pk is not None
+        if pk is next_page_key:
+            return next_page_key(parent, raw, extras,
+                                 key_hash=key_hash_named(self.config.page_key_hash))
+        return pk(parent, raw, extras)
+
+    def check_free_order(self, before: m.State, seen_before: KVObservation,
+                         after: m.State, seen_after: KVObservation) -> None:
+        """The free queues' order (S6: a stream lets go tail first, so a
+        chain's suffix is evicted before its head; a faulted call gives its
+        pages back in the order taken, I17), which no count or holder shows
+        until an eviction much later. Each free page is named by what it
+        was before the call, on each side in its own terms: a place in the
+        blank queue, a cached page's key, or the slots of the streams that
+        held it. The queues must name the same pages, the blank queue's
+        old places and cached keys in the same order, and each stream's
+        pages in the same order; how the pages of different streams let go
+        in one call interleave (a remove, a reset) is left open, as the
+        model releases them by label, kvref in the order they were made."""
+        if before.pool is None or after.pool is None:
+            return
+        ps = self.scope.page_size
+
+        def model_roles(s: m.State) -> dict[int, tuple[Any, ...]]:
+            assert s.pool is not None
+            roles: dict[int, tuple[Any, ...]] = {
+                p: ("blank", i) for i, p in enumerate(s.pool.blank)}
+            for p in s.pool.lru:
+                key = s.pool.page(p).key
+                roles[p] = ("cached", self.kv_key(key) if key is not None and (
+                    self.config.page_key is not None) else p)
+            held: dict[int, list[tuple[m.Key, int]]] = {}
+            for k, v in s.streams:
+                for j, p in enumerate(v.table):
+                    if p:
+                        held.setdefault(p, []).append((k, j))
+            roles.update({p: ("held", tuple(sorted(h))) for p, h in held.items()})
+            return roles
+
+        def kv_roles(seen: KVObservation) -> dict[int, tuple[Any, ...]]:
+            roles: dict[int, tuple[Any, ...]] = {
+                p: ("blank", i) for i, p in enumerate(seen.free_blank)}
+            for p in seen.free_cached:
+                key = seen.page(p).key
+                roles[p] = ("cached", key if self.config.page_key is not None else p)
+            held: dict[int, list[tuple[m.Key, int]]] = {}
+            for st in seen.streams():
+                k = (self.rid_of(st.request_id), m.LABEL_NAMES.index(st.label))
+                for j, p in enumerate(st.pages, st.released // ps):
+                    held.setdefault(p, []).append((k, j))
+            roles.update({p: ("held", tuple(sorted(h))) for p, h in held.items()})
+            return roles
+
+        if self.config.page_key is None:
+            return  # cached pages are then named by id, which differ by side
+        mine, theirs = model_roles(before), kv_roles(seen_before)
+        for name, want_q, got_q in (("free-cached", after.pool.lru, seen_after.free_cached),
+                                    ("free-blank", after.pool.blank, seen_after.free_blank)):
+            want = [mine.get(p, ("new",)) for p in want_q]
+            got = [theirs.get(p, ("new",)) for p in got_q]
+            where = f"{name} queue: kvref {got}, the model {want}"
+            assert sorted(want, key=repr) == sorted(got, key=repr), f"other pages in the {where}"
+            assert [r for r in want if r[0] != "held"] == [r for r in got if r[0] != "held"], (
+                f"the {where}")
+            streams = {k for r in want if r[0] == "held" for k, _ in r[1]}
+            for k in streams:
+                assert ([j for r in want if r[0] == "held" for h, j in r[1] if h == k]
+                        == [j for r in got if r[0] == "held" for h, j in r[1] if h == k]), (
+                    f"{k}'s pages in the {where} (S6: tail first)")
 
     def check_bytes(self, model_state: m.State) -> None:
         """I7: every resident stream reads back, through its pages, as the
@@ -868,7 +1064,7 @@ class Driver:
         for (rid, label), s in model_state.streams:
             if s.offload != m.RESIDENT or s.retrieve != m.IDLE:
                 continue
-            got = self.kv.read_stream(rid_name(rid), label_name(label)).float()
+            got = self.kv.read_stream(self.name(rid), label_name(label)).float()
             w = self.scope.window(label)
             first = 0 if w is None else max(0, s.stored_len - w)
             # a position no write filled (committed before it was written) holds
@@ -884,7 +1080,7 @@ class Driver:
             if not torch.equal(got, want):
                 bad = (got != want).nonzero()[0].tolist()
                 raise AssertionError(
-                    f"I7: {rid_name(rid)}/{label_name(label)} token {written[bad[1]]} reads "
+                    f"I7: {self.name(rid)}/{label_name(label)} token {written[bad[1]]} reads "
                     f"{got[tuple(bad)].item()} (contents {s.contents})"
                 )
 

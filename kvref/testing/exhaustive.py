@@ -57,10 +57,11 @@ def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig) -> 
     """Replay ``actions`` on the model and a fresh kvref together, checking each step."""
     s = model.init()
     d = Driver(model.scope, config)
+    before = d.observe()
     for i, a in enumerate(actions):
         want, nxt = model.step(s, a)
         got = d.apply(a, s)
-        s = nxt
+        prev, s = s, nxt
         if got != want:
             raise Mismatch(f"step {i} {a}: kvref {got}, model {want}")
         seen = d.observe()  # one snapshot for every check after this call
@@ -73,6 +74,8 @@ def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig) -> 
         d.check_pages(seen)
         d.check_observed(s, seen)
         d.check_page_map(s, seen)
+        d.check_free_order(prev, before, s, seen)
+        before = seen
         d.check_host_lengths(s, seen)
         d.check_bytes(s)
         d.check_queries(s)

@@ -32,11 +32,13 @@ from kvref_model.protocol import enabled
 
 # kvref as it ships (KVConfig's defaults: the prefix cache on), with two
 # windowed labels that may fork into each other (W5) and a rollback margin,
-# and salts so that two requests share cached pages and the third does not:
-# the configuration CI and the packaged suite drive (issue 27)
+# and salts so that two requests share cached pages and the third does not,
+# told apart by a typed extra key and no salt (`driver.request_keys`: a
+# one-pass keying that dropped extra keys went unseen, issue 44): the
+# configuration CI and the packaged suite drive (issue 27)
 SCOPE = m.Scope(requests=3, labels=3, device_pages=6, host_pages=4, page_size=2,
                 max_span=3, sharing=True, windows=(None, 2, 2), margins=(0, 1, 1),
-                salts=("a", "a", "b"))
+                salts=("a", "a", "lora=b"))
 SHIPPED_SCOPE = SCOPE
 # the second configuration: the prefix cache off, no window (every page has
 # one holder, forks copy)
@@ -49,7 +51,7 @@ PLAIN_SCOPE = m.Scope(requests=3, labels=3, device_pages=6, host_pages=4, page_s
 NIGHTLY_SCOPE = m.Scope(requests=4, labels=4, device_pages=12, host_pages=8,
                         page_size=3, max_span=5, sharing=True,
                         windows=(None, None, 4, 4), margins=(0, 0, 2, 2),
-                        salts=("a", "a", "b", "a"))
+                        salts=("a", "a", "lora=b", ""))
 SHIPPED_NIGHTLY_SCOPE = NIGHTLY_SCOPE
 PLAIN_NIGHTLY_SCOPE = m.Scope(requests=4, labels=4, device_pages=12, host_pages=8,
                               page_size=3, max_span=5)
@@ -239,6 +241,7 @@ class Lockstep(RuleBasedStateMachine):
         assert got == want, f"{action}: kvref answered {got}, the model {want}"
         broken = violations(self.model, nxt, action, want, self.state)
         assert not broken, f"model invariant after {action}: {broken}"
+        self.driver.check_free_order(self.state, seen, nxt, after)
         prev, self.state = self.state, nxt
         if isinstance(got, (m.Misuse, m.Refused)):
             # I10 on kvref itself: not a byte, not a page owner moved
@@ -721,7 +724,18 @@ class Lockstep(RuleBasedStateMachine):
         from then on at every commit. One rule for both, so a scope without
         the prefix cache draws exactly as it did before S33 (the mutants'
         budgets are measured there, tests/conformance/test_mutations.py)."""
-        self.run(self.draw_enabled(data, KEYING))
+        a = self.draw_enabled(data, KEYING)
+        v = self.state.stream_map().get((a.rid, a.label)) if isinstance(
+            a, m.CachePrefix) else None
+        if isinstance(a, m.CachePrefix) and v is not None and v.chain:
+            # S34: ids from a later page, as an engine passing only what is
+            # past the keyed pages does; from past the chain's end, a misuse.
+            # Only whole pages: where a start within one is refused among
+            # the other misuses is not stated
+            ps = self.scope.page_size
+            start = data.draw(st.integers(0, v.chain + 1), label="from page") * ps
+            a = replace(a, start=start)
+        self.run(a)
 
     @precondition(lambda self: self.has(m.MatchPrefix))
     @rule(data=st.data())
@@ -755,6 +769,14 @@ class Lockstep(RuleBasedStateMachine):
         same = [r for r in range(sc.requests) if not sc.salts or sc.salts[r] == sc.salts[rid]]
         other = data.draw(st.sampled_from(same) | st.integers(0, sc.requests - 1),
                           label="finds")
+        if other != rid and data.draw(st.booleans(), label="a request id used again"):
+            # the first request finishes and the finder comes in new: the
+            # driver gives it the id the first went by (`reuse_ids`), so a
+            # config left behind by remove_request keys and looks up under
+            # the first's salt and extra keys (issue 44)
+            for r in (rid, other):
+                if m.Remove(r) in self.enabled_of(m.Remove):
+                    self.run(m.Remove(r))
         self.run(m.Ingest(other))
         v = self.state.stream_map().get((rid, label))
         length = (v.stored_len if v is not None else 0) + data.draw(st.integers(0, 2))
@@ -763,7 +785,69 @@ class Lockstep(RuleBasedStateMachine):
         for r in sorted({rid, other}):
             if r in self.ready() and self.state.current is None:
                 self.run_whole(m.Step((m.Seg(r, label, 1),), padded=(r,)))
+        v = self.state.stream_map().get((rid, label))
+        if v is not None and v.chain > 1 and self.has(m.CachePrefix):
+            # the prompt keyed again from one of its keyed pages (S34): the
+            # ids from there are checked against those pages' own, which the
+            # single cache_prefix rule seldom reaches (two pages keyed first)
+            self.run(m.CachePrefix(rid, label, start=self.scope.page_size * data.draw(
+                st.integers(1, v.chain), label="again from page")))
+        full = [lb for lb in range(sc.labels) if sc.window(lb) is None and lb != label]
+        if full:
+            # only where a second full label makes the fork drawable (the
+            # nightly scopes): the draws of the others stay as measured
+            self.fork_the_prompt(data, rid, label, data.draw(st.sampled_from(full),
+                                                             label="other label"))
         self.agrees_with_model()
+
+    def fork_the_prompt(self, data: st.DataObject, rid: int, label: int, other: int) -> None:
+        """Forks x the prefix cache (issue 44: no layer drew these together):
+        the keyed prompt forked into the other full label (or a peer's KV
+        retrieved there and forked into the prompt's label), a target that
+        may hold keyed pages of its own or be followed, by a plain or a
+        preplanned step (R57); then the target decodes, is keyed and is
+        looked up by another request. Where the label of a followed stream
+        changes (S25, S33), a preplan's target is made private (R57), a
+        peer's KV reaches a sample (R55)."""
+        src, dst = label, other
+        if data.draw(st.booleans(), label="receives"):
+            # a peer's KV into the other label, forked onto the prompt
+            if self.has(m.RetrieveStart) and (rid, other) not in self.state.stream_map():
+                self.run(m.RetrieveStart(rid, other, data.draw(
+                    st.integers(1, self.scope.max_span), label="received")))
+                done = m.RetrieveComplete(rid, other, ok=True)
+                if done in self.enabled_of(m.RetrieveComplete):
+                    self.run(done)
+            src, dst = other, label
+        elif data.draw(st.booleans(), label="target computed first"):
+            self.run_whole(m.Step((m.Seg(rid, dst, data.draw(
+                st.integers(1, self.scope.max_span), label="target span")),), padded=(rid,)))
+            keying = data.draw(st.sampled_from(["cache", "follow", "none"]), label="target keyed")
+            if keying != "none":
+                self.run(m.CachePrefix(rid, dst) if keying == "cache" else m.FollowTokens(rid, dst))
+        step = m.Step((m.Seg(rid, dst, data.draw(st.integers(0, 1), label="span")),),
+                      pre_forks=((src, dst),), padded=(rid,))
+        if rid not in self.ready() or self.state.current is not None or (
+                self.state.staged is not None):
+            return
+        if data.draw(st.booleans(), label="preplanned"):
+            self.run(m.Admit(step, preplan=True))
+            if self.state.staged is not None:
+                self.run(m.Plan(preplan=True))
+        self.run(m.Admit(step))
+        self.run_enabled(m.Plan(), m.Write(), m.Commit())
+        if self.state.staged is not None and self.state.current is None:
+            self.run(m.ClearPreplan())
+        if data.draw(st.booleans(), label="target followed"):
+            self.run(m.FollowTokens(rid, dst))
+        for _ in range(data.draw(st.integers(1, 2), label="target decodes")):
+            self.run_whole(m.Step((m.Seg(rid, dst, self.scope.page_size),), padded=(rid,)))
+        self.run(m.CachePrefix(rid, dst))
+        finder = data.draw(st.integers(0, self.scope.requests - 1), label="looks it up")
+        self.run(m.Ingest(finder))
+        v = self.state.stream_map().get((rid, dst))
+        if self.has(m.MatchPrefix):
+            self.run(m.MatchPrefix(finder, dst, (v.stored_len if v else 0) + 1))
 
     @precondition(lambda self: any(w is not None for w in self.scope.windows)
                   and self.state.current is None and self.state.staged is None

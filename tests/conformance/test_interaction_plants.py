@@ -63,6 +63,22 @@ FOUND_AT: dict[str, tuple[str, str, int]] = {
                                          "write after a truncate into a keyed page, leased", 9),
     "copy_on_write_ignores_the_lease": ("trace",
                                         "write after a truncate into a keyed page, leased", 10),
+    # issue 44: classes no layer reached, each through the reach it lacked:
+    # a `start` for cache_prefix (S34) and ids that differ along a stream
+    "cache_prefix_compares_from_token_0": ("trace", "cache_prefix from a keyed page", 11),
+    # forks between two full labels with the prefix cache (the CI lockstep's
+    # scope has one full label; the nightly one draws them, `fork_the_prompt`)
+    "preplan_privatises_by_refcount": ("trace", "preplanned fork onto a keyed stream", 11),
+    "fork_drops_received": ("trace", "fork of received KV keyed", 8),
+    "follow_ignores_the_forks_label": ("trace", "fork into a followed stream", 19),
+    "cow_ignores_released": ("trace", "write after a truncate into a window's shared page", 15),
+    # the free queues' order (`Driver.check_free_order`)
+    "release_shared_head_first": ("trace", "reset keeping keyed pages", 7),
+    "failed_reload_gives_back_reversed": ("trace", "failed reload of two pages", 9),
+    # each page's key itself (`Driver.kv_key`), tenants told apart by extra
+    # keys alone, and request ids used again (`DriverConfig.reuse_ids`)
+    "one_pass_ignores_extra_keys": ("trace", "a page keyed under extra keys", 6),
+    "remove_keeps_the_config": ("trace", "a request id used again", 8),
 }
 
 def run(layer: str, target: str, plant: seam_plants.Plant | None) -> Found:
@@ -112,6 +128,11 @@ LOCKSTEP_FINDS = (
     "offload_commit_frees_shared_pages",
     "reset_cache_while_offloaded",
     "page_filled_at_its_end_missed",  # S33: at the 93rd machine
+    # issue 44: the reach added to the lockstep (docs/verification/planted-bugs.md)
+    "cache_prefix_compares_from_token_0",  # S34's start drawn
+    "release_shared_head_first",  # the free queues' order compared
+    "one_pass_ignores_extra_keys",  # a tenant told apart by extra keys, keys compared
+    "remove_keeps_the_config",  # request ids used again
 )
 
 

@@ -7,6 +7,7 @@ own locksteps found; tests/conformance/test_seam_plants.py runs them."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 
@@ -690,3 +691,181 @@ def copy_on_write_ignores_the_lease(mp: pytest.MonkeyPatch) -> None:
     """R71 off in the admit: a step writing after a leased request's shared
     partial page copies it first and gives back the page the lease names."""
     mp.setattr(admission, "leased_cow", lambda *args: None)
+
+
+# -- issue 44: planted bugs no layer found (each with the reach it lacked in
+# docs/verification/planted-bugs.md) ------------------------------------------
+
+
+def cache_prefix_compares_from_token_0(mp: pytest.MonkeyPatch) -> None:
+    """cache_prefix with 0 < start < the keyed end checks the ids it is given
+    against the keyed tokens from token 0, not from ``start``: a correct
+    call is refused (or, with ids alike, a wrong one passes)."""
+    orig = prefix_cache._checked
+
+    def checked(table: StreamTable, rid: str, label: str, tokens: object, start: int
+                ) -> object:
+        stream = table.stream(rid, label)
+        raw = bytes(stream.key_tokens)
+        if isinstance(start, int) and not isinstance(start, bool) and start > 0:
+            # what the buggy compare reads at ``start``: the keyed tokens from 0
+            stream.key_tokens = bytearray(start * 8) + bytearray(raw)
+        try:
+            return orig(table, rid, label, tokens, start)  # type: ignore[arg-type]
+        finally:
+            stream.key_tokens = bytearray(raw)
+
+    mp.setattr(prefix_cache, "_checked", checked)
+
+
+def preplan_privatises_by_refcount(mp: pytest.MonkeyPatch) -> None:
+    """Forks x preplan x prefix cache (R57): a preplanned fork's target is
+    made private by reference count alone, so a registered page only it
+    holds stays, and the fork copies into a page the cache names."""
+    def privatise(self: Forks, rid: str, label: str) -> None:
+        table = self._table
+        key = (rid, label)
+        stream = table.streams[rid][label]
+        pages = list(stream.page_indices)
+        shared = [i for i, p in enumerate(pages) if table.pages.refcount(p) > 1]
+        if not shared:
+            return
+        fresh = table.take(key, len(shared))
+        self._kv_cache.copy_pages([pages[i] for i in shared], fresh)
+        old = [pages[i] for i in shared]
+        for i, p in zip(shared, fresh, strict=True):
+            pages[i] = p
+        table.give_back(key, old)
+        stream.rehome_pages(pages)
+
+    mp.setattr(Forks, "privatise", privatise)
+
+
+def fork_drops_received(mp: pytest.MonkeyPatch) -> None:
+    """Forks x retrieve x prefix cache (R55): the fork target does not carry
+    the source's ``received`` flag, so a sample forked from a retrieved
+    stream has a peer's KV keyed by cache_prefix."""
+    orig = CacheStream.fork_from
+
+    def fork_from(self: CacheStream, src: CacheStream, space: str, page_size: int) -> None:
+        orig(self, src, space, page_size)
+        self.received = False
+
+    mp.setattr(CacheStream, "fork_from", fork_from)
+
+
+def cow_ignores_released(mp: pytest.MonkeyPatch) -> None:
+    """Windows x forks x copy-on-write (R52 at W2): the check finds the
+    partial page from slot 0, not from the first retained slot, so after a
+    truncate within the rollback margin into a page a fork shares, the
+    next write lands in the shared page."""
+    def cow_needed(self: PrefixSharing, key: Key, stream: CacheStream) -> bool:
+        if not stream.tail_maybe_shared:
+            return False
+        ps = self._page_size
+        n = stream.stored_len
+        i = n // ps
+        return (n % ps != 0 and i < len(stream.page_indices)
+                and not self._pages.writable(key, stream.page_indices[i]))
+
+    mp.setattr(PrefixSharing, "cow_needed", cow_needed)
+
+
+def follow_ignores_the_forks_label(mp: pytest.MonkeyPatch) -> None:
+    """follow_tokens x forks (S33): the one-pass keying of a commit takes the
+    extra keys worked out when the engine handed its ids over, though a
+    fork since gave the stream its source's label: the next page is keyed
+    under the wrong label, where no hit finds it."""
+    from kvref.prefix import follow
+
+    orig = follow.key_followed
+
+    def key_followed(table: StreamTable, due: list[CacheStream], unkeyable: object) -> None:
+        for stream in due:
+            if stream.follow is not None:
+                stream.follow = dataclasses.replace(stream.follow, space=stream.space)
+        orig(table, due, unkeyable)  # type: ignore[arg-type]
+
+    mp.setattr(follow, "key_followed", key_followed)
+
+
+def release_shared_head_first(mp: pytest.MonkeyPatch) -> None:
+    """release_shared (a reset that keeps its pages, a failed fork) lets go
+    of the shared and keyed pages head first: a chain's first page is
+    evicted before its suffix, which then stays cached and unreachable."""
+    def release_shared(self: PrefixSharing, key: Key, stream: CacheStream,
+                       private: list[bool] | None = None) -> None:
+        pages = stream.page_indices
+        if not pages:
+            return
+        if private is None:
+            private = self._pages.private_pages(key, pages)
+        if all(private):
+            return
+        kept = [p for p, mine in zip(pages, private, strict=True) if mine]
+        shared = [p for p, mine in zip(pages, private, strict=True) if not mine]
+        self._pages.release_table(key, shared)
+        stream.keep_spare(kept)
+
+    mp.setattr(PrefixSharing, "release_shared", release_shared)
+
+
+def failed_reload_gives_back_reversed(mp: pytest.MonkeyPatch) -> None:
+    """A reload whose copy fails gives its pages back head first (each
+    stream's list reversed before `give_back`, which lets go tail first):
+    the free queue comes back in another order than the pages were taken."""
+    orig = HostOffload.reload
+
+    def reload(self: HostOffload, rid: str) -> object:
+        table = self.table
+        give_back = type(table).give_back
+
+        def reversed_give_back(key: Key, pages: list[int]) -> int:
+            return give_back(table, key, pages[::-1])
+
+        table.give_back = reversed_give_back  # type: ignore[method-assign]
+        try:
+            return orig(self, rid)
+        finally:
+            del table.give_back
+
+    mp.setattr(HostOffload, "reload", reload)
+
+
+def one_pass_ignores_extra_keys(mp: pytest.MonkeyPatch) -> None:
+    """Keying one page at a time (cache_prefix of the page that filled,
+    cache_prefixes of a decode batch) hashes a request without a salt with
+    its label alone, dropping its typed extra keys (LoRA, multimodal): two
+    adapters' pages of the same ids get one key."""
+    orig = prefix_cache.one_page_each
+
+    def one_page_each(table: StreamTable, calls: object, fork_targets: object) -> object:
+        saved = {}
+        for call in calls if isinstance(calls, list) else ():
+            rid = call[0] if isinstance(call, tuple) and call else None
+            cfg = table.overrides.get(rid) if isinstance(rid, str) else None
+            if cfg is not None and cfg.cache_salt is None and cfg.extra_keys:
+                saved[rid] = cfg
+                table.overrides[rid] = dataclasses.replace(cfg, extra_keys=())
+        try:
+            return orig(table, calls, fork_targets)  # type: ignore[arg-type]
+        finally:
+            table.overrides.update(saved)
+
+    mp.setattr(prefix_cache, "one_page_each", one_page_each)
+
+
+def remove_keeps_the_config(mp: pytest.MonkeyPatch) -> None:
+    """remove_request leaves the request's config behind: a request id used
+    again keys and looks up under the old tenant's salt and extra keys."""
+    from kvref.lifecycle.requests import RequestLifecycle
+
+    orig = RequestLifecycle._release
+
+    def release(self: RequestLifecycle, rid: str, streams: object) -> None:
+        cfg = self._table.overrides.get(rid)
+        orig(self, rid, streams)  # type: ignore[arg-type]
+        if cfg is not None:
+            self._table.overrides[rid] = cfg
+
+    mp.setattr(RequestLifecycle, "_release", release)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvref.testing.lockstep import SHIPPED_SCOPE as LOCKSTEP_SCOPE
 from kvref_model import core as m
+from kvref_model.core import replace
 from tests.support.sched_harness import SHIPPED_SCOPE as SCHED_SCOPE
 
 # full attention on labels 0 and 1 (a fork between them shares pages and
@@ -15,6 +16,9 @@ from tests.support.sched_harness import SHIPPED_SCOPE as SCHED_SCOPE
 SHARED = SCHED_SCOPE
 # labels 1 and 2 windowed alike (W=2, margin 1): forks between windows
 WINDOWS = LOCKSTEP_SCOPE
+# SHARED with tenants: r0 and r1 salted alike, r2 told apart by a typed
+# extra key alone (no salt: `kvref.testing.driver.request_keys`)
+TENANTS = replace(SHARED, salts=("a", "a", "lora=b"))
 
 
 def run(rid: int, label: int, span: int, pre: tuple[tuple[int, int], ...] = (),
@@ -87,6 +91,42 @@ TRACES: dict[str, tuple[m.Scope, list[m.Action]]] = {
         m.Ingest(0), *run(0, 0, 1), m.FollowTokens(0, 0), *run(0, 0, 1), *run(0, 0, 1),
         *run(0, 0, 1), m.Truncate(0, 0, 1), *run(0, 0, 1), *run(0, 0, 2), m.Reset(0, True),
         *run(0, 0, 3)]),
+    # issue 44's classes, each a seam no layer reached:
+    # cache_prefix from a later page, its ids from there (S34)
+    "cache_prefix from a keyed page": (SHARED, [
+        m.Ingest(0), *run(0, 0, 4), m.CachePrefix(0, 0), *run(0, 0, 2),
+        m.CachePrefix(0, 0, start=2), m.CachePrefix(0, 0, start=4)]),
+    # a preplanned fork onto a stream that alone holds keyed pages (R57)
+    "preplanned fork onto a keyed stream": (SHARED, [
+        m.Ingest(0), *run(0, 1, 2), m.CachePrefix(0, 1), *run(0, 0, 3),
+        *run(0, 0, 0, pre=((0, 1),), preplan=True), m.Ingest(1), m.MatchPrefix(1, 1, 3)]),
+    # a fork of a retrieved stream, then its target keyed (R55)
+    "fork of received KV keyed": (SHARED, [
+        m.Ingest(0), m.RetrieveStart(0, 0, 4), m.RetrieveComplete(0, 0, True),
+        *run(0, 0, 0, pre=((0, 1),)), m.CachePrefix(0, 1), m.FollowTokens(0, 1)]),
+    # a window's fork target truncated within its margin into a page it
+    # shares, then written (R52 past the released slots)
+    "write after a truncate into a window's shared page": (WINDOWS, [
+        m.Ingest(0), *run(0, 1, 3), *run(0, 1, 3), *run(0, 1, 0, pre=((1, 2),)),
+        m.Truncate(0, 2, 5), *run(0, 2, 1)]),
+    # a followed stream forked into from a keyed one: its label changes (S25, S33)
+    "fork into a followed stream": (SHARED, [
+        m.Ingest(0), *run(0, 1, 1), m.FollowTokens(0, 1), *run(0, 0, 2), m.CachePrefix(0, 0),
+        *run(0, 0, 0, pre=((0, 1),)), *run(0, 1, 2)]),
+    # a reset that keeps its pages, over two keyed pages only it holds (S6, R62)
+    "reset keeping keyed pages": (SHARED, [
+        m.Ingest(0), *run(0, 0, 4), m.CachePrefix(0, 0), m.Reset(0, False)]),
+    # a reload whose copy fails, taking two pages (I17)
+    "failed reload of two pages": (SHARED, [
+        m.Ingest(0), *run(0, 0, 4), m.OffloadClaim(0), m.OffloadCopy(0, 0),
+        m.OffloadCommit(0), m.Reload(0, copy_error=True)]),
+    # a request told apart by extra keys alone keys one page (S25)
+    "a page keyed under extra keys": (TENANTS, [
+        m.Ingest(2), *run(2, 0, 2), m.CachePrefix(2, 0), m.Ingest(0), m.MatchPrefix(0, 0, 3)]),
+    # a request id used again by another tenant (S25, S22)
+    "a request id used again": (TENANTS, [
+        m.Ingest(2), m.Remove(2), m.Ingest(0), *run(0, 0, 2), m.CachePrefix(0, 0),
+        m.Ingest(1), m.MatchPrefix(1, 0, 3)]),
     # two followed requests fill the same page in one step: the first segment's
     # page takes the key (S11), the other stays its own
     "one step fills a key twice": (SHARED, [
