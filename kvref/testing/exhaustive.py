@@ -73,7 +73,7 @@ def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig) -> 
             raise Mismatch(f"step {i} {a}: {wrong}")
         d.check_pages(seen)
         d.check_page_map(s, seen)
-        d.check_free_order(prev, before, s, seen)
+        d.check_free_order(prev, before, s, seen, a)
         before = seen
         d.check_host_lengths(s, seen)
         d.check_bytes(s)
