@@ -74,7 +74,7 @@ def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig) -> 
         d.check_pages(seen)
         d.check_observed(s, seen)
         d.check_page_map(s, seen)
-        d.check_free_order(prev, before, s, seen)
+        d.check_free_order(prev, before, s, seen, a)
         before = seen
         d.check_host_lengths(s, seen)
         d.check_bytes(s)

@@ -241,7 +241,7 @@ class Lockstep(RuleBasedStateMachine):
         assert got == want, f"{action}: kvref answered {got}, the model {want}"
         broken = violations(self.model, nxt, action, want, self.state)
         assert not broken, f"model invariant after {action}: {broken}"
-        self.driver.check_free_order(self.state, seen, nxt, after)
+        self.driver.check_free_order(self.state, seen, nxt, after, action)
         prev, self.state = self.state, nxt
         if isinstance(got, (m.Misuse, m.Refused)):
             # I10 on kvref itself: not a byte, not a page owner moved

@@ -125,8 +125,10 @@ def test_twelve_interaction_plants_are_found_in_ci() -> None:
 # release, which those 100 examples never make
 LOCKSTEP_EXAMPLES = 100
 LOCKSTEP_FINDS = (
-    "offload_commit_frees_shared_pages",
-    "reset_cache_while_offloaded",
+    # offload_commit_frees_shared_pages (machine 134) survives these 100
+    # since issue 44's draws (the free order, the ids, the reused ids,
+    # share_a_prompt's new draws): its trace and program find it in CI
+    "reset_cache_while_offloaded",  # at the 30th machine since issue 44
     "page_filled_at_its_end_missed",  # S33: at the 93rd machine
     # issue 44: the reach added to the lockstep (docs/verification/planted-bugs.md)
     "cache_prefix_compares_from_token_0",  # S34's start drawn
