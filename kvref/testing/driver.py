@@ -892,10 +892,11 @@ class Driver:
         seen = seen if seen is not None else self.observe()
         salts = dict(enumerate(self.scope.salts))
         observed_state.check_positions(seen)
-        observed_state.check_configs(model_state, seen, salts)
-        observed_state.check_staged(model_state, seen)
+        observed_state.check_configs(model_state, seen, salts, self.name, request_keys)
+        observed_state.check_staged(model_state, seen, self.name)
         if self.scope.sharing:
-            observed_state.check_keyed_ids(model_state, seen, self.scope.page_size)
+            observed_state.check_keyed_ids(model_state, seen, self.scope.page_size, self.name,
+                                           engine_id)
 
     def check_pages(self, seen: KVObservation | None = None) -> None:
         """I1 and I2 on page ids: every page exactly once in free list, sink or a stream."""

@@ -71,14 +71,19 @@ def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig) -> 
         wrong = d.check_publication(s, seen)
         if wrong is not None:
             raise Mismatch(f"step {i} {a}: {wrong}")
-        d.check_pages(seen)
-        d.check_observed(s, seen)
-        d.check_page_map(s, seen)
-        d.check_free_order(prev, before, s, seen, a)
-        before = seen
-        d.check_host_lengths(s, seen)
-        d.check_bytes(s)
-        d.check_queries(s)
+        try:
+            d.check_pages(seen)
+            d.check_observed(s, seen)
+            d.check_page_map(s, seen)
+            d.check_free_order(prev, before, s, seen, a)
+            before = seen
+            d.check_host_lengths(s, seen)
+            d.check_bytes(s)
+            d.check_queries(s)
+        except Mismatch:
+            raise
+        except AssertionError as err:  # a check on the state: kvref and the model differ
+            raise Mismatch(f"step {i} {a}: {err}") from err
 
 
 def check_scope(scope: m.Scope, config: DriverConfig | None = None,

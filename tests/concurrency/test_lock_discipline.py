@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from kvref import KVManager, Offload
-from kvref.testing.driver import Driver, DriverConfig, default_factory, label_name, rid_name
+from kvref.testing.driver import Driver, DriverConfig, default_factory, label_name
 from kvref_model import core as m
 from tests.support.lockset import Detector, TracedLock
 from tests.support.sched_harness import SHIPPED_SCOPE
@@ -49,6 +49,7 @@ NOT_STATE = {
     "cleanup": "closes the transfer engine's handles",
     "build_cuda_graph_buffers": "the graph staging buffers: the engine thread's own",
     "post_warmup_validate": "needs a process group; reads the pool under its lock",
+    "check": "the pool's own consistency, read under the pool's lock (`PagePool.problems`)",
 }
 
 # the rest of the API, past what the seam traces reach: a publish, a retrieve
@@ -139,7 +140,7 @@ class Tour:
         self.cache_calls += 1
         if self.cache_calls % 2:
             return d.apply(a, s)
-        rid, label, kv = rid_name(a.rid), label_name(a.label), manager(d)
+        rid, label, kv = d.name(a.rid), label_name(a.label), manager(d)
         ids = d.engine_ids(s, (a.rid, a.label))
         ps = d.scope.page_size
         start = kv.cached_tokens(rid, label)
@@ -157,7 +158,7 @@ class Tour:
         kv.host_pool()
         _ = kv.num_free_pages, kv.num_cached_pages
         for rid in sorted(s.requests()):
-            name = rid_name(rid)
+            name = d.name(rid)
             kv.has_request(name)
             kv.is_offloaded(name)
             kv.reclaimable(name)
@@ -171,14 +172,15 @@ class Tour:
         """The one-call offload and reload, and their outcomes (the traces
         drive an offload's phases through its handle)."""
         d = Driver(SHIPPED_SCOPE, self.config)
-        kv, name = manager(d), rid_name(0)
+        kv = manager(d)
         for a in (m.Ingest(0), *run(0, 0, 3)):
             d.apply(a)
+        name = d.name(0)
         assert kv.offload_outcome(name).pages_freed == 2
         assert kv.reload_outcome(name).reloaded
         assert kv.offload(name) == 2
         assert kv.reload(name)
-        step, ctx = Driver.to_kvref(m.Step((m.Seg(0, 0, 2),), padded=(0,)))
+        step, ctx = d.to_kvref(m.Step((m.Seg(0, 0, 2),), padded=(0,)))
         assert kv.pages_needed(step, ctx) == 1
         off = kv.begin_offload(name)
         assert off is not None and off.is_open
