@@ -461,7 +461,10 @@ class Harness:
             kwargs["runtime"] = runtime
             return base.factory(**kwargs)
 
-        self.driver = Driver(scope, DriverConfig(base.device, base.dtype, factory))
+        # requests keep their ids: the programs name kvref's requests by
+        # `rid_name` themselves (the lockstep's id reuse is not theirs)
+        self.driver = Driver(scope, DriverConfig(base.device, base.dtype, factory,
+                                                 reuse_ids=False))
         self.kv = self.driver.kv
         self.model = model or ConcurrentModel(scope)
         self.lin = Linearizer(self.model, self.driver, self.sched)
