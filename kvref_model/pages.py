@@ -76,6 +76,19 @@ class Scope:
     # window passing pages, H3 of specs/retention.md). vLLM's free_blocks has
     # no such release: a freed block keeps its hash until evicted.
     blank_release: bool = True
+    # transformers' continuous-batching cache (docs/verification/vllm-block-pool.md,
+    # its transformers section): a register whose key another page has makes the
+    # registering holder (Register.holder) take that page in its own page's place,
+    # in its table, and release its own; kvref keeps the caller's page.
+    dedup_adopts: bool = False
+    # An allocation may evict free-cached pages (LRU first). Off: cached pages are
+    # not free, an allocation takes blank pages only and NumFree counts those
+    # (transformers keeps unreferenced hashed blocks in its ledger, out of the pool).
+    allocate_evicts: bool = True
+    # ResetPrefixCache evicts every free-cached page even while pages are held
+    # (transformers evicts all its cached blocks at once under memory pressure);
+    # kvref refuses a reset while anything is held (S14).
+    reset_while_held: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,6 +164,9 @@ class Register:
     parent: Key | None
     tokens: Tokens
     extras: Extras = ()
+    # whose table registers it: read only under Scope.dedup_adopts, where that
+    # holder adopts the page that has the key already
+    holder: int | None = None
 
 
 @dataclass(frozen=True)
@@ -326,7 +342,7 @@ class PagesModel:
     def _Allocate(self, s: State, a: Allocate) -> tuple[Result, State]:
         if a.n < 0:
             return Misuse(ARG), s
-        free = len(s.blank) + len(s.lru)
+        free = len(s.blank) + (len(s.lru) if self.scope.allocate_evicts else 0)
         if a.n > free:
             return AllocationFailed(a.n - free), s
         taken = s.blank[:a.n]
@@ -390,6 +406,11 @@ class PagesModel:
         if pg.key is not None:  # registered once, immutable after
             return (Registered(a.page), s) if pg.key == key else (Misuse(REGISTER), s)
         q = s.index().get(key)
+        if self.scope.dedup_adopts:
+            if a.holder not in pg.holders:
+                return Misuse(REGISTER), s  # the holder must be one of the page's
+            if q is not None:
+                return self._adopt(s, a, q)
         if self.scope.duplicates:  # registered beside any page that has the key
             pages = list(s.pages)
             pages[a.page - 1] = replace(pg, key=key)
@@ -404,6 +425,25 @@ class PagesModel:
         pages = list(s.pages)
         pages[a.page - 1] = replace(pg, key=key)
         return Registered(a.page), replace(s, pages=tuple(pages))
+
+    def _adopt(self, s: State, a: Register, q: int) -> tuple[Result, State]:
+        """Scope.dedup_adopts: the holder takes page q (which has the key) where
+        its own page was, and releases its own (blank once nobody holds it)."""
+        h = a.holder
+        assert h is not None
+        if h in s.page(q).holders:
+            return Misuse(REGISTER), s  # it would hold q twice
+        pages, blank = list(s.pages), s.blank
+        pages[q - 1] = replace(pages[q - 1], holders=pages[q - 1].holders | {h})
+        own = replace(pages[a.page - 1], holders=pages[a.page - 1].holders - {h})
+        if not own.holders:  # unregistered: it goes back blank
+            own = Page()
+            blank = (a.page, *blank) if self.scope.blank_to_front else (*blank, a.page)
+        pages[a.page - 1] = own
+        tables = list(s.tables)
+        tables[h] = tuple(q if p == a.page else p for p in tables[h])
+        lru = tuple(p for p in s.lru if p != q) if self.HIT_LEAVES_LRU else s.lru
+        return Registered(q), State(tuple(pages), lru, blank, tuple(tables), s.order)
 
     def _Share(self, s: State, a: Share) -> tuple[Result, State]:
         if (len(set(a.pages)) != len(a.pages) or self._bad_pages(a.pages)
@@ -457,17 +497,18 @@ class PagesModel:
         return Count(sum(s.page(p).holders <= hs for p, hs in by_page.items())), s
 
     def _NumFree(self, s: State, a: NumFree) -> tuple[Result, State]:
-        return Count(len(s.blank) + len(s.lru)), s
+        return Count(len(s.blank) + (len(s.lru) if self.scope.allocate_evicts else 0)), s
 
     def _ResetPrefixCache(self, s: State, a: ResetPrefixCache) -> tuple[Result, State]:
         held = sum(1 for pg in s.pages if pg.holders)
-        if held:  # as vLLM and SGLang: only a whole reset is a reset (S14)
+        if held and not self.scope.reset_while_held:  # as vLLM, SGLang: S14
             return ResetRefused(held), s
         pages = list(s.pages)
         for p in s.lru:
             pages[p - 1] = Page()
         return Count(len(s.lru)), replace(s, pages=tuple(pages), lru=(),
-                                          blank=s.blank + s.lru, order=())
+                                          blank=s.blank + s.lru,
+                                          order=tuple(p for p in s.order if p not in s.lru))
 
     def _with(self, s: State, pages: list[Page], *, lru: tuple[int, ...] | None = None,
               blank: tuple[int, ...] | None = None,

@@ -118,11 +118,14 @@ def _calls(m: PagesModel, s: State) -> Iterator[Action]:
         if c is None or not pg.holders:
             continue
         parent = m.chain_key(c.parent)
-        yield Register(p, parent, c.tokens, c.extras)  # a repeat: idempotent
-        yield Register(p, parent, c.tokens[:-1], c.extras)  # careless: a part page
+        # under dedup_adopts a register names its holder: each of the page's
+        who: list[int | None] = [*sorted(pg.holders)] if sc.dedup_adopts else [None]
+        for who_h in who:
+            yield Register(p, parent, c.tokens, c.extras, who_h)  # a repeat: idempotent
+        yield Register(p, parent, c.tokens[:-1], c.extras, who[0])  # careless: part page
         if pg.key is not None:  # careless: other tokens for a registered page
             yield Register(p, parent, tuple((x + 1) % sc.alphabet for x in c.tokens),
-                           c.extras)
+                           c.extras, who[0])
     for h in holders:
         for g in holders:
             if g != h and s.tables[g]:

@@ -416,11 +416,12 @@ class VllmPool:
 class Disagreement:
     action: M.Action
     want: M.Result
-    got: str  # vLLM's result, or the exception it raised
+    got: str  # the engine's result, or the exception it raised
     detail: str
+    engine: str = "vLLM"  # kvref.testing.transformers_pool files its own under this
 
     def __str__(self) -> str:
-        return (f"{show(self.action)}: vLLM {self.got}, model {show(self.want)}"
+        return (f"{show(self.action)}: {self.engine} {self.got}, model {show(self.want)}"
                 + (f" ({self.detail})" if self.detail else ""))
 
 
