@@ -226,45 +226,49 @@ def _index(ix: tuple[tuple[int, int], ...]) -> str:
 
 
 @functools.cache
-def _llama_config(ps: int) -> Any:
+def _llama_config(head_dim: int) -> Any:
     from transformers import LlamaConfig
 
-    # head_dim 16 in float32: a block is 128 * page_size bytes, so a sector (the
-    # lcm of the block and 128 bytes) is one block, as for any real model's
-    # full-attention group; one layer, one KV head
     return LlamaConfig(hidden_size=16, num_attention_heads=1, num_key_value_heads=1,
-                       head_dim=16, num_hidden_layers=1, intermediate_size=16,
+                       head_dim=head_dim, num_hidden_layers=1, intermediate_size=16,
                        vocab_size=16)
 
 
 class TfPool:
-    """One PagedAttentionCache driven by the model's actions."""
+    """One PagedAttentionCache driven by the model's actions.  `sector` blocks
+    make a sector: 1 for any real model's full-attention group (a block is a
+    multiple of the 128-byte alignment); more as in a hybrid model, whose sector
+    is the lcm of its groups' blocks (the adapter's `sector` is set through the
+    block's size: head_dim = 16 / (sector * page_size), float32, one KV head)."""
 
-    def __init__(self, tf: Tf, scope: M.Scope) -> None:
+    def __init__(self, tf: Tf, scope: M.Scope, sector: int = 1) -> None:
         import torch
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         self.tf, self.scope, self.ps = tf, scope, scope.page_size
+        head_dim, odd = divmod(16, sector * self.ps)
+        if odd or not head_dim or scope.pages % sector:
+            raise ValueError(f"no cache of {scope.pages} blocks in sectors of {sector}")
         cb = ContinuousBatchingConfig(page_size=self.ps, num_blocks=scope.pages,
                                       max_batch_tokens=16, max_memory_percent=0.5)
         self.cache = tf.cache.PagedAttentionCache(
-            _llama_config(self.ps), cb, "cpu", tf.distributed.DistributedHelper(None, None),
+            _llama_config(head_dim), cb, "cpu", tf.distributed.DistributedHelper(None, None),
             dtype=torch.float32)
         self.alloc = self.cache.cache_allocators[GROUP]
         self.ledger = self.alloc.ledger
-        if (self.cache.num_sectors, self.alloc.blocks_per_sector) != (scope.pages, 1) or (
-                not self.cache.use_prefix_sharing):
-            raise RuntimeError(f"transformers {tf.version} sized the cache as "
-                               f"{self.cache.num_sectors} sectors of "
-                               f"{self.alloc.blocks_per_sector} blocks, sharing "
-                               f"{self.cache.use_prefix_sharing}: not {scope.pages} of 1")
+        got = (self.cache.num_sectors * self.alloc.blocks_per_sector,
+               self.alloc.blocks_per_sector, self.cache.use_prefix_sharing)
+        if got != (scope.pages, sector, True):
+            raise RuntimeError(f"transformers {tf.version} sized the cache as (blocks, "
+                               f"blocks per sector, prefix sharing) {got}, not "
+                               f"{(scope.pages, sector, True)}")
         self.reset()
 
     def reset(self) -> None:
         """transformers' own reset (every request freed, ledger and pool reset):
         the replay's fresh cache, cheaper than building one."""
         self.cache.reset()
-        blocks = sorted(self.cache.pool.free_sectors)  # a sector is one block here
+        blocks = sorted(self.free_blocks())
         self.m2t = dict(zip(range(1, self.scope.pages + 1), blocks, strict=True))
         self.t2m = {b: p for p, b in self.m2t.items()}
 
@@ -718,7 +722,8 @@ def run_tf_lockstep(tf: Tf, examples: int = 60, steps: int = 25,
 # ------------------------------------------------------------------ replay
 
 
-def replay(tf: Tf, scope: M.Scope = REPLAY_SCOPE, first: bool = False) -> ReplayReport:
+def replay(tf: Tf, scope: M.Scope = REPLAY_SCOPE, first: bool = False,
+           sector: int = 1) -> ReplayReport:
     """Every state the model reaches within `scope.depth` calls of its protocol,
     breadth first (each disagreement's trace a shortest one): for each call in
     each state, the cache is reset, brought to the state by its trace, and the
@@ -729,7 +734,7 @@ def replay(tf: Tf, scope: M.Scope = REPLAY_SCOPE, first: bool = False) -> Replay
     s0 = model.init()
     seen = {canon(s0)}
     frontier: deque[tuple[M.State, list[tuple[M.Action, M.Result]]]] = deque([(s0, [])])
-    tp = TfPool(tf, scope)
+    tp = TfPool(tf, scope, sector)
     while frontier:
         s, trace = frontier.popleft()
         rep.states += 1

@@ -113,3 +113,22 @@ def test_an_eviction_takes_every_cached_block_while_others_are_held(tf: T.Tf) ->
     assert s.lru == (1,) and m.step(s, M.NumFree())[0] == M.Count(0)  # cached: not free
     s, bad = T.compare(m, s, M.ResetPrefixCache(), tp)
     assert bad is None and s.blank == (1,) and s.page(2).key is not None
+
+
+@pytest.mark.parametrize(("window", "ps", "steps"), [
+    (4, 2, [1] * 12), (3, 2, [1] * 9), (5, 2, [3, 1, 1, 4, 1, 2, 1]),
+    (8, 4, [5, 1, 1, 1, 6, 2, 1, 1]), (6, 1, [2, 5, 1, 1, 7, 1])])
+def test_the_sliding_ring_holds_at_most_kvrefs_window_pages(
+        tf: T.Tf, window: int, ps: int, steps: list[int]) -> None:
+    # item 5: transformers' ring keeps ceil(min(n, W) / ps) blocks; kvref, after a
+    # commit, the pages of [max(0, n - W), n), one more when the window straddles
+    from kvref.testing.transformers_window import compare
+
+    rows = compare(tf, window, ps, steps)
+    assert [r.tokens for r in rows][-1] == sum(steps)
+    for r, q in zip(rows, steps, strict=True):
+        assert r.transformers == -(-min(r.tokens, window) // ps)
+        assert r.transformers <= r.kvref_settled <= r.transformers + 1 <= r.bound
+        assert r.kvref_peak <= r.bound + -(-q // ps)  # W3: plus the step's new pages
+    if (window, ps) == (4, 2):  # the window straddles a page at every odd length
+        assert [r.kvref_settled - r.transformers for r in rows[4:]] == [1, 0] * 4
