@@ -1,7 +1,7 @@
 """The page-pool model (kvref_model.pages) in lockstep with transformers'
 continuous-batching paged cache (issue 43).
 
-    python -m kvref.testing.transformers_pool [--examples 60] [--depth 6] [--plants]
+    python -m kvref.testing.transformers_pool [--examples 100] [--depth 7] [--plants]
 
 It drives the transformers installed beside kvref (the dev extra pins it), on
 CPU: a real `PagedAttentionCache` for a one-layer Llama config, one
@@ -712,7 +712,7 @@ def lockstep_machine(tf: Tf, scope: M.Scope = ENGINE_SCOPE) -> type[RuleBasedSta
     return TfLockstep
 
 
-def run_tf_lockstep(tf: Tf, examples: int = 60, steps: int = 25,
+def run_tf_lockstep(tf: Tf, examples: int = 100, steps: int = 25,
                     scope: M.Scope = ENGINE_SCOPE,
                     machine: type[RuleBasedStateMachine] | None = None) -> LockstepReport:
     return run_lockstep(tf, budget(examples, steps), scope,  # type: ignore[arg-type]
@@ -779,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvref.testing.transformers_pool",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--examples", type=int, default=60)
+    ap.add_argument("--examples", type=int, default=100)
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--depth", type=int, default=REPLAY_SCOPE.depth)
     ap.add_argument("--plants", action="store_true",

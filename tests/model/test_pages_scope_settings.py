@@ -9,15 +9,21 @@ from dataclasses import replace
 
 from kvref_model.pages import (
     Allocate,
+    AllocationFailed,
+    Count,
     Hit,
     Key,
     Match,
     Misuse,
+    NumFree,
+    Page,
     Pages,
     PagesModel,
     Register,
     Registered,
     Release,
+    ResetPrefixCache,
+    ResetRefused,
     Scope,
     State,
     Write,
@@ -86,3 +92,51 @@ def test_the_vllm_scope_checks_clean_and_the_default_search_is_unchanged() -> No
     assert rep.complete and not rep.violations and rep.states > 500
     default = check(PagesModel(SCOPE))
     assert (default.states, default.transitions) == (4652, 81416)
+
+
+# transformers' continuous-batching cache (issue 43)
+TRANSFORMERS = replace(SCOPE, holders=3, extras=((),), trusts_caller=True, dedup_adopts=True,
+                       allocate_evicts=False, reset_while_held=True)
+
+
+def test_dedup_adopts_swaps_the_holders_page_and_releases_its_own() -> None:
+    k = Key(None, (0,), ())
+    m = PagesModel(replace(SCOPE, dedup_adopts=True))
+    got, s = run(m, Allocate(0, 1), Allocate(1, 1), Write(0, 1, k), Write(1, 2, k),
+                 Register(1, None, (0,), (), 0), Register(2, None, (0,), (), 1))
+    assert got[-1] == Registered(1) and s.tables == ((1,), (1,))
+    assert s.page(1).holders == {0, 1} and s.page(2) == Page() and s.blank[-1] == 2
+    # a holder that does not hold the page names nobody's table: refused
+    _, s2 = run(m, Allocate(0, 1), Write(0, 1, k))
+    assert m.step(s2, Register(1, None, (0,), (), 1))[0] == Misuse("PageRegisterError")
+
+
+def test_without_allocate_evicts_cached_pages_are_not_free() -> None:
+    k = Key(None, (0,), ())
+    for evicts, want in ((True, Pages((2, 3, 1))), (False, AllocationFailed(1))):
+        m = PagesModel(replace(SCOPE, allocate_evicts=evicts))
+        _, s = run(m, Allocate(0, 1), Write(0, 1, k), Register(1, None, (0,)),
+                   Release(0, (1,)))
+        assert m.step(s, Allocate(0, 3))[0] == want
+        assert m.step(s, NumFree())[0] == Count(3 if evicts else 2)
+
+
+def test_reset_while_held_evicts_the_cached_pages_and_keeps_the_held_keys() -> None:
+    k0, k1 = Key(None, (0,), ()), Key(None, (1,), ())
+    for held_ok, want in ((False, ResetRefused(1)), (True, Count(1))):
+        m = PagesModel(replace(SCOPE, reset_while_held=held_ok))
+        _, s = run(m, Allocate(0, 1), Write(0, 1, k0), Register(1, None, (0,)),
+                   Release(0, (1,)), Allocate(1, 1), Write(1, 2, k1), Register(2, None, (1,)))
+        r, t = m.step(s, ResetPrefixCache())
+        assert r == want
+        if held_ok:
+            assert t.lru == () and t.page(2).key is not None and 1 in t.blank
+
+
+def test_the_transformers_scope_checks_clean() -> None:
+    rep = check(PagesModel(replace(TRANSFORMERS, depth=6)))
+    assert rep.complete and not rep.violations and rep.states > 300
+    assert rep.fired.get("Register", 0) and any(
+        isinstance(a, Register) and a.holder is not None
+        for a in calls(PagesModel(TRANSFORMERS), run(
+            PagesModel(TRANSFORMERS), Allocate(0, 1), Write(0, 1, Key(None, (0,), ())))[1]))

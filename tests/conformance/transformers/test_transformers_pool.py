@@ -132,3 +132,17 @@ def test_the_sliding_ring_holds_at_most_kvrefs_window_pages(
         assert r.kvref_peak <= r.bound + -(-q // ps)  # W3: plus the step's new pages
     if (window, ps) == (4, 2):  # the window straddles a page at every odd length
         assert [r.kvref_settled - r.transformers for r in rows[4:]] == [1, 0] * 4
+
+
+def test_an_explicit_count_of_one_frees_a_held_block_then_frees_it_again(tf: T.Tf) -> None:
+    # the plant's consequence, beyond the stored count the observation shows: the
+    # first release frees the block the other holder still has, the second
+    # release puts it in the pool a second time
+    with planted_copy(Path(tf.where), PLANTS["explicit_count_of_one"]) as root:
+        tp = T.TfPool(T.load_copy(root), dataclasses.replace(T.REPLAY_SCOPE, depth=0))
+        for a in (M.Allocate(0, 1), M.Share(1, (1,)), M.Release(0, (1,))):
+            tp.step(a, M.Pages((1,)))
+        seen = tp.observe()
+        assert seen.tables[1] == (1,) and 1 in seen.free  # held, and free
+        tp.step(M.Release(1, (1,)), M.Count(1))
+        assert tp.observe().free.count(1) == 2  # freed twice
