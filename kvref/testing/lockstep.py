@@ -56,6 +56,29 @@ SHIPPED_NIGHTLY_SCOPE = NIGHTLY_SCOPE
 PLAIN_NIGHTLY_SCOPE = m.Scope(requests=4, labels=4, device_pages=12, host_pages=8,
                               page_size=3, max_span=5)
 
+# a hybrid model (issue 40): one full group and one window group (W = 2,
+# margin 1) over one pool, two labels that fork into each other, the window
+# group keying and hitting (window_cache, H2-H4); the driver maps its
+# streams (`kvref.testing.group_map`). CI runs a small budget of it
+HYBRID_SCOPE = m.Scope(requests=2, labels=2, device_pages=6, host_pages=3, page_size=2,
+                       max_span=3, sharing=True, groups=(None, 2), margins=(0, 1),
+                       window_cache=True, salts=("a", "a"))
+
+
+def label_window(sc: m.Scope, label: int) -> tuple[int | None, int]:
+    """(W, k) of a label as the engine names it: with groups every label
+    holds every group (so every fork is between labels alike, and every
+    label has a full group and may slide a window); else the label's."""
+    if sc.groups:
+        return None, 0
+    return sc.window(label), sc.margin(label)
+
+
+def slides(sc: m.Scope, label: int) -> bool:
+    """Whether a stream of ``label`` has a window to slide (a group's, or its own)."""
+    return any(w is not None for w in sc.groups) if sc.groups else sc.window(label) is not None
+
+
 # rule -> times it ran; outcome kind -> count (the end-of-run coverage report)
 RULES: collections.Counter[str] = collections.Counter()
 OUTCOMES: collections.Counter[str] = collections.Counter()
@@ -75,7 +98,7 @@ def steps(model: m.Model, s: m.State, ready: list[int]) -> st.SearchStrategy[m.S
     # a fork between labels of different retention is a misuse (W5): mostly
     # forks that run, among labels that keep alike
     alike = [(f, t) for f in range(sc.labels) for t in range(sc.labels)
-             if f != t and (sc.window(f), sc.margin(f)) == (sc.window(t), sc.margin(t))]
+             if f != t and label_window(sc, f) == label_window(sc, t)]
     if alike and len(alike) < sc.labels * (sc.labels - 1):
         pair = st.one_of(st.sampled_from(alike), st.sampled_from(alike), pair)
 
@@ -159,7 +182,7 @@ def events(model: m.Model, before: m.State, action: m.Action, got: m.Result,
     sc = model.scope
     out = []
     if isinstance(action, m.MatchPrefix) and isinstance(got, m.Count) and (
-            sc.window(action.label) is None):
+            label_window(sc, action.label)[0] is None):
         out.append("MatchPrefix (hit)" if got.n else "MatchPrefix (miss)")
     if isinstance(action, m.CachePrefix) and isinstance(got, m.Count) and got.n:
         out.append("CachePrefix (keyed)")
@@ -580,7 +603,7 @@ class Lockstep(RuleBasedStateMachine):
         # and these rules are about forks that run
         sc = self.scope
         pairs = [(f, t) for f in labels for t in labels
-                 if f != t and (sc.window(f), sc.margin(f)) == (sc.window(t), sc.margin(t))]
+                 if f != t and label_window(sc, f) == label_window(sc, t)]
         if kind == "held":
             return [(f, t) for f, t in pairs if any((r, f) in held and (r, t) in held
                                                     for r in ready)]
@@ -757,7 +780,8 @@ class Lockstep(RuleBasedStateMachine):
         sc = self.scope
         rid = data.draw(st.sampled_from(self.ready()), label="computes")
         label = data.draw(st.sampled_from([lb for lb in range(sc.labels)
-                                           if sc.window(lb) is None]), label="label")
+                                           if label_window(sc, lb)[0] is None]),
+                              label="label")
         span = data.draw(st.integers(1, sc.max_span), label="prompt")
         self.run_whole(m.Step((m.Seg(rid, label, span),), padded=(rid,)))
         # keyed by a call, or handed its ids so the commits below key what
@@ -792,7 +816,8 @@ class Lockstep(RuleBasedStateMachine):
             # single cache_prefix rule seldom reaches (two pages keyed first)
             self.run(m.CachePrefix(rid, label, start=self.scope.page_size * data.draw(
                 st.integers(1, v.chain), label="again from page")))
-        full = [lb for lb in range(sc.labels) if sc.window(lb) is None and lb != label]
+        full = [lb for lb in range(sc.labels)
+                if label_window(sc, lb)[0] is None and lb != label]
         if full:
             # only where a second full label makes the fork drawable (the
             # nightly scopes): the draws of the others stay as measured
@@ -849,7 +874,7 @@ class Lockstep(RuleBasedStateMachine):
         if self.has(m.MatchPrefix):
             self.run(m.MatchPrefix(finder, dst, (v.stored_len if v else 0) + 1))
 
-    @precondition(lambda self: any(w is not None for w in self.scope.windows)
+    @precondition(lambda self: any(slides(self.scope, lb) for lb in range(self.scope.labels))
                   and self.state.current is None and self.state.staged is None
                   and bool(self.ready()))
     @rule(data=st.data())
@@ -861,7 +886,7 @@ class Lockstep(RuleBasedStateMachine):
         sc = self.scope
         rid = data.draw(st.sampled_from(self.ready()), label="request")
         label = data.draw(st.sampled_from([lb for lb in range(sc.labels)
-                                           if sc.window(lb) is not None]), label="window")
+                                           if slides(sc, lb)]), label="window")
         for _ in range(data.draw(st.integers(2, 4), label="steps")):
             if rid not in self.ready():
                 break
@@ -975,9 +1000,10 @@ def run_lockstep(config: DriverConfig, scope: m.Scope = SCOPE,
                        "Commit (keyed a followed stream)",
                        "ResetPrefixCache (Count)", "ResetPrefixCache (Refused)",
                        "copy-on-write", "cached page evicted"}
-        if any(w is not None for w in scope.windows):
+        if any(w is not None for w in (*scope.windows, *scope.groups)):
             faults.add("window release")
-        if scope.sharing and sum(scope.window(lb) is None for lb in range(scope.labels)) > 1:
+        if scope.sharing and sum(label_window(scope, lb)[0] is None
+                                 for lb in range(scope.labels)) > 1:
             faults.add("fork shares pages (full labels)")
         never = ({t.__name__ for t in issued} | faults) - set(RULES)
         if never:
