@@ -240,6 +240,21 @@ class Lockstep(RuleBasedStateMachine):
         self.state = self.model.init()
         self.driver = Driver(self.scope, self.config)
         self.enabled_memo: tuple[m.State | None, list[m.Action]] = (None, [])
+        self.user_memo: tuple[m.State | None, m.State | None] = (None, None)
+
+    @property
+    def user(self) -> m.State:
+        """The model's state as the calls name it: with groups, each label's
+        group 0 under its label (`kvref_model.groups.user_view`), which the
+        rules draw their calls from; else the state itself."""
+        if not self.scope.groups:
+            return self.state
+        if self.user_memo[0] is not self.state:
+            from kvref_model.groups import user_view
+            self.user_memo = (self.state, user_view(self.model, self.state))
+        got = self.user_memo[1]
+        assert got is not None
+        return got
 
     # -- the one way an action runs ------------------------------------------
 
@@ -300,8 +315,8 @@ class Lockstep(RuleBasedStateMachine):
         return bool(self.enabled_of(kind))
 
     def ready(self) -> list[int]:
-        busy = {k[0] for k, v in self.state.streams if v.retrieve != m.IDLE}
-        return sorted(self.state.requests() - busy)
+        busy = {k[0] for k, v in self.user.streams if v.retrieve != m.IDLE}
+        return sorted(self.user.requests() - busy)
 
     # -- rules: one per critical section ---------------------------------------
 
@@ -371,7 +386,7 @@ class Lockstep(RuleBasedStateMachine):
         # over the running step's streams half the time (overlap, R41), else
         # over requests it leaves alone
         ready = self.ready()
-        cur = self.state.current
+        cur = self.user.current
         if cur is not None and data.draw(st.booleans(), label="free requests"):
             busy = {k[0] for k in m.named(cur.step)}
             ready = [r for r in ready if r not in busy] or ready
@@ -379,11 +394,11 @@ class Lockstep(RuleBasedStateMachine):
         self.run(m.Admit(data.draw(steps(self.model, self.state, ready)), preplan=True))
 
     @precondition(lambda self: self.state.current is None and self.state.staged is not None
-                  and self.state.staged.phase == m.PLANNED)
+                  and self.user.staged.phase == m.PLANNED)
     @rule()
     def admit_staged(self) -> None:
         assert self.state.staged is not None
-        self.run(m.Admit(self.state.staged.step))
+        self.run(m.Admit(self.user.staged.step))
 
     @precondition(lambda self: self.has(m.Plan))
     @rule(data=st.data())
@@ -417,7 +432,7 @@ class Lockstep(RuleBasedStateMachine):
         claim = self.draw_enabled(data, m.OffloadClaim)
         assert isinstance(claim, m.OffloadClaim)
         self.run(claim)
-        off = self.state.offload_of(claim.rid)
+        off = self.user.offload_of(claim.rid)
         if off is None:
             return
         for label, _ in off.claimed:
@@ -429,7 +444,7 @@ class Lockstep(RuleBasedStateMachine):
         self.agrees_with_model()
 
     def claims_while_receiving(self) -> list[m.Action]:
-        pending = {k[0] for k, v in self.state.streams if v.retrieve == m.PENDING}
+        pending = {k[0] for k, v in self.user.streams if v.retrieve == m.PENDING}
         return [a for a in self.enabled_of(m.OffloadClaim)
                 if isinstance(a, m.OffloadClaim) and a.rid in pending]
 
@@ -442,7 +457,7 @@ class Lockstep(RuleBasedStateMachine):
         claim = data.draw(st.sampled_from(self.claims_while_receiving()), label="claim")
         assert isinstance(claim, m.OffloadClaim)
         self.run(claim)
-        off = self.state.offload_of(claim.rid)
+        off = self.user.offload_of(claim.rid)
         if off is None:
             return
         for label, _ in off.claimed:
@@ -465,11 +480,11 @@ class Lockstep(RuleBasedStateMachine):
         self.run(m.OffloadCopy(a.rid, a.label, copy_error=True))
 
     @precondition(lambda self: self.state.current is not None and bool(
-        self.state.current.step.pre_forks or self.state.current.step.post_forks))
+        self.user.current.step.pre_forks or self.user.current.step.post_forks))
     @rule(data=st.data())
     def fork_copy_raises(self, data: st.DataObject) -> None:
         """A fork's page copy fails, at plan or at commit (R26)."""
-        cur = self.state.current
+        cur = self.user.current
         assert cur is not None
         plan = cur.phase == m.ADMITTED and data.draw(st.booleans(), label="at plan")
         self.run(m.Plan(fork_error=True) if plan else m.Commit(fork_error=True))
@@ -597,7 +612,7 @@ class Lockstep(RuleBasedStateMachine):
         request that lacks the source (R20: no source, the target keeps them)."""
         labels = range(self.scope.labels)
         ready = set(self.ready())
-        streams = self.state.stream_map()
+        streams = self.user.stream_map()
         held = {(r, lb) for (r, lb), v in streams.items() if r in ready and v.stored_len > 0}
         # labels of one retention: a fork between others is a misuse (W5),
         # and these rules are about forks that run
@@ -670,7 +685,7 @@ class Lockstep(RuleBasedStateMachine):
                 return  # refused
             self.run(action)
         for g in step.segments:
-            v = self.state.stream_map().get((g.rid, g.label))
+            v = self.user.stream_map().get((g.rid, g.label))
             if v is None or v.in_flight or v.offload != m.RESIDENT or v.retrieve != m.IDLE:
                 continue
             rejected = data.draw(st.integers(0, min(g.span, v.stored_len)), label="rejected")
@@ -694,7 +709,7 @@ class Lockstep(RuleBasedStateMachine):
         it and the engine replans (R42)."""
         self.driver.combine = data.draw(st.booleans(), label="combined labels")
         self.run(m.Admit(data.draw(steps(self.model, self.state, self.ready()))))
-        cur = self.state.current
+        cur = self.user.current
         if cur is None:
             return
         keys = sorted(m.named(cur.step))
@@ -710,7 +725,7 @@ class Lockstep(RuleBasedStateMachine):
             self.run(m.Plan(fork_error=True))
             fault = False  # the step stays admitted, its forks done: plan again
         self.run_enabled(m.Plan(), m.Write(), m.Commit(fork_error=fault))
-        staged = self.state.staged
+        staged = self.user.staged
         if staged is None or self.state.current is not None:
             return
         if self.run(m.Admit(staged.step)) != m.Ok():
@@ -748,7 +763,7 @@ class Lockstep(RuleBasedStateMachine):
         the prefix cache draws exactly as it did before S33 (the mutants'
         budgets are measured there, tests/conformance/test_mutations.py)."""
         a = self.draw_enabled(data, KEYING)
-        v = self.state.stream_map().get((a.rid, a.label)) if isinstance(
+        v = self.user.stream_map().get((a.rid, a.label)) if isinstance(
             a, m.CachePrefix) else None
         if isinstance(a, m.CachePrefix) and v is not None and v.chain:
             # S34: ids from a later page, as an engine passing only what is
@@ -802,14 +817,14 @@ class Lockstep(RuleBasedStateMachine):
                 if m.Remove(r) in self.enabled_of(m.Remove):
                     self.run(m.Remove(r))
         self.run(m.Ingest(other))
-        v = self.state.stream_map().get((rid, label))
+        v = self.user.stream_map().get((rid, label))
         length = (v.stored_len if v is not None else 0) + data.draw(st.integers(0, 2))
         if self.has(m.MatchPrefix):
             self.run(m.MatchPrefix(other, label, length))
         for r in sorted({rid, other}):
             if r in self.ready() and self.state.current is None:
                 self.run_whole(m.Step((m.Seg(r, label, 1),), padded=(r,)))
-        v = self.state.stream_map().get((rid, label))
+        v = self.user.stream_map().get((rid, label))
         if v is not None and v.chain > 1 and self.has(m.CachePrefix):
             # the prompt keyed again from one of its keyed pages (S34): the
             # ids from there are checked against those pages' own, which the
@@ -837,7 +852,7 @@ class Lockstep(RuleBasedStateMachine):
         src, dst = label, other
         if data.draw(st.booleans(), label="receives"):
             # a peer's KV into the other label, forked onto the prompt
-            if self.has(m.RetrieveStart) and (rid, other) not in self.state.stream_map():
+            if self.has(m.RetrieveStart) and (rid, other) not in self.user.stream_map():
                 self.run(m.RetrieveStart(rid, other, data.draw(
                     st.integers(1, self.scope.max_span), label="received")))
                 done = m.RetrieveComplete(rid, other, ok=True)
@@ -870,7 +885,7 @@ class Lockstep(RuleBasedStateMachine):
         self.run(m.CachePrefix(rid, dst))
         finder = data.draw(st.integers(0, self.scope.requests - 1), label="looks it up")
         self.run(m.Ingest(finder))
-        v = self.state.stream_map().get((rid, dst))
+        v = self.user.stream_map().get((rid, dst))
         if self.has(m.MatchPrefix):
             self.run(m.MatchPrefix(finder, dst, (v.stored_len if v else 0) + 1))
 
@@ -918,7 +933,7 @@ class Lockstep(RuleBasedStateMachine):
     def careless_call(self, data: st.DataObject) -> None:
         """Any call, in any state, misuse included: one rule among ~25, so about
         one call in twenty-five is drawn here (the controlled rate)."""
-        self.run(data.draw(careless(self.model, self.state), label="careless call"))
+        self.run(data.draw(careless(self.model, self.user), label="careless call"))
 
     # -- after every rule --------------------------------------------------------
 
@@ -942,13 +957,13 @@ class Lockstep(RuleBasedStateMachine):
         """Drain the run the way an engine shuts down, checked as any other
         action, then I12: with every request gone, every page but the sink
         is free and the host pool is empty."""
-        for rid in sorted(rid for rid, _ in self.state.offloads):
+        for rid in sorted(rid for rid, _ in self.user.offloads):
             self.run(m.OffloadAbandon(rid))
         if self.state.current is not None:
             self.run(m.Commit())
         if self.state.staged is not None:
             self.run(m.ClearPreplan())
-        for k, v in self.state.streams:
+        for k, v in self.user.streams:
             if v.retrieve == m.PENDING:
                 self.run(m.RetrieveComplete(k[0], k[1], ok=True))
         for rid in self.state.leases:
