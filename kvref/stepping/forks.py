@@ -197,7 +197,8 @@ class Forks:
     def _emptied(self, rid: str, label: str, dst: CacheStream) -> None:
         """A target a failed copy left torn: empty, holding only private pages."""
         dst.empty_torn()
-        self._table.sharing.release_shared((rid, label), dst)
+        self._table.sharing.release_shared((rid, label), dst,
+                                           head_first=self._table.head_first(label))
 
     def privatise(self, rid: str, label: str) -> None:
         """Copy every page of the stream that another holds or the cache names

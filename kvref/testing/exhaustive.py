@@ -38,6 +38,15 @@ CI_SCOPE = m.Scope(requests=2, labels=2, device_pages=2, host_pages=1, page_size
 # the second configuration: the prefix cache off, no window
 PLAIN_CI_SCOPE = m.Scope(requests=2, labels=2, device_pages=2, host_pages=1, page_size=1,
                          max_span=1, depth=3)
+# a hybrid model (issue 40): one full group and one window group (W = 1),
+# the window group keying and hitting (H2-H4); depth 2 in CI (a few
+# seconds), `HYBRID_NIGHTLY_SCOPE` at depth 3 in the nightly run
+HYBRID_CI_SCOPE = m.Scope(requests=2, labels=1, device_pages=3, host_pages=1, page_size=1,
+                          max_span=2, depth=2, sharing=True, groups=(None, 1),
+                          window_cache=True)
+HYBRID_NIGHTLY_SCOPE = m.Scope(requests=2, labels=1, device_pages=3, host_pages=1,
+                               page_size=1, max_span=2, depth=3, sharing=True,
+                               groups=(None, 1), window_cache=True)
 
 
 @dataclass

@@ -12,7 +12,9 @@ from hypothesis import settings
 
 from kvref.stepping import decode_table
 from kvref.testing.driver import DriverConfig
+from kvref.testing import lockstep
 from kvref.testing.lockstep import (
+    HYBRID_SCOPE,
     NIGHTLY_SCOPE,
     PLAIN_NIGHTLY_SCOPE,
     PLAIN_SCOPE,
@@ -52,3 +54,24 @@ def test_lockstep(driver_config: DriverConfig, scope: Scope,
 def test_lockstep_nightly(driver_config: DriverConfig, scope: Scope) -> None:
     examples = int(os.environ.get("KVREF_NIGHTLY_EXAMPLES", "20000"))
     print(run_lockstep(driver_config, scope, settings(max_examples=examples)))
+
+
+# issue 40's hybrid scope: a small budget in CI (the whole ci profile's 400
+# examples take minutes), the ci profile's in the nightly run
+HYBRID_EXAMPLES = 10
+# what those examples must reach: a hit every group serves, a window group
+# letting go of what it passed, a page keyed, a page evicted
+HYBRID_REACHES = ("MatchPrefix (hit)", "window release", "CachePrefix (keyed)",
+                  "cached page evicted")
+
+
+def test_lockstep_hybrid(driver_config: DriverConfig) -> None:
+    settings_ = settings(settings.get_profile("ci"), max_examples=HYBRID_EXAMPLES)
+    print(run_lockstep(driver_config, HYBRID_SCOPE, settings_, coverage=False))
+    never = [name for name in HYBRID_REACHES if not lockstep.RULES[name]]
+    assert not never, f"the hybrid lockstep's budget never reached {never}"
+
+
+@pytest.mark.nightly
+def test_lockstep_hybrid_nightly(driver_config: DriverConfig) -> None:
+    print(run_lockstep(driver_config, HYBRID_SCOPE, settings.get_profile("ci")))
