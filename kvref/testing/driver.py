@@ -1130,8 +1130,8 @@ class Driver:
             if not torch.equal(got, want):
                 bad = (got != want).nonzero()[0].tolist()
                 raise AssertionError(
-                    f"I7: {self.name(rid)}/{self.groups.kv_label(label)} token {written[bad[1]]} reads "
-                    f"{got[tuple(bad)].item()} (contents {s.contents})"
+                    f"I7: {self.name(rid)}/{self.groups.kv_label(label)} token "
+                    f"{written[bad[1]]} reads {got[tuple(bad)].item()} (contents {s.contents})"
                 )
 
     def page_owners(self, seen: KVObservation | None = None) -> dict[int, tuple[str, str]]:

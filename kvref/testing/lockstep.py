@@ -397,8 +397,9 @@ class Lockstep(RuleBasedStateMachine):
                   and self.user.staged.phase == m.PLANNED)
     @rule()
     def admit_staged(self) -> None:
-        assert self.state.staged is not None
-        self.run(m.Admit(self.user.staged.step))
+        staged = self.user.staged
+        assert staged is not None
+        self.run(m.Admit(staged.step))
 
     @precondition(lambda self: self.has(m.Plan))
     @rule(data=st.data())

@@ -115,3 +115,7 @@ def test_the_command_replays_the_shipped_scope_by_default(capsys: pytest.Capture
     assert "(default: (None, 1))" in usage and "(default: (0, 1))" in usage
     assert main(["--depth", "1", "--quiet"]) == 0
     assert "CONFORMANCE PASSED" in capsys.readouterr().out
+    # a hybrid scope: its groups' windows, not the shipped scope's label windows
+    assert main(["--groups", "None,1", "--window-cache", "--labels", "1", "--depth", "1",
+                 "--quiet"]) == 0
+    assert "CONFORMANCE PASSED" in capsys.readouterr().out

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import settings
 
 from kvref.stepping import decode_table
-from kvref.testing.driver import DriverConfig
 from kvref.testing import lockstep
+from kvref.testing.driver import DriverConfig
 from kvref.testing.lockstep import (
     HYBRID_SCOPE,
     NIGHTLY_SCOPE,

@@ -3,8 +3,9 @@
 The checker explores a hybrid scope (one full group, one window group) with
 every invariant on; each H rule switched off is shown to be found, by the
 checker where a CI-sized scope reaches it, else by the short trace that
-shows the defect it prevents (stated on the model's state, not on kvref,
-which does not implement groups yet)."""
+shows the defect it prevents (stated on the model's state; kvref's hybrid
+config is run against the model by the lockstep layers, and its planted
+hybrid bugs by tests/conformance/test_hybrid_plants.py)."""
 
 from __future__ import annotations
 
