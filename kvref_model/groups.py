@@ -130,7 +130,7 @@ def _on_every_group(m: Model, s: State, a: Action, g: int) -> tuple[Result, Stat
         if not isinstance(r, _GOES_ON) and r != Flag(True):
             # refused or a misuse: no group changes (H1); a fault keeps what
             # the groups before it did, and its offload is abandoned (R8)
-            if r == Refused("AllocationFailed", getattr(r, "pages_short", 0)):
+            if isinstance(r, Refused) and r.kind == "AllocationFailed":
                 # one call takes every group's pages: short by what they all need
                 return Refused("AllocationFailed", _short(m, s, a, g)), s
             return r, (t if isinstance(r, Fault) else s)
