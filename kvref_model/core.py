@@ -1269,6 +1269,11 @@ class Model:
         fired, the pending step with the written targets no longer fresh, and
         the pool."""
         fired = False
+        # H1: a fork of a label forks each of its groups; a copy that fails
+        # tears the label, so the same fork's target in every other group
+        # is emptied as well (the groups stay alike, I30)
+        g = self.scope.group_count
+        torn: set[tuple[int, int, int]] = set()
         fresh = set(p.fresh)
         # a segment on a pre-fork target grows it from the forked length (R9):
         # a copy-on-write fork keeps private pages for it
@@ -1288,8 +1293,10 @@ class Model:
                 # the partial last page's (the full ones are shared, S19)
                 moves = st[src].stored_len % self.scope.page_size if sharing \
                     else st[src].stored_len
-                if fault and not fired and moves > 0:
+                if (fault and not fired and moves > 0) or (
+                        g > 1 and self.H1_groups_move_together and (rid, f // g, t // g) in torn):
                     fired = True
+                    torn.add((rid, f // g, t // g))
                     st[dst], pool = self._fork_pages(st[dst], dst, None, pool)
                     st[dst] = replace(st[dst], stored_len=0, contents=(), chain=0)
                     continue

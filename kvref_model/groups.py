@@ -27,6 +27,7 @@ from kvref_model.core import (
     Fault,
     Flag,
     FollowTokens,
+    Freed,
     Key,
     Latched,
     MatchPrefix,
@@ -36,6 +37,7 @@ from kvref_model.core import (
     Ok,
     Pending,
     Published,
+    Refused,
     Result,
     RetrieveComplete,
     RetrieveStart,
@@ -84,7 +86,7 @@ def collapse(step: Step, g: int) -> Step:
 # group order, and the first that is not accepted answers for all, with the
 # state as it was (H1). MatchPrefix is one decision over the groups (H2).
 _PER_GROUP = (OffloadCopy, RetrieveStart, RetrieveComplete, Truncate, CachePrefix, FollowTokens)
-_GOES_ON = (Ok, NotReady, Count, Latched)  # the next group's call runs too
+_GOES_ON = (Ok, NotReady, Count, Latched, Freed)  # the next group's call runs too
 
 
 def step(m: Model, s: State, a: Action) -> tuple[Result, State]:
@@ -128,13 +130,36 @@ def _on_every_group(m: Model, s: State, a: Action, g: int) -> tuple[Result, Stat
         if not isinstance(r, _GOES_ON) and r != Flag(True):
             # refused or a misuse: no group changes (H1); a fault keeps what
             # the groups before it did, and its offload is abandoned (R8)
+            if isinstance(r, Refused) and r.kind == "AllocationFailed":
+                # one call takes every group's pages: short by what they all need
+                return Refused("AllocationFailed", _short(m, s, a, g)), s
             return r, (t if isinstance(r, Fault) else s)
         if isinstance(r, Count):
             added += r.n
+        if isinstance(r, Freed):  # a truncate frees each group's pages: their sum
+            added += r.pages
     assert first is not None
     if short:
         return Flag(False), t
+    if isinstance(first, Freed):
+        return Freed(added), t
     return (Count(added) if isinstance(first, Count) else first), t
+
+
+def _short(m: Model, s: State, a: Action, g: int) -> int:
+    """The pages a call that allocates (a retrieve start) lacks for every
+    group of its label at once: it takes each group's pages before any
+    window lets go of its passed ones, so each group's need is asked alone
+    of ``s`` with nothing free (a group's need depends on its own stream)."""
+    none_free = replace(s, free=0)
+    need = 0
+    for i in range(g):
+        # an injected start fault strikes after the pages are counted
+        r, _ = m.step_one(none_free, replace(a, label=a.label * g + i,  # type: ignore[union-attr]
+                                             start_error=False))
+        if isinstance(r, Refused) and r.kind == "AllocationFailed":
+            need += r.pages_short
+    return need - s.free
 
 
 def _match(m: Model, s: State, rid: int, label: int, length: int, g: int

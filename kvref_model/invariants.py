@@ -599,22 +599,31 @@ def i30(m: Model, s: State) -> Msg:
     return None
 
 
-def i31(m: Model, s: State) -> Msg:
-    """H3, H4: a window's free-cached pages are evicted in chain order: no
-    page waits behind a later page of its own chain, so the tail a window hit
-    reads is evicted last (vLLM 48435)."""
-    pool = s.pool
-    if pool is None or not m.scope.window_cache:
+def i31(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
+    """H3, H4: the pages one window stream lets go of in one call reach the
+    LRU in chain order: none waits behind a later page of its own chain, so
+    the tail a window hit reads is evicted last (vLLM 48435). Only pages the
+    stream held alone before the call: a page another stream (a fork, a
+    hit) also held goes free when that one lets go, in its own call or
+    later in this one, and its place is then that stream's release."""
+    pool, before = n.pool, s.pool
+    if pool is None or before is None or not m.scope.window_cache:
         return None
-    place = {pool.pages[p - 1].key: i for i, p in enumerate(pool.lru)}
-    for i, p in enumerate(pool.lru):
+    old = set(before.lru)
+    new = [p for p in pool.lru if p not in old]
+    if len(new) < 2:
+        return None
+    place = {pool.pages[p - 1].key: i for i, p in enumerate(new)}
+    for i, p in enumerate(new):
         key = pool.pages[p - 1].key
         if key is None or not key.tokens or m.scope.window(key.tokens[0]) is None:
             continue
+        mine = before.pages[p - 1].holders
         up = key.parent
         while up is not None:
-            if place.get(up, -1) > i:
-                return (f"window page {p} is evicted before page {pool.lru[place[up]]}, "
+            j = place.get(up, -1)
+            if j > i and len(mine) == 1 and before.pages[new[j] - 1].holders == mine:
+                return (f"window page {p} is evicted before page {new[j]}, "
                         "which comes before it in its chain")
             up = up.parent
     return None
@@ -623,11 +632,11 @@ def i31(m: Model, s: State) -> Msg:
 STATE: dict[str, StatePred] = {
     "I1": i1, "I2": i2, "I3": i3, "I4": i4, "I5": i5, "I6": i6, "I7": i7,
     "I8": i8_state, "I12": i12, "I13": i13, "I18": i18_state,
-    "I23": i23, "I24": i24, "I25": i25, "I26": i26, "I28": i28, "I30": i30, "I31": i31,
+    "I23": i23, "I24": i24, "I25": i25, "I26": i26, "I28": i28, "I30": i30,
 }
 TRANSITION: dict[str, StepPred] = {
     "I8": i8, "I9": i9, "I10": i10, "I11": i11, "I14": i14, "I15": i15, "I17": i17,
-    "I18": i18, "I19": i19, "I21": i21, "I22": i22, "I27": i27, "I29": i29,
+    "I18": i18, "I19": i19, "I21": i21, "I22": i22, "I27": i27, "I29": i29, "I31": i31,
 }
 # I16 (tp-symmetry) is not a property of one manager: the model is
 # deterministic, so every rank replaying one trace has one free count.

@@ -310,6 +310,7 @@ PLANT_REGISTRIES = (
     "tests/model/test_mutations.py",
     "tests/unit/_plant_validate.py",
     "kvref/testing/vllm_plants.py",
+    "tests/support/hybrid_plants.py",
 )
 
 
@@ -323,6 +324,7 @@ def _plants() -> dict[str, set[str]]:
     from tests.conformance.test_interaction_plants import FOUND_AT
     from tests.conformance.test_mutations import MUTANTS
     from tests.conformance.test_page_pool_plants import PLANTS as POOL
+    from tests.support.hybrid_plants import PLANTS as HYBRID
     from tests.support.sched_planted import DATA_RACES, LOCK_RACES, RACES
 
     validate = _load(ROOT / "tests" / "unit" / "_plant_validate.py")
@@ -342,6 +344,7 @@ def _plants() -> dict[str, set[str]]:
         "tests/model/test_mutations.py": model_mutants,
         "tests/unit/_plant_validate.py": {plant[0] for plant in validate.PLANTS},
         "kvref/testing/vllm_plants.py": set(VLLM),
+        "tests/support/hybrid_plants.py": set(HYBRID),
     }
 
 

@@ -82,7 +82,7 @@ class PageSharing(Protocol):
         ...
 
     def release_shared(self, key: Key, stream: CacheStream,
-                       private: list[bool] | None = None) -> None:
+                       private: list[bool] | None = None, head_first: bool = False) -> None:
         """Keep only the pages private to the stream, in order: what a stream
         emptied but keeping its pages (a reset, a failed fork) may hold as
         spare without a later write landing in a page someone else reads.
@@ -149,7 +149,7 @@ class PrefixSharing:
         share()
 
     def release_shared(self, key: Key, stream: CacheStream,
-                       private: list[bool] | None = None) -> None:
+                       private: list[bool] | None = None, head_first: bool = False) -> None:
         pages = stream.page_indices
         if not pages:
             return
@@ -161,8 +161,9 @@ class PrefixSharing:
         shared: list[int] = []
         for p, mine in zip(pages, private, strict=True):
             (kept if mine else shared).append(p)
-        # tail first, as `StreamTable.give_back` (S6)
-        self._pages.release_table(key, shared[::-1])
+        # tail first, as `StreamTable.give_back` (S6); a cached window head
+        # first, so its tail is evicted last (H4)
+        self._pages.release_table(key, shared if head_first else shared[::-1])
         stream.keep_spare(kept)
 
     def remembered_keys(self, stream: CacheStream) -> tuple[PageKey | None, ...]:
@@ -205,7 +206,7 @@ class NoSharing:
         copy()
 
     def release_shared(self, key: Key, stream: CacheStream,
-                       private: list[bool] | None = None) -> None:
+                       private: list[bool] | None = None, head_first: bool = False) -> None:
         return None  # every page it holds is its own
 
     def remembered_keys(self, stream: CacheStream) -> tuple[PageKey | None, ...]:

@@ -116,15 +116,19 @@ class StreamTable:
         assert isinstance(got, list), f"pages counted free under the lock went missing: {got}"
         return got
 
+    def head_first(self, label: str) -> bool:
+        """H4: a cached window lets go of its pages head first, so its tail,
+        what a window hit at its end reads, is evicted last (vLLM 48435);
+        every other stream tail first (S6)."""
+        b = self.behaviour(label)
+        return b.releases and b.cacheable
+
     def give_back(self, key: Key, pages: list[int]) -> int:
         """The stream ``key`` lets its pages go; returns how many became free.
         Tail first, so a cached prefix is evicted after its own suffix (S6)."""
         if not pages:
             return 0
-        b = self.behaviour(key[1])
-        if b.releases and b.cacheable:
-            # H4: a cached window lets go head first, so its tail, what a
-            # window hit at its end reads, is evicted last (vLLM 48435)
+        if self.head_first(key[1]):
             return self.pages.release_table(key, list(pages))
         # a table's own list: `release_table` skips the per-page type check
         return self.pages.release_table(key, pages[::-1])

@@ -83,7 +83,8 @@ class RequestLifecycle:
                     # generation fails its commit and the abandon clears it
                     stream.reset(freed=free)
                     # kept pages become spare: only those no one else reads
-                    table.sharing.release_shared((rid, label), stream, private.get(label))
+                    table.sharing.release_shared((rid, label), stream, private.get(label),
+                                                 head_first=table.head_first(label))
                 return
 
     def remove(self, rid: str) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 
 from kvref.core.cache import KVCache
 from kvref.core.errors import ForkCopyError, KVRefError
+from kvref.core.groups import GROUP_SEP
 from kvref.core.stream_table import Key, StreamTable, pages_for
 from kvref.core.streams import CacheStream
 from kvref.stepping.running_step import RunningStep
@@ -54,13 +55,23 @@ class Forks:
         pre = forks is running.step.pre_forks
         # a segment on a pre-fork target grows it from the forked length (R9)
         spans = {(g.request_id, g.label): g.span for g in running.step.segments} if pre else {}
+        # a hybrid label's fork is one per group (H1): once a copy of it
+        # fails, its target in every later group is emptied, not forked, so
+        # the label's groups stay alike (each group's fork follows group 0's)
+        torn: set[tuple[str, str, str]] = set()
         for from_label, to_label in forks:
             for rid in running.padded:
+                pair = (rid, from_label.split(GROUP_SEP, 1)[0], to_label.split(GROUP_SEP, 1)[0])
+                if GROUP_SEP in to_label and pair in torn and self.tear(
+                        rid, from_label, to_label, running.created):
+                    continue
                 try:
                     self.apply(rid, from_label, to_label, running.created,
                                spans.get((rid, to_label), 0), copy=running.copy_forks)
                 except ForkFailed as err:
                     failed.append(((rid, to_label), err.__cause__ or err))
+                    if GROUP_SEP not in to_label:
+                        torn.add(pair)
         if failed:
             (rid, label), cause = failed[0]
             raise ForkCopyError(
@@ -87,6 +98,17 @@ class Forks:
                 unfilled.discard((rid, to_label))
                 lengths[(rid, to_label)] = n
         return lengths
+
+    def tear(self, rid: str, from_label: str, to_label: str, created: set[Key]) -> bool:
+        """A group's fork whose label's copy failed in an earlier group: its
+        target emptied as the failed copy left that group's. False where
+        the fork moves nothing (R20), as the failed one would not have."""
+        streams = self._table.streams[rid]
+        if (rid, from_label) in created and streams[from_label].stored_len == 0:
+            return False
+        created.discard((rid, to_label))
+        self._emptied(rid, to_label, streams[to_label])
+        return True
 
     def apply(self, rid: str, from_label: str, to_label: str, created: set[Key],
               span: int = 0, copy: bool = False) -> None:
@@ -175,7 +197,8 @@ class Forks:
     def _emptied(self, rid: str, label: str, dst: CacheStream) -> None:
         """A target a failed copy left torn: empty, holding only private pages."""
         dst.empty_torn()
-        self._table.sharing.release_shared((rid, label), dst)
+        self._table.sharing.release_shared((rid, label), dst,
+                                           head_first=self._table.head_first(label))
 
     def privatise(self, rid: str, label: str) -> None:
         """Copy every page of the stream that another holds or the cache names

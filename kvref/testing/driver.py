@@ -62,6 +62,7 @@ from kvref import (
 )
 from kvref.core.page_keys import key_hash_named, next_page_key, token_bytes
 from kvref.testing import observed_state, plan_oracle
+from kvref.testing.group_map import GroupMap
 from kvref.testing.manual_runtime import ManualRuntime
 from kvref.testing.page_checks import check_device_pages
 from kvref_model import core as m
@@ -237,8 +238,11 @@ class Driver:
         self.model = m.Model(scope)
         self.config = config or DriverConfig()
         self.runtime = ManualRuntime()
+        # model internal labels and token identities against kvref's stream
+        # labels: a hybrid scope's groups (the identity without groups)
+        self.groups = GroupMap(scope)
         self.cfg = KVConfig(
-            num_layers=2, num_kv_heads=1, head_dim=2, max_seq_len=256,
+            num_layers=self.groups.num_layers, num_kv_heads=1, head_dim=2, max_seq_len=256,
             max_num_pages=scope.device_pages + 1,  # + the sink
             page_size=scope.page_size, num_qo_heads=1,
             cpu_offload_pages=scope.host_pages, publish_lease_s=LEASE_S,
@@ -247,6 +251,7 @@ class Driver:
             retention={label_name(i): RetentionPolicy(w, scope.margin(i))
                        for i, w in enumerate(scope.windows) if w is not None},
             page_key_hash=self.config.page_key_hash,
+            groups=self.groups.attention_groups(),
         )
         self.kv = self.config.factory(
             cfg=self.cfg, name="kv", joint_comm_group=None,
@@ -276,7 +281,7 @@ class Driver:
         self.said: tuple[int, OffloadReason | ReloadReason | None, int] | None = None
         # (rid, label) -> the future of the last retrieve started into it: the
         # task the manager submitted to our runtime (RetrieveComplete runs it)
-        self.retrieves: dict[tuple[int, int], Future[Any]] = {}
+        self.retrieves: dict[tuple[int, int], list[Future[Any]]] = {}
         self.model_state: m.State | None = None  # what `apply` was handed
         # (rid, label) -> the list handed to `follow_tokens` (S33), kept and
         # extended in place as the engine's own list is
@@ -327,10 +332,11 @@ class Driver:
         return self.went_by[name]
 
     def _Ingest(self, a: m.Ingest) -> m.Result:
-        names = tuple(label_name(i) for i in range(self.scope.labels))
         salt, extra = request_keys(self.scope.salts[a.rid] if self.scope.salts else "")
-        # a retrieve names one label through the walk, so readiness is that label's
-        overrides = KVReqConfig(labels={("node", n): (n,) for n in names},
+        # a retrieve names one label through the walk, so readiness is that
+        # label's (each of its groups' streams, H1)
+        overrides = KVReqConfig(labels={("node", label_name(i)): self.groups.streams(i)
+                                        for i in range(self.scope.labels)},
                                 cache_salt=salt, extra_keys=extra)
         name = self.names.get(a.rid)
         if name is None:
@@ -411,7 +417,8 @@ class Driver:
             else:
                 self.outputs = self.kv.plan(self.step[1], self.step[2])
                 # a kept table's row left stale shows here, before any write
-                wrong = plan_oracle.mismatch(self.kv, self.step[1], self.outputs)
+                wrong = plan_oracle.mismatch(self.kv, self.groups.expand(self.step[1]),
+                                             self.outputs)
                 assert wrong is None, f"plan differs from its tables built from scratch: {wrong}"
             self.written = {}
             self.last_rows = {label: sum(v.to_compute for v in out.views)
@@ -425,13 +432,14 @@ class Driver:
             for plan_label, n_rows in (self.last_rows or {"main": 1}).items():
                 junk = torch.ones(n_rows, self.cfg.num_kv_heads, self.cfg.head_dim)
                 junk = junk.to(self.config.device, self.config.dtype)
-                self.kv.write_kv(junk, junk, layer_idx=0, label=plan_label)
+                self.kv.write_kv(junk, junk, layer_idx=self.groups.layers(
+                    self.groups.group(plan_label))[0], label=self.groups.user(plan_label))
             return m.Ok()
         for plan_label, out in self.outputs.items():
             rows: list[float] = []
             for view in out.views:
                 writer = writer_of(self.scope, self.rid_of(view.request_id))
-                token = m.LABEL_NAMES.index(view.label)
+                token = self.groups.token_of_view(view.label)
                 # a windowed view counts from its first retained page (W1):
                 # ``offset`` tokens in, so the positions written are past it
                 end = view.offset + view.length
@@ -439,18 +447,22 @@ class Driver:
             shape = (len(rows), self.cfg.num_kv_heads, self.cfg.head_dim)
             kv = torch.tensor(rows, dtype=torch.float32).view(-1, 1, 1).expand(shape)
             kv = kv.to(self.config.device, self.config.dtype)
-            for layer in range(self.cfg.num_layers):
-                self.kv.write_kv(kv, kv, layer_idx=layer, label=plan_label)
+            # a group's plan label is written through its layers, under the
+            # label the engine names (the layer picks the group)
+            for layer in self.groups.layers(self.groups.group(plan_label)):
+                self.kv.write_kv(kv, kv, layer_idx=layer, label=self.groups.user(plan_label))
             self.written[plan_label] = kv
         return m.Ok()
 
     def _Read(self, a: m.Read) -> m.Result:
         if self.outputs is None:
             for plan_label in self.last_rows or {"main": 1}:
-                self.kv.read_kv(layer_idx=0, plan_label=plan_label)
+                self.kv.read_kv(layer_idx=self.groups.layers(self.groups.group(plan_label))[0],
+                                plan_label=self.groups.user(plan_label))
             return m.Ok()
         for plan_label in self.outputs:
-            got = self.kv.read_kv(layer_idx=self.cfg.num_layers - 1, plan_label=plan_label)
+            got = self.kv.read_kv(layer_idx=self.groups.layers(self.groups.group(plan_label))[-1],
+                                  plan_label=self.groups.user(plan_label))
             want = self.written.get(plan_label)
             if want is not None:
                 # what attention reads back is what it wrote, K and V
@@ -508,21 +520,30 @@ class Driver:
             self.said = (a.rid, out.reason, 0)
             return m.Claimed(())
         self.offloads[a.rid] = off
-        return m.Claimed(tuple(sorted(m.LABEL_NAMES.index(n) for n in off.labels)))
+        # a label is claimed where any of its groups is (H1: a claim answers per label)
+        return m.Claimed(tuple(sorted({m.LABEL_NAMES.index(self.groups.user(n))
+                                       for n in off.labels})))
 
     def _OffloadCopy(self, a: m.OffloadCopy) -> m.Result:
+        """An engine's copy of a label: each of its groups' streams in turn
+        (H1); the host pool full for one leaves that one on the device and
+        the label's copy answers False; an injected fault strikes the last."""
         off = self.handle(a.rid)
-        if a.copy_error:
-            try:
-                # no copy runs when the host is full, and then nothing can fail
-                with self.runtime.failing("offload.copy"):
-                    copied = off.copy(label_name(a.label))
-            except KVRefError as err:
-                if type(err).__name__ in FAULTS:
-                    self.close(a.rid)
-                raise
-            return m.Flag(copied)
-        return m.Flag(off.copy(label_name(a.label)))
+        streams = self.groups.streams(a.label)
+        copied = True
+        for i, label in enumerate(streams):
+            if a.copy_error and i == len(streams) - 1:
+                try:
+                    # no copy runs when the host is full, and then nothing can fail
+                    with self.runtime.failing("offload.copy"):
+                        copied = off.copy(label) and copied
+                except KVRefError as err:
+                    if type(err).__name__ in FAULTS:
+                        self.close(a.rid)
+                    raise
+            else:
+                copied = off.copy(label) and copied
+        return m.Flag(copied)
 
     def _OffloadCommit(self, a: m.OffloadCommit) -> m.Result:
         off = self.handle(a.rid)
@@ -555,6 +576,7 @@ class Driver:
         self.publication = (a.rid, info)  # what the peer reads: `check_publication`
         return m.Published(tuple(sorted(
             (m.LABEL_NAMES.index(label), s.seq_len) for label, s in info.get(0).items()
+            if self.groups.is_first(label)  # a label's groups agree (I30)
         )))
 
     def _ReleasePublished(self, a: m.ReleasePublished) -> m.Result:
@@ -587,16 +609,21 @@ class Driver:
         info = self.published(a)
         # the copy the manager starts is a task submitted to our runtime
         before = {id(t.future) for t in self.runtime.pending}
-        with (self.runtime.failing("retrieve.start") if a.start_error
+        # the transfer engine raises at the first copy's start: a hybrid
+        # label's later group cannot be struck (its earlier group's copy
+        # already runs, which H1 forbids and kvref does not undo; the
+        # model states that refusal changes no group)
+        with (self.runtime.failing("retrieve.start", once=True) if a.start_error
               else contextlib.nullcontext()):
             out = outcome(self.kv.admit_retrieve(rid, "node", label, info))
         started = [t.future for t in self.runtime.pending if id(t.future) not in before]
-        assert len(started) <= 1, f"one retrieve into {rid}/{label} started {len(started)} copies"
-        future = started[0] if started else None
-        if future is not None:
-            self.retrieves[(a.rid, a.label)] = future
-        if future is not None and future not in self.source_of and self.last_source:
-            self.source_of[future] = self.last_source  # this call started that copy
+        assert len(started) <= self.groups.g, (
+            f"one retrieve into {rid}/{label} started {len(started)} copies")
+        if started:
+            self.retrieves[(a.rid, a.label)] = started
+        for future in started:
+            if future not in self.source_of and self.last_source:
+                self.source_of[future] = self.last_source  # this call started that copy
         return out
 
     def publisher(self, rid: int, label: int, length: int) -> KVManager:
@@ -604,8 +631,10 @@ class Driver:
         cfg = KVConfig(
             num_layers=self.cfg.num_layers, num_kv_heads=self.cfg.num_kv_heads,
             head_dim=self.cfg.head_dim, max_seq_len=256,
-            max_num_pages=-(-length // self.scope.page_size) + 2,
+            max_num_pages=self.groups.g * -(-length // self.scope.page_size) + 2,
             page_size=self.scope.page_size, num_qo_heads=1,
+            # a hybrid peer: the same groups, each published as its own stream
+            groups=self.cfg.groups,
         )
         src = KVManager(cfg, "publisher", None, TransferEngineInfo(), self.config.device,
                         dtype=self.config.dtype, runtime=self.runtime)
@@ -615,13 +644,15 @@ class Driver:
         ctx = StepContext([self.name(rid)])
         assert src.admit(step, ctx).ok
         src.plan(step, ctx)
-        token = self.scope.labels + label
         writer = writer_of(self.scope, rid)
-        rows = torch.tensor([value(writer, token, p) for p in range(length)])
-        kv = rows.view(-1, 1, 1).expand(length, 1, cfg.head_dim).to(self.config.dtype)
-        for layer in range(cfg.num_layers):
-            src.write_kv(kv.to(self.config.device), kv.to(self.config.device), layer_idx=layer,
-                         label=name)
+        for g, stream in enumerate(self.groups.streams(label)):
+            # a peer's token of group g: identity nlab + its internal label
+            token = self.groups.nlab + self.groups.internal(stream)
+            rows = torch.tensor([value(writer, token, p) for p in range(length)])
+            kv = rows.view(-1, 1, 1).expand(length, 1, cfg.head_dim).to(self.config.dtype)
+            for layer in self.groups.layers(g):
+                src.write_kv(kv.to(self.config.device), kv.to(self.config.device),
+                             layer_idx=layer, label=name)
         src.commit(step, ctx)
         self.sources.append(src)
         return src
@@ -629,23 +660,27 @@ class Driver:
     def _RetrieveComplete(self, a: m.RetrieveComplete) -> m.Result:
         # the model issues this only while its retrieve is pending, and
         # `abstract` has checked that kvref's stream says pending too
-        future = self.retrieves[(a.rid, a.label)]
+        futures = self.retrieves[(a.rid, a.label)]
         if not a.moved:
-            self.runtime.complete(future, ok=a.ok)
+            for future in futures:  # every group's copy (H1)
+                self.runtime.complete(future, ok=a.ok)
             return m.Ok()
         # the publisher moves between the copy's two reads of its generation:
         # its lease released (a buggy peer, or expired), then reset, as a reuse
         # of its pages would; only the read after the copy can see it (R35).
         # The transfer passes the "retrieve.copied" checkpoint right there
         rid = self.name(a.rid)
-        src = self.source_of.pop(future)
+        src = self.source_of.pop(futures[0])
+        for future in futures[1:]:
+            self.source_of.pop(future, None)
 
         def move() -> None:
             src.release_published(rid)
             src.reset_request(rid)
 
         with self.runtime.at_checkpoint("retrieve.copied", move):
-            self.runtime.complete(future, ok=a.ok)
+            for future in futures:
+                self.runtime.complete(future, ok=a.ok)
         return m.Ok()
 
     def _Reset(self, a: m.Reset) -> m.Result:
@@ -680,11 +715,11 @@ class Driver:
         if m.UNWRITTEN in tokens:
             ps = self.scope.page_size
             tokens = tokens[: tokens.index(m.UNWRITTEN) // ps * ps]
-        return [engine_id(t, p) for p, t in enumerate(tokens)]
+        return [engine_id(self.groups.user_token(t), p) for p, t in enumerate(tokens)]
 
     def _CachePrefix(self, a: m.CachePrefix) -> m.Result:
         assert self.model_state is not None, "CachePrefix needs the model's state: apply(a, s)"
-        ids = self.engine_ids(self.model_state, (a.rid, a.label))
+        ids = self.engine_ids(self.model_state, (a.rid, a.label * self.groups.g))
         # a careless engine's draft ids, past the committed
         ids += [engine_id(a.label, len(ids) + i) for i in range(a.drafts)]
         if a.start > 0 and not a.drafts:
@@ -703,7 +738,7 @@ class Driver:
         # then on (`follow_ids`), as an engine appends to its request's ids
         assert self.model_state is not None, "FollowTokens needs the model's state"
         ids = self.followed.setdefault((a.rid, a.label), [])
-        ids[:] = self.engine_ids(self.model_state, (a.rid, a.label))
+        ids[:] = self.engine_ids(self.model_state, (a.rid, a.label * self.groups.g))
         return m.Count(self.kv.follow_tokens(self.name(a.rid), ids, label_name(a.label)))
 
     def follow_ids(self, a: m.Action) -> None:
@@ -713,8 +748,8 @@ class Driver:
         if not self.followed or self.model_state is None:
             return
         _, after = self.model.step(self.model_state, a)
-        for key, ids in self.followed.items():
-            ids[:] = self.engine_ids(after, key)
+        for (rid, label), ids in self.followed.items():
+            ids[:] = self.engine_ids(after, (rid, label * self.groups.g))
 
     def _MatchPrefix(self, a: m.MatchPrefix) -> m.Result:
         # the ids of a prompt of the label's own tokens (a token's identity is
@@ -763,7 +798,7 @@ class Driver:
         contents = model_state.stream_map()
         streams: dict[m.Key, m.Stream] = {}
         for s in seen.streams():
-            key = (self.rid_of(s.request_id), m.LABEL_NAMES.index(s.label))
+            key = (self.rid_of(s.request_id), self.groups.internal(s.label))
             known = contents.get(key)
             streams[key] = m.Stream(
                 pages=len(s.pages), stored_len=s.stored_len,
@@ -774,7 +809,7 @@ class Driver:
             )
         host = []
         for c in seen.host.copies if seen.host is not None else ():
-            key = (self.rid_of(c.request_id), m.LABEL_NAMES.index(c.label))
+            key = (self.rid_of(c.request_id), self.groups.internal(c.label))
             host.append((key, dict(model_state.host).get(key, ())))
         offloads = []
         for rname in seen.offloads:
@@ -842,7 +877,7 @@ class Driver:
             assert not model_state.host, f"host copies without a host pool: {model_state.host}"
             return
         for (rid, label), tokens in model_state.host:
-            copy = seen.host_copy(self.name(rid), label_name(label))
+            copy = seen.host_copy(self.name(rid), self.groups.kv_label(label))
             assert copy is not None, f"no host copy of {(rid, label)}"
             assert copy.stored_len == len(tokens), (rid, label, copy.stored_len, tokens)
 
@@ -877,7 +912,7 @@ class Driver:
         ps, st = self.scope.page_size, model_state.stream_map()
         rid, pub = self.publication
         for name, info in pub.get(0).items():
-            want = m.Model.released(st[(rid, m.LABEL_NAMES.index(name))]) * ps
+            want = m.Model.released(st[(rid, self.groups.internal(name))]) * ps
             mine = seen.stream(self.name(rid), name)
             held = mine.pages[:-(-info.seq_len // ps) - mine.released // ps]
             if info.released != want or tuple(info.page_indices) != held:
@@ -893,10 +928,12 @@ class Driver:
         salts = dict(enumerate(self.scope.salts))
         observed_state.check_positions(seen)
         observed_state.check_configs(model_state, seen, salts, self.name, request_keys)
-        observed_state.check_staged(model_state, seen, self.name)
+        observed_state.check_staged(model_state, seen, self.name, self.groups.kv_label)
         if self.scope.sharing:
+            user = self.groups.user_token
             observed_state.check_keyed_ids(model_state, seen, self.scope.page_size, self.name,
-                                           engine_id)
+                                           lambda t, p: engine_id(user(t), p),
+                                           self.groups.kv_label)
 
     def check_pages(self, seen: KVObservation | None = None) -> None:
         """I1 and I2 on page ids: every page exactly once in free list, sink or a stream."""
@@ -919,12 +956,12 @@ class Driver:
         if pool is None:
             return
         seen = seen if seen is not None else self.observe()
-        ps, labels = self.scope.page_size, self.scope.labels
+        ps = self.scope.page_size
         to_kv: dict[int, int] = {}
         to_model: dict[int, int] = {}
         for (rid, label), v in model_state.streams:
-            mine = seen.stream(self.name(rid), label_name(label))
-            where = f"{self.name(rid)}/{label_name(label)}"
+            mine = seen.stream(self.name(rid), self.groups.kv_label(label))
+            where = f"{self.name(rid)}/{self.groups.kv_label(label)}"
             released = m.Model.released(v)
             assert released * ps == mine.released or not v.table, (
                 f"W2: {where} released {mine.released} tokens, the model {released * ps}")
@@ -937,7 +974,7 @@ class Driver:
                     f"{to_kv[p]} / {to_model[q]}: a page shared on one side only")
         for p, q in to_kv.items():
             page, theirs = pool.page(p), seen.page(q)
-            want = {(self.name(h // labels), label_name(h % labels)) for h in page.holders}
+            want = {(self.name(r), lb) for r, lb in map(self.groups.holder, page.holders)}
             assert set(theirs.holders) == want, (
                 f"page {q} (model {p}) held by {sorted(map(str, theirs.holders))}, the "
                 f"model says {sorted(want)}")
@@ -970,13 +1007,15 @@ class Driver:
             chain.append(k)
             k = k.parent
         chain.reverse()
-        space = label_name(chain[0].tokens[0])
+        # the stream whose KV it is: a group's stream of the label (H1)
+        space = self.groups.kv_label(chain[0].tokens[0])
         salt, extra = request_keys(dict(key.extras).get("salt", ""))
         extras = ((("salt", salt),) if salt is not None else ()) + extra + (("label", space),)
         ps = self.scope.page_size
         parent: bytes | None = None
         for depth, c in enumerate(chain):
-            ids = [engine_id(t, depth * ps + i) for i, t in enumerate(c.tokens)]
+            ids = [engine_id(self.groups.user_token(t), depth * ps + i)
+                   for i, t in enumerate(c.tokens)]
             parent = self.kv_keys.get(c) or self._page_key(parent, token_bytes(ids), extras)
             self.kv_keys[c] = parent
         assert parent is not None
@@ -1036,7 +1075,7 @@ class Driver:
                 roles[p] = ("cached", key if self.config.page_key is not None else p)
             held: dict[int, list[tuple[m.Key, int]]] = {}
             for st in seen.streams():
-                k = (self.rid_of(st.request_id), m.LABEL_NAMES.index(st.label))
+                k = (self.rid_of(st.request_id), self.groups.internal(st.label))
                 for j, p in enumerate(st.pages, st.released // ps):
                     held.setdefault(p, []).append((k, j))
             roles.update({p: ("held", tuple(sorted(h))) for p, h in held.items()})
@@ -1075,7 +1114,7 @@ class Driver:
         for (rid, label), s in model_state.streams:
             if s.offload != m.RESIDENT or s.retrieve != m.IDLE:
                 continue
-            got = self.kv.read_stream(self.name(rid), label_name(label)).float()
+            got = self.kv.read_stream(self.name(rid), self.groups.kv_label(label)).float()
             w = self.scope.window(label)
             first = 0 if w is None else max(0, s.stored_len - w)
             # a position no write filled (committed before it was written) holds
@@ -1091,8 +1130,8 @@ class Driver:
             if not torch.equal(got, want):
                 bad = (got != want).nonzero()[0].tolist()
                 raise AssertionError(
-                    f"I7: {self.name(rid)}/{label_name(label)} token {written[bad[1]]} reads "
-                    f"{got[tuple(bad)].item()} (contents {s.contents})"
+                    f"I7: {self.name(rid)}/{self.groups.kv_label(label)} token "
+                    f"{written[bad[1]]} reads {got[tuple(bad)].item()} (contents {s.contents})"
                 )
 
     def page_owners(self, seen: KVObservation | None = None) -> dict[int, tuple[str, str]]:
@@ -1106,6 +1145,9 @@ class Driver:
         assert self.outputs is not None and self.step is not None
         ps = self.cfg.page_size
         spans = {(g.request_id, g.label): g.span for g in self.step[1].segments}
+        spans = {(rid, lb): spans[(rid, self.groups.user(lb))]
+                 for rid, lb in ((v.request_id, v.label) for out in self.outputs.values()
+                                 for v in out.views)}
         seen = self.observe()
         for out in self.outputs.values():
             for v in out.views:

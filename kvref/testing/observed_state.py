@@ -22,14 +22,22 @@ from kvref_model import core as m
 Namer = Callable[[int], str]
 TokenId = Callable[[int, int], int]
 RequestKeys = Callable[[str], tuple[str | None, tuple[tuple[str, str], ...]]]
+# kvref's stream label of a model (internal) label: a hybrid scope's group
+# label (`kvref.testing.group_map.GroupMap.kv_label`)
+LabelName = Callable[[int], str]
 
 
 def rid_name(rid: int) -> str:
     return f"r{rid}"
 
 
-def key_name(key: m.Key, name: Namer = rid_name) -> tuple[str, str]:
-    return name(key[0]), m.LABEL_NAMES[key[1]]
+def label_name(label: int) -> str:
+    return m.LABEL_NAMES[label]
+
+
+def key_name(key: m.Key, name: Namer = rid_name,
+             label: LabelName = label_name) -> tuple[str, str]:
+    return name(key[0]), label(key[1])
 
 
 def check_positions(seen: KVObservation) -> None:
@@ -46,18 +54,19 @@ def check_positions(seen: KVObservation) -> None:
 
 def check_keyed_ids(model_state: m.State, seen: KVObservation, page_size: int,
                     name: Namer = rid_name,
-                    token_id: TokenId = lambda t, p: t) -> None:
+                    token_id: TokenId = lambda t, p: t,
+                    label: LabelName = label_name) -> None:
     """The ids a stream's keyed pages were keyed with are the ids the
     engine names the tokens the model says it holds there (`token_id` of
     each, `Driver.engine_ids`; a hit attaches what its ids name)."""
     for key, v in model_state.streams:
         if not v.chain:
             continue
-        rid, label = key_name(key, name)
-        got = seen.stream(rid, label).keyed_ids()
+        rid, lb = key_name(key, name, label)
+        got = seen.stream(rid, lb).keyed_ids()
         want = tuple(token_id(t, p) for p, t in enumerate(v.contents[:v.chain * page_size]))
         assert got == want, (
-            f"{rid}/{label}: its {v.chain} keyed pages were keyed with ids {got}, "
+            f"{rid}/{lb}: its {v.chain} keyed pages were keyed with ids {got}, "
             f"the model's tokens there are {want}")
 
 
@@ -73,7 +82,8 @@ def check_configs(model_state: m.State, seen: KVObservation,
     assert got == want, f"request configs (salt, extra keys) {got}, the model's {want}"
 
 
-def check_staged(model_state: m.State, seen: KVObservation, name: Namer = rid_name) -> None:
+def check_staged(model_state: m.State, seen: KVObservation, name: Namer = rid_name,
+                 label: LabelName = label_name) -> None:
     """R41, R42: a preplan is staged exactly when the model has one, of the
     same step, planned or not alike, built from the same lengths of the
     streams the running step leaves."""
@@ -83,18 +93,18 @@ def check_staged(model_state: m.State, seen: KVObservation, name: Namer = rid_na
     if p is None or staged is None:
         return
     step = staged.step
-    want_segments = tuple((*key_name((g.rid, g.label), name), g.span) for g in step.segments)
+    want_segments = tuple((*key_name((g.rid, g.label), name, label), g.span)
+                          for g in step.segments)
     got_segments = tuple((g.request_id, g.label, g.span) for g in p.segments)
     assert got_segments == want_segments, (
         f"staged segments {got_segments}, the model's {want_segments}")
     assert p.padded == tuple(name(r) for r in step.padded), (p.padded, step.padded)
     assert p.commit == step.commit, (p.commit, step.commit)
-    assert p.pre_forks == tuple((m.LABEL_NAMES[a], m.LABEL_NAMES[b]) for a, b in step.pre_forks)
-    assert p.post_forks == tuple(
-        (m.LABEL_NAMES[a], m.LABEL_NAMES[b]) for a, b in step.post_forks)
+    assert p.pre_forks == tuple((label(a), label(b)) for a, b in step.pre_forks)
+    assert p.post_forks == tuple((label(a), label(b)) for a, b in step.post_forks)
     assert p.planned == (staged.phase != m.ADMITTED), (
         f"staged preplan planned {p.planned}, the model's in phase {staged.phase}")
-    want_basis = {key_name(k, name): n for k, n in staged.basis}
+    want_basis = {key_name(k, name, label): n for k, n in staged.basis}
     assert dict(p.basis) == want_basis, (
         f"R42: the preplan was planned against {dict(p.basis)}, the model's basis "
         f"{want_basis}")

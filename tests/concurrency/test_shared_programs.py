@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from tests.support.sched_harness import SHIPPED_SCOPE
-from tests.support.shared_programs import CASES, explore
+from tests.support.shared_programs import CASES, HYBRID_CASES, explore
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -26,3 +26,17 @@ def test_the_programs_race_in_the_plain_configuration_too() -> None:
     plain = replace(case, scope=replace(SHIPPED_SCOPE, sharing=False, windows=(),
                                         margins=()), post=lambda got: None)
     assert explore(plain) > 1
+
+
+@pytest.mark.parametrize("name", sorted(HYBRID_CASES))
+def test_a_hybrid_program_up_to_one_preemption(name: str) -> None:
+    """Issue 40: one full group and one window group over one pool, the
+    window group keying and hitting; every schedule with one preemption
+    (16 each), checked against the model as every program is."""
+    assert explore(HYBRID_CASES[name], bound=1) > 1
+
+
+@pytest.mark.nightly
+@pytest.mark.parametrize("name", sorted(HYBRID_CASES))
+def test_a_hybrid_program_up_to_two_preemptions(name: str) -> None:
+    assert explore(HYBRID_CASES[name]) > 16

@@ -8,7 +8,15 @@ import pytest
 
 from kvref.offload.calls import EvictionCalls
 from kvref.testing.driver import DriverConfig
-from kvref.testing.exhaustive import CI_SCOPE, PLAIN_CI_SCOPE, check_scope, main, summary
+from kvref.testing.exhaustive import (
+    CI_SCOPE,
+    HYBRID_CI_SCOPE,
+    HYBRID_NIGHTLY_SCOPE,
+    PLAIN_CI_SCOPE,
+    check_scope,
+    main,
+    summary,
+)
 from kvref_model import core as m
 
 # the second configuration (the prefix cache off, no window), and a manager
@@ -32,6 +40,25 @@ def test_every_reachable_state_and_action(driver_config: DriverConfig,
     # since follow_tokens, S33; 144 and 14,318 before it;
     # a fork between the two labels is a misuse there, W5)
     assert out.states > 130 and out.transitions > 13_000
+
+
+def test_every_reachable_state_and_action_of_a_hybrid_scope(driver_config: DriverConfig) -> None:
+    """Issue 40: one full group and one window group over one pool, depth 2
+    (a few seconds): every call in every state, the driver mapping each
+    group's stream (`kvref.testing.group_map`)."""
+    out = check_scope(HYBRID_CI_SCOPE, driver_config)
+    print(summary(out))
+    assert not out.failures, "\n".join(out.failures)
+    assert out.states >= 14 and out.transitions >= 760  # 14 states, 769 calls
+
+
+@pytest.mark.nightly
+def test_every_reachable_state_and_action_of_a_hybrid_scope_nightly(
+        driver_config: DriverConfig) -> None:
+    out = check_scope(HYBRID_NIGHTLY_SCOPE, driver_config, progress=True)
+    print(summary(out))
+    assert not out.failures, "\n".join(out.failures)
+    assert out.states >= 59 and out.transitions >= 3_300  # 59 states, 3,341 calls
 
 
 @pytest.mark.slow
@@ -87,4 +114,8 @@ def test_the_command_replays_the_shipped_scope_by_default(capsys: pytest.Capture
         "(KVConfig's default: on) (default: True)" in usage
     assert "(default: (None, 1))" in usage and "(default: (0, 1))" in usage
     assert main(["--depth", "1", "--quiet"]) == 0
+    assert "CONFORMANCE PASSED" in capsys.readouterr().out
+    # a hybrid scope: its groups' windows, not the shipped scope's label windows
+    assert main(["--groups", "None,1", "--window-cache", "--labels", "1", "--depth", "1",
+                 "--quiet"]) == 0
     assert "CONFORMANCE PASSED" in capsys.readouterr().out

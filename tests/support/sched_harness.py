@@ -503,7 +503,9 @@ class Harness:
                 box[0] = off = begin(rid)
                 if off is None:
                     return m.Claimed(())
-                return m.Claimed(tuple(sorted(m.LABEL_NAMES.index(n) for n in off.labels)))
+                # a label is claimed where any of its groups is (H1)
+                return m.Claimed(tuple(sorted({m.LABEL_NAMES.index(self.driver.groups.user(n))
+                                               for n in off.labels})))
 
             lin.call(m.OffloadClaim(r), claim)
             if box[0] is not None:
@@ -517,6 +519,10 @@ class Harness:
         copy, commit, abandon = off.copy, off.commit, off.abandon
 
         def copy_(label: str) -> bool:
+            # a hybrid label's offload copies each group's stream in its own
+            # sections, where the model's OffloadCopy copies them all: not
+            # mapped here, so the hybrid programs offload nothing
+            assert self.driver.groups.g == 1, "hybrid offloads are not scheduled yet"
             ok = [False]
 
             def run() -> m.Result:
@@ -660,7 +666,7 @@ class Harness:
             a_count = m.Reclaimable(op.rid)
             lin.call(a_count, lambda: d.apply(a_count))
         elif op.kind == "cacheprefixes":
-            ids = d.engine_ids(self.setup_state, (op.rid, op.label))
+            ids = d.engine_ids(self.setup_state, (op.rid, op.label * d.groups.g))
             calls = [(name, label_name(op.label), ids, 0)]
             lin.call(CachePrefixIds(op.rid, op.label, len(ids)),
                      lambda: m.Count(kv.cache_prefixes(calls)[0]))

@@ -92,7 +92,7 @@ def reset_keeps_shared_pages(mp: pytest.MonkeyPatch) -> None:
     """R62: reset_request(free=False) keeps every page as spare, shared ones
     included, and the next write into them lands in another stream's page."""
     mp.setattr(PrefixSharing, "release_shared",
-               lambda self, key, stream, private=None: None)
+               lambda self, key, stream, private=None, head_first=False: None)
 
 
 def reclaimable_counts_shared_pages(mp: pytest.MonkeyPatch) -> None:
@@ -794,7 +794,7 @@ def release_shared_head_first(mp: pytest.MonkeyPatch) -> None:
     of the shared and keyed pages head first: a chain's first page is
     evicted before its suffix, which then stays cached and unreachable."""
     def release_shared(self: PrefixSharing, key: Key, stream: CacheStream,
-                       private: list[bool] | None = None) -> None:
+                       private: list[bool] | None = None, head_first: bool = False) -> None:
         pages = stream.page_indices
         if not pages:
             return

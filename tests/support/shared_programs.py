@@ -87,6 +87,29 @@ def steps(rid: int, label: int, *spans: int) -> tuple[m.Action, ...]:
 CACHED = ((0, 4), (1, 0), (2, 0))
 SMALL = replace(SHIPPED_SCOPE, device_pages=4, host_pages=2)
 
+# a hybrid model (issue 40): one full group and one window group (W = 3)
+# over one pool, the window group keying and hitting (H2-H4)
+HYBRID = m.Scope(requests=3, labels=1, device_pages=6, host_pages=2, page_size=2,
+                 max_span=6, sharing=True, groups=(None, 3), window_cache=True)
+
+
+def _hybrid_hit_or_evicted(got: dict[m.Action, list[m.Result]]) -> None:
+    # the hit first: every group's pages held again, the admit two pages
+    # short; the admit first: it evicts the full group's cached pages (they
+    # reached the LRU first), and no hit stands in every group (H2)
+    hit = got[m.MatchPrefix(1, 0, 5)]
+    admit = got[m.Admit(step(2, 0, 4).step)]
+    assert (hit, admit) in (([m.Count(4)], [m.Refused("AllocationFailed", 2)]),
+                            ([m.Count(0)], [m.Ok()])), (hit, admit)
+
+
+def _hybrid_hit_or_passed(got: dict[m.Action, list[m.Result]]) -> None:
+    # the hit first: it shares the window's first page, which the commit
+    # then passes (still held by the hit); the commit first: that page went
+    # back blank (H3), so the window group cannot serve the hit
+    assert got[m.MatchPrefix(1, 0, 5)] in ([m.Count(4)], [m.Count(0)]), got
+
+
 CASES = {
     # a prefix hit racing an offload claim of the request whose pages it finds
     "hit against offload": Case(
@@ -114,6 +137,23 @@ CASES = {
         (Program("worker", [Op("offload", 0)]), Program("engine", [step(1, 2, 3)])),
         Setup(((0, 0), (1, 0), (2, 0)), (), steps(0, 2, 3, 3) + steps(1, 2, 3)),
         SHIPPED_SCOPE, _window_offloaded),
+}
+
+# hybrid models (issue 40): CI explores them with one preemption (a few
+# seconds each), the nightly run with two (74 and 82 schedules)
+HYBRID_CASES = {
+    # an allocation that evicts cached pages of both groups racing a hit
+    # every group must serve
+    "hybrid: eviction against a hit every group serves": Case(
+        (Program("engine", [step(2, 0, 4)]), Program("life", [Op("match", 1, 0, 5)])),
+        Setup(((0, 4), (1, 0), (2, 0)), (), (m.CachePrefix(0, 0), m.Remove(0))), HYBRID,
+        _hybrid_hit_or_evicted),
+    # a commit whose window passes a keyed page racing a hit that
+    # needs that page
+    "hybrid: a window passes a page against a hit": Case(
+        (Program("engine", [step(0, 0, 2)]), Program("life", [Op("match", 1, 0, 5)])),
+        Setup(((0, 4), (1, 0), (2, 0)), (), (m.CachePrefix(0, 0),)), HYBRID,
+        _hybrid_hit_or_passed),
 }
 
 

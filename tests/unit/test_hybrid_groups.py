@@ -185,3 +185,26 @@ def test_groups_for_splits_types_into_equal_groups() -> None:
                                         "w1024.4"]
     assert {len(g.layers) for g in groups} == {2}
     assert groups[0].layers == (5, 11) and groups[0].retention is None
+
+
+def test_a_failed_fork_copy_empties_the_target_in_every_group() -> None:
+    """H1, R26: the first group's copy of a fork fails; the fork's target is
+    emptied in every group, not left forked in the window group (the
+    label's groups would hold different lengths)."""
+    from kvref.core.errors import ForkCopyError
+    from kvref.testing.manual_runtime import ManualRuntime
+
+    rt = ManualRuntime()
+    m = KVManager(_cfg(), "kv", None, TransferEngineInfo(), torch.device("cpu"),
+                  dtype=torch.float32, runtime=rt)
+    m.ingest_request("a")
+    _step(m, "a", 3)  # a part page: the fork copies it
+    st = KVStep(segments=[Segment("a", "cfg", 1)], pre_forks=[("main", "cfg")])
+    ctx = StepContext(padded_request_ids=["a"])
+    assert m.admit(st, ctx).ok
+    with rt.failing("fork.copy", once=True), pytest.raises(ForkCopyError):
+        m.plan(st, ctx)
+    got = _streams(m, "a")
+    assert got["cfg"][0] == got["cfg@w"][0] == 0
+    assert got["main"][0] == got["main@w"][0] == 3
+    assert not m.check()

@@ -1,0 +1,109 @@
+"""Hybrid-model defects (issue 40) planted in kvref as monkeypatches, each
+the class of a KV-cache bug another engine shipped: found by the model
+layers run on a hybrid scope (tests/conformance/test_hybrid_plants.py),
+while the clean tree passes the same runs. H1-H4 of specs/retention.md
+state what each breaks."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from collections.abc import Callable
+from types import ModuleType
+
+import pytest
+
+from kvref import AdmitOutcome, KVStep, StepContext
+from kvref.core.refusals import AllocationFailed
+from kvref.core.stream_table import Key, StreamTable
+from kvref.manager import KVManager
+from kvref.prefix import cache as prefix_cache
+
+Plant = Callable[[pytest.MonkeyPatch], None]
+
+
+def _mutant(mp: pytest.MonkeyPatch, module: ModuleType, name: str, old: str, new: str) -> None:
+    """``module.name`` rebuilt from its own source with ``old`` replaced by
+    ``new`` (one spot): a one-line defect inside a function too long to
+    wrap. Its globals are the module's, so it calls what the original does."""
+    src = textwrap.dedent(inspect.getsource(getattr(module, name)))
+    assert src.count(old) == 1, f"{name}: the plant's spot is gone"
+    scope = dict(vars(module))
+    exec(compile(src.replace(old, new), f"<plant {module.__name__}.{name}>", "exec"), scope)
+    mp.setattr(module, name, scope[name])
+
+
+def window_frees_tail_first(mp: pytest.MonkeyPatch) -> None:
+    """vLLM #48435 (H4 off): a cached window lets go of its pages tail
+    first, as a full stream does, so the tail a window hit at its end reads
+    is evicted first; sessions re-sending a growing prefix in turn lost
+    every hit at about 25 % pool occupancy."""
+    def bad(self: StreamTable, key: Key, pages: list[int]) -> int:
+        return self.pages.release_table(key, list(pages)[::-1]) if pages else 0
+
+    mp.setattr(StreamTable, "give_back", bad)
+
+
+def window_hit_only_at_the_longest_point(mp: pytest.MonkeyPatch) -> None:
+    """vLLM #57610: the lookup tries the longest hit the ids allow and
+    stops there: a prompt that goes past a cached one inside its last page
+    (its ids diverge there) finds nothing, where a shorter hit every group
+    serves stood."""
+    _mutant(mp, prefix_cache, "match_prefix_groups",
+            "    while pages and not serves(pages * ps):\n        pages -= 1\n",
+            "    if not serves(pages * ps):\n        pages = 0\n")
+
+
+def window_passes_keyed_pages_to_the_lru(mp: pytest.MonkeyPatch) -> None:
+    """vLLM #42948 (H3 off): the pages a cached window passes at a commit
+    go back keyed, onto the LRU, so they push other requests' cached
+    prefixes toward eviction (and an allocation for a request evicts the
+    prefix its own lookup was to hit)."""
+    def bad(self: StreamTable, key: Key, stream: object) -> int:
+        ps = self.page_size
+        released = self.behaviour(key[1]).released_after(
+            stream.released, stream.stored_len, ps)  # type: ignore[attr-defined]
+        if released == stream.released:  # type: ignore[attr-defined]
+            return 0
+        gone = stream.release_window_to(released, ps)  # type: ignore[attr-defined]
+        return self.pages.release_table(key, list(gone)[::-1]) if gone else 0
+
+    mp.setattr(StreamTable, "retire", bad)
+
+
+def hit_decided_by_the_first_group(mp: pytest.MonkeyPatch) -> None:
+    """vLLM PR 50457 / vllm-ascend PR 12394: the hit length is one group's
+    (the full group's), taken for every group: the window group attaches
+    what it has of the pages its window reads, a table with holes, and the
+    label's groups disagree (H2)."""
+    _mutant(mp, prefix_cache, "match_prefix_groups",
+            "for i, got in enumerate(cached)\n",
+            "for i, got in enumerate(cached[:1])\n")
+
+
+def refused_admit_keeps_the_first_group(mp: pytest.MonkeyPatch) -> None:
+    """H1 off: admission reserves group by group and returns the first
+    refusal without unwinding, so an admit the window group cannot take
+    leaves the full group's pages reserved and its streams in flight."""
+    orig = KVManager.admit
+
+    def bad(self: KVManager, step: KVStep, ctx: StepContext) -> AdmitOutcome:
+        out = orig(self, step, ctx)
+        if out.ok or self._groups is None or not isinstance(out.reason, AllocationFailed):
+            return out
+        # the first group's streams are the labels' own names
+        first = KVStep(segments=list(step.segments), commit=step.commit)
+        with self._lock:
+            self._stepping.admit(first, ctx)
+        return out
+
+    mp.setattr(KVManager, "admit", bad)
+
+
+PLANTS: dict[str, Plant] = {
+    "window_frees_tail_first": window_frees_tail_first,
+    "window_hit_only_at_the_longest_point": window_hit_only_at_the_longest_point,
+    "window_passes_keyed_pages_to_the_lru": window_passes_keyed_pages_to_the_lru,
+    "hit_decided_by_the_first_group": hit_decided_by_the_first_group,
+    "refused_admit_keeps_the_first_group": refused_admit_keeps_the_first_group,
+}
