@@ -613,13 +613,22 @@ class Stepping:
             # asked once; a stream is retired only where its window moved
             # past a page, not every step (W2)
             of_label: dict[str, LabelBehaviour] = {}
+            # a hybrid request's groups of one type are in lockstep (the same
+            # length and released count, one after another): asked once
+            last: tuple[LabelBehaviour | None, int, int] = (None, -1, -1)
+            moved = False
             for seg, stream in zip(segments, streams, strict=True):
                 if seg.span and not stream.offloaded:
                     b = of_label.get(seg.label)
                     if b is None:
                         b = of_label[seg.label] = behaviour(seg.label)
-                    if b.releases and b.released_after(
-                            stream.released, stream.stored_len, ps) != stream.released:
+                    if not b.releases:
+                        continue
+                    at = (b, stream.released, stream.stored_len)
+                    if at != last:
+                        last = at
+                        moved = b.released_after(at[1], at[2], ps) != at[1]
+                    if moved:
                         self._table.retire((seg.request_id, seg.label), stream)
 
     def _dropped_span(self, seg: Segment) -> None:
