@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvref.core.config import RetentionPolicy
-from kvref.core.groups import GROUP_SEP, AttentionGroup
+from kvref.core.groups import GROUP_SEP, AttentionGroup, ChunkedAttention
 
 
 class LabelBehaviour(Protocol):
@@ -114,6 +114,35 @@ class SlidingWindow:
         return max(released, first_kept // page_size * page_size)
 
 
+@dataclass(frozen=True)
+class ChunkedLocal:
+    """Chunked local attention (H7): the next token of a stream ``n`` long
+    reads from its chunk's start ``n // chunk * chunk``; a commit lets go of
+    every page wholly before it, so the pages go at each chunk boundary. A
+    hybrid model's chunked group keys its pages and hits, as a window group
+    does (H2-H4): a hit at h needs only the pages of h's chunk."""
+
+    chunk: int
+    cached: bool = True
+
+    @property
+    def releases(self) -> bool:
+        return True
+
+    @property
+    def cacheable(self) -> bool:
+        return self.cached
+
+    def first_read(self, length: int) -> int:
+        return length // self.chunk * self.chunk
+
+    def __str__(self) -> str:
+        return f"chunks of C = {self.chunk}"
+
+    def released_after(self, released: int, length: int, page_size: int) -> int:
+        return max(released, self.first_read(length) // page_size * page_size)
+
+
 FULL_ATTENTION = FullAttention()
 
 
@@ -162,4 +191,6 @@ def _group_behaviour(g: AttentionGroup) -> LabelBehaviour:
     r = g.retention
     if r is None:
         return FULL_ATTENTION
+    if isinstance(r, ChunkedAttention):
+        return ChunkedLocal(r.size)
     return SlidingWindow(r.context_budget, r.rollback_margin, cached=True)
