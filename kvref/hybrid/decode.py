@@ -10,11 +10,17 @@ step left, re-reading only the rows that changed (a page appended, a
 window release). This keeps one `DecodeTable` per group and hands each its
 group's rows: every group's table is the same bytes `decode_tables` makes
 of its views (the kept table's contract), in the plan labels' order.
+Below `SMALL_BATCH` rows a group, where a kept table's numpy set-up costs
+more than it saves, every group is built afresh in one pass over the rows
+with one host buffer (`fresh_plans`), as `fresh_plan` builds one group.
+tests/unit/test_hybrid_decode_tables.py holds both to a scratch build.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from operator import getitem
 from typing import Any
 
 import numpy as np
@@ -27,6 +33,14 @@ from kvref.stepping.plan import KVPlanState, PagedIndptrs, host_to_device
 from kvref.stepping.step import Segment
 
 Array = np.ndarray[Any, Any]
+
+_span = operator.attrgetter("span")
+_label = operator.attrgetter("label")
+_generation = operator.attrgetter("generation")
+_stored = operator.attrgetter("stored_len")
+_released = operator.attrgetter("released")
+_page_indices = operator.attrgetter("page_indices")
+_pages_array = operator.methodcaller("pages_array")
 
 
 class GroupDecodeTables:
@@ -80,10 +94,14 @@ def fresh_plans(segments: Sequence[Segment], streams: list[CacheStream], groups:
     group's rows (the same bytes), in one pass over the rows and one host
     buffer, so the per-plan numpy and torch set-up is paid once, not per
     group. None unless every segment has span 1 and each group's rows one
-    label (the general plan decides any other step)."""
+    label (the general plan decides any other step).
+
+    Groups in lockstep share their arithmetic: a group whose rows have the
+    lengths and released counts of the group before (a request's window
+    groups of one W, step after step) has its view lengths, page counts
+    and last page lengths, and reads only its own pages."""
     n, g, ps = len(streams), groups, page_size
     b = n // g
-    labels = [seg.label for seg in segments[:g]]
     head: list[int] = []  # per group: qo indptr, kv indptr, last page lengths
     qo = list(range(b + 1))
     pages: list[int] = []  # every group's write pages, then their offsets
@@ -94,33 +112,63 @@ def fresh_plans(segments: Sequence[Segment], streams: list[CacheStream], groups:
     arrays: list[Array] = []
     ends = [0]  # where each group's pages start in the indices
     held = 0
+    # the last group worked out: its rows' lengths and released counts, and
+    # what they gave (kv indptr, last page lengths, each row's last page
+    # slot, page count, offset in its last page, view length)
+    was: tuple[list[int], list[int]] | None = None
+    kv: list[int] = []
+    last: list[int] = []
+    last_page: list[int] = []
+    counts: list[int] = []
+    offs: list[int] = []
+    lens: list[int] = []
     for k in range(g):
-        label = labels[k]
-        kv = [0]
-        last: list[int] = []
-        held_before = held
-        for seg, s in zip(segments[k::g], streams[k::g], strict=True):
-            if seg.span != 1 or seg.label != label:
-                return None
+        segs, rows = segments[k::g], streams[k::g]
+        label = segs[0].label
+        if list(map(_span, segs)).count(1) != b or list(map(_label, segs)).count(label) != b:
+            return None
+        gens += map(_generation, rows)
+        at = (list(map(_stored, rows)), list(map(_released, rows)))
+        if at == was:
+            # the group before's rows, page for page: its arithmetic stands
+            pages += map(getitem, map(_page_indices, rows), last_page)
+            arrays += [a if a.shape[0] == m else a[:m]
+                       for a, m in zip(map(_pages_array, rows), counts, strict=True)]
+            offsets += offs
+            view_len += lens
+            offset += at[1]
+            head += qo
+            head += kv
+            head += last
+            held += kv[-1]
+            ends.append(held)
+            continue
+        was = at
+        kv, last, last_page, counts, offs, lens = [0], [], [], [], [], []
+        in_group = 0
+        for s, stored, rel in zip(rows, at[0], at[1], strict=True):
             # a windowed stream's view starts at its first retained page (W1, W4)
-            rel = s.released
-            end = s.stored_len - rel  # the new token's place in the view
+            end = stored - rel  # the new token's place in the view
             j = end // ps
             off = end - j * ps
             pages.append(s.page_indices[j])
+            last_page.append(j)
             j += 1  # the view's pages
             arr = s.pages_array()
             arrays.append(arr if arr.shape[0] == j else arr[:j])
-            held += j
-            kv.append(held - held_before)
+            counts.append(j)
+            in_group += j
+            kv.append(in_group)
             last.append(off + 1)
-            offsets.append(off)
-            gens.append(s.generation)
-            view_len.append(end + 1)
-            offset.append(rel)
+            offs.append(off)
+            lens.append(end + 1)
+        offsets += offs
+        view_len += lens
+        offset += at[1]
         head += qo
         head += kv
         head += last
+        held += in_group
         ends.append(held)
     w = 3 * b + 2
     table = np.concatenate((np.array(head, dtype=np.int32), *arrays))
@@ -129,11 +177,11 @@ def fresh_plans(segments: Sequence[Segment], streams: list[CacheStream], groups:
     # slices wrap for less than torch slices cost
     slots = host_to_device(torch.from_numpy(host), device) if device.type != "cpu" else None
     qo_t = torch.from_numpy(table[:b + 1])  # the same rows in every group's plan
-    at = g * w
+    first = g * w  # the indices after every group's head
     out = []
     for k in range(g):
         h = table[k * w:(k + 1) * w]
-        idx = table[at + ends[k]:at + ends[k + 1]]
+        idx = table[first + ends[k]:first + ends[k + 1]]
         indptrs = PagedIndptrs(qo_indptr=qo_t, paged_kv_indptr=torch.from_numpy(h[b + 1:2 * b + 2]),
                                paged_kv_last_page_len=torch.from_numpy(h[2 * b + 2:]),
                                paged_kv_indices=torch.from_numpy(idx))
