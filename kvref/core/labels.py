@@ -171,7 +171,11 @@ class GroupBehaviours(dict[str, LabelBehaviour]):
     group's, which is what `StreamTable.releasing` asks of them."""
 
     def __init__(self, groups: Sequence[AttentionGroup]) -> None:
-        super().__init__({g.name: _group_behaviour(g) for g in groups})
+        # groups of one type share one behaviour object: a commit over a
+        # hybrid step compares them per row, and identity answers at once
+        one: dict[LabelBehaviour, LabelBehaviour] = {}
+        super().__init__({g.name: one.setdefault(b, b)
+                          for g in groups for b in (_group_behaviour(g),)})
         self._first = self[groups[0].name]
         # label -> its behaviour, resolved once: every step asks per stream
         self._resolved: dict[str, LabelBehaviour] = {}
