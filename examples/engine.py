@@ -118,7 +118,7 @@ from kvref import (
     TransferEngineInfo,
 )
 from kvref.attention.paged import PagedAttention
-from kvref.core.groups import GROUP_SEP, groups_for
+from kvref.core.groups import GROUP_SEP, ChunkedAttention, groups_for
 from kvref.transfer.published import PublishRefused
 
 ATTN_NAME = "kvref_example_engine"
@@ -502,9 +502,11 @@ class Engine:
         attention: dict[int, PagedAttention] = {}
         windowed: list[KVPlanOutput] = []
         for label, policy, layers in tables:
+            # a window masks W - 1 tokens back, a chunk (Llama 4) to its start
             attn = PagedAttention.from_config(
                 cfg, backend="torch", sm_scale=scale,
-                window_left=-1 if policy is None else policy.window_left)
+                window_left=policy.window_left if isinstance(policy, RetentionPolicy) else -1,
+                chunk=policy.size if isinstance(policy, ChunkedAttention) else 0)
             attn.plan(plans[label])
             attention.update(dict.fromkeys(layers, attn))
             if policy is not None:
@@ -601,7 +603,9 @@ class Engine:
         cfg = self.kv.config
         ps, n = cfg.page_size, self.kv.stored_len(rid, label)
         windows = [g.retention for g in cfg.groups] or [cfg.retention.get(label)]
-        return sum(-(-n // ps) - (0 if w is None else max(0, n - w.context_budget) // ps)
+        return sum(-(-n // ps) - (0 if w is None else n // w.size * w.size // ps
+                                  if isinstance(w, ChunkedAttention)
+                                  else max(0, n - w.context_budget) // ps)
                    for w in windows)
 
     # -- disaggregated prefill --------------------------------------------------

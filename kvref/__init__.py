@@ -29,7 +29,7 @@ from kvref.core.errors import (
     UnknownRequestError,
     WindowUnsupportedError,
 )
-from kvref.core.groups import AttentionGroup, groups_for
+from kvref.core.groups import AttentionGroup, ChunkedAttention, groups_for
 from kvref.core.page_pool import ResetRefused
 from kvref.core.resource import (
     AttentionResource,
@@ -112,6 +112,7 @@ __all__ = [
     "BucketKey",
     "CGSlotSpec",
     "CPUPagePool",
+    "ChunkedAttention",
     "EngineResourceInfo",
     "ForkCopyError",
     "HostCopyObservation",

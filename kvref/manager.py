@@ -45,6 +45,7 @@ from kvref.core.runtime import Runtime, default_runtime, monotonic, shared
 from kvref.core.sharing import page_sharing
 from kvref.core.stream_table import StreamTable
 from kvref.core.streams import CacheStream
+from kvref.hybrid.decode import GroupDecodeTables
 from kvref.hybrid.layout import GroupLayout
 from kvref.lifecycle import RequestLifecycle
 from kvref.offload.calls import EvictionCalls
@@ -157,8 +158,10 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         self._graph_staging = GraphStaging(self._device)
         # admit, plan and commit each check their step; one walk per step object
         self._validate_step = validate.StepValidator()
-        self._stepping = Stepping(self._table, forks,
-                                  self._graph_staging, self._device, name, cfg.max_seq_len)
+        self._stepping = Stepping(
+            self._table, forks, self._graph_staging, self._device, name, cfg.max_seq_len,
+            decode_table=GroupDecodeTables(len(cfg.groups), cfg.page_size, self._device)
+            if cfg.groups else None)
         # publish and retrieve ask stepping about forks (R50, R52) through
         # `StepForks`, nothing else of it
         self._retrieval = Retrieval(self._table, self._transfer, self._rank,

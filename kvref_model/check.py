@@ -392,6 +392,9 @@ def add_scope_arguments(ap: argparse.ArgumentParser, d: Scope | None = None) -> 
     sc.add_argument("--window-cache", action=argparse.BooleanOptionalAction,
                     default=d.window_cache,
                     help="windowed streams key pages and hit (H2-H4); off: W9 and W10")
+    sc.add_argument("--chunked", type=_labels, default=d.chunked, metavar="1",
+                    help="hybrid model: the groups (indices into --groups) whose number is "
+                    "a chunk C of chunked local attention, not a window W (H7)")
 
 
 def scope_of(o: argparse.Namespace) -> Scope:
@@ -400,7 +403,7 @@ def scope_of(o: argparse.Namespace) -> Scope:
                  o.depth, o.sharing, tuple(o.windows),
                  tuple(int(k or 0) for k in o.margins),
                  tuple(o.salts.split(",")) if o.salts else (), tuple(o.groups),
-                 o.window_cache)
+                 o.window_cache, chunked=tuple(int(g) for g in o.chunked))
 
 
 def _parser() -> _Parser:

@@ -118,6 +118,16 @@ class Scope:
     # front of the free queue. Off: kvref's rules
     duplicates: bool = False
     blank_to_front: bool = False
+    # chunked local attention (Llama 4; H7 of specs/retention.md): the groups,
+    # by index into `groups`, whose number is a chunk C rather than a window
+    # W. A chunk is a window whose start moves by whole chunks: the next token
+    # of a stream n long reads from n // C * C, not from max(0, n - W)
+    chunked: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(not 0 <= g < len(self.groups) or self.groups[g] is None for g in self.chunked):
+            raise ValueError(f"Scope.chunked {self.chunked}: each names a group with a "
+                             f"number (its chunk), of groups {self.groups}")
 
     @property
     def group_count(self) -> int:
@@ -137,6 +147,24 @@ class Scope:
         if self.groups:
             label %= len(self.groups)
         return self.margins[label] if label < len(self.margins) else 0
+
+    def chunk(self, label: int) -> bool:
+        """Whether the (internal) label's group is chunked local attention."""
+        return bool(self.chunked) and label % len(self.groups) in self.chunked
+
+    def first_read(self, label: int, n: int) -> int:
+        """The first token the next token of a stream ``n`` long reads (W1,
+        H7): 0 under full attention, max(0, n - W) under a window, the
+        chunk's start n // C * C under a chunk."""
+        w = self.window(label)
+        if w is None:
+            return 0
+        return n // w * w if self.chunk(label) else max(0, n - w)
+
+    def first_kept(self, label: int, n: int) -> int:
+        """The first token a commit to ``n`` tokens keeps (W2, W15, H7): what
+        the next token would read ``k`` (the margin) tokens back."""
+        return self.first_read(label, max(0, n - self.margin(label)))
 
 
 # ---------------------------------------------------------------- state
@@ -685,6 +713,7 @@ class Model:
     H2_hit_every_group = True
     H3_window_release_blank = True
     H4_window_frees_head_first = True
+    H7_chunk_moves_by_chunks = True
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
@@ -757,9 +786,13 @@ class Model:
         return (r.n, nxt) if isinstance(r, pool_model.Count) else (0, pool)
 
     def window_first(self, label: int, n: int) -> int:
-        """The first token a commit keeps (W2, W15): max(0, n - W - k)."""
+        """The first token a commit keeps (W2, W15): max(0, n - W - k), or
+        under a chunk its start k tokens back, max(0, n - k) // C * C (H7)."""
         w = self.scope.window(label)
-        return 0 if w is None else max(0, n - w - self.scope.margin(label))
+        if w is not None and not self.H7_chunk_moves_by_chunks:
+            # a chunk kept as a window of C: pages it no longer reads
+            return max(0, n - self.scope.margin(label) - w)
+        return self.scope.first_kept(label, n)
 
     def retired_slots(self, label: int, n: int) -> int:
         """W2: the slots wholly before the window of a stream of ``n`` tokens."""
@@ -1822,8 +1855,8 @@ class Model:
         if a.new_len > v.stored_len:
             return Misuse("InvalidArgumentError"), s
         w = self.scope.window(a.label)
-        if w is not None and self.W6_truncate_keeps_window and max(0, a.new_len - w) < (
-                self.released(v) * self.scope.page_size):
+        if w is not None and self.W6_truncate_keeps_window and self.scope.first_read(
+                a.label, a.new_len) < self.released(v) * self.scope.page_size:
             return Misuse("ReleasedPrefixError"), s  # W6: its window would reach released tokens
         if a.new_len == v.stored_len:
             return Freed(0), s  # nothing to cut: spare pages stay (R39)

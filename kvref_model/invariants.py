@@ -499,8 +499,10 @@ def i25(m: Model, s: State) -> Msg:
 
 
 def i26(m: Model, s: State) -> Msg:
-    """W1-W3, W15: a windowed stream on the device holds no page wholly before
-    max(0, n - W - k), and every slot of its window [max(0, n - W), n) holds one."""
+    """W1-W3, W15, H7: a windowed stream on the device holds no page wholly
+    before max(0, n - W - k), and every slot of its window [max(0, n - W), n)
+    holds one; a chunked one likewise from its chunk's start k tokens back,
+    and from its chunk's start n // C * C (`Scope.first_kept`, `first_read`)."""
     if s.pool is None or not m.scope.windowed:
         return None
     ps = m.scope.page_size
@@ -508,10 +510,10 @@ def i26(m: Model, s: State) -> Msg:
         w = m.scope.window(k[1])
         if w is None or v.offload == OFFLOADED:
             continue
-        whole = min(len(v.table), m.window_first(k[1], v.stored_len) // ps)
+        whole = min(len(v.table), m.scope.first_kept(k[1], v.stored_len) // ps)
         if any(v.table[:whole]):
             return f"{k} at {v.stored_len} tokens holds a page before its window: {v.table}"
-        start = max(0, v.stored_len - w) // ps
+        start = m.scope.first_read(k[1], v.stored_len) // ps
         if not all(v.table[start:m.need(v.stored_len)]):
             return f"{k} at {v.stored_len} tokens lost a page of its window: {v.table}"
     return None

@@ -111,6 +111,7 @@ def _reference_run(
     sm_scale: float | None,
     causal: bool,
     window_left: int = -1,
+    chunk: int = 0,
 ) -> torch.Tensor:
     num_rows, num_qo_heads, head_dim = q.shape
     if num_rows < plan.num_tokens:
@@ -154,6 +155,8 @@ def _reference_run(
             allowed = k_pos[None, :] <= q_pos[:, None]
             if window_left >= 0:  # a sliding window: W - 1 tokens before the query
                 allowed = allowed & (k_pos[None, :] >= q_pos[:, None] - window_left)
+            if chunk > 0:  # chunked local attention: a query reads its own chunk
+                allowed = allowed & (k_pos[None, :] >= q_pos[:, None] // chunk * chunk)
             scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.einsum("hgqk,khd->qhgd", probs, v)
@@ -171,6 +174,7 @@ def paged_attention_reference(
     sm_scale: float | None = None,
     causal: bool = True,
     window_left: int = -1,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Attention of ``q: [num_tokens, num_qo_heads, head_dim]`` over one layer's pages.
 
@@ -180,13 +184,16 @@ def paged_attention_reference(
     ``window_left`` >= 0 (causal only): a query reads at most that many
     tokens before its own position, FlashInfer's sliding window (a windowed
     label: `RetentionPolicy.window_left`); -1 reads every token before it.
+    ``chunk`` > 0 (causal only): chunked local attention, a query at view
+    position p reads from ``p // chunk * chunk`` on (a chunked group's
+    `ChunkedAttention.size`; its view starts on a chunk, H7).
     """
     lay = _layout_of(layout)
     ps = _page_size_of(kv_layer, lay)
     if page_size is not None and page_size != ps:
         raise KVShapeError(f"page_size {page_size} but kv_layer pages hold {ps} tokens")
     return _reference_run(q, kv_layer, _unpack(indptrs, ps), lay, sm_scale, causal,
-                          window_left)
+                          window_left, chunk)
 
 
 # ---------------------------------------------------------------------------
@@ -218,6 +225,7 @@ class PagedAttention:
         causal: bool = True,
         flashinfer: FlashInferPagedAttention | None = None,
         window_left: int = -1,
+        chunk: int = 0,
     ) -> None:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"{num_qo_heads} qo heads are not a multiple of {num_kv_heads}")
@@ -234,6 +242,9 @@ class PagedAttention:
         # a sliding window (a windowed label's `RetentionPolicy.window_left`): a
         # query reads at most this many tokens before its own; -1: all
         self.window_left = window_left
+        # chunked local attention (a chunked group's `ChunkedAttention.size`):
+        # a query reads only its own chunk; 0: none
+        self.chunk = chunk
         self._fi = flashinfer
         self._indptrs: PagedIndptrs | None = None
         self._torch_plan: _TorchPlan | None = None
@@ -290,6 +301,8 @@ class PagedAttention:
             if self._fi_planned_for != (q.dtype, kv_layer.dtype):
                 self._plan_flashinfer(q.dtype, kv_layer.dtype)
             assert self._fi is not None
+            if self.chunk > 0:
+                self._check_one_chunk()
             self.last_backend = "flashinfer"
             return self._fi.run(q, kv_layer)
         if self.backend != "torch":
@@ -299,15 +312,33 @@ class PagedAttention:
             self.last_backend = "sdpa"
             return run_sdpa_plan(
                 q, kv_layer, self._sdpa_plan, self.layout, self.sm_scale, self.causal,
-                self.window_left,
+                self.window_left, self.chunk,
             )
         if self._torch_plan is None:
             self._torch_plan = _unpack(self._indptrs, self.page_size)
         self.last_backend = "torch"
         return _reference_run(
             q, kv_layer, self._torch_plan, self.layout, self.sm_scale, self.causal,
-            self.window_left,
+            self.window_left, self.chunk,
         )
+
+    def _check_one_chunk(self) -> None:
+        """FlashInfer has no chunk mask: its tables must each be one chunk.
+        A chunked group's view starts on its chunk (H7), so every decode
+        table is; a prefill that crosses a chunk boundary is not, and the
+        engine splits it there (as vLLM's local-attention virtual batches
+        do), or runs it on the torch or SDPA backend."""
+        t = self._indptrs
+        assert t is not None
+        kv = t.paged_kv_indptr.tolist()
+        last = t.paged_kv_last_page_len.tolist()
+        for i, n in enumerate(last):
+            length = (kv[i + 1] - kv[i] - 1) * self.page_size + n if kv[i + 1] > kv[i] else 0
+            if length > self.chunk:
+                raise ValueError(
+                    f"request {i} of the table reads {length} tokens, past its chunk of "
+                    f"{self.chunk}: FlashInfer has no chunk mask; split the step at the "
+                    "chunk boundary, or use backend='torch' or 'sdpa'")
 
     def _use_flashinfer(self, device: torch.device) -> bool:
         if self.backend in ("torch", "sdpa"):

@@ -149,9 +149,11 @@ def sdpa_run(
     sm_scale: float | None = None,
     causal: bool = True,
     window_left: int = -1,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Attention of ``q`` over ``table``'s requests; rows no request owns are zero.
-    ``window_left`` >= 0: a sliding window, as the torch reference's.
+    ``window_left`` >= 0: a sliding window, ``chunk`` > 0: chunked local
+    attention, each as the torch reference's.
 
     No host reads: capturable in a CUDA graph when ``table`` is static.
     ``max_q`` is the query rows per request the table was padded for.
@@ -199,6 +201,8 @@ def sdpa_run(
         allowed = allowed & (kpos[None, None, :] <= qpos[:, :, None])
         if window_left >= 0:
             allowed = allowed & (kpos[None, None, :] >= qpos[:, :, None] - window_left)
+        if chunk > 0:
+            allowed = allowed & (kpos[None, None, :] >= qpos[:, :, None] // chunk * chunk)
     # a padded query row with nothing to read would be NaN: let it read key 0
     allowed = allowed | ((~valid)[:, :, None] & (kpos == 0)[None, None, :])
     mask = allowed.expand(batch, max_q, n_keys)[:, None].expand(batch, group, max_q, n_keys)
@@ -284,16 +288,18 @@ def run_sdpa_plan(
     sm_scale: float | None = None,
     causal: bool = True,
     window_left: int = -1,
+    chunk: int = 0,
 ) -> torch.Tensor:
     if q.shape[0] < plan.num_rows:
         raise KVShapeError(f"q has {q.shape[0]} rows, the page table needs {plan.num_rows}")
     if len(plan.groups) == 1 and q.shape[0] == plan.num_rows:
         table, max_q, _ = plan.groups[0]
-        return sdpa_run(q, kv_layer, table, layout, max_q, sm_scale, causal, window_left)
+        return sdpa_run(q, kv_layer, table, layout, max_q, sm_scale, causal, window_left, chunk)
     out = torch.zeros_like(q)
     head = q[: plan.num_rows]
     for table, max_q, owned in plan.groups:
-        part = sdpa_run(head, kv_layer, table, layout, max_q, sm_scale, causal, window_left)
+        part = sdpa_run(head, kv_layer, table, layout, max_q, sm_scale, causal, window_left,
+                        chunk)
         out[: plan.num_rows][owned] = part[owned]
     return out
 

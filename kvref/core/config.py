@@ -211,7 +211,7 @@ class KVConfig:
         from kvref.core.groups import check_groups  # it builds on this module
         if isinstance(self.groups, (str, bytes)) or not isinstance(self.groups, Sequence):
             raise InvalidConfigError(f"KVConfig.groups must be a sequence, got {self.groups!r}")
-        check_groups(self.groups, self.num_layers)
+        check_groups(self.groups, self.num_layers, self.page_size)
         if self.groups and self.retention:
             # a group's window is its layers'; a label's would cut every group
             raise InvalidConfigError(

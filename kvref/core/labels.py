@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvref.core.config import RetentionPolicy
-from kvref.core.groups import GROUP_SEP, AttentionGroup
+from kvref.core.groups import GROUP_SEP, AttentionGroup, ChunkedAttention
 
 
 class LabelBehaviour(Protocol):
@@ -114,6 +114,35 @@ class SlidingWindow:
         return max(released, first_kept // page_size * page_size)
 
 
+@dataclass(frozen=True)
+class ChunkedLocal:
+    """Chunked local attention (H7): the next token of a stream ``n`` long
+    reads from its chunk's start ``n // chunk * chunk``; a commit lets go of
+    every page wholly before it, so the pages go at each chunk boundary. A
+    hybrid model's chunked group keys its pages and hits, as a window group
+    does (H2-H4): a hit at h needs only the pages of h's chunk."""
+
+    chunk: int
+    cached: bool = True
+
+    @property
+    def releases(self) -> bool:
+        return True
+
+    @property
+    def cacheable(self) -> bool:
+        return self.cached
+
+    def first_read(self, length: int) -> int:
+        return length // self.chunk * self.chunk
+
+    def __str__(self) -> str:
+        return f"chunks of C = {self.chunk}"
+
+    def released_after(self, released: int, length: int, page_size: int) -> int:
+        return max(released, self.first_read(length) // page_size * page_size)
+
+
 FULL_ATTENTION = FullAttention()
 
 
@@ -142,7 +171,11 @@ class GroupBehaviours(dict[str, LabelBehaviour]):
     group's, which is what `StreamTable.releasing` asks of them."""
 
     def __init__(self, groups: Sequence[AttentionGroup]) -> None:
-        super().__init__({g.name: _group_behaviour(g) for g in groups})
+        # groups of one type share one behaviour object: a commit over a
+        # hybrid step compares them per row, and identity answers at once
+        one: dict[LabelBehaviour, LabelBehaviour] = {}
+        super().__init__({g.name: one.setdefault(b, b)
+                          for g in groups for b in (_group_behaviour(g),)})
         self._first = self[groups[0].name]
         # label -> its behaviour, resolved once: every step asks per stream
         self._resolved: dict[str, LabelBehaviour] = {}
@@ -162,4 +195,6 @@ def _group_behaviour(g: AttentionGroup) -> LabelBehaviour:
     r = g.retention
     if r is None:
         return FULL_ATTENTION
+    if isinstance(r, ChunkedAttention):
+        return ChunkedLocal(r.size)
     return SlidingWindow(r.context_budget, r.rollback_margin, cached=True)

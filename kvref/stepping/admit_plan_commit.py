@@ -26,11 +26,12 @@ from kvref.core.errors import (
     StepNotAdmittedError,
     StepOrderError,
 )
+from kvref.core.labels import LabelBehaviour
 from kvref.core.stream_table import Key, StreamTable
 from kvref.core.streams import CacheStream
 from kvref.prefix import follow
 from kvref.stepping import admission
-from kvref.stepping.decode_table import DecodeTable
+from kvref.stepping.decode_table import DecodeTable, DecodeTables
 from kvref.stepping.forks import Forks
 from kvref.stepping.graph_staging import GraphStaging
 from kvref.stepping.plan import (
@@ -70,7 +71,8 @@ class Stepping:
     """The running step, the staged preplan, and the plan states attention reads."""
 
     def __init__(self, table: StreamTable, forks: Forks, staging: GraphStaging,
-                 device: torch.device, name: str, max_seq_len: int) -> None:
+                 device: torch.device, name: str, max_seq_len: int,
+                 decode_table: DecodeTables | None = None) -> None:
         self._table = table
         self._forks = forks
         self._staging = staging
@@ -82,7 +84,9 @@ class Stepping:
         # plan label -> this step's write addressing, from plan until commit (R27)
         self.current_plan_states: dict[str, KVPlanState] = {}
         # the last decode step's page table, updated by the next (issue 28)
-        self.decode_table = DecodeTable(table.page_size, device)
+        # (a hybrid config's: one per attention group, `kvref.hybrid.decode`)
+        self.decode_table: DecodeTables = (
+            decode_table if decode_table is not None else DecodeTable(table.page_size, device))
 
     # -- admit ---------------------------------------------------------------
 
@@ -454,14 +458,17 @@ class Stepping:
         None when the step is not one it plans."""
         assert running.streams is not None
         segments = running.shape[0] if running.shape is not None else running.step.segments
-        got = self.decode_table.plan(segments, running.streams, running.grown)
-        if got is None:
+        plans = self.decode_table.plans(segments, running.streams, running.grown)
+        if plans is None:
             return None
-        running.table_planned = got.kept
-        out = KVPlanOutput(cpu_indptrs=got.indptrs, views=got.views)
-        label = segments[0].label
-        return KVPlanOutputs({label: out}), {
-            label: self._staging.leased(got.state, ctx.slot_lease, label)}
+        running.table_planned = any(p.kept for p in plans)
+        outputs: dict[str, KVPlanOutput] = {}
+        states: dict[str, KVPlanState] = {}
+        for got in plans:  # one per plan label: a hybrid config's per group
+            label = got.segments[0].label
+            outputs[label] = KVPlanOutput(cpu_indptrs=got.indptrs, views=got.views)
+            states[label] = self._staging.leased(got.state, ctx.slot_lease, label)
+        return KVPlanOutputs(outputs), states
 
     def _build_plan(
         self, step: KVStep, ctx: StepContext, fork_len: Mapping[Key, int],
@@ -601,10 +608,28 @@ class Stepping:
         for stream in dropped:
             self._dropped_span(segments[streams.index(stream)])
         if self._table.releasing and step.commit:
+            ps, behaviour = self._table.page_size, self._table.behaviour
+            # a step names few labels (a hybrid one: one per group), each
+            # asked once; a stream is retired only where its window moved
+            # past a page, not every step (W2)
+            of_label: dict[str, LabelBehaviour] = {}
+            # a hybrid request's groups of one type are in lockstep (the same
+            # length and released count, one after another): asked once
+            last: tuple[LabelBehaviour | None, int, int] = (None, -1, -1)
+            moved = False
             for seg, stream in zip(segments, streams, strict=True):
                 if seg.span and not stream.offloaded:
-                    # the label's behaviour lets go of what it no longer keeps (W2)
-                    self._table.retire((seg.request_id, seg.label), stream)
+                    b = of_label.get(seg.label)
+                    if b is None:
+                        b = of_label[seg.label] = behaviour(seg.label)
+                    if not b.releases:
+                        continue
+                    at = (b, stream.released, stream.stored_len)
+                    if at != last:
+                        last = at
+                        moved = b.released_after(at[1], at[2], ps) != at[1]
+                    if moved:
+                        self._table.retire((seg.request_id, seg.label), stream)
 
     def _dropped_span(self, seg: Segment) -> None:
         # unreachable under R2-R5; kept as the last defence, loudly, because

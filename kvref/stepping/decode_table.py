@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -147,6 +147,16 @@ def fresh_plan(segments: Sequence[Segment], streams: list[CacheStream], page_siz
                       gens, view_len, offset)
 
 
+class DecodeTables(Protocol):
+    """What stepping asks of its kept decode tables: `DecodeTable`, or a
+    hybrid config's one per attention group (`kvref.hybrid.decode`)."""
+
+    def plans(self, segments: Sequence[Segment], streams: list[CacheStream],
+              grown: Sequence[int]) -> list[DecodePlan] | None: ...
+
+    def committed(self) -> None: ...
+
+
 class DecodeTable:
     """The rows of the last decode step planned, for the next one to update."""
 
@@ -203,6 +213,13 @@ class DecodeTable:
         self._streams, self._segments = streams, segments
         self._qo = np.arange(n + 1, dtype=np.int64)
         return self._rebuild(streams)
+
+    def plans(self, segments: Sequence[Segment], streams: list[CacheStream],
+              grown: Sequence[int]) -> list[DecodePlan] | None:
+        """`plan`, as one plan per plan label (a hybrid config's tables,
+        `kvref.hybrid.decode`, answer with one per attention group)."""
+        got = self.plan(segments, streams, grown)
+        return None if got is None else [got]
 
     def _rebuild(self, streams: list[CacheStream]) -> DecodePlan:
         """Every row afresh from its stream."""

@@ -40,7 +40,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvref.attention.paged import Backend, PagedAttention
 from kvref.core.config import KVConfig, RetentionPolicy
-from kvref.core.groups import GROUP_SEP, AttentionGroup, groups_for
+from kvref.core.groups import GROUP_SEP, AttentionGroup, ChunkedAttention, groups_for
 from kvref.manager import KVManager
 from kvref.stepping.plan import KVPlanOutputs
 from kvref.stepping.step import KVStep, Segment, StepContext
@@ -227,9 +227,12 @@ class Engine:
         scaling = self.model.model.layers[0].self_attn.scaling
         by_layer: dict[int, PagedAttention] = {}
         for g in self.groups:
+            # a window group masks its window, a chunked one (Llama 4) its chunk
+            r = g.retention
             attn = PagedAttention.from_config(
                 self.kv.config, backend=self.backend, sm_scale=scaling,
-                window_left=-1 if g.retention is None else g.retention.window_left)
+                window_left=r.window_left if isinstance(r, RetentionPolicy) else -1,
+                chunk=r.size if isinstance(r, ChunkedAttention) else 0)
             by_layer.update(dict.fromkeys(g.layers, attn))
         return by_layer
 

@@ -138,3 +138,50 @@ def test_h3_keeps_other_prefixes_cached() -> None:
         full_keys = [pg.key for pg in s.pool.pages if pg.key is not None
                      and pg.key.tokens == (0,) and not pg.holders]
         assert bool(full_keys) is kept, (model, s.pool)
+
+
+# one full group and one chunked group (C = 2, H7), pages of one token, room
+# for a stream of two tokens in both groups
+CHUNKED = Scope(requests=2, labels=1, device_pages=4, host_pages=1, page_size=1, max_span=2,
+                depth=6, sharing=True, groups=(None, 2), window_cache=True, chunked=(1,))
+
+
+def test_the_checker_passes_a_hybrid_scope_with_a_chunked_group() -> None:
+    rep = _check(Model(CHUNKED))
+    assert not rep.violations, rep.violations
+    assert rep.states > 1000
+
+
+def test_a_chunk_releases_at_its_boundary_and_a_hit_reads_its_chunk() -> None:
+    """H7: at 2 tokens the chunk of C = 2 starts at 2, so slots 0 and 1 hold
+    no page (a window of 2 would keep both). At 3 tokens the chunk still
+    starts at 2: a hit of 3 tokens needs only the chunk's page, slot 2."""
+    sc = Scope(requests=2, labels=1, device_pages=8, host_pages=0, page_size=1, max_span=3,
+               depth=0, sharing=True, groups=(None, 2), window_cache=True, chunked=(1,))
+    m = Model(sc)
+    out, s = _run(m, Ingest(0), *_prompt(0, 2))
+    assert s.stream_map()[(0, 1)].table[:2] == (0, 0)  # the chunk at 2 reads none of them
+    out, s = _run(m, Ingest(0), *_prompt(0, 3), CachePrefix(0, 0), Ingest(1),
+                  MatchPrefix(1, 0, 4))
+    assert out[-1] == Count(3)
+    chunk = s.stream_map()[(1, 1)].table
+    assert chunk[:2] == (0, 0) and chunk[2] == s.stream_map()[(0, 1)].table[2]
+    assert _violations(m, s) == []
+
+
+def test_h7_off_is_found_by_i26() -> None:
+    """A chunk kept as a window of C: at 2 tokens it still holds slot 0 and
+    1, which its chunk (from 2) no longer reads; I26 reports it."""
+    sc = Scope(requests=2, labels=1, device_pages=8, host_pages=0, page_size=1, max_span=3,
+               depth=0, sharing=True, groups=(None, 2), window_cache=True, chunked=(1,))
+    m = _without("H7_chunk_moves_by_chunks")(sc)
+    _, s = _run(m, Ingest(0), *_prompt(0, 2))
+    assert "I26" in dict(_violations(m, s))
+    assert "I26" in _check(_without("H7_chunk_moves_by_chunks")(CHUNKED)).violations
+
+
+def test_a_chunked_group_names_a_group_with_a_number() -> None:
+    import pytest
+
+    with pytest.raises(ValueError):
+        Scope(groups=(None, 2), chunked=(0,))

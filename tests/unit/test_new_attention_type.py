@@ -3,9 +3,11 @@
 `ChunkedLocal` below is chunked local attention (Llama 4's, vLLM's
 ChunkedLocalAttentionManager): a token reads only the tokens of its own
 chunk of ``chunk`` tokens, so everything before the current chunk's start
-may go. It exists only in this test. It is plugged into a manager's table
-(`StreamTable.behaviours`) with no edit to any mechanism, and admission,
-plan, commit, truncate, forks, offload, reload, the prefix cache and
+may go. This one is the test's own, uncached, on a label; kvref's, for a
+hybrid model's chunked group, is `kvref.core.labels.ChunkedLocal`. It is
+plugged into a manager's table (`StreamTable.behaviours`) with no edit to
+any mechanism, and admission, plan, commit, truncate, forks, offload,
+reload, the prefix cache and
 `read_stream` follow it: each check below is worked out here from the
 chunk rule, not read back from kvref.
 """
