@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from kvref.testing import trace as trace_file
 from kvref.testing.driver import Driver, DriverConfig
 from kvref_model import core as m
 from kvref_model.check import add_scope_arguments, reachable, scope_of
@@ -100,8 +101,9 @@ def check_scope(scope: m.Scope, config: DriverConfig | None = None,
             try:
                 run_trace(model, [*prefix, a], config)
             except Exception as err:  # a crash on kvref's side is a mismatch too
+                path = trace_file.write(trace_file.build("exhaustive", scope, [*prefix, a], err, config))
                 out.failures.append(f"after {len(prefix)} steps {prefix} then {a}: "
-                                    f"{type(err).__name__}: {err}")
+                                    f"{type(err).__name__}: {err} (trace: {path})")
                 if len(out.failures) >= max_failures:
                     out.seconds = time.monotonic() - t0
                     return out
