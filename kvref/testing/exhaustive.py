@@ -18,6 +18,7 @@ checker import nothing of kvref.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -101,8 +102,8 @@ def check_scope(scope: m.Scope, config: DriverConfig | None = None,
             try:
                 run_trace(model, [*prefix, a], config)
             except Exception as err:  # a crash on kvref's side is a mismatch too
-                path = trace_file.write(
-                    trace_file.build("exhaustive", scope, [*prefix, a], err, config))
+                path = trace_file.keep(err, functools.partial(
+                    trace_file.build, "exhaustive", scope, [*prefix, a], err, config))
                 out.failures.append(f"after {len(prefix)} steps {prefix} then {a}: "
                                     f"{type(err).__name__}: {err} (trace: {path})")
                 if len(out.failures) >= max_failures:

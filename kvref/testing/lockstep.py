@@ -231,8 +231,8 @@ class Lockstep(RuleBasedStateMachine):
         if not self.recording or self.traced or not trace.final_example():
             return
         self.traced = True
-        path = trace.write(trace.build("lockstep", self.scope, self.events, err, self.config))
-        trace.note(err, path)
+        trace.keep(err, lambda: trace.build("lockstep", self.scope, self.events, err,
+                                            self.config))
 
     def run(self, action: m.Action) -> m.Result:
         self.events.append(("call", action, self.driver.combine))

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,10 @@ def encode(obj: Any) -> Any:
         for f in dataclasses.fields(obj):
             out[f.name] = encode(getattr(obj, f.name))
         return out
+    if isinstance(obj, dict):
+        if "__" in obj or not all(isinstance(k, str) for k in obj):
+            raise TypeError(f"a trace's mappings have string keys, not '__': {obj!r}")
+        return {k: encode(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [encode(x) for x in obj]
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -62,7 +66,9 @@ def encode(obj: Any) -> Any:
 
 def decode(obj: Any) -> Any:
     if isinstance(obj, dict):
-        name = obj.get("__")
+        if "__" not in obj:  # a plain mapping (the scheduler's options)
+            return {k: decode(v) for k, v in obj.items()}
+        name = obj["__"]
         if name not in TYPES:
             raise ValueError(f"a trace names an unknown type {name!r}")
         return TYPES[name](**{k: decode(v) for k, v in obj.items() if k != "__"})
@@ -155,6 +161,19 @@ def final_example() -> bool:
         return bool(current_build_context().is_final)
     except InvalidArgument:  # no test running under Hypothesis
         return True
+
+
+def keep(err: BaseException, make: Callable[[], Mapping[str, Any]]) -> Path | None:
+    """Write the trace ``make`` builds for ``err`` and name it in the report.
+    A trace that cannot be written is said in the report too, and never
+    replaces the failure it was for."""
+    try:
+        path = write(make())
+    except Exception as why:  # the failure is what must reach the user
+        err.add_note(f"kvref trace not written: {type(why).__name__}: {why}")
+        return None
+    note(err, path)
+    return path
 
 
 def note(err: BaseException, path: Path) -> None:

@@ -24,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvref import KVManager
 from kvref.testing import trace as tr
 
 HERE = Path(__file__).resolve().parents[1] / "traces"
@@ -129,6 +130,19 @@ def write_again(name: str) -> Path:
     out = HERE / f"{name}.json"
     out.write_text(json.dumps(trace, indent=1) + "\n")
     return out
+
+
+class MiscountsFree(KVManager):
+    """A manager under test that reports one free page too many: what
+    ``python -m kvref.testing.replay --factory`` is checked against."""
+
+    @property
+    def num_free_pages(self) -> int:
+        return super().num_free_pages + 1
+
+
+def miscounts_free(**kwargs: Any) -> KVManager:
+    return MiscountsFree(**kwargs)
 
 
 def kept_files() -> list[Path]:

@@ -746,11 +746,11 @@ class Harness:
         schedule replay it (`kvref.testing.replay`, from a source tree)."""
         if not self.recording or not trace.final_example():
             return
-        t = trace.build("sched", self.scope, [e.action for e in self.lin.log], failure,
-                        self.base_config, programs=list(programs), setup=setup,
-                        schedule=list(failure.schedule), drain=drain,
-                        options=self.options, model=type(self.model).__name__)
-        trace.note(failure, trace.write(t))
+        trace.keep(failure, lambda: trace.build(
+            "sched", self.scope, [e.action for e in self.lin.log], failure,
+            self.base_config, programs=list(programs), setup=setup,
+            schedule=list(failure.schedule), drain=drain, options=self.options,
+            model=type(self.model).__name__))
 
     def races(self) -> str:
         if not self.lockset:

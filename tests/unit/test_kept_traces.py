@@ -12,11 +12,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from kvref import KVManager
 from kvref.testing import trace as tr
 from kvref.testing.replay import replay
 from kvref_model import core as m
@@ -67,18 +65,6 @@ def test_the_same_failure_lands_in_the_same_file(tmp_path: Path) -> None:
     assert other != first
 
 
-class MiscountsFree(KVManager):
-    """A manager under test that reports one free page too many."""
-
-    @property
-    def num_free_pages(self) -> int:
-        return super().num_free_pages + 1
-
-
-def miscounts_free(**kwargs: Any) -> KVManager:
-    return MiscountsFree(**kwargs)
-
-
 def test_the_replay_command_exits_by_its_verdict(tmp_path: Path) -> None:
     scope = m.Scope(sharing=True)
     path = tr.write(tr.build("exhaustive", scope, [m.Ingest(0), m.NumFree()],
@@ -92,6 +78,6 @@ def test_the_replay_command_exits_by_its_verdict(tmp_path: Path) -> None:
     clean = command()
     assert clean.returncode == 0 and "PASSED" in clean.stdout, clean.stdout + clean.stderr
     # the same trace against a manager that miscounts: reproduced, exit 1
-    broken = command("--factory", f"{__name__}:miscounts_free")
+    broken = command("--factory", "tests.support.kept_traces:miscounts_free")
     assert broken.returncode == 1 and "REPRODUCED" in broken.stdout, (
         broken.stdout + broken.stderr)

@@ -84,6 +84,7 @@ def test_address_forms() -> None:
     assert shared_database({}) is None
 
 
+@pytest.mark.slow  # three processes: about 20 s on a quiet machine
 def test_a_failure_found_on_one_node_is_replayed_first_on_another(
         redis_address: str, tmp_path: Path) -> None:
     a = node(tmp_path / "a", redis_address, "generate", 300)
