@@ -62,7 +62,10 @@ if [ -n "${KVREF_HYPOTHESIS_REDIS:-}" ]; then
   if ! "$PY" -c 'import sys
 from tests.support.example_db import redis_url
 import redis
-redis.Redis.from_url(redis_url(sys.argv[1])).ping()' "$KVREF_HYPOTHESIS_REDIS"; then
+try:
+    redis.Redis.from_url(redis_url(sys.argv[1])).ping()
+except (redis.RedisError, ValueError) as err:
+    sys.exit(f"{type(err).__name__}: {err}")' "$KVREF_HYPOTHESIS_REDIS"; then
     echo "nightly: the shared example database at $KVREF_HYPOTHESIS_REDIS does not answer" >&2
     exit 2
   fi
