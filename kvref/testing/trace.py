@@ -87,12 +87,18 @@ def kvref_version() -> str:
 def config_of(config: Any) -> dict[str, Any]:
     """The `DriverConfig` fields a replay can rebuild (device, dtype, hash,
     ids); the factory by its import path, which a replay names with --factory."""
-    factory = getattr(config, "factory", None)
-    path = (f"{factory.__module__}:{factory.__qualname__}"
-            if factory is not None and hasattr(factory, "__qualname__") else None)
     return {"device": str(config.device), "dtype": str(config.dtype).removeprefix("torch."),
             "page_key_hash": config.page_key_hash, "reuse_ids": config.reuse_ids,
-            "factory": path}
+            "factory": import_path(config.factory),
+            # a check run before each admit (kvref's own tests: admission's
+            # fast path against its rules); a replay runs it where it imports
+            "before_admit": import_path(config.before_admit)}
+
+
+def import_path(obj: Any) -> str | None:
+    if obj is None or not hasattr(obj, "__qualname__"):
+        return None
+    return f"{obj.__module__}:{obj.__qualname__}"
 
 
 def knobs() -> dict[str, Any]:
