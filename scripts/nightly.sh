@@ -2,6 +2,7 @@
 # The nightly verification run, inside a fixed budget.
 #
 #   scripts/nightly.sh --budget MINUTES [--artifacts DIR] [--device cpu|cuda]
+#                      [--redis HOST:PORT]
 #
 # Four parts, in this order, each under a hard timeout of its share of what
 # is left (a part that ends early passes its time on):
@@ -19,6 +20,13 @@
 # FAIL. Logs, the Hypothesis example database (.hypothesis/, failures are
 # replayed from it first on the next run) and a summary go to the artifacts
 # directory; shrunk reproducers are printed at the end.
+#
+# --redis HOST:PORT (or KVREF_HYPOTHESIS_REDIS): the nodes running this
+# nightly share failing examples through that Redis server as well as the
+# local .hypothesis/ (tests/support/example_db.py): a failure one node found
+# is replayed first by every node's next run. Every failure also writes a
+# trace file to $ARTIFACTS/traces/; `python -m kvref.testing.replay FILE`
+# runs it again anywhere, without Hypothesis's draws.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,7 +43,8 @@ while [ $# -gt 0 ]; do
     --budget) BUDGET_MIN="$2"; shift 2 ;;
     --artifacts) ARTIFACTS="$2"; shift 2 ;;
     --device) DEVICE="$2"; shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    --redis) export KVREF_HYPOTHESIS_REDIS="$2"; shift 2 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -47,6 +56,20 @@ if [ -z "$DEVICE" ]; then
   DEVICE=$("$PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
 fi
 mkdir -p "$ARTIFACTS"
+export KVREF_TRACE_DIR="$ARTIFACTS/traces"
+if [ -n "${KVREF_HYPOTHESIS_REDIS:-}" ]; then
+  # fail now, not as every part's first example
+  if ! "$PY" -c 'import sys
+from tests.support.example_db import redis_url
+import redis
+try:
+    redis.Redis.from_url(redis_url(sys.argv[1])).ping()
+except (redis.RedisError, ValueError) as err:
+    sys.exit(f"{type(err).__name__}: {err}")' "$KVREF_HYPOTHESIS_REDIS"; then
+    echo "nightly: the shared example database at $KVREF_HYPOTHESIS_REDIS does not answer" >&2
+    exit 2
+  fi
+fi
 
 START=$(date +%s)
 DEADLINE=$((START + BUDGET_MIN * 60))
@@ -139,7 +162,10 @@ keep_database
   for p in "${PARTS[@]}"; do
     printf '%-12s %-10s %6s  %s\n' "$p" "${STATUS[$p]:-NOT RUN}" "${SECS[$p]:-0}" "${DETAIL[$p]:-}"
   done
-  echo "artifacts: $ARTIFACTS (logs, hypothesis-db)"
+  echo "shared example database: ${KVREF_HYPOTHESIS_REDIS:-none (local .hypothesis/ only)}"
+  echo "trace files: $(find "$KVREF_TRACE_DIR" -name '*.json' 2>/dev/null | wc -l)" \
+    "in $KVREF_TRACE_DIR (python -m kvref.testing.replay FILE)"
+  echo "artifacts: $ARTIFACTS (logs, hypothesis-db, traces)"
 } | tee "$ARTIFACTS/summary.txt"
 
 failed=0

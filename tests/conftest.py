@@ -4,6 +4,12 @@ Profiles (``--hypothesis-profile NAME`` or ``HYPOTHESIS_PROFILE=NAME``):
   dev      the default: a few hundred examples, failures saved for replay
   ci       derandomized, no database, sized for CI's time budget
   nightly  long fuzzing on larger scopes (see docs/gpu-and-nightly.md)
+
+dev and nightly share failing examples through Redis when
+``KVREF_HYPOTHESIS_REDIS=host:port`` is set (tests/support/example_db.py);
+ci keeps none. Every failure of the lockstep, the exhaustive replay and the
+scheduler harness writes a trace file (kvref.testing.trace) to
+``$KVREF_TRACE_DIR``, by default ``traces/`` in pytest's temporary directory.
 """
 
 from __future__ import annotations
@@ -13,7 +19,12 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("dev", max_examples=200, stateful_step_count=50, deadline=None)
+from tests.support.example_db import shared_database
+
+# the local directory and the Redis server the nightly nodes share, if named
+_shared = {"database": db} if (db := shared_database()) is not None else {}
+settings.register_profile("dev", max_examples=200, stateful_step_count=50, deadline=None,
+                          **_shared)
 settings.register_profile(
     "ci", max_examples=400, stateful_step_count=50, deadline=None,
     derandomize=True, database=None, print_blob=True,
@@ -21,7 +32,7 @@ settings.register_profile(
 )
 settings.register_profile(
     "nightly", max_examples=20_000, stateful_step_count=120, deadline=None,
-    suppress_health_check=list(HealthCheck),
+    suppress_health_check=list(HealthCheck), **_shared,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
@@ -38,6 +49,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from tests.support.preload import preload
 
     preload()
+    # failures' trace files: into this session's temporary directory unless
+    # the caller chose a place (scripts/nightly.sh: its artifacts)
+    # (each xdist worker: its own temporary directory)
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if "KVREF_TRACE_DIR" not in os.environ and factory is not None:
+        os.environ["KVREF_TRACE_DIR"] = str(factory.getbasetemp() / "traces")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,10 +18,12 @@ checker import nothing of kvref.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from dataclasses import dataclass, field, replace
 
+from kvref.testing import trace as trace_file
 from kvref.testing.driver import Driver, DriverConfig
 from kvref_model import core as m
 from kvref_model.check import add_scope_arguments, reachable, scope_of
@@ -109,8 +111,10 @@ def check_scope(scope: m.Scope, config: DriverConfig | None = None,
             try:
                 run_trace(model, [*prefix, a], config)
             except Exception as err:  # a crash on kvref's side is a mismatch too
+                path = trace_file.keep(err, functools.partial(
+                    trace_file.build, "exhaustive", scope, [*prefix, a], err, config))
                 out.failures.append(f"after {len(prefix)} steps {prefix} then {a}: "
-                                    f"{type(err).__name__}: {err}")
+                                    f"{type(err).__name__}: {err} (trace: {path})")
                 if len(out.failures) >= max_failures:
                     out.seconds = time.monotonic() - t0
                     return out

@@ -25,6 +25,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kvref.testing import trace
 from kvref.testing.driver import Driver, DriverConfig
 from kvref_model import core as m
 from kvref_model.invariants import violations
@@ -241,6 +242,11 @@ class Lockstep(RuleBasedStateMachine):
         self.driver = Driver(self.scope, self.config)
         self.enabled_memo: tuple[m.State | None, list[m.Action]] = (None, [])
         self.user_memo: tuple[m.State | None, m.State | None] = (None, None)
+        # what a replay needs, in order: ("call", action, combine), ("check",)
+        # after each state check, ("drained",) for the end check (`keep`)
+        self.events: list[tuple[Any, ...]] = []
+        self.recording = True  # off in a replay (kvref.testing.replay)
+        self.traced = False
 
     @property
     def user(self) -> m.State:
@@ -258,7 +264,23 @@ class Lockstep(RuleBasedStateMachine):
 
     # -- the one way an action runs ------------------------------------------
 
+    def keep(self, err: BaseException) -> None:
+        """Write this run's trace file for ``err`` (once; not while shrinking)."""
+        if not self.recording or self.traced or not trace.final_example():
+            return
+        self.traced = True
+        trace.keep(err, lambda: trace.build("lockstep", self.scope, self.events, err,
+                                            self.config))
+
     def run(self, action: m.Action) -> m.Result:
+        self.events.append(("call", action, self.driver.combine))
+        try:
+            return self.run_checked(action)
+        except Exception as err:
+            self.keep(err)
+            raise
+
+    def run_checked(self, action: m.Action) -> m.Result:
         RULES[type(action).__name__] += 1
         fault = fault_name(action)
         if fault is not None:
@@ -940,6 +962,14 @@ class Lockstep(RuleBasedStateMachine):
 
     @invariant()
     def agrees_with_model(self) -> None:
+        self.events.append(("check",))
+        try:
+            self.check_state()
+        except Exception as err:
+            self.keep(err)
+            raise
+
+    def check_state(self) -> None:
         seen = self.driver.observe()
         got = self.driver.abstract(self.state, seen)
         assert got == m.project(self.state), f"kvref state\n  {got}\nmodel state\n  {self.state}"
@@ -972,6 +1002,14 @@ class Lockstep(RuleBasedStateMachine):
         for rid in sorted(self.state.requests()):
             self.run(m.Remove(rid))
         self.agrees_with_model()
+        self.events.append(("drained",))
+        try:
+            self.check_drained()
+        except Exception as err:
+            self.keep(err)
+            raise
+
+    def check_drained(self) -> None:
         kv = self.driver.kv
         assert kv.num_free_pages == self.scope.device_pages, "I12: device pages leaked"
         host = kv.observe().host

@@ -78,15 +78,19 @@ class Installed:
     site: Path
     project: Path
 
-    def run(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HYPOTHESIS"))}
+    def run(self, *args: str, timeout: float = 900,
+            **extra_env: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("PYTHON", "HYPOTHESIS", "KVREF_"))}
         env["PYTHONPATH"] = os.pathsep.join([str(self.site), str(self.project)])
+        env.update(extra_env)
         return subprocess.run(args, cwd=self.project, env=env, capture_output=True, text=True,
                               timeout=timeout, check=False)
 
-    def harness(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def harness(self, *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
         return self.run(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-p", "kvref.testing.plugin", "--pyargs", "kvref.testing.suite", *args)
+                        "-p", "kvref.testing.plugin", "--pyargs", "kvref.testing.suite", *args,
+                        **extra_env)
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +187,25 @@ def test_harness_reports_a_planted_bug(installed: Installed) -> None:
                             "--kvref-depth", DEPTH, "-k", "exhaustive")
     assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-2000:]
     assert "FAILED" in out.stdout and "Reset(" in out.stdout
+
+
+def test_a_failure_outside_replays_from_its_trace_file(installed: Installed) -> None:
+    # the packaged suite's failure writes a trace file; the wheel's replay
+    # runs it again with the engine's buggy factory (reproduced, exit 1) and
+    # with kvref's own manager (passed, exit 0), drawing nothing
+    where = installed.project / "traces"
+    out = installed.harness("--kvref-factory", "myengine.kv:make_buggy",
+                            "--kvref-depth", DEPTH, "-k", "exhaustive",
+                            KVREF_TRACE_DIR=str(where))
+    assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-2000:]
+    files = sorted(where.glob("exhaustive-*.json"))
+    assert files, f"no trace written in {where}: {out.stdout[-2000:]}"
+    buggy = installed.run(sys.executable, "-m", "kvref.testing.replay", str(files[0]),
+                          "--factory", "myengine.kv:make_buggy")
+    assert buggy.returncode == 1, buggy.stdout + buggy.stderr
+    assert "REPRODUCED (the same disagreement)" in buggy.stdout, buggy.stdout
+    clean = installed.run(sys.executable, "-m", "kvref.testing.replay", str(files[0]))
+    assert clean.returncode == 0 and "PASSED" in clean.stdout, clean.stdout + clean.stderr
 
 
 def test_a_bad_factory_is_one_usage_error(installed: Installed) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvref import KVManager, KVRefError, Offload, PublishedKVInfo
+from kvref.testing import trace
 from kvref.testing.driver import (
     Driver,
     DriverConfig,
@@ -448,6 +449,9 @@ class Harness:
                  access_points: bool = True) -> None:
         self.scope = scope
         self.sched = Scheduler(strategy, max_steps=max_steps)
+        # what a replay rebuilds the harness with (`keep`)
+        self.options = {"max_steps": max_steps, "lockset": lockset,
+                        "access_points": access_points}
         self.detector = Detector(record=lockset)
         # and every access to the manager's state inside a kvref call holds
         # its lock, whichever thread runs (the lock discipline)
@@ -455,6 +459,8 @@ class Harness:
         self.lockset = lockset
         self.runtime = CoopRuntime(self.sched, self.detector, access_points)
         base = config or DriverConfig()
+        self.base_config = base
+        self.recording = True  # off in a replay
         runtime = self.runtime
 
         def factory(**kwargs: Any) -> KVManager:
@@ -717,6 +723,7 @@ class Harness:
                     self.run_op(op)
             return go
 
+        failure: ScheduleFailure | None = None
         try:
             self.sched.run([(p.name, body(p)) for p in programs])
             with self.detector.ignoring():
@@ -724,16 +731,32 @@ class Harness:
             if drain:
                 self.drain()
         except ScheduleFailure as err:
-            raise ScheduleFailure(f"{err}\n{self.races()}{describe(programs)}",
-                                  err.schedule) from None
+            failure = ScheduleFailure(f"{err}\n{self.races()}{describe(programs)}",
+                                      err.schedule)
         except AssertionError as err:
-            raise ScheduleFailure(
+            failure = ScheduleFailure(
                 f"{err}\n{describe(programs)}\nschedule={self.sched.schedule}",
-                list(self.sched.schedule)) from None
-        if self.lockset and (self.detector.reports or self.detector.unguarded):
-            raise ScheduleFailure(
+                list(self.sched.schedule))
+        if failure is None and self.lockset and (self.detector.reports
+                                                 or self.detector.unguarded):
+            failure = ScheduleFailure(
                 f"{self.races()}{describe(programs)}\nschedule={self.sched.schedule}",
                 list(self.sched.schedule))
+        if failure is not None:
+            self.keep(failure, programs, setup or Setup(), drain)
+            raise failure from None
+
+    def keep(self, failure: ScheduleFailure, programs: Sequence[Program], setup: Setup,
+             drain: bool) -> None:
+        """Write the failure's trace file: the programs, the set-up and the
+        schedule replay it (`kvref.testing.replay`, from a source tree)."""
+        if not self.recording or not trace.final_example():
+            return
+        trace.keep(failure, lambda: trace.build(
+            "sched", self.scope, [e.action for e in self.lin.log], failure,
+            self.base_config, programs=list(programs), setup=setup,
+            schedule=list(failure.schedule), drain=drain, options=self.options,
+            model=type(self.model).__name__))
 
     def races(self) -> str:
         if not self.lockset:
@@ -771,6 +794,9 @@ class Stats:
     failure: str = ""
     schedules: list[list[int]] = field(default_factory=list)
 
+
+# the programs and events a trace file names
+trace.register(Program, StepOp, Op, Setup, PublisherMoves, CachePrefixIds)
 
 __all__ = [
     "PLAIN_SCOPE", "SCOPE", "SCOPES", "SHIPPED_SCOPE", "CachePrefixIds", "ConcurrentModel",
