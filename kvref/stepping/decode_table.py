@@ -41,8 +41,8 @@ plan's own table on first read: most decode steps never read them.
 from __future__ import annotations
 
 import operator
-from itertools import accumulate
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -164,7 +164,7 @@ def fresh_plan(segments: Sequence[Segment], streams: list[CacheStream], page_siz
             view_len.append(length)
             chunks.append((len(pages) - 1, s.page_indices, s.pages_array, end, length))
         arr = s.pages_array()
-        arrays.append(arr if arr.shape[0] == k else arr[:k])
+        arrays.append(arr if len(arr) == k else arr[:k])  # len: no shape tuple per row
         held += k
         kv.append(held)
     # plan-time generations and released offsets for the views, in two
