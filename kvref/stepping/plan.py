@@ -467,7 +467,7 @@ def _long_chunk_slots(pages: np.ndarray[Any, Any], start: int, end: int, page_si
     page (0 .. 0, 1 .. 1, ...: one gather from ``pages``) and its offset in
     it. Two numpy calls, no division or repeat count per chunk (issue 42:
     the repeat took half of a 64-token chunk's slots). The pages come out in
-    ``pages``' int32; the caller's concatenate with int64 pieces widens them."""
+    ``pages``' int32; the caller's concatenate widens them to int64."""
     runs = _RUNS.get(page_size)
     lo = start % page_size
     need = lo + end - start
@@ -570,9 +570,11 @@ def spliced_slots(row_page: list[int], row_offset: list[int], chunks: Sequence[C
     if not page_parts:
         # short chunks only (every slot a Python int): one array
         return np.array(slot_pages + slot_offsets, dtype=np.int64)
-    page_parts.append(np.array(slot_pages, dtype=np.int64))
-    offset_parts.append(np.array(slot_offsets, dtype=np.int64))
-    return np.concatenate((*page_parts, *offset_parts))
+    if slot_pages:  # rows after the last long chunk (none where it ends the step)
+        page_parts.append(np.array(slot_pages, dtype=np.int64))
+        offset_parts.append(np.array(slot_offsets, dtype=np.int64))
+    # int64 whatever the pieces (a long chunk's pages come as int32)
+    return np.concatenate((*page_parts, *offset_parts), dtype=np.int64)
 
 
 def mixed_outputs(table: np.ndarray[Any, Any], n: int, table_len: int,
