@@ -445,7 +445,8 @@ class Stepping:
         else:
             validate.padded_known(ctx.padded_request_ids, self._table.streams)
         self._forks.run_pre(running)
-        # a plain decode step from the kept table, any other built afresh
+        # a plain step (decode or mixed) from the decode table, any other
+        # from its views
         kept = self._decode_plan(running, ctx) if running.streams is not None else None
         outputs, states = kept if kept is not None else self._build_plan(step, ctx, {})
         running.planned = True
@@ -454,8 +455,10 @@ class Stepping:
 
     def _decode_plan(self, running: RunningStep, ctx: StepContext
                      ) -> tuple[KVPlanOutputs, dict[str, KVPlanState]] | None:
-        """A plain decode step's plan from the kept table (`DecodeTable`), or
-        None when the step is not one it plans."""
+        """A plain step's plan from the decode table (`DecodeTable`): a decode
+        step from its kept rows, a mixed one (a decode batch plus prefill
+        chunks) afresh from the admit's streams in one pass; None when the
+        step is not one it plans (several labels, a row with no view)."""
         assert running.streams is not None
         segments = running.shape[0] if running.shape is not None else running.step.segments
         plans = self.decode_table.plans(segments, running.streams, running.grown)
@@ -464,9 +467,11 @@ class Stepping:
         running.table_planned = any(p.kept for p in plans)
         outputs: dict[str, KVPlanOutput] = {}
         states: dict[str, KVPlanState] = {}
+        # a mixed step's table also on the device (``cuda``), as `mixed_tables` gives it
         for got in plans:  # one per plan label: a hybrid config's per group
             label = got.segments[0].label
-            outputs[label] = KVPlanOutput(cpu_indptrs=got.indptrs, views=got.views)
+            outputs[label] = KVPlanOutput(cpu_indptrs=got.indptrs, views=got.views,
+                                          cuda_indptrs=got.cuda)
             states[label] = self._staging.leased(got.state, ctx.slot_lease, label)
         return KVPlanOutputs(outputs), states
 

@@ -23,9 +23,14 @@ the plan's table (one copy, where a buffer written in place would need a
 second to keep handed-out tables from changing). The indptrs and last page
 lengths are a fresh small buffer per plan. Below `SMALL_BATCH` rows the
 numpy set-up of an update costs more than building the table afresh from
-the admit's streams (`fresh_plan`), which is done instead.
+the admit's streams (`fresh_plan`), which is done instead. A mixed step
+(the decode batch plus a prefill chunk, what continuous batching with
+chunked prefill runs most of the time) is built by `fresh_plan` too, in
+the same one pass, with the chunk's write slots spliced in as
+`mixed_tables` does (issue 42: it used to try the decode pass, drop it at
+the chunk, and build every view for the general path).
 
-Outputs are the same bytes `decode_tables` gives over the same state
+Outputs are the same bytes `decode_tables` (`mixed_tables`) gives over the same state
 (tests/unit/test_decode_table.py and the lockstep compare them), and a
 caller holding an earlier plan's tables sees them unchanged: arrays a plan
 handed out are never written again (the same test holds every plan's
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any, Protocol
 
 import numpy as np
@@ -44,10 +50,13 @@ import torch
 
 from kvref.core.streams import CacheStream
 from kvref.stepping.plan import (
+    ChunkRow,
     KVPlanState,
     PagedIndptrs,
     SequenceView,
     decode_slots,
+    mixed_outputs,
+    spliced_slots,
     table_indptrs,
 )
 from kvref.stepping.step import Segment
@@ -66,18 +75,21 @@ SMALL_BATCH = 32
 
 class DecodePlan:
     """What `DecodeTable.plan` hands out: the host table, the write slots,
-    and the plan-time rows the views are built from when first read."""
+    and the plan-time rows the views are built from when first read. A
+    mixed step's (`fresh_plan`, some span not 1) also carries its table on
+    the device (``cuda``), as `plan.mixed_tables` gives it."""
 
-    __slots__ = ("gens", "head", "indices", "indptrs", "kept", "offset", "segments", "state",
-                 "view_len")
+    __slots__ = ("cuda", "gens", "head", "indices", "indptrs", "kept", "offset", "segments",
+                 "state", "view_len")
 
     def __init__(self, segments: Sequence[Segment], head: Array, indices: Array,
                  indptrs: PagedIndptrs, state: KVPlanState, gens: Array | list[int],
-                 view_len: Array | list[int], offset: Array | list[int]) -> None:
+                 view_len: Array | list[int], offset: Array | list[int],
+                 cuda: PagedIndptrs | None = None) -> None:
         # ``head``: qo and kv indptrs, last page lengths (int32); ``indices``:
         # the page indices, never written after this plan is made
         self.segments, self.head, self.indices = segments, head, indices
-        self.indptrs, self.state = indptrs, state
+        self.indptrs, self.state, self.cuda = indptrs, state, cuda
         self.gens, self.view_len, self.offset = gens, view_len, offset
         # made by the kept table (`DecodeTable`), whose rows it now holds
         self.kept = False
@@ -85,12 +97,12 @@ class DecodePlan:
     def views(self) -> list[SequenceView]:
         """The step's views as `_sequence_views` builds them, from this plan's
         table (arrays no later plan writes) and the generations read when it
-        was made."""
+        was made; each computes its segment's span."""
         n = len(self.segments)
         kv = self.head[n + 1:2 * n + 2].tolist()
         idx = self.indices
         return [SequenceView(seg.request_id, seg.label, idx[kv[i]:kv[i + 1]].tolist(),
-                             length, 1, gen, off)
+                             length, seg.span, gen, off)
                 for i, (seg, length, gen, off) in enumerate(zip(
                     self.segments, _ints(self.view_len), _ints(self.gens),
                     _ints(self.offset), strict=True))]
@@ -102,11 +114,15 @@ def _ints(rows: Array | list[int]) -> list[int]:
 
 def fresh_plan(segments: Sequence[Segment], streams: list[CacheStream], page_size: int,
                device: torch.device) -> DecodePlan | None:
-    """A decode step's tables (every span 1, one label) over ``streams``, its
-    segments' streams as its admit found them, built afresh in one pass over
-    the rows: what `decode_tables` makes of the step's views, without making
-    the views (a small batch, below `SMALL_BATCH`, whose kept table would
-    cost more in numpy set-up than this). None for any other step."""
+    """A step's tables over ``streams``, its segments' streams as its plain
+    admit found them (one label, no forks), built afresh in one pass over
+    the rows: what `decode_tables` (every span 1) or `mixed_tables` (a
+    decode batch plus prefill chunks, issue 42) makes of the step's views,
+    without making the views. Used below `SMALL_BATCH` rows, whose kept
+    table would cost more in numpy set-up than this, and for every mixed
+    step (the kept table keeps decode rows only). None for a step of several
+    labels, or one with a segment whose stream stays empty (no view: the
+    general path drops its row)."""
     n = len(streams)
     if not n:
         return None
@@ -115,31 +131,55 @@ def fresh_plan(segments: Sequence[Segment], streams: list[CacheStream], page_siz
     last: list[int] = []
     pages: list[int] = []
     offsets: list[int] = []
-    gens: list[int] = []
-    view_len: list[int] = []
-    offset: list[int] = []
     arrays: list[Array] = []
+    view_len: list[int] = []
+    # rows of span other than 1 (mixed steps only): their slots are spliced
+    # between the one-token rows' (`plan.spliced_slots`)
+    chunks: list[ChunkRow] = []
     held = 0
     ps = page_size
     for seg, s in zip(segments, streams, strict=True):
-        if seg.span != 1 or seg.label != label:
+        if seg.label != label:
             return None
         # a windowed stream's view starts at its first retained page (W1, W4)
-        rel = s.released
-        end = s.stored_len - rel  # the new token's place in the view
-        k = end // ps
-        off = end - k * ps
-        pages.append(s.page_indices[k])
-        k += 1  # the view's pages
+        end = s.stored_len - s.released  # the first new token's place in the view
+        span = seg.span
+        if span == 1:
+            k = end // ps
+            off = end - k * ps
+            pages.append(s.page_indices[k])
+            k += 1  # the view's pages
+            last.append(off + 1)
+            offsets.append(off)
+            view_len.append(end + 1)
+        else:
+            if not s.stored_len + span:
+                return None  # an empty stream that stays empty has no view
+            length = end + span
+            k = -(-length // ps)
+            last.append((length - 1) % ps + 1 if length else 0)
+            # placeholders: `spliced_slots` reads only the one-token rows'
+            pages.append(0)
+            offsets.append(0)
+            view_len.append(length)
+            chunks.append((len(pages) - 1, s.page_indices, s.pages_array, end, length))
         arr = s.pages_array()
-        arrays.append(arr if arr.shape[0] == k else arr[:k])
+        arrays.append(arr if len(arr) == k else arr[:k])  # len: no shape tuple per row
         held += k
         kv.append(held)
-        last.append(off + 1)
-        offsets.append(off)
-        gens.append(s.generation)
-        view_len.append(end + 1)
-        offset.append(rel)
+    # plan-time generations and released offsets for the views, in two
+    # C-level passes (most plans never build their views)
+    gens = list(map(_generation, streams))
+    offset = list(map(_released, streams))
+    if chunks:
+        qo = list(accumulate(map(_span, segments), initial=0))
+        q = qo[-1]
+        table = np.concatenate((np.array(qo + kv + last, dtype=np.int32), *arrays))
+        slots = spliced_slots(pages, offsets, chunks, ps)
+        indptrs, state, cuda = mixed_outputs(table, n, 3 * n + 2 + held, slots, q, device)
+        b = 3 * n + 2
+        return DecodePlan(segments, table[:b], table[b:], indptrs, state, gens, view_len,
+                          offset, cuda)
     table = np.concatenate((np.array([*range(n + 1), *kv, *last], dtype=np.int32), *arrays))
     b = 3 * n + 2
     return DecodePlan(segments, table[:b], table[b:], table_indptrs(table, n),
@@ -193,9 +233,10 @@ class DecodeTable:
         """The tables of a decode step (every span 1, one label) over
         ``streams`` (its segments' streams, as its admit found them);
         ``grown``: the rows whose admit appended pages (one generation bump
-        each). None when the step is not a decode step of one label. Below
-        `SMALL_BATCH` rows the tables are built afresh (`fresh_plan`), the
-        kept rows left as they were (the plan's ``kept`` is False)."""
+        each). A step with spans other than 1 (a mixed step) and any step
+        below `SMALL_BATCH` rows are built afresh (`fresh_plan`), the kept
+        rows left as they were (the plan's ``kept`` is False). None when the
+        step has several labels."""
         n = len(streams)
         if n < SMALL_BATCH:
             return fresh_plan(segments, streams, self._ps, self._device)
@@ -205,10 +246,13 @@ class DecodeTable:
                 or list(map(_span, segments)).count(1) == n):
             self._segments = segments
             return self._update(streams, grown)
-        if not n or list(map(_span, segments)).count(1) != n or len(
-                {s.label for s in segments}) != 1:
-            # kept: the next decode step of the kept rows reads again only
-            # the rows this step changed
+        if not n or list(map(_span, segments)).count(1) != n:
+            # a mixed step (a decode batch plus chunks, issue 42) afresh; the
+            # kept rows stay: the next decode step of them reads again only
+            # the rows this step changed (its commit bumps every generation
+            # without telling the table, so those are all of them)
+            return fresh_plan(segments, streams, self._ps, self._device)
+        if len({s.label for s in segments}) != 1:
             return None
         self._streams, self._segments = streams, segments
         self._qo = np.arange(n + 1, dtype=np.int64)

@@ -462,25 +462,27 @@ def _chunk_slots(
 
 def _long_chunk_slots(pages: np.ndarray[Any, Any], start: int, end: int, page_size: int
                       ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    """The page and offset of stream positions ``[start, end)`` (end > start),
-    by repeating each page it touches as many times as it has positions
-    there, and slicing a kept run of offsets: no division per position."""
-    first, last = start // page_size, (end - 1) // page_size
-    counts = np.full(last - first + 1, page_size, dtype=np.int64)
-    counts[0] -= start % page_size
-    counts[-1] -= page_size - 1 - (end - 1) % page_size
-    run = _OFFSETS.get(page_size)
-    need = start % page_size + end - start
-    if run is None or run.shape[0] < need:
-        # 0..ps-1 repeated, grown to the longest chunk seen
-        run = _OFFSETS[page_size] = np.tile(
-            np.arange(page_size, dtype=np.int64), -(-max(need, 4096) // page_size))
-    return (np.repeat(pages[first:last + 1].astype(np.int64), counts),
-            run[start % page_size:need])
+    """The page and offset of stream positions ``[start, end)`` (end > start)
+    from two kept runs sliced at the chunk's first position: each position's
+    page (0 .. 0, 1 .. 1, ...: one gather from ``pages``) and its offset in
+    it. Two numpy calls, no division or repeat count per chunk (issue 42:
+    the repeat took half of a 64-token chunk's slots). The pages come out in
+    ``pages``' int32; the caller's concatenate widens them to int64."""
+    runs = _RUNS.get(page_size)
+    lo = start % page_size
+    need = lo + end - start
+    if runs is None or runs[0].shape[0] < need:
+        # grown to the longest chunk seen
+        size = -(-max(need, 4096) // page_size) * page_size
+        runs = _RUNS[page_size] = (np.arange(size, dtype=np.int64) // page_size,
+                                   np.arange(size, dtype=np.int64) % page_size)
+    page_of, offset = runs
+    return pages[start // page_size:][page_of[lo:need]], offset[lo:need]
 
 
-# page size -> 0, 1, .., ps-1 repeated (`_long_chunk_slots`' offsets)
-_OFFSETS: dict[int, np.ndarray[Any, Any]] = {}
+# page size -> (each position's page from the first, its offset in it):
+# `_long_chunk_slots`' runs
+_RUNS: dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
 
 
 def mixed_tables(
@@ -504,7 +506,7 @@ def mixed_tables(
     # appends); the other rows (chunks, span 0) are spliced in after
     row_page = [0] * n
     row_offset = [0] * n
-    others: list[int] = []
+    chunks: list[ChunkRow] = []
     q = held = 0
     for i, v in enumerate(views):
         span = v.to_compute
@@ -519,51 +521,75 @@ def mixed_tables(
             row_offset[i] = end % page_size
         else:
             last[i] = end % page_size + 1 if end >= 0 else 0
-            others.append(i)
+            # a view's pages from its first; a long chunk's as an array
+            chunks.append((i, v.page_idxs, v._page_array, v.length - span, v.length))
     # the table from each view's page array (`_table`), not a list of pages
     table = _table(qo + kv + last, views)
-    table_len = 3 * n + 2 + held
-    if others:
-        # request-major, as the query rows: runs of Python ints (one-token
-        # rows, short chunks) between numpy pieces (long chunks)
-        page_parts: list[np.ndarray[Any, Any]] = []
-        offset_parts: list[np.ndarray[Any, Any]] = []
-        slot_pages: list[int] = []
-        slot_offsets: list[int] = []
-        prev = 0
-        for i in others:
-            slot_pages += row_page[prev:i]
-            slot_offsets += row_offset[prev:i]
-            v = views[i]
-            if v.to_compute < _VECTOR_CHUNK:
-                _chunk_slots(v.page_idxs, v.length - v.to_compute, v.length, page_size,
-                             slot_pages, slot_offsets)
-            else:
-                # a long chunk (a prompt) by vector ops, not a list fill per token
-                if slot_pages:
-                    page_parts.append(np.array(slot_pages, dtype=np.int64))
-                    offset_parts.append(np.array(slot_offsets, dtype=np.int64))
-                    slot_pages, slot_offsets = [], []
-                pages_out, offsets_out = _long_chunk_slots(
-                    v._page_array(), v.length - v.to_compute, v.length, page_size)
-                page_parts.append(pages_out)
-                offset_parts.append(offsets_out)
-            prev = i + 1
-        slot_pages += row_page[prev:]
-        slot_offsets += row_offset[prev:]
+    slots = spliced_slots(row_page, row_offset, chunks, page_size)
+    return mixed_outputs(table, n, 3 * n + 2 + held, slots, q, device)
+
+
+# a row of a mixed step that is not one token (a chunk, or span 0): its row,
+# its view's pages (list, and a maker of them as int32), and the view
+# positions ``[start, end)`` it writes
+ChunkRow = tuple[int, list[int], Callable[[], np.ndarray[Any, Any]], int, int]
+
+
+def spliced_slots(row_page: list[int], row_offset: list[int], chunks: Sequence[ChunkRow],
+                  page_size: int) -> np.ndarray[Any, Any]:
+    """A step's write slots (int64: every token's page, then every offset),
+    request-major as the query rows: ``row_page[i]``/``row_offset[i]`` for
+    a one-token row ``i``, the positions of each of ``chunks`` for the
+    others. Runs of Python ints (one-token rows, short chunks) between numpy
+    pieces (long chunks: vector ops, not a list fill per token). Shared by
+    `mixed_tables` and the decode table's fresh plan of a mixed step, so
+    both give the same bytes by construction."""
+    if not chunks:
+        return np.array(row_page + row_offset, dtype=np.int64)
+    page_parts: list[np.ndarray[Any, Any]] = []
+    offset_parts: list[np.ndarray[Any, Any]] = []
+    slot_pages: list[int] = []
+    slot_offsets: list[int] = []
+    prev = 0
+    for i, pages, array_of, start, end in chunks:
+        slot_pages += row_page[prev:i]
+        slot_offsets += row_offset[prev:i]
+        if end - start < _VECTOR_CHUNK:
+            _chunk_slots(pages, start, end, page_size, slot_pages, slot_offsets)
+        else:
+            if slot_pages:
+                page_parts.append(np.array(slot_pages, dtype=np.int64))
+                offset_parts.append(np.array(slot_offsets, dtype=np.int64))
+                slot_pages, slot_offsets = [], []
+            pages_out, offsets_out = _long_chunk_slots(array_of(), start, end, page_size)
+            page_parts.append(pages_out)
+            offset_parts.append(offsets_out)
+        prev = i + 1
+    slot_pages += row_page[prev:]
+    slot_offsets += row_offset[prev:]
+    if not page_parts:
+        # short chunks only (every slot a Python int): one array
+        return np.array(slot_pages + slot_offsets, dtype=np.int64)
+    if slot_pages:  # rows after the last long chunk (none where it ends the step)
         page_parts.append(np.array(slot_pages, dtype=np.int64))
         offset_parts.append(np.array(slot_offsets, dtype=np.int64))
-        slots = np.concatenate((*page_parts, *offset_parts))
-    else:
-        slots = np.array(row_page + row_offset, dtype=np.int64)
-    # one host buffer, table then slots, so a device takes them in one copy
-    host = np.concatenate((table.astype(np.int64), slots))
-    b = (0, n + 1, 2 * n + 2, 3 * n + 2, table_len)
+    # int64 whatever the pieces (a long chunk's pages come as int32)
+    return np.concatenate((*page_parts, *offset_parts), dtype=np.int64)
+
+
+def mixed_outputs(table: np.ndarray[Any, Any], n: int, table_len: int,
+                  slots: np.ndarray[Any, Any], q: int, device: torch.device
+                  ) -> tuple[PagedIndptrs, KVPlanState, PagedIndptrs]:
+    """The host table (int32 ``table``, laid out as `table_indptrs` reads it,
+    ``table_len`` long), the ``q`` tokens' write slots, and the table on
+    ``device``: one host buffer, table then slots, so a device takes them in
+    one copy."""
     cpu_indptrs = table_indptrs(table, n)
-    q_end = table_len + q
     if device.type == "cpu":
-        page_t = torch.from_numpy(host[table_len:q_end])
-        offset_t = torch.from_numpy(host[q_end:])
+        # no copy to make: the slots as they are (issue 42: the host buffer
+        # cost a widening and a concatenate for nothing on the CPU)
+        page_t = torch.from_numpy(slots[:q])
+        offset_t = torch.from_numpy(slots[q:])
         # its own record over the same tensors, as `to_device` gave on the host
         device_indptrs = PagedIndptrs(
             qo_indptr=cpu_indptrs.qo_indptr,
@@ -572,6 +598,9 @@ def mixed_tables(
             paged_kv_last_page_len=cpu_indptrs.paged_kv_last_page_len,
         )
     else:
+        host = np.concatenate((table.astype(np.int64), slots))
+        b = (0, n + 1, 2 * n + 2, 3 * n + 2, table_len)
+        q_end = table_len + q
         whole = host_to_device(torch.from_numpy(host), device)  # the one H2D copy
         dev_table = whole[:table_len].to(torch.int32)
         device_indptrs = PagedIndptrs(

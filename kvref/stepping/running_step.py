@@ -23,7 +23,13 @@ StepShape = tuple[tuple[Segment, ...], bool, tuple[Fork, ...], tuple[Fork, ...],
 def shape_of(step: KVStep) -> StepShape:
     """What the step held at admit, out of reach of the caller's lists."""
     return (tuple(step.segments), step.commit, tuple(step.pre_forks), tuple(step.post_forks),
-            tuple(tuple(c) for c in step.combined_labels))
+            _combined(step.combined_labels))
+
+
+def _combined(groups: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
+    # most steps combine nothing: no generator for them (issue 42, a decode
+    # step asks at admit, plan and commit)
+    return tuple(tuple(c) for c in groups) if groups else ()
 
 
 def unchanged(step: KVStep, shape: StepShape) -> bool:
@@ -37,7 +43,7 @@ def unchanged(step: KVStep, shape: StepShape) -> bool:
             and (all(map(operator.is_, segments, shape[0])) or tuple(segments) == shape[0])
             and step.commit == shape[1] and tuple(step.pre_forks) == shape[2]
             and tuple(step.post_forks) == shape[3]
-            and tuple(tuple(c) for c in step.combined_labels) == shape[4])
+            and _combined(step.combined_labels) == shape[4])
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 
 from kvref.core.config import RetentionPolicy
 from kvref.manager import KVManager
-from kvref.stepping import admit_plan_commit, decode_table
+from kvref.stepping import admit_plan_commit, decode_table, plan
 from kvref.stepping.plan import KVPlanOutputs, KVPlanState, SequenceView, plan_tables
 from kvref.stepping.step import KVStep, StepContext
 from kvref.testing import plan_oracle
@@ -37,8 +37,11 @@ PS = 4
 def kept_from_one_row(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kept table plans batches of any size here (in production from
     `SMALL_BATCH` rows): these batches have four. ``fresh``: every batch is
-    below `SMALL_BATCH`, planned afresh from its streams (`fresh_plan`)."""
+    below `SMALL_BATCH`, planned afresh from its streams (`fresh_plan`).
+    Chunks of 9 tokens or more take the vector slots (`_VECTOR_CHUNK`, 64
+    in production), so the mixed steps below reach both slot builders."""
     monkeypatch.setattr(decode_table, "SMALL_BATCH", request.param)
+    monkeypatch.setattr(plan, "_VECTOR_CHUNK", 9)
 
 
 TABLE_FIELDS = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
@@ -108,7 +111,14 @@ class Checked:
         self.held.append(held)
         views = plan_oracle.scratch_views(self.mgr, step)
         for label, vs in views.items():
-            _, want, _ = plan_tables(vs, PS, torch.device("cpu"))
+            _, want, want_dev = plan_tables(vs, PS, torch.device("cpu"))
+            # a mixed step's table on the device too (None for a decode step)
+            dev = out[label].cuda_indptrs
+            assert (dev is None) == (want_dev is None), (label, dev, want_dev)
+            if dev is not None and want_dev is not None:
+                for field in TABLE_FIELDS:
+                    a, b = getattr(dev, field), getattr(want_dev, field)
+                    assert a.dtype == b.dtype and torch.equal(a, b), (label, field, a, b)
             got = self.mgr._current_plan_states[label]
             assert got.total_tokens == want.total_tokens
             for a, b in ((got.token_to_page, want.token_to_page),
@@ -159,7 +169,8 @@ def run(seed: int, **cfg: Any) -> int:
     for _ in range(60):
         live = [r for r in batch if mgr.stored_len(r) > 0]
         op = rng.choice(["decode"] * 6 + ["no-commit", "truncate", "cow", "offload",
-                                          "fork", "reset", "remove", "register", "prefill"])
+                                          "fork", "reset", "remove", "register", "prefill",
+                                          "mixed", "mixed", "chunk"])
         rid = rng.choice(live)
         n = mgr.stored_len(rid)
         if op == "truncate" and n > 1 and not cfg.get("retention"):
@@ -195,6 +206,24 @@ def run(seed: int, **cfg: Any) -> int:
             mgr.cache_prefix(rid, "main", tokens(rid, n))
         elif op == "prefill":
             drv.step([(rid, "main", rng.randint(2, 5))])
+        elif op == "mixed":
+            # a mixed step (issue 42): the batch decodes while one row takes a
+            # chunk (long enough, past `_VECTOR_CHUNK` here, for the vector
+            # slots) and maybe one takes nothing (span 0)
+            spans = {r: 1 for r in batch}
+            spans[rid] = rng.choice([2, 3, PS + 1, 2 * PS + 3, rng.randint(9, 20)])
+            other = rng.choice(batch)
+            if other != rid and rng.random() < 0.4:
+                spans[other] = 0
+            drv.step([(r, "main", spans[r]) for r in batch], commit=rng.random() < 0.9)
+        elif op == "chunk":
+            # a fresh request's chunks beside the batch's decode (it starts
+            # empty: its stream is made by the mixed step's admit), then gone
+            drv.ingest("x")
+            for _ in range(rng.randint(1, 3)):
+                drv.step([*((r, "main", 1) for r in batch), ("x", "main", rng.randint(2, 9))])
+            mgr.remove_request("x")
+            del drv.model[("x", "main")]
         # then a decode step of the whole batch (or one that keeps nothing)
         drv.step([(r, "main", 1) for r in batch], commit=op != "no-commit")
         for r in batch:
