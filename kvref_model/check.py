@@ -66,7 +66,8 @@ class Observer:
       refusal and misuse, most no-ops): not the checks that hold there
       (`UNCHANGED_HOLDS`, `UNCHANGED_ON_ACTIONS`); those whose verdict there
       is the state's alone once per state (`UNCHANGED_STATE_ONLY`,
-      `INTERESTING_UNCHANGED_STATE_ONLY`), the verdict serving the rest.
+      `INTERESTING_UNCHANGED_STATE_ONLY`), the verdict serving the rest; no
+      case that cannot hold there (`INTERESTING_CHANGED_ONLY`).
 
     A state's signature is its guards (`WHEN`) and the truth of the state-only
     cases; per signature and (action type, result type, unchanged) the plan of
@@ -103,6 +104,8 @@ class Observer:
             if ((i in inv.INTERESTING_ON and not issubclass(ta, inv.INTERESTING_ON[i]))
                     or (i in inv.INTERESTING_RESULTS
                         and not issubclass(tr, inv.INTERESTING_RESULTS[i]))):
+                continue
+            if unchanged and i in inv.INTERESTING_CHANGED_ONLY:
                 continue
             if unchanged and i in inv.INTERESTING_UNCHANGED_STATE_ONLY:
                 state_only.append((i, pred))
