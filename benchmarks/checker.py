@@ -19,6 +19,7 @@ since wall time on a shared box says more about the neighbours than the code.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -32,7 +33,7 @@ COUNTING = ["--no-sharing", "--windows", ""]  # README: the counting scope
 
 
 def _load() -> str:
-    return "{:.1f}".format(os.getloadavg()[0])
+    return f"{os.getloadavg()[0]:.1f}"
 
 
 def check(tree: str, args: list[str]) -> dict[str, Any]:
@@ -79,7 +80,7 @@ def cost(o: argparse.Namespace) -> None:
     assert {r["transitions"] for r in b} == {r["transitions"] for r in t}
 
     def best(rs: list[dict[str, Any]], k: str, low: bool = True) -> float:
-        vals = [r[k] for r in rs]
+        vals = [float(r[k]) for r in rs]
         return min(vals) if low else max(vals)
     print(f"ratio base/this, best of {o.repeat}: CPU per state "
           f"{best(b, 'us_per_state') / best(t, 'us_per_state'):.2f}x, states/s at 2 workers "
@@ -90,10 +91,9 @@ def cost(o: argparse.Namespace) -> None:
 
 
 SCOPES: dict[str, list[str]] = {
-    "counting d6": [*COUNTING, "--depth", "6"],
-    "counting d7": [*COUNTING, "--depth", "7"],
-    "default d5": ["--depth", "5"],
-    "default d6": ["--depth", "6"],
+    "counting d4": [*COUNTING, "--depth", "4"],
+    "counting d5": [*COUNTING, "--depth", "5"],
+    "default d4": ["--depth", "4"],
 }
 
 
@@ -132,12 +132,13 @@ def ray_scopes() -> None:
             model = Model(scope)
             for w in (1, 2):
                 load = _load()
-                t = time.monotonic()
-                search = RaySearch(lambda m=model: make_spec(m), workers=w, keep_going=True,
+                t, cpu = time.monotonic(), time.process_time()
+                search = RaySearch(functools.partial(make_spec, model), workers=w, keep_going=True,
                                    want_states=False)
                 for _ in search.run():
                     pass
                 wall = time.monotonic() - t
+                merge = time.process_time() - cpu  # this process: the merge and the rest
                 rep, tr = search.report, search.traffic
                 n = rep.states
                 per_exp = max(search.worker_peaks)
@@ -145,6 +146,7 @@ def ray_scopes() -> None:
                 sent = (tr["states_sent"] + tr["results_received"] + tr["fingerprints_asked"]
                         + tr["fingerprints_merged"]) / n
                 print(f"ray       {name:12} workers {w}  states {n:>9,}  wall {wall:6.1f}s  "
+                      f"driver CPU {1e6 * merge / n:4.0f} us/state  "
                       f"peak/expander {per_exp / 2**20:5.0f} MiB  peak/partition "
                       f"{per_part / 2**20:4.0f} MiB  visited {rep.visited_bytes / n:4.1f} B/state  "
                       f"sent {sent:5.0f} B/state (states out {tr['states_sent'] / n:.0f}, "
@@ -153,7 +155,7 @@ def ray_scopes() -> None:
                       f"{tr['fingerprints_merged'] / n:.0f})  load {load}", flush=True)
     finally:
         ray.shutdown()
-        c.shutdown()
+        c.shutdown()  # type: ignore[no-untyped-call]
 
 
 def main() -> None:

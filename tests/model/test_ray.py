@@ -56,7 +56,7 @@ def cluster() -> Iterator[Any]:
         yield c
     finally:
         ray.shutdown()
-        c.shutdown()
+        c.shutdown()  # type: ignore[no-untyped-call]
 
 
 def run(model: Model, **kw: Any) -> tuple[Report, list[Any]]:
