@@ -25,6 +25,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -40,13 +41,16 @@ def check(tree: str, args: list[str]) -> dict[str, Any]:
     """`python -m kvref_model.check ARGS --json -` with `tree` first on the path:
     its report, with the wall time and the CPU it and its workers used."""
     env = dict(os.environ, PYTHONPATH=tree)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "kvref_model.check", *args, "--quiet",
-                          "--json", "-"], env=env, capture_output=True, text=True, check=True)
-    wall = time.monotonic() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    doc: dict[str, Any] = json.loads(out.stdout)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "report.json")
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t = time.monotonic()
+        subprocess.run([sys.executable, "-m", "kvref_model.check", *args, "--quiet",
+                        "--json", path], env=env, capture_output=True, check=True)
+        wall = time.monotonic() - t
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        with open(path) as f:
+            doc: dict[str, Any] = json.load(f)
     doc["wall"] = wall
     doc["cpu"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return doc

@@ -2,7 +2,8 @@
 process gives: the same states in the same order, counts, verdicts and
 shortest traces, on a local two-node cluster (ray.cluster_utils.Cluster).
 Skipped where Ray is not installed (the `ray` extra); the CLI without Ray is
-tested always."""
+tested always. The cluster tests are nightly: starting the actors alone took
+longer than CI's budget allows a smoke test."""
 
 from __future__ import annotations
 
@@ -79,8 +80,11 @@ def agree(model: Model, keep_going: bool) -> Report:
     return one
 
 
+# nightly: on the shared two-core box (load 16) its actors took 84 s to start
+# and the search 10 s more, past the cluster's own minute (CI installs no Ray)
+@pytest.mark.nightly
 def test_ray_two_nodes_agree_with_one_process(cluster: Any) -> None:
-    """CI's smoke test, one search on Ray: a model that breaks invariants,
+    """The smoke test, one search on Ray: a model that breaks invariants,
     stopped at the first violation, on two nodes: every state taken up to it,
     in order, the same counts and the same shortest trace as one process."""
     from kvref_model.ray_search import RaySearch
