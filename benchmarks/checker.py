@@ -46,7 +46,8 @@ def check(tree: str, args: list[str]) -> dict[str, Any]:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t = time.monotonic()
         subprocess.run([sys.executable, "-m", "kvref_model.check", *args, "--quiet",
-                        "--json", path], env=env, capture_output=True, check=True)
+                        "--json", path], env=env, capture_output=True, check=True,
+                       cwd=tmp)  # not this checkout: `-m` puts the cwd first on the path
         wall = time.monotonic() - t
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         with open(path) as f:
