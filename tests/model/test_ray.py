@@ -80,8 +80,9 @@ def agree(model: Model, keep_going: bool) -> Report:
     return one
 
 
-# nightly: on the shared two-core box (load 16) its actors took 84 s to start
-# and the search 10 s more, past the cluster's own minute (CI installs no Ray)
+# nightly: on the shared two-core box it took 10 s past the cluster's 18 s at
+# load 9, and 94 s past its 66 s at load 16 (its actors' start, mostly); CI
+# installs no Ray
 @pytest.mark.nightly
 def test_ray_two_nodes_agree_with_one_process(cluster: Any) -> None:
     """The smoke test, one search on Ray: a model that breaks invariants,
