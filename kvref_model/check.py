@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -65,7 +66,8 @@ class Observer:
       refusal and misuse, most no-ops): not the checks that hold there
       (`UNCHANGED_HOLDS`, `UNCHANGED_ON_ACTIONS`); those whose verdict there
       is the state's alone once per state (`UNCHANGED_STATE_ONLY`,
-      `INTERESTING_UNCHANGED_STATE_ONLY`), the verdict serving the rest.
+      `INTERESTING_UNCHANGED_STATE_ONLY`), the verdict serving the rest; no
+      case that cannot hold there (`INTERESTING_CHANGED_ONLY`).
 
     A state's signature is its guards (`WHEN`) and the truth of the state-only
     cases; per signature and (action type, result type, unchanged) the plan of
@@ -102,6 +104,8 @@ class Observer:
             if ((i in inv.INTERESTING_ON and not issubclass(ta, inv.INTERESTING_ON[i]))
                     or (i in inv.INTERESTING_RESULTS
                         and not issubclass(tr, inv.INTERESTING_RESULTS[i]))):
+                continue
+            if unchanged and i in inv.INTERESTING_CHANGED_ONLY:
                 continue
             if unchanged and i in inv.INTERESTING_UNCHANGED_STATE_ONLY:
                 state_only.append((i, pred))
@@ -219,17 +223,27 @@ def explore(model: Model, *, keep_going: bool = False, progress: bool = False,
             reduce: bool = True, checkpoint: str | None = None,
             checkpoint_every: float = 60.0, resume: str | None = None,
             stop_after_chunks: int | None = None,
-            states: bool = True) -> Iterator[tuple[State | None, Trace]]:
+            states: bool = True, ray: str | None = None) -> Iterator[tuple[State | None, Trace]]:
     """BFS; yields each reachable (representative) state with its shortest
     trace (empty unless `traces`).  Violations land in `report`; without
     keep_going the search stops at the first one.  With `states` False every
     state comes as None: none is decoded, and the deepest level's are not even
-    kept (faster)."""
-    search = Search(make_spec(model, reduce), workers=workers, keep_going=keep_going,
-                    progress=progress, checkpoint=checkpoint,
-                    checkpoint_every=checkpoint_every, resume=resume,
-                    stop_after_chunks=stop_after_chunks, report=report,
-                    want_states=states or traces)
+    kept (faster).  With `ray` (a cluster's address; "" for `ray.init()`'s
+    choice) the workers and the visited set are Ray actors
+    (kvref_model.ray_search): the same states, counts and traces."""
+    search: Search
+    if ray is not None:
+        from kvref_model.ray_search import RaySearch
+        search = RaySearch(functools.partial(make_spec, model, reduce), address=ray,
+                           workers=workers, keep_going=keep_going, progress=progress,
+                           stop_after_chunks=stop_after_chunks, report=report,
+                           want_states=states or traces)
+    else:
+        search = Search(make_spec(model, reduce), workers=workers, keep_going=keep_going,
+                        progress=progress, checkpoint=checkpoint,
+                        checkpoint_every=checkpoint_every, resume=resume,
+                        stop_after_chunks=stop_after_chunks, report=report,
+                        want_states=states or traces)
     for sid, data in search.run():
         yield loads(data) if data and states else None, search.trace(sid) if traces else ()
 
@@ -419,6 +433,10 @@ def _parser() -> _Parser:
     se.add_argument("--workers", type=_count(1), default=os.cpu_count() or 1,
                     help="processes expanding each BFS level; the default is this machine's core "
                     "count (the counts found do not depend on it)")
+    se.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                    help="run the workers and the visited set as actors on a Ray cluster "
+                    "(pip install 'kvref[ray]'): ADDRESS, or with none RAY_ADDRESS or a local "
+                    "Ray; --workers actors; no checkpoints")
     se.add_argument("--keep-going", action="store_true",
                     help="report the shortest violation of every invariant, not just the first")
     se.add_argument("--no-symmetry", action="store_true",
@@ -465,6 +483,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--without: {err}")
     if o.resume and not os.path.exists(o.resume):
         ap.error(f"--resume: no such file {o.resume}")
+    if o.ray is not None:
+        if o.checkpoint or o.resume:
+            ap.error("--ray: no --checkpoint or --resume on Ray (the visited set is the actors')")
+        from kvref_model.ray_search import RayUnavailable, import_ray
+        try:
+            import_ray()
+        except RayUnavailable as err:
+            ap.error(f"--ray: {err}")
     rep = Report()
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(open(o.emit_traces, "w")) if o.emit_traces else None
@@ -473,11 +499,15 @@ def main(argv: list[str] | None = None) -> int:
                                     report=rep, traces=out is not None, workers=o.workers,
                                     reduce=not o.no_symmetry, checkpoint=o.checkpoint,
                                     checkpoint_every=o.checkpoint_every, resume=o.resume,
-                                    states=False):
+                                    states=False, ray=o.ray):
                 if out:
                     out.write(json.dumps([[describe(a), show(r)] for a, r in trace]) + "\n")
         except CheckpointMismatch as err:
             ap.error(f"--resume: {err}")
+        except RuntimeError as err:
+            if o.ray is None or type(err).__name__ != "RayUnavailable":
+                raise
+            ap.error(f"--ray: {err}")
     print(table(rep, scope))
     for i, (msg, trace) in sorted(rep.violations.items(), key=lambda x: int(x[0][1:])):
         print(f"\nVIOLATION {i}: {msg}\nshortest trace ({len(trace)} steps):\n{render(trace)}")

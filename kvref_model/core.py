@@ -136,7 +136,8 @@ class Scope:
     @property
     def windowed(self) -> bool:
         """Whether some stream has a window (a label's, or a group's)."""
-        return bool(self.windows) or any(w is not None for w in self.groups)
+        # asked on every admit: no generator (a group's window is None or an int)
+        return bool(self.windows) or self.groups.count(None) != len(self.groups)
 
     def window(self, label: int) -> int | None:
         if self.groups:  # an internal label: its group's window
@@ -1086,7 +1087,8 @@ class Model:
             # W5: a fork keeps the retention; a windowed source cannot give a
             # full-attention target the tokens it released
             return Misuse("InvalidArgumentError")
-        if any(r not in s.requests() for r in {g.rid for g in step.segments} | set(step.padded)):
+        known = s.requests()  # a fresh set a call: asked once
+        if any(r not in known for r in {g.rid for g in step.segments} | set(step.padded)):
             return Misuse("UnknownRequestError")
         return None
 

@@ -827,17 +827,21 @@ INTERESTING_ON: dict[str, tuple[type, ...]] = {
     "I18": (OffloadClaim, Reset, Remove, RetrieveStart), "I19": (RetrieveStart,), "I21": (Plan,),
     "I23": (OffloadCommit,), "I24": (MatchPrefix,), "I25": (Plan,), "I26": (Commit,),
     "I27": (Reload,), "I28": (MatchPrefix, CachePrefix), "I29": (Reclaimable,),
+    "I30": (MatchPrefix,),
 }
 # the result types it can hold on
 INTERESTING_RESULTS: dict[str, tuple[type, ...]] = {
     "I1": (Freed,), "I6": (Flag,), "I7": (Flag,), "I10": (Refused,), "I11": (Refused,),
     "I14": (Freed,), "I17": (Fault,), "I19": (Latched,), "I22": (Refused,),
     "I23": (Freed,), "I24": (Count,), "I25": (Ok,), "I26": (Ok, Fault), "I27": (Flag,),
-    "I29": (Count,),
+    "I29": (Count,), "I30": (Count,),
 }
 # on a transition whose next state is the very object it left, the cases
 # whose truth is that state's alone: I2 looks only at the next state's pages
 INTERESTING_UNCHANGED_STATE_ONLY = frozenset({"I2"})
+# the cases that cannot hold on such a transition: I31 wants the LRU longer
+# after than before
+INTERESTING_CHANGED_ONLY = frozenset({"I31"})
 
 
 def violations(m: Model, s: State, a: Action | None = None, r: Result | None = None,

@@ -190,7 +190,7 @@ def _observer(spec: Spec
 
 
 def expand_chunk(spec: Spec, chunk: list[Entry], expand: bool,
-                 leaves: bool = False, known: Any = None) -> ChunkResult:
+                 leaves: bool = False, known: Any = None, defer: bool = False) -> ChunkResult:
     """Every enabled action of every state in `chunk`: counts, coverage,
     transition checks, and each successor new to this chunk (with its state
     checks; whether it is new to the search only the merge knows).  With
@@ -198,6 +198,9 @@ def expand_chunk(spec: Spec, chunk: list[Entry], expand: bool,
     them, so they travel without their bytes.  A successor whose fingerprint
     is in `known` (states the merge will have taken before this chunk's
     results, so it would drop it) is not reported: no state checks, no bytes.
+    With `defer` each successor's event holds the state itself and nothing is
+    encoded or checked: `finish_chunk` does that once the caller has learnt
+    which of them are known (a visited set held elsewhere, asked in one batch).
 
     A transition whose next state is the state object it left (every
     refusal and misuse of the model, about 3 in 4 transitions) has no
@@ -214,7 +217,7 @@ def expand_chunk(spec: Spec, chunk: list[Entry], expand: bool,
     collecting = gc.isenabled()
     gc.disable()
     try:
-        _expand(spec, chunk, leaves, known, out)
+        _expand(spec, chunk, leaves, known, out, defer)
     finally:
         if collecting:
             gc.enable()
@@ -222,7 +225,7 @@ def expand_chunk(spec: Spec, chunk: list[Entry], expand: bool,
 
 
 def _expand(spec: Spec, chunk: list[Entry], leaves: bool, known: Any,
-            out: ChunkResult) -> None:
+            out: ChunkResult, defer: bool = False) -> None:
     if known is None:
         known = frozenset()
     m, step, enabled, key = spec.model, spec.model.step, spec.enabled, spec.key
@@ -248,8 +251,11 @@ def _expand(spec: Spec, chunk: list[Entry], leaves: bool, known: Any,
                 fp = fingerprint(key(n))
                 if fp not in local and fp not in known:
                     local.add(fp)
-                    events.append(("n", (fp, sid, idx, b"" if leaves else dumps(n),
-                                         schecks(m, n))))
+                    if defer:
+                        events.append(("n", (fp, sid, idx, n, None)))
+                    else:
+                        events.append(("n", (fp, sid, idx, b"" if leaves else dumps(n),
+                                             schecks(m, n))))
             bad = observe(m, s, a, r, n, interesting)
             if bad:
                 for iid, msg in bad:
@@ -260,6 +266,27 @@ def _expand(spec: Spec, chunk: list[Entry], leaves: bool, known: Any,
     out.unchanged = unchanged
     if spec.check_stats is not None:
         out.checks.update(spec.check_stats())
+
+
+def successors(res: ChunkResult) -> list[int]:
+    """The fingerprints of a chunk's reported successors, in event order."""
+    return [ev[0] for kind, ev in res.events if kind == "n"]
+
+
+def finish_chunk(spec: Spec, res: ChunkResult, leaves: bool, known: Any) -> ChunkResult:
+    """A chunk expanded with `defer`: drop the successors whose fingerprint is
+    in `known`, encode and state-check the rest, as `expand_chunk` would have."""
+    m, schecks = spec.model, spec.state_checks
+    events: list[tuple[str, Any]] = []
+    for kind, ev in res.events:
+        if kind == "n":
+            fp, sid, idx, n, _ = ev
+            if fp in known:
+                continue
+            ev = (fp, sid, idx, b"" if leaves else dumps(n), schecks(m, n))
+        events.append((kind, ev))
+    res.events = events
+    return res
 
 
 def _serve(conn: Any, spec: Spec) -> None:
@@ -338,6 +365,14 @@ class Workers:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.pid]
 
+    def memory(self) -> int:
+        """Bytes resident in the workers now."""
+        return sum(rss(pid) for pid in self.pids())
+
+    def peaks(self) -> list[int]:
+        """Each worker's peak resident bytes so far."""
+        return [peak_rss(pid) for pid in self.pids()]
+
     def stop(self) -> None:
         for p in self.procs:
             p.kill()  # nothing they hold is shared: killing is safe
@@ -400,6 +435,9 @@ class Search:
         self.actions = array("H")
         self.level = 0
         self._elapsed_before = 0.0
+        self.worker_peaks: list[int] = []  # each worker's peak resident bytes, at the end
+        # whether the workers keep what the merge took (sent with each task)
+        self._share_taken = self.workers > 1
 
     # ------------------------------------------------------------ traces
 
@@ -438,18 +476,30 @@ class Search:
                 cur, nxt, offset = self._load(self.resume_path, workdir)
             else:
                 cur, nxt, offset = yield from self._start(workdir)
-            if self.workers > 1:
-                pool = Workers(self.workers, self.spec)
+            pool = self._open_pool()
             yield from self._levels(cur, nxt, offset, workdir, pool)
         finally:
             if pool is not None:
-                self.report.peak_rss_workers = sum(peak_rss(pid) for pid in pool.pids())
+                self.worker_peaks = pool.peaks()
+                self.report.peak_rss_workers = sum(self.worker_peaks)
                 pool.stop()
             self.report.peak_rss = peak_rss()
-            self.report.states = len(self.visited)
+            self.report.states = self._visited_count()
             self.report.visited_bytes = (self.visited.nbytes + self.parents.itemsize
                                          * len(self.parents) + 2 * len(self.actions))
             shutil.rmtree(workdir, ignore_errors=True)
+
+    def _open_pool(self) -> Any:
+        """The worker pool (None: chunks are expanded in this process)."""
+        return Workers(self.workers, self.spec) if self.workers > 1 else None
+
+    def _accepting(self, res: ChunkResult) -> Callable[[int], bool]:
+        """For a chunk's results: whether each successor's fingerprint is new
+        (and from then on visited), asked in event order."""
+        return self.visited.add
+
+    def _visited_count(self) -> int:
+        return len(self.visited)
 
     def _start(self, workdir: str
                ) -> Generator[tuple[int, bytes], None, tuple[LevelReader, LevelWriter, int]]:
@@ -543,15 +593,16 @@ class Search:
         rep.interesting.update(res.interesting)
         rep.checks.update(res.checks)
         stop_at: tuple[int, int] | None = None  # the violating transition
+        accept = self._accepting(res)
         for kind, ev in res.events:
             where = (ev[1], ev[2]) if kind == "n" else (ev[2], ev[3])
             if stop_at is not None and where != stop_at:
                 break  # the rest of the violating transition is taken, as before it
             if kind == "n":
                 fp, parent, idx, data, checks = ev
-                if not self.visited.add(fp):
+                if not accept(fp):
                     continue
-                if self.workers > 1:
+                if self._share_taken:
                     self._taken.append(fp)
                 sid = len(self.parents)
                 self.parents.append(parent)
@@ -572,7 +623,7 @@ class Search:
                     rep.violations[iid] = (msg, self.trace(sid, idx))
                 if not self.keep_going:
                     stop_at = where
-        rep.states = len(self.visited)
+        rep.states = self._visited_count()
         return stop_at is not None
 
     # ------------------------------------------------------------ progress
@@ -580,7 +631,7 @@ class Search:
     def _show_progress(self, cur: LevelReader, nxt: LevelWriter,
                        pool: Workers | None) -> None:
         rep = self.report
-        mem = rss() + sum(rss(pid) for pid in (pool.pids() if pool else []))
+        mem = rss() + (pool.memory() if pool else 0)
         print(f"  ... {rep.states:,} states, {rep.transitions:,} transitions, depth "
               f"{self.level}, {rep.states / max(rep.seconds, 1e-9):,.0f} states/s, queue "
               f"{self._left + nxt.count:,}, memory {mem / 2**20:,.0f} MiB", file=sys.stderr,

@@ -175,6 +175,10 @@ def test_interesting_cases_hold_only_inside_their_limits() -> None:
                 assert not p(m, s, a, r, n), (i, s, a, r, n)  # type: ignore[arg-type]
     pairs = list(itertools.product(actions, RESULTS))
     for s in pool:
+        for i in inv.INTERESTING_CHANGED_ONLY:
+            _, p = inv.INTERESTING[i]
+            assert not any(p(m, s, a, r, s)  # type: ignore[arg-type]
+                           for a, r in rng.sample(pairs, 60)), (i, s)
         for i in inv.INTERESTING_UNCHANGED_STATE_ONLY:
             _, p = inv.INTERESTING[i]
             assert len({bool(p(m, s, a, r, s))  # type: ignore[arg-type]
