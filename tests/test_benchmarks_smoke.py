@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from benchmarks import Spread, md_table, spread
@@ -96,7 +97,10 @@ def test_data_rows() -> None:
             _ok(s)
 
 
-def test_reports_are_markdown() -> None:
+def test_reports_are_markdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the report's shape, not its figures: a few steps a row (quick's 400
+    # made this the suite's slowest smoke test, about 16 s)
+    monkeypatch.setattr(cp, "steps_for", lambda batch, quick: 4)
     text = control_report(quick=True, batches=(1,), mixed_batches=(1,))
     assert "| batch |" in text and "Profile, decode at batch 1" in text
     assert "| batch | steps | decode µs | mixed µs |" in text
