@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--only", default="", help="only cases whose group or name has one of these "
                     "(comma-separated)")
+    ap.add_argument("--max-examples", type=int, default=0,
+                    help="skip the plants (and controls) whose budget is larger; 0: none")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--render", metavar="JSON", default=None,
@@ -186,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = range(o.first_seed, o.first_seed + o.seeds)
     todo = [c for c in cases() if c.plant is None
             or any(w in f"{c.group} {c.name}" for w in o.only.split(","))]
+    if o.max_examples:
+        todo = [c for c in todo if c.examples <= o.max_examples]
     wanted = {c.control for c in todo if c.plant is not None}
     todo = [c for c in todo if c.plant is not None or c.name in wanted]
     rows: dict[str, dict[str, object]] = {}
