@@ -79,5 +79,8 @@ def test_the_checker_counts_the_rules_that_fired(tmp_path: Path) -> None:
     rep = json.loads(out.read_text())
     assert rep["rules"]["R1"] > 0 and rep["rules"]["R5"] > 0  # a refused two-page admit
     assert "R71" in rep["never_fired"]  # no lease in three calls
+    # the counts are the workers' merged: the same with two
+    assert main([*args[:-1], "2", "--rules", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rules"] == rep["rules"]
     assert main([*args, "--json", str(out)]) == 0
     assert "rules" not in json.loads(out.read_text())
