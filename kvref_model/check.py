@@ -29,6 +29,8 @@ from typing import Any, NoReturn
 
 from kvref_model import invariants as inv
 from kvref_model.core import ACTIONS, SHARING_ACTIONS, Action, Model, Result, Scope, State
+from kvref_model.coverage import RuleTracer, rule_id, rule_order
+from kvref_model.coverage import flags as rule_flags
 from kvref_model.protocol import calls
 from kvref_model.render import describe, lname, render, rname, show, to_pytest
 from kvref_model.search import CheckpointMismatch, Report, Search, Spec, Trace, loads
@@ -194,21 +196,47 @@ class Observer:
         return out
 
 
+class RulesObserver:
+    """An observer that also counts, per transition, the rules that fired
+    (`kvref_model.coverage.RuleTracer`), as "rule:R71" in the interesting
+    counts the search merges; each transition is stepped again once per rule
+    flag it consults, so it is off unless asked (--rules)."""
+
+    def __init__(self, base: Observer) -> None:
+        self.base = base
+        self.tracer: RuleTracer | None = None  # built where it runs (a worker)
+
+    def __call__(self, m: Model, prev: State, a: Action, r: Result, n: State,
+                 counts: Counter[str]) -> Sequence[tuple[str, str]]:
+        out = self.base(m, prev, a, r, n, counts)
+        if self.tracer is None:
+            self.tracer = RuleTracer(type(m), m.scope)
+        for flag in self.tracer.fired(prev, a, r, n):
+            counts["rule:" + rule_id(flag)] += 1
+        return out
+
+    def stats(self) -> dict[str, int]:
+        return self.base.stats()
+
+
 def _transition_checks(m: Model, prev: State, a: Action, r: Result,
                        n: State) -> list[tuple[str, str]]:
     return inv.violations(m, n, a, r, prev, states=False)
 
 
-def make_spec(model: Model, reduce: bool = True) -> Spec:
-    """kvref's model, its protocol, I1-I22 and the symmetry, as a search spec."""
+def make_spec(model: Model, reduce: bool = True, rules: bool = False) -> Spec:
+    """kvref's model, its protocol, I1-I22 and the symmetry, as a search spec;
+    with ``rules``, the rules that fired are counted too (slower)."""
     canon = Canonicaliser(model.scope, reduce)
-    observer = Observer()
+    base = Observer()
+    observer: Observer | RulesObserver = RulesObserver(base) if rules else base
     return Spec(
         model=model, enabled=calls, state_checks=_state_checks,
         transition_checks=_transition_checks,
         interesting={i: pred for i, (_, pred) in inv.INTERESTING.items()},
         key=canon.key, depth=model.scope.depth,
-        identity=f"{type(model).__qualname__} {model.scope} reduce={canon.reduce}",
+        identity=f"{type(model).__qualname__} {model.scope} reduce={canon.reduce}"
+        + (" rules" if rules else ""),
         observe=observer, check_stats=observer.stats,
     )
 
@@ -223,23 +251,26 @@ def explore(model: Model, *, keep_going: bool = False, progress: bool = False,
             reduce: bool = True, checkpoint: str | None = None,
             checkpoint_every: float = 60.0, resume: str | None = None,
             stop_after_chunks: int | None = None,
-            states: bool = True, ray: str | None = None) -> Iterator[tuple[State | None, Trace]]:
+            states: bool = True, ray: str | None = None,
+            rules: bool = False) -> Iterator[tuple[State | None, Trace]]:
     """BFS; yields each reachable (representative) state with its shortest
     trace (empty unless `traces`).  Violations land in `report`; without
     keep_going the search stops at the first one.  With `states` False every
     state comes as None: none is decoded, and the deepest level's are not even
     kept (faster).  With `ray` (a cluster's address; "" for `ray.init()`'s
     choice) the workers and the visited set are Ray actors
-    (kvref_model.ray_search): the same states, counts and traces."""
+    (kvref_model.ray_search): the same states, counts and traces.  With
+    `rules`, the report's interesting counts hold, as "rule:R71", how often
+    each rule fired (`kvref_model.coverage`)."""
     search: Search
     if ray is not None:
         from kvref_model.ray_search import RaySearch
-        search = RaySearch(functools.partial(make_spec, model, reduce), address=ray,
+        search = RaySearch(functools.partial(make_spec, model, reduce, rules), address=ray,
                            workers=workers, keep_going=keep_going, progress=progress,
                            stop_after_chunks=stop_after_chunks, report=report,
                            want_states=states or traces)
     else:
-        search = Search(make_spec(model, reduce), workers=workers, keep_going=keep_going,
+        search = Search(make_spec(model, reduce, rules), workers=workers, keep_going=keep_going,
                         progress=progress, checkpoint=checkpoint,
                         checkpoint_every=checkpoint_every, resume=resume,
                         stop_after_chunks=stop_after_chunks, report=report,
@@ -259,7 +290,17 @@ def reachable(scope: Scope, model: type[Model] = Model) -> Iterator[tuple[State,
 # ------------------------------------------------------------ reports
 
 
-def table(rep: Report, scope: Scope) -> str:
+def rule_rows(rep: Report, cls: type[Model]) -> list[str]:
+    """Per rule of ``cls``, the transitions it fired on (a `--rules` run)."""
+    ids = sorted({rule_id(f) for f in rule_flags(cls)}, key=rule_order)
+    rows = ["", "rule      fired   (switched off alone, the transition differs)"]
+    for rid in ids:
+        n = rep.interesting["rule:" + rid]
+        rows.append(f"  {rid:7} {n:>9}" + ("" if n else "   <-- never fired"))
+    return rows
+
+
+def table(rep: Report, scope: Scope, rules: type[Model] | None = None) -> str:
     rows = [
         f"scope: {scope}",
         f"states {rep.states}   transitions {rep.transitions}   depth {rep.depth}   "
@@ -286,7 +327,7 @@ def table(rep: Report, scope: Scope) -> str:
         n = rep.interesting[i]
         rows.append(f"  {i:8} {'YES' if i in rep.violations else 'no':8}  {what} ({n})"
                     + ("   <-- VACUOUS" if not n else ""))
-    return "\n".join(rows + _skipped(rep))
+    return "\n".join(rows + (rule_rows(rep, rules) if rules else []) + _skipped(rep))
 
 
 def _skipped(rep: Report) -> list[str]:
@@ -307,10 +348,16 @@ def _skipped(rep: Report) -> list[str]:
     return rows
 
 
-def to_json(rep: Report, scope: Scope, model: str) -> dict[str, Any]:
+def to_json(rep: Report, scope: Scope, model: str,
+            rules: type[Model] | None = None) -> dict[str, Any]:
     """The report as data, for nightly jobs to keep and compare."""
     checked = [i for i in inv.INVARIANT_IDS if inv.applies(i, scope)]
-    return {
+    extra: dict[str, Any] = {}
+    if rules is not None:
+        ids = sorted({rule_id(f) for f in rule_flags(rules)}, key=rule_order)
+        extra = {"rules": {r: rep.interesting["rule:" + r] for r in ids},
+                 "never_fired": [r for r in ids if not rep.interesting["rule:" + r]]}
+    return extra | {
         "model": model, "scope": vars(scope), "complete": rep.complete,
         "states": rep.states, "transitions": rep.transitions, "depth": rep.depth,
         "seconds": round(rep.seconds, 3),
@@ -452,6 +499,9 @@ def _parser() -> _Parser:
                      help="also write the report as JSON to FILE ('-': stdout)")
     out.add_argument("--emit-traces", metavar="FILE", default=None,
                      help="one JSON line per reachable state: its shortest trace")
+    out.add_argument("--rules", action="store_true",
+                     help="also count the rules of specs/ that fired: those that, switched off "
+                     "alone, change the transition (slower: a step per rule a step consults)")
     out.add_argument("--quiet", action="store_true",
                      help="no progress lines on stderr (states, states/s, depth, queue, memory)")
     return ap
@@ -499,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
                                     report=rep, traces=out is not None, workers=o.workers,
                                     reduce=not o.no_symmetry, checkpoint=o.checkpoint,
                                     checkpoint_every=o.checkpoint_every, resume=o.resume,
-                                    states=False, ray=o.ray):
+                                    states=False, ray=o.ray, rules=o.rules):
                 if out:
                     out.write(json.dumps([[describe(a), show(r)] for a, r in trace]) + "\n")
         except CheckpointMismatch as err:
@@ -508,14 +558,14 @@ def main(argv: list[str] | None = None) -> int:
             if o.ray is None or type(err).__name__ != "RayUnavailable":
                 raise
             ap.error(f"--ray: {err}")
-    print(table(rep, scope))
+    print(table(rep, scope, cls if o.rules else None))
     for i, (msg, trace) in sorted(rep.violations.items(), key=lambda x: int(x[0][1:])):
         print(f"\nVIOLATION {i}: {msg}\nshortest trace ({len(trace)} steps):\n{render(trace)}")
         if not o.keep_going:
             print("\nas a test against kvref:\n")
             print(to_pytest(trace, scope, f"test_{i.lower()}_counterexample"))
     if o.json:
-        doc = json.dumps(to_json(rep, scope, cls.__name__), indent=1)
+        doc = json.dumps(to_json(rep, scope, cls.__name__, cls if o.rules else None), indent=1)
         if o.json == "-":
             print(doc)
         else:

@@ -21,11 +21,13 @@ import argparse
 import functools
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 from kvref.testing import trace as trace_file
 from kvref.testing.driver import Driver, DriverConfig
 from kvref_model import core as m
+from kvref_model import coverage
 from kvref_model.check import add_scope_arguments, reachable, scope_of
 from kvref_model.protocol import calls
 
@@ -64,13 +66,18 @@ class Mismatch(AssertionError):
     pass
 
 
-def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig) -> None:
-    """Replay ``actions`` on the model and a fresh kvref together, checking each step."""
+def run_trace(model: m.Model, actions: list[m.Action], config: DriverConfig,
+              note_from: int = 0) -> None:
+    """Replay ``actions`` on the model and a fresh kvref together, checking each
+    step; the calls from ``note_from`` on are noted for coverage (a replayed
+    prefix was counted where it was first checked)."""
     s = model.init()
     d = Driver(model.scope, config)
     before = d.observe()
     for i, a in enumerate(actions):
         want, nxt = model.step(s, a)
+        if i >= note_from:
+            coverage.note(model, s, a, want, nxt)
         got = d.apply(a, s)
         prev, s = s, nxt
         if got != want:
@@ -109,7 +116,7 @@ def check_scope(scope: m.Scope, config: DriverConfig | None = None,
         for a in calls(model, state):
             out.transitions += 1
             try:
-                run_trace(model, [*prefix, a], config)
+                run_trace(model, [*prefix, a], config, note_from=len(prefix))
             except Exception as err:  # a crash on kvref's side is a mismatch too
                 path = trace_file.keep(err, functools.partial(
                     trace_file.build, "exhaustive", scope, [*prefix, a], err, config))
@@ -141,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_scope_arguments(ap, CI_SCOPE)  # kvref as it ships; sharing off is --no-sharing
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    ap.add_argument("--coverage", action="store_true",
+                    help="also report the actions, invariants and rules the replay exercised "
+                    "(kvref_model.coverage; slower)")
     o = ap.parse_args(argv)
     scope = scope_of(o)
     given = {a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv)}
@@ -149,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         # scope's label windows and margins are not its defaults
         scope = replace(scope, windows=scope.windows if "--windows" in given else (),
                         margins=scope.margins if "--margins" in given else ())
-    result = check_scope(scope, progress=not o.quiet)
+    with coverage.recording("the exhaustive replay") if o.coverage else nullcontext() as cov:
+        result = check_scope(scope, progress=not o.quiet)
+    if cov is not None:
+        print(cov.table())
     print(summary(result))
     for failure in result.failures:
         print("MISMATCH", failure)

@@ -28,6 +28,7 @@ from hypothesis.stateful import (
 from kvref.testing import trace
 from kvref.testing.driver import Driver, DriverConfig
 from kvref_model import core as m
+from kvref_model import coverage
 from kvref_model.invariants import violations
 from kvref_model.protocol import enabled
 
@@ -286,6 +287,7 @@ class Lockstep(RuleBasedStateMachine):
         if fault is not None:
             RULES[fault] += 1
         want, nxt = self.model.step(self.state, action)
+        coverage.note(self.model, self.state, action, want, nxt)
         for name in events(self.model, self.state, action, want, nxt):
             RULES[name] += 1
         before = self.driver.cache_bytes()

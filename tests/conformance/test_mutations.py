@@ -46,7 +46,8 @@ def _decode_offset_off_by_one(mp: pytest.MonkeyPatch) -> None:
 
 
 def _fork_moves_length_not_pages(mp: pytest.MonkeyPatch) -> None:
-    def bad(self: Forks, rid: str, src: str, dst: str, created: set[Any]) -> None:
+    def bad(self: Forks, rid: str, src: str, dst: str, created: set[Any],
+            *args: Any, **kwargs: Any) -> None:  # span, copy: no pages move anyway
         streams = self._table.streams.get(rid, {})
         if src in streams and dst in streams:
             streams[dst].stored_len = streams[src].stored_len
@@ -123,8 +124,11 @@ def _second_step_admitted(mp: pytest.MonkeyPatch) -> None:  # a
 def _fork_from_absent_source_wipes_target(mp: pytest.MonkeyPatch) -> None:  # b
     orig = Forks.apply
 
-    def bad(self: Forks, rid: str, src: str, dst: str, created: set[Any]) -> None:
-        orig(self, rid, src, dst, set())  # every source treated as pre-existing
+    def bad(self: Forks, rid: str, src: str, dst: str, created: set[Any],
+            *args: Any, **kwargs: Any) -> None:
+        # every source treated as pre-existing; the rest of the call as given
+        # (a mutant that dropped `copy` crashed with a TypeError instead)
+        orig(self, rid, src, dst, set(), *args, **kwargs)
 
     mp.setattr(Forks, "apply", bad)
 
@@ -145,11 +149,12 @@ def _failed_reload_keeps_a_page(mp: pytest.MonkeyPatch) -> None:  # c
 def _failed_fork_leaves_target_torn(mp: pytest.MonkeyPatch) -> None:  # c
     orig = Forks.apply
 
-    def bad(self: Forks, rid: str, src: str, dst: str, created: set[Any]) -> None:
+    def bad(self: Forks, rid: str, src: str, dst: str, created: set[Any],
+            *args: Any, **kwargs: Any) -> None:
         target = self._table.streams[rid][dst]
         old = target.stored_len
         try:
-            orig(self, rid, src, dst, created)
+            orig(self, rid, src, dst, created, *args, **kwargs)
         except ForkFailed:
             target.stored_len = old  # reports its old tokens over half-copied pages
             raise

@@ -36,6 +36,7 @@ from kvref.testing.driver import (
     rid_name,
 )
 from kvref_model import core as m
+from kvref_model import coverage
 from kvref_model.invariants import violations
 from tests.support.lockset import Detector
 from tests.support.scheduler import (
@@ -324,6 +325,7 @@ class Linearizer:
                 raise AssertionError(
                     f"kvref ran {e.action} ({e.actor}) where the model's protocol forbids it: "
                     f"{err}\n{self.render()}") from None
+            coverage.note(self.model, self.state, e.action, want, nxt)
             e.want = self.observed(e, want)
             broken = violations(self.model, nxt, e.action, want, self.state)
             if broken:
