@@ -257,40 +257,27 @@ def release_lists_name_retired_pages(mp: pytest.MonkeyPatch) -> None:
 
 def off_by_one_at_the_window(mp: pytest.MonkeyPatch) -> None:
     """(d) the release drops a page that *starts* before the window's first
-    token f (ceil(f / ps) slots, not f // ps): token f is gone (W2 off)."""
+    token f (ceil(f / ps) slots, not f // ps): token f is gone (W2 off).
+    Planted in the window's arithmetic, which both the commit's question
+    "did this stream's window pass a page?" and `StreamTable.retire` ask (a
+    plant in `retire` alone is never reached: the commit asks first)."""
 
-    def retire(self: StreamTable, key: Key, stream: CacheStream) -> int:
-        w = window_of(self, key[1])
-        if w is None:
-            return 0
-        ps = self.page_size
-        upto = min(-(-max(0, stream.stored_len - w) // ps), -(-stream.stored_len // ps))
-        off = stream.released // ps
-        if upto <= off:
-            return 0
-        go = stream.page_indices[:upto - off]
-        stream.page_indices = stream.page_indices[upto - off:]
-        stream.released = upto * ps
-        return self.give_back(key, go)
+    def released_after(self: SlidingWindow, released: int, length: int, ps: int) -> int:
+        upto = min(-(-max(0, length - self.window_tokens) // ps), -(-length // ps))
+        return max(released, upto * ps)
 
-    mp.setattr(StreamTable, "retire", retire)
+    mp.setattr(SlidingWindow, "released_after", released_after)
 
 
 def margin_ignored(mp: pytest.MonkeyPatch) -> None:
     """(e) the commit releases from n - W (W15 off): a rollback of the
-    margin's tokens is then refused, and the stream holds fewer pages."""
-    orig = StreamTable.retire
+    margin's tokens is then refused, and the stream holds fewer pages.
+    Planted in the window's arithmetic, for the reason (d) is."""
 
-    def retire(self: StreamTable, key: Key, stream: CacheStream) -> int:
-        behaviours = self.behaviours
-        self.behaviours = {lb: SlidingWindow(w, 0) if (w := window_of(self, lb)) else b
-                           for lb, b in behaviours.items()}
-        try:
-            return orig(self, key, stream)
-        finally:
-            self.behaviours = behaviours
+    def released_after(self: SlidingWindow, released: int, length: int, ps: int) -> int:
+        return max(released, max(0, length - self.window_tokens) // ps * ps)
 
-    mp.setattr(StreamTable, "retire", retire)
+    mp.setattr(SlidingWindow, "released_after", released_after)
 
 
 def margin_counted_as_window(mp: pytest.MonkeyPatch) -> None:

@@ -17,10 +17,12 @@ from pathlib import Path
 
 HARNESS = Path(__file__).resolve().parents[2] / "kvref" / "testing"
 REFLECTION = {"getattr", "setattr", "delattr", "hasattr"}
-# the vLLM pool adapter observes another engine's BlockPool, which offers no
-# read-only view of its hash map: it reads vLLM's privates, never kvref's
-# (it imports no kvref manager at all, as the second test checks)
-OTHER_ENGINE = frozenset({"vllm_pool.py", "vllm_plants.py"})
+# the vLLM and transformers adapters observe another engine's block pool,
+# which offers no read-only view of its hash map or free list: they read that
+# engine's privates, never kvref's (they import no kvref manager at all, as
+# the second test checks)
+OTHER_ENGINE = frozenset({"vllm_pool.py", "vllm_plants.py", "transformers_pool.py",
+                          "transformers_plants.py", "transformers_window.py"})
 
 
 def private(name: str) -> bool:
@@ -64,7 +66,9 @@ def test_the_other_engine_adapters_do_not_drive_kvref() -> None:
         imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         kvref_parts = {i for i in imported if i == "kvref" or i.startswith("kvref.")}
-        assert kvref_parts <= {"kvref.testing.vllm_pool", "kvref.testing.vllm_plants"}, name
+        # each other (the adapters share vLLM's Disagreement), never a manager
+        assert kvref_parts <= {f"kvref.testing.{n.removesuffix('.py')}"
+                               for n in OTHER_ENGINE}, (name, kvref_parts)
 
 
 def test_the_check_finds_what_the_harness_used_to_read() -> None:
