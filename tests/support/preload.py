@@ -11,11 +11,18 @@ found within its budget (issue 17); which test files a run collected, or the
 script that ran the machine, did the same.
 
 `preload` imports every library module (kvref, kvref_model, tests.support,
-benchmarks, the example engine) and pins Hypothesis's pool of local
-constants to theirs: not the test modules', not a script's. The pool is then
-the same in any order, for any selection of tests, in one process or per
-xdist worker. Pinning reaches into Hypothesis's internals; where they differ
-(another version), loading everything up front still keeps the order out.
+benchmarks, the example engine), so nothing a test imports late changes
+anything, and pins Hypothesis's pool of local constants to an empty one. It
+once pinned the pool to the library's own constants; then every edit to the
+library (a new module, a changed number) moved every derandomized draw, and
+planted bugs were found or lost by the luck of the draws (issue 41): two
+mutants of test_mutations.py went unfound after merging modules that touched
+nothing they exercise. With the pool empty, a derandomized run's draws follow
+its seed and its strategies only. The lockstep's strategies draw small ids
+and counts from its scope, where the library's constants (page sizes, byte
+counts, hash widths) add nothing. Pinning reaches into Hypothesis's
+internals; where they differ (another version), loading everything up front
+still keeps the order out.
 """
 
 from __future__ import annotations
@@ -55,13 +62,14 @@ def preload() -> list[ModuleType]:
             sys.modules[name] = module
             spec.loader.exec_module(module)
         modules.append(sys.modules[name])
-    pin_constants(modules)
+    pin_constants([])  # the draws follow the seed, not the library's source
     return modules
 
 
 def pin_constants(modules: list[ModuleType]) -> bool:
-    """Hypothesis's local constants are those of ``modules``, whatever is
-    loaded later. False where this Hypothesis has no such pool."""
+    """Hypothesis's local constants are those of ``modules`` (none, as the
+    suite pins them), whatever is loaded later. False where this Hypothesis
+    has no such pool."""
     try:
         from hypothesis.internal.conjecture import providers
     except ImportError:
