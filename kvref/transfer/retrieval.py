@@ -18,6 +18,7 @@ from kvref.core.errors import (
     PublishedInfoError,
     StepInFlightError,
 )
+from kvref.core.groups import GROUP_SEP
 from kvref.core.steps import StepForks
 from kvref.core.stream_table import StreamTable, pages_for
 from kvref.core.streams import CacheStream
@@ -34,11 +35,12 @@ from kvref.stepping.step import (
     RetrieveInProgress,
     WindowPending,
 )
-from kvref.transfer.engine import KVTransferManager, StaleSourceError
+from kvref.transfer.engine import KVTransferManager, StaleSourceError, TransferError
 from kvref.transfer.published import (
     KVSequenceInfo,
     PublishedKVInfo,
     PublishRefused,
+    RetrieveAborted,
     RetrieveStale,
     UnknownRequest,
 )
@@ -230,10 +232,13 @@ class Retrieval:
                     pages_short=new_pages - free, request_id=rid, label=label,
                     message=f"retrieve needs {new_pages} new pages, {free} free",
                 ))
+            started: list[str] = []
             for label, info, old_len in todo:
-                started = self._start_retrieve(rid, streams, label, info, old_len, source)
-                if started is not None:
-                    return AdmitOutcome(ok=False, ready=False, reason=started)
+                refused = self._start_retrieve(rid, streams, label, info, old_len, source)
+                if refused is not None:
+                    return self._refuse_start(rid, streams, started, [lb for lb, _, _ in todo],
+                                              refused)
+                started.append(label)
             ready = True
             for label in needed:
                 label_ready, failed = self._check_ready(rid, label)
@@ -258,12 +263,47 @@ class Retrieval:
             f"published pages of {labels} changed since publish; reset the request "
             "and retrieve a fresh publication", request_id=rid, label=labels[0]))
 
+    @staticmethod
+    def _refuse_start(rid: str, streams: dict[str, CacheStream], started: list[str],
+                      todo: list[str], refused: AdmitRuntimeError) -> AdmitOutcome:
+        """A copy that could not start (R26). Where a group of the same label
+        already started its copy, H1 forbids the plain refusal (that group
+        would go on copying while the call says nothing moved), and the
+        started copy cannot be undone: it writes its pages until it ends,
+        only a drain outside the lock (reset, remove) may wait for it, and
+        the pages it took may have evicted cached pages whose keys are gone.
+        So every group of the label is latched failed, as a copy failing
+        later would be (I11): each keeps what it took, and the next reset
+        drains the copies and frees them, so no page is lost or reused while
+        written. Labels other than the struck one keep copying, as before."""
+        label = refused.label or ""
+        mine = label.split(GROUP_SEP, 1)[0]
+
+        def group_of_mine(lb: str) -> bool:
+            return lb.split(GROUP_SEP, 1)[0] == mine
+
+        if not any(group_of_mine(lb) for lb in started):
+            return AdmitOutcome(ok=False, ready=False, reason=refused)
+        why = (f"the copy of {label!r} could not start after another group of its "
+               f"label started its own ({refused.message}); every group latched failed: "
+               "reset the request")
+        latched = TransferError(why)
+        for lb in dict.fromkeys([*todo, *streams]):
+            if not group_of_mine(lb):
+                continue
+            stream = streams.get(lb)
+            if stream is None:
+                stream = streams[lb] = CacheStream()
+            stream.abort_retrieve(latched)
+        return AdmitOutcome(ok=False, ready=False,
+                            reason=RetrieveAborted(why, request_id=rid, label=label))
+
     def _start_retrieve(self, rid: str, streams: dict[str, CacheStream], label: str,
                         info: KVSequenceInfo, old_len: int,
                         source: str | None = None) -> AdmitRuntimeError | None:
         """Take the pages and start one label's copy; if the transfer engine
-        raises, give back what this label took and refuse (R26). Labels started
-        before it keep copying: their pages are theirs, and reset drains them."""
+        raises, give back what this label took and refuse (R26); the caller
+        answers for the labels started before it (`_refuse_start`)."""
         stream = streams.get(label)
         created = stream is None
         if stream is None:
