@@ -524,7 +524,9 @@ class Lockstep(RuleBasedStateMachine):
     def retrieve_start_raises(self, data: st.DataObject) -> None:
         a = self.draw_enabled(data, m.RetrieveStart)
         assert isinstance(a, m.RetrieveStart)
-        self.run(m.RetrieveStart(a.rid, a.label, a.length, start_error=True))
+        # a label of groups: the fault at its last group's start too (H1)
+        late = self.scope.group_count > 1 and data.draw(st.booleans())
+        self.run(m.RetrieveStart(a.rid, a.label, a.length, start_error=True, late=late))
 
     @precondition(lambda self: self.has(m.RetrieveStart))
     @rule(data=st.data())
