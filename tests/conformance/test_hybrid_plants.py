@@ -30,6 +30,8 @@ FOUND_AT: dict[str, tuple[str, int]] = {
     # vLLM PR 50457, vllm-ascend PR 12394
     "hit_decided_by_the_first_group": ("a hit the window group cannot serve", 8),
     "refused_admit_keeps_the_first_group": ("an admit one group cannot take", 7),
+    "late_start_fault_keeps_the_started_group": (
+        "a retrieve whose window group cannot start", 2),
 }
 
 

@@ -233,6 +233,8 @@ def test_a_later_group_start_fault_latches_every_group() -> None:
         out = dst.admit_retrieve("a", None, None, pub)
     assert not out.ok and isinstance(out.reason, RetrieveAborted), out
     assert len(rt.pending) == 1  # the full group's copy runs on
+    got = _streams(dst, "a")  # the window group took its pages as a failed copy would
+    assert got["main"][0] == got["main@w"][0] == 5
     # every group failed, not only the one whose copy never started
     for stream in dst._streams["a"].values():
         assert stream.read_error is not None
