@@ -49,7 +49,8 @@ def test_every_reachable_state_and_action_of_a_hybrid_scope(driver_config: Drive
     out = check_scope(HYBRID_CI_SCOPE, driver_config)
     print(summary(out))
     assert not out.failures, "\n".join(out.failures)
-    assert out.states >= 14 and out.transitions >= 760  # 14 states, 769 calls
+    # 15 states, 856 calls since a late start fault (H1); 14 and 769 before
+    assert out.states >= 15 and out.transitions >= 850
 
 
 @pytest.mark.nightly
