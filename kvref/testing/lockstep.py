@@ -232,7 +232,7 @@ def fault_name(action: m.Action) -> str | None:
 
 
 # which start faults of a hybrid scope strike the label's last group (H1)
-LATE_EVERY = 3
+LATE_EVERY = 2
 
 
 class Lockstep(RuleBasedStateMachine):
@@ -251,7 +251,7 @@ class Lockstep(RuleBasedStateMachine):
         self.events: list[tuple[Any, ...]] = []
         self.recording = True  # off in a replay (kvref.testing.replay)
         self.traced = False
-        # a label of groups: every third start fault strikes its last group
+        # a label of groups: every second start fault strikes its last group
         # (H1), taken in turn rather than drawn, so the draws stay as they
         # were until it strikes (it latches the request, which then serves
         # nothing until reset)

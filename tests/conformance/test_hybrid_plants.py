@@ -61,7 +61,7 @@ def test_every_hybrid_plant_has_a_trace() -> None:
 # the CI budgets of the hybrid lockstep and exhaustive replay, against each
 # plant: which of them find it (measured, recorded in planted-bugs.md)
 # (the first two at the 4th lockstep example, the late start fault at the
-# 13th; at the 49th and 75th transitions of the replay; the other plants
+# 12th; at the 49th and 75th transitions of the replay; the other plants
 # survive those budgets: their traces find them)
 LOCKSTEP_FINDS = ("window_frees_tail_first", "refused_admit_keeps_the_first_group",
                   "late_start_fault_keeps_the_started_group")
