@@ -135,7 +135,8 @@ def _on_every_group(m: Model, s: State, a: Action, g: int) -> tuple[Result, Stat
             if isinstance(r, Refused) and r.kind == "AllocationFailed":
                 # one call takes every group's pages: short by what they all need
                 return Refused("AllocationFailed", _short(m, s, a, g)), s
-            if isinstance(a, RetrieveStart) and a.late and a.start_error and i == g - 1:
+            if isinstance(a, RetrieveStart) and a.start_error and a.late and i == g - 1 and (
+                    r == Refused("AdmitRuntimeError")):  # the fault, not a refusal before it
                 fault_free = replace(a, label=label * g + i, start_error=False)
                 aborted = _abort_started(m, s, t, fault_free, g)
                 if aborted is not None:
@@ -168,7 +169,8 @@ def _abort_started(m: Model, s: State, t: State, struck: RetrieveStart, g: int
     if not any(after.get(k, NO_STREAM).retrieve == PENDING
                and before.get(k, NO_STREAM).retrieve != PENDING for k in keys[:-1]):
         return None
-    _, t = m.step_one(t, struck)
+    r, t = m.step_one(t, struck)
+    assert isinstance(r, NotReady), r  # it passed every check before the fault
     st = t.stream_map()
     for k in keys:
         st[k] = replace(st[k], retrieve=FAILED)
