@@ -59,7 +59,8 @@ def test_every_reachable_state_and_action_of_a_hybrid_scope_nightly(
     out = check_scope(HYBRID_NIGHTLY_SCOPE, driver_config, progress=True)
     print(summary(out))
     assert not out.failures, "\n".join(out.failures)
-    assert out.states >= 59 and out.transitions >= 3_300  # 59 states, 3,341 calls
+    # 63 states, 3,712 calls since a late start fault (H1); 59 and 3,341 before
+    assert out.states >= 63 and out.transitions >= 3_700
 
 
 @pytest.mark.slow
