@@ -95,6 +95,7 @@ from kvref.transfer.published import (
     KVSequenceInfo,
     PublishedKVInfo,
     PublishRefused,
+    RetrieveAborted,
     RetrieveStale,
     UnknownRequest,
 )
@@ -165,6 +166,7 @@ __all__ = [
     "ResetRefused",
     "Resource",
     "RetentionPolicy",
+    "RetrieveAborted",
     "RetrieveInProgress",
     "RetrieveStale",
     "RetrieveState",

@@ -397,6 +397,10 @@ class RetrieveStart:
     label: int
     length: int
     start_error: bool = False  # the transfer engine raises starting the copy
+    # with start_error, on a label of groups: the fault strikes the last
+    # group's copy once the groups before it started theirs (H1: every group
+    # latched failed); without it, the first copy the call starts (R26)
+    late: bool = False
     # the publication handed in is stale: its source stream's generation moved
     # since publish (the peer changed, released or reused those pages; R35)
     stale: bool = False

@@ -19,7 +19,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvref_model.core import (
+    FAILED,
     NO_STREAM,
+    PENDING,
     Admit,
     CachePrefix,
     Claimed,
@@ -133,6 +135,12 @@ def _on_every_group(m: Model, s: State, a: Action, g: int) -> tuple[Result, Stat
             if isinstance(r, Refused) and r.kind == "AllocationFailed":
                 # one call takes every group's pages: short by what they all need
                 return Refused("AllocationFailed", _short(m, s, a, g)), s
+            if isinstance(a, RetrieveStart) and a.start_error and a.late and i == g - 1 and (
+                    r == Refused("AdmitRuntimeError")):  # the fault, not a refusal before it
+                fault_free = replace(a, label=label * g + i, start_error=False)
+                aborted = _abort_started(m, s, t, fault_free, g)
+                if aborted is not None:
+                    return Latched("RetrieveAborted"), aborted
             return r, (t if isinstance(r, Fault) else s)
         if isinstance(r, Count):
             added += r.n
@@ -144,6 +152,29 @@ def _on_every_group(m: Model, s: State, a: Action, g: int) -> tuple[Result, Stat
     if isinstance(first, Freed):
         return Freed(added), t
     return (Count(added) if isinstance(first, Count) else first), t
+
+
+def _abort_started(m: Model, s: State, t: State, struck: RetrieveStart, g: int
+                   ) -> State | None:
+    """A retrieve whose last group's copy could not start once the groups
+    before it started theirs (H1). A started copy cannot be called back (it
+    writes its pages until it ends), so the refusal cannot leave every group
+    as it was; the struck group takes its pages as a copy that failed at
+    once would, and every group of the label is latched failed: the state a
+    copy failing later leaves (I11), the groups alike (I30), each keeping
+    what it took until a reset. None where no earlier group started a copy:
+    then nothing moved (R26)."""
+    before, after = s.stream_map(), t.stream_map()
+    keys = [(struck.rid, struck.label - g + 1 + i) for i in range(g)]
+    if not any(after.get(k, NO_STREAM).retrieve == PENDING
+               and before.get(k, NO_STREAM).retrieve != PENDING for k in keys[:-1]):
+        return None
+    r, t = m.step_one(t, struck)
+    assert isinstance(r, NotReady), r  # it passed every check before the fault
+    st = t.stream_map()
+    for k in keys:
+        st[k] = replace(st[k], retrieve=FAILED)
+    return replace(t, streams=_sorted(st))
 
 
 def _short(m: Model, s: State, a: Action, g: int) -> int:

@@ -136,8 +136,13 @@ class _PerRequest:
         self.close = (OffloadCommit(r), OffloadAbandon(r), Reload(r))
         self.reload_error = Reload(r, copy_error=True)
         self.publish = Publish(r)
+        # a label of groups: a start fault also at its last group, once the
+        # others started their copies (H1)
+        late = (True,) if sc.group_count > 1 else ()
         self.retrieve = [(*(RetrieveStart(r, label, n) for n in range(sc.max_span + 1)),
-                          RetrieveStart(r, label, sc.max_span, start_error=True))
+                          RetrieveStart(r, label, sc.max_span, start_error=True),
+                          *(RetrieveStart(r, label, sc.max_span, start_error=True, late=x)
+                            for x in late))
                          for label in labels]
         self.stale = [RetrieveStart(r, label, sc.max_span, stale=True) for label in labels]
         self.reset = (Reset(r, free=False), Reset(r, free=True), Remove(r))

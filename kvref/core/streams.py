@@ -572,6 +572,15 @@ class CacheStream:
             raise self._refuse("fail_retrieve", "a copy is still writing its pages")
         self.read_error = err
 
+    def abort_retrieve(self, err: BaseException) -> None:
+        """-> FAILED, latched (I11), a copy it started possibly still running:
+        a hybrid label whose later group's copy could not start (H1). The
+        future is kept, so reset and removal drain the copy before its pages
+        go."""
+        if self.read_error is not None:
+            raise self._refuse("abort_retrieve", f"retrieve state is {self.retrieve.name}")
+        self.read_error = err
+
     def settle_retrieve(self) -> RetrieveState:
         """Read a finished copy's outcome off its future once and latch it
         (PENDING -> IDLE or FAILED); returns the state."""

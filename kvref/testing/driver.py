@@ -199,7 +199,7 @@ class DriverConfig:
 # the KVRefError kinds an injected fault surfaces as: a fault, not a misuse
 FAULTS = frozenset({"ForkCopyError", "ReloadCopyError", "OffloadCopyError"})
 # refusal reasons that latch on the stream: the model's `Latched`, not `Refused`
-LATCHED = frozenset({"RetrieveStale"})
+LATCHED = frozenset({"RetrieveStale", "RetrieveAborted"})
 # how far LeaseTimeout moves the clock: past every deadline taken so far
 LEASE_S = 60.0
 
@@ -609,11 +609,11 @@ class Driver:
         info = self.published(a)
         # the copy the manager starts is a task submitted to our runtime
         before = {id(t.future) for t in self.runtime.pending}
-        # the transfer engine raises at the first copy's start: a hybrid
-        # label's later group cannot be struck (its earlier group's copy
-        # already runs, which H1 forbids and kvref does not undo; the
-        # model states that refusal changes no group)
-        with (self.runtime.failing("retrieve.start", once=True) if a.start_error
+        # the transfer engine raises at the first copy's start, or (late) at
+        # the label's last group's, once the groups before it started theirs:
+        # kvref latches every group failed then (H1, `Retrieval._refuse_start`)
+        after = self.groups.g - 1 if a.late else 0
+        with (self.runtime.failing("retrieve.start", once=True, after=after) if a.start_error
               else contextlib.nullcontext()):
             out = outcome(self.kv.admit_retrieve(rid, "node", label, info))
         started = [t.future for t in self.runtime.pending if id(t.future) not in before]

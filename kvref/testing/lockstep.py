@@ -232,6 +232,10 @@ def fault_name(action: m.Action) -> str | None:
     return None
 
 
+# which start faults of a hybrid scope strike the label's last group (H1)
+LATE_EVERY = 2
+
+
 class Lockstep(RuleBasedStateMachine):
     scope = SCOPE
     config = DriverConfig()
@@ -248,6 +252,11 @@ class Lockstep(RuleBasedStateMachine):
         self.events: list[tuple[Any, ...]] = []
         self.recording = True  # off in a replay (kvref.testing.replay)
         self.traced = False
+        # a label of groups: every second start fault strikes its last group
+        # (H1), taken in turn rather than drawn, so the draws stay as they
+        # were until it strikes (it latches the request, which then serves
+        # nothing until reset)
+        self.start_faults = 0
 
     @property
     def user(self) -> m.State:
@@ -328,7 +337,11 @@ class Lockstep(RuleBasedStateMachine):
     def enabled_of(self, kind: type | tuple[type, ...]) -> list[m.Action]:
         # every rule's precondition asks; enumerate the protocol once per state
         if self.enabled_memo[0] is not self.state:
-            self.enabled_memo = (self.state, list(enabled(self.model, self.state)))
+            # a late start fault is the start-fault rule's to issue, in turn
+            # (`late_next`): drawn among the others, it moved every draw
+            self.enabled_memo = (self.state, [
+                a for a in enabled(self.model, self.state)
+                if not (isinstance(a, m.RetrieveStart) and a.late)])
         return [a for a in self.enabled_memo[1] if isinstance(a, kind)]
 
     def draw_enabled(self, data: st.DataObject, kind: type | tuple[type, ...]) -> m.Action:
@@ -526,7 +539,10 @@ class Lockstep(RuleBasedStateMachine):
     def retrieve_start_raises(self, data: st.DataObject) -> None:
         a = self.draw_enabled(data, m.RetrieveStart)
         assert isinstance(a, m.RetrieveStart)
-        self.run(m.RetrieveStart(a.rid, a.label, a.length, start_error=True))
+        # a label of groups: the fault at its last group's start too (H1)
+        self.start_faults += 1
+        late = self.scope.group_count > 1 and self.start_faults % LATE_EVERY == 0
+        self.run(m.RetrieveStart(a.rid, a.label, a.length, start_error=True, late=late))
 
     @precondition(lambda self: self.has(m.RetrieveStart))
     @rule(data=st.data())

@@ -49,6 +49,8 @@ class ManualRuntime:
         self.clock = 0.0  # what `monotonic` answers: moved by `advance` only
         # copy site -> fail only its next copy (True) or every copy (False)
         self.failing_sites: dict[str, bool] = {}
+        # copy site -> passes that go through before its fault strikes
+        self.passing: dict[str, int] = {}
         # checkpoint name -> run once when the manager passes it
         self.checkpoint_hooks: dict[str, Callable[[], None]] = {}
 
@@ -57,18 +59,25 @@ class ManualRuntime:
         once = self.failing_sites.get(site)
         if once is None:
             return
+        if self.passing.get(site):
+            self.passing[site] -= 1
+            return
         if once:
             del self.failing_sites[site]
         raise InjectedCopyFault(f"{site} failed (injected)")
 
     @contextlib.contextmanager
-    def failing(self, site: str, once: bool = False) -> Iterator[None]:
-        """Within the block, copies at ``site`` raise (only the first with ``once``)."""
+    def failing(self, site: str, once: bool = False, after: int = 0) -> Iterator[None]:
+        """Within the block, copies at ``site`` raise (only the first with
+        ``once``), the first ``after`` of them let through: a fault that
+        strikes a hybrid label's later group, once the earlier ones ran."""
         self.failing_sites[site] = once
+        self.passing[site] = after
         try:
             yield
         finally:
             self.failing_sites.pop(site, None)
+            self.passing.pop(site, None)
 
     @contextlib.contextmanager
     def at_checkpoint(self, name: str, fn: Callable[[], None]) -> Iterator[None]:

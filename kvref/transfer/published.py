@@ -81,3 +81,10 @@ class RetrieveStale(AdmitRuntimeError):
     """The published pages no longer hold what was published: the publisher's
     stream changed generation, or is gone (R35). Latched like a failed copy
     (I11): reset the request and retrieve a fresh publication."""
+
+
+class RetrieveAborted(AdmitRuntimeError):
+    """A hybrid label's retrieve whose later group's copy could not start
+    after an earlier group's had (H1): a started copy cannot be called back,
+    so every group of the label is latched failed, as a failed copy is
+    (I11); reset the request (it drains the started copies) and retry."""

@@ -11,6 +11,7 @@ failed or stale copy is latched on it (I11) until reset or removal.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from typing import Any
 
 from kvref.core.errors import (
@@ -18,6 +19,7 @@ from kvref.core.errors import (
     PublishedInfoError,
     StepInFlightError,
 )
+from kvref.core.groups import GROUP_SEP
 from kvref.core.steps import StepForks
 from kvref.core.stream_table import StreamTable, pages_for
 from kvref.core.streams import CacheStream
@@ -34,11 +36,12 @@ from kvref.stepping.step import (
     RetrieveInProgress,
     WindowPending,
 )
-from kvref.transfer.engine import KVTransferManager, StaleSourceError
+from kvref.transfer.engine import KVTransferManager, StaleSourceError, TransferError
 from kvref.transfer.published import (
     KVSequenceInfo,
     PublishedKVInfo,
     PublishRefused,
+    RetrieveAborted,
     RetrieveStale,
     UnknownRequest,
 )
@@ -230,10 +233,30 @@ class Retrieval:
                     pages_short=new_pages - free, request_id=rid, label=label,
                     message=f"retrieve needs {new_pages} new pages, {free} free",
                 ))
+            started: list[str] = []
+            # label -> the error its groups latch: a later group's copy could
+            # not start once an earlier group's had (H1, `_abort`)
+            aborted: dict[str, TransferError] = {}
             for label, info, old_len in todo:
-                started = self._start_retrieve(rid, streams, label, info, old_len, source)
-                if started is not None:
-                    return AdmitOutcome(ok=False, ready=False, reason=started)
+                user = label.split(GROUP_SEP, 1)[0]
+                refused = self._start_retrieve(rid, streams, label, info, old_len, source,
+                                               failed=aborted.get(user))
+                if refused is not None:
+                    if not any(lb.split(GROUP_SEP, 1)[0] == user for lb in started):
+                        self._abort(streams, aborted)
+                        return AdmitOutcome(ok=False, ready=False, reason=refused)
+                    aborted[user] = TransferError(
+                        f"the copy of {label!r} could not start after another group of "
+                        f"its label started its own ({refused.message}): reset the request")
+                    again = self._start_retrieve(rid, streams, label, info, old_len, source,
+                                                 failed=aborted[user])
+                    assert again is None, again
+                started.append(label)
+            if aborted:
+                self._abort(streams, aborted)
+                user, err = next(iter(aborted.items()))
+                return AdmitOutcome(ok=False, ready=False, reason=RetrieveAborted(
+                    str(err), request_id=rid, label=user))
             ready = True
             for label in needed:
                 label_ready, failed = self._check_ready(rid, label)
@@ -258,12 +281,33 @@ class Retrieval:
             f"published pages of {labels} changed since publish; reset the request "
             "and retrieve a fresh publication", request_id=rid, label=labels[0]))
 
+    @staticmethod
+    def _abort(streams: dict[str, CacheStream], aborted: dict[str, TransferError]) -> None:
+        """Latch failed every group of each label in ``aborted``: a copy that
+        could not start after a group of its label had started its own.
+        H1 forbids refusing with that group still copying, and the started
+        copy cannot be undone: it writes its pages until it ends, only a
+        drain outside the lock (reset, remove) may wait for it, and the pages
+        it took may have evicted cached pages whose keys are gone. So the
+        struck group and those after it take their pages as if their copies
+        had started and failed at once (`_start_retrieve`'s ``failed``), and
+        every group is latched failed: the state of a label whose copy
+        failed later (I11), its groups alike (I30). Each keeps what it took;
+        the next reset drains the running copies before freeing, so no page
+        is lost, or reused while written. Other labels keep copying."""
+        for lb, stream in streams.items():
+            err = aborted.get(lb.split(GROUP_SEP, 1)[0])
+            if err is not None:
+                stream.abort_retrieve(err)
+
     def _start_retrieve(self, rid: str, streams: dict[str, CacheStream], label: str,
                         info: KVSequenceInfo, old_len: int,
-                        source: str | None = None) -> AdmitRuntimeError | None:
+                        source: str | None = None, failed: BaseException | None = None
+                        ) -> AdmitRuntimeError | None:
         """Take the pages and start one label's copy; if the transfer engine
-        raises, give back what this label took and refuse (R26). Labels started
-        before it keep copying: their pages are theirs, and reset drains them."""
+        raises, give back what this label took and refuse (R26); the caller
+        answers for the labels started before it (`_abort`). ``failed``: no
+        copy is started, the pages are taken as for one that failed at once."""
         stream = streams.get(label)
         created = stream is None
         if stream is None:
@@ -292,14 +336,20 @@ class Retrieval:
             tail = old_len // ps - max(released, stream.released) // ps
             shared, pages[tail] = pages[tail], got[-1]
         try:
-            # both lists by position: a released slot (never read) names the sink
-            fut = self._transfer.start_async_retrieve(
-                start_len=start, end_len=info.seq_len,
-                local_page_indices=[SINK_PAGE] * (released // ps) + pages,
-                remote_page_indices=self._remote_pages(info, ps),
-                kv_transfer_info=info.latest_kv_transfer_info,
-                source=(source, label, info.generation),
-            )
+            fut: Future[None] | None
+            if failed is not None:
+                done: Future[None] = Future()
+                done.set_exception(failed)
+                fut = done
+            else:
+                # both lists by position: a released slot (never read) names the sink
+                fut = self._transfer.start_async_retrieve(
+                    start_len=start, end_len=info.seq_len,
+                    local_page_indices=[SINK_PAGE] * (released // ps) + pages,
+                    remote_page_indices=self._remote_pages(info, ps),
+                    kv_transfer_info=info.latest_kv_transfer_info,
+                    source=(source, label, info.generation),
+                )
         except Exception as err:
             if created:
                 del streams[label]

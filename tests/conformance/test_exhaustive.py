@@ -49,7 +49,8 @@ def test_every_reachable_state_and_action_of_a_hybrid_scope(driver_config: Drive
     out = check_scope(HYBRID_CI_SCOPE, driver_config)
     print(summary(out))
     assert not out.failures, "\n".join(out.failures)
-    assert out.states >= 14 and out.transitions >= 760  # 14 states, 769 calls
+    # 15 states, 856 calls since a late start fault (H1); 14 and 769 before
+    assert out.states >= 15 and out.transitions >= 850
 
 
 @pytest.mark.nightly
@@ -58,7 +59,8 @@ def test_every_reachable_state_and_action_of_a_hybrid_scope_nightly(
     out = check_scope(HYBRID_NIGHTLY_SCOPE, driver_config, progress=True)
     print(summary(out))
     assert not out.failures, "\n".join(out.failures)
-    assert out.states >= 59 and out.transitions >= 3_300  # 59 states, 3,341 calls
+    # 63 states, 3,712 calls since a late start fault (H1); 59 and 3,341 before
+    assert out.states >= 63 and out.transitions >= 3_700
 
 
 @pytest.mark.slow

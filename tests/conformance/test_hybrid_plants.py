@@ -30,6 +30,8 @@ FOUND_AT: dict[str, tuple[str, int]] = {
     # vLLM PR 50457, vllm-ascend PR 12394
     "hit_decided_by_the_first_group": ("a hit the window group cannot serve", 8),
     "refused_admit_keeps_the_first_group": ("an admit one group cannot take", 7),
+    "late_start_fault_keeps_the_started_group": (
+        "a retrieve whose window group cannot start", 2),
 }
 
 
@@ -58,10 +60,13 @@ def test_every_hybrid_plant_has_a_trace() -> None:
 
 # the CI budgets of the hybrid lockstep and exhaustive replay, against each
 # plant: which of them find it (measured, recorded in planted-bugs.md)
-# (found at the 8th lockstep example, and at the 47th transition of the
-# replay; the other plants survive those budgets: their traces find them)
-LOCKSTEP_FINDS = ("window_frees_tail_first", "refused_admit_keeps_the_first_group")
-EXHAUSTIVE_FINDS = ("refused_admit_keeps_the_first_group",)
+# (the first two at the 4th lockstep example, the late start fault at the
+# 12th; at the 49th and 75th transitions of the replay; the other plants
+# survive those budgets: their traces find them)
+LOCKSTEP_FINDS = ("window_frees_tail_first", "refused_admit_keeps_the_first_group",
+                  "late_start_fault_keeps_the_started_group")
+EXHAUSTIVE_FINDS = ("refused_admit_keeps_the_first_group",
+                    "late_start_fault_keeps_the_started_group")
 
 
 @pytest.mark.nightly

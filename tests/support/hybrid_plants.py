@@ -18,6 +18,7 @@ from kvref.core.refusals import AllocationFailed
 from kvref.core.stream_table import Key, StreamTable
 from kvref.manager import KVManager
 from kvref.prefix import cache as prefix_cache
+from kvref.transfer import retrieval
 
 Plant = Callable[[pytest.MonkeyPatch], None]
 
@@ -100,10 +101,24 @@ def refused_admit_keeps_the_first_group(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(KVManager, "admit", bad)
 
 
+def late_start_fault_keeps_the_started_group(mp: pytest.MonkeyPatch) -> None:
+    """H1 off (kvref before this fix): a retrieve whose window group's copy
+    cannot start answers the plain refusal of R26, while the full group's
+    copy, started first, keeps running: the groups disagree (one pending
+    with the peer's length, one as it was) and the call says nothing moved."""
+    spot = "if not any(lb.split(GROUP_SEP, 1)[0] == user for lb in started):"
+    src = textwrap.dedent(inspect.getsource(retrieval.Retrieval.admit_retrieve))
+    assert src.count(spot) == 1, "admit_retrieve: the plant's spot is gone"
+    scope = dict(vars(retrieval))
+    exec(compile(src.replace(spot, "if True:"), "<plant admit_retrieve>", "exec"), scope)
+    mp.setattr(retrieval.Retrieval, "admit_retrieve", scope["admit_retrieve"])
+
+
 PLANTS: dict[str, Plant] = {
     "window_frees_tail_first": window_frees_tail_first,
     "window_hit_only_at_the_longest_point": window_hit_only_at_the_longest_point,
     "window_passes_keyed_pages_to_the_lru": window_passes_keyed_pages_to_the_lru,
     "hit_decided_by_the_first_group": hit_decided_by_the_first_group,
     "refused_admit_keeps_the_first_group": refused_admit_keeps_the_first_group,
+    "late_start_fault_keeps_the_started_group": late_start_fault_keeps_the_started_group,
 }

@@ -34,6 +34,12 @@ TRACES: dict[str, tuple[m.Scope, list[m.Action]]] = {
         m.Ingest(0), *run(0, 0, 6), m.CachePrefix(0, 0), m.Ingest(1),
         m.MatchPrefix(1, 0, 5)]),
     # r1's admit fits the full group's free pages, not both groups' (H1)
+    # r0 retrieves four tokens; the window group's copy cannot start once
+    # the full group's has: every group latched failed, and the reset after
+    # drains the running copy (H1)
+    "a retrieve whose window group cannot start": (HYBRID, [
+        m.Ingest(0), m.RetrieveStart(0, 0, 4, start_error=True, late=True),
+        m.RetrieveStart(0, 0, 4), m.Reset(0, free=True)]),
     "an admit one group cannot take": (HYBRID, [
         m.Ingest(0), *run(0, 0, 4), m.Ingest(1), m.Admit(m.Step((m.Seg(1, 0, 4),),
                                                                 padded=(1,)))]),

@@ -208,3 +208,43 @@ def test_a_failed_fork_copy_empties_the_target_in_every_group() -> None:
     assert got["cfg"][0] == got["cfg@w"][0] == 0
     assert got["main"][0] == got["main@w"][0] == 3
     assert not m.check()
+
+
+def test_a_later_group_start_fault_latches_every_group() -> None:
+    """H1, R26: the transfer engine raises starting the window group's copy
+    after the full group's copy started. The started copy cannot be called
+    back, so the label's every group is latched failed (not refused with
+    the full group still copying, as before), every later call reports it,
+    and a reset drains the copy and leaves the groups alike."""
+    from kvref import RetrieveAborted
+    from kvref.testing.manual_runtime import ManualRuntime
+    from kvref.transfer.published import PublishedKVInfo
+
+    rt = ManualRuntime()
+    src, dst = (KVManager(_cfg(), name, None, TransferEngineInfo(), torch.device("cpu"),
+                          dtype=torch.float32, runtime=rt) for name in ("src", "dst"))
+    src.ingest_request("a")
+    _step(src, "a", 5)
+    pub = src.publish("a")
+    assert isinstance(pub, PublishedKVInfo)
+    dst.ingest_request("a")
+    free = dst.num_free_pages
+    with rt.failing("retrieve.start", once=True, after=1):
+        out = dst.admit_retrieve("a", None, None, pub)
+    assert not out.ok and isinstance(out.reason, RetrieveAborted), out
+    assert len(rt.pending) == 1  # the full group's copy runs on
+    got = _streams(dst, "a")  # the window group took its pages as a failed copy would
+    assert got["main"][0] == got["main@w"][0] == 5
+    # every group failed, not only the one whose copy never started
+    for stream in dst._streams["a"].values():
+        assert stream.read_error is not None
+    again = dst.admit_retrieve("a", None, None, pub)
+    assert not again.ok and again.reason is not None
+    assert not dst.check()
+    src.release_published("a")
+    dst.reset_request("a", free=True)  # drains the running copy first
+    assert not rt.pending or all(t.future.done() for t in rt.pending)
+    got = _streams(dst, "a")
+    assert got["main"] == got["main@w"] == (0, (), 0)
+    assert dst.num_free_pages == free
+    assert not dst.check()
