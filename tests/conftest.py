@@ -49,6 +49,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from tests.support.preload import preload
 
     preload()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # one xdist worker per core (-n auto): torch's own pool of a thread
+        # per core in every worker oversubscribed the cores, each tensor op
+        # spinning against the other worker's tests
+        import torch
+
+        torch.set_num_threads(1)
     # failures' trace files: into this session's temporary directory unless
     # the caller chose a place (scripts/nightly.sh: its artifacts)
     # (each xdist worker: its own temporary directory)

@@ -17,12 +17,12 @@ from tests.support.sched_harness import SCOPES, Op, Program, StepOp, replay, run
 from tests.support.sched_planted import STEP0, dfs_count
 from tests.support.scheduler import PCT, Replay
 
-# sized for CI (~90 s for the whole concurrency suite on two cores); the
-# nightly profile's max_examples applies to the nightly test below
-CI = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# sized for CI (about a minute of CPU for these four; 300 and 150 once, half
+# that since CI outgrew its 15 minutes); the nightly test below draws 5,000
+CI = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # kvref's default configuration, at half the plain budget; not shrunk (a
 # failure prints its programs and schedule)
-SHIPPED = settings(CI, max_examples=150, phases=[Phase.explicit, Phase.generate])
+SHIPPED = settings(CI, max_examples=75, phases=[Phase.explicit, Phase.generate])
 
 
 def drawn(scope: str, data: st.DataObject) -> None:
