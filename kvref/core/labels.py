@@ -82,16 +82,11 @@ class FullAttention:
         return released
 
 
-@dataclass(frozen=True)
-class SlidingWindow:
-    """The last ``window_tokens`` tokens are read; a commit keeps ``margin``
-    more so a speculative step's rejected drafts may be truncated (W15)."""
+class _ReleasesPages:
+    """What a window and a chunk share: a commit lets go of pages, and the
+    pages stay cached only where the behaviour says (``cached``)."""
 
-    window_tokens: int
-    margin: int = 0
-    # a hybrid model's window group keys its pages and hits (H2-H4 of
-    # specs/retention.md); a label's window (KVConfig.retention) does not (W9, W10)
-    cached: bool = False
+    cached: bool
 
     @property
     def releases(self) -> bool:
@@ -100,6 +95,18 @@ class SlidingWindow:
     @property
     def cacheable(self) -> bool:
         return self.cached
+
+
+@dataclass(frozen=True)
+class SlidingWindow(_ReleasesPages):
+    """The last ``window_tokens`` tokens are read; a commit keeps ``margin``
+    more so a speculative step's rejected drafts may be truncated (W15)."""
+
+    window_tokens: int
+    margin: int = 0
+    # a hybrid model's window group keys its pages and hits (H2-H4 of
+    # specs/retention.md); a label's window (KVConfig.retention) does not (W9, W10)
+    cached: bool = False
 
     def first_read(self, length: int) -> int:
         return max(0, length - self.window_tokens)
@@ -115,7 +122,7 @@ class SlidingWindow:
 
 
 @dataclass(frozen=True)
-class ChunkedLocal:
+class ChunkedLocal(_ReleasesPages):
     """Chunked local attention (H7): the next token of a stream ``n`` long
     reads from its chunk's start ``n // chunk * chunk``; a commit lets go of
     every page wholly before it, so the pages go at each chunk boundary. A
@@ -124,14 +131,6 @@ class ChunkedLocal:
 
     chunk: int
     cached: bool = True
-
-    @property
-    def releases(self) -> bool:
-        return True
-
-    @property
-    def cacheable(self) -> bool:
-        return self.cached
 
     def first_read(self, length: int) -> int:
         return length // self.chunk * self.chunk

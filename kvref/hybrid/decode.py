@@ -134,41 +134,33 @@ def fresh_plans(segments: Sequence[Segment], streams: list[CacheStream], groups:
             pages += map(getitem, map(_page_indices, rows), last_page)
             arrays += [a if a.shape[0] == m else a[:m]
                        for a, m in zip(map(_pages_array, rows), counts, strict=True)]
-            offsets += offs
-            view_len += lens
-            offset += at[1]
-            head += qo
-            head += kv
-            head += last
-            held += kv[-1]
-            ends.append(held)
-            continue
-        was = at
-        kv, last, last_page, counts, offs, lens = [0], [], [], [], [], []
-        in_group = 0
-        for s, stored, rel in zip(rows, at[0], at[1], strict=True):
-            # a windowed stream's view starts at its first retained page (W1, W4)
-            end = stored - rel  # the new token's place in the view
-            j = end // ps
-            off = end - j * ps
-            pages.append(s.page_indices[j])
-            last_page.append(j)
-            j += 1  # the view's pages
-            arr = s.pages_array()
-            arrays.append(arr if arr.shape[0] == j else arr[:j])
-            counts.append(j)
-            in_group += j
-            kv.append(in_group)
-            last.append(off + 1)
-            offs.append(off)
-            lens.append(end + 1)
+        else:
+            was = at
+            kv, last, last_page, counts, offs, lens = [0], [], [], [], [], []
+            in_group = 0
+            for s, stored, rel in zip(rows, at[0], at[1], strict=True):
+                # a windowed stream's view starts at its first retained page (W1, W4)
+                end = stored - rel  # the new token's place in the view
+                j = end // ps
+                off = end - j * ps
+                pages.append(s.page_indices[j])
+                last_page.append(j)
+                j += 1  # the view's pages
+                arr = s.pages_array()
+                arrays.append(arr if arr.shape[0] == j else arr[:j])
+                counts.append(j)
+                in_group += j
+                kv.append(in_group)
+                last.append(off + 1)
+                offs.append(off)
+                lens.append(end + 1)
         offsets += offs
         view_len += lens
         offset += at[1]
         head += qo
         head += kv
         head += last
-        held += in_group
+        held += kv[-1]
         ends.append(held)
     w = 3 * b + 2
     table = np.concatenate((np.array(head, dtype=np.int32), *arrays))
