@@ -41,10 +41,8 @@ import importlib
 import importlib.util
 import logging
 import sys
-import time
 import types
-from collections import Counter, deque
-from collections.abc import Iterator
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
@@ -53,17 +51,17 @@ from typing import Any, ClassVar
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from kvref.testing.vllm_pool import (
+from kvref.testing.engine_search import LockstepReport, Unexpressible, budget, run_lockstep
+from kvref.testing.pages_replay import (
     Disagreement,
-    LockstepReport,
     ReplayReport,
-    _kind,
-    budget,
-    run_lockstep,
-    tokens_of,
+    Trace,
+    print_clean_run,
+    print_plant,
+    replay_pages,
 )
+from kvref.testing.vllm_pool import tokens_of
 from kvref_model import pages as M
-from kvref_model.pages_check import Canon, calls
 from kvref_model.pages_invariants import (
     INTERESTING,
     state_violations,
@@ -184,10 +182,6 @@ def load_copy(folder: Path) -> Tf:
 
 
 # ------------------------------------------------------------------ adapter
-
-
-class Unexpressible(Exception):
-    """A model action transformers has no call for."""
 
 
 @dataclass(frozen=True)
@@ -715,8 +709,7 @@ def lockstep_machine(tf: Tf, scope: M.Scope = ENGINE_SCOPE) -> type[RuleBasedSta
 def run_tf_lockstep(tf: Tf, examples: int = 100, steps: int = 25,
                     scope: M.Scope = ENGINE_SCOPE,
                     machine: type[RuleBasedStateMachine] | None = None) -> LockstepReport:
-    return run_lockstep(tf, budget(examples, steps), scope,  # type: ignore[arg-type]
-                        machine or lockstep_machine(tf, scope))
+    return run_lockstep(machine or lockstep_machine(tf, scope), budget(examples, steps))
 
 
 # ------------------------------------------------------------------ replay
@@ -725,54 +718,21 @@ def run_tf_lockstep(tf: Tf, examples: int = 100, steps: int = 25,
 def replay(tf: Tf, scope: M.Scope = REPLAY_SCOPE, first: bool = False,
            sector: int = 1) -> ReplayReport:
     """Every state the model reaches within `scope.depth` calls of its protocol,
-    breadth first (each disagreement's trace a shortest one): for each call in
-    each state, the cache is reset, brought to the state by its trace, and the
-    call compared.  A state is entered only by calls on which the two agreed."""
-    model, canon = M.PagesModel(scope), Canon(scope)
-    rep = ReplayReport(scope)
-    t = time.perf_counter()
-    s0 = model.init()
-    seen = {canon(s0)}
-    frontier: deque[tuple[M.State, list[tuple[M.Action, M.Result]]]] = deque([(s0, [])])
+    each call compared on the cache reset and brought to the state by its trace
+    (a reset costs less than building a cache).  `first`: stop at the first
+    disagreement."""
     tp = TfPool(tf, scope, sector)
-    while frontier:
-        s, trace = frontier.popleft()
-        rep.states += 1
-        if scope.depth and len(trace) >= scope.depth:
-            continue
-        for a in calls(model, s):
-            tp.reset()
-            for b, want in trace:
-                tp.step(b, want)
-            try:
-                after, bad = compare(model, s, a, tp)
-            except Unexpressible:
-                rep.unexpressible += 1
-                continue
-            rep.edges += 1
-            want = model.step(s, a)[0]
-            if bad is not None:
-                rep.findings.setdefault(_kind(s, a, bad.want), (trace, bad))
-                if first:
-                    frontier.clear()
-                    break
-                continue
-            rep.interesting.update(name for name, pred in INTERESTING.items()
-                                   if pred(model, s, a, want, after))
-            key = canon(after)
-            if key not in seen:
-                seen.add(key)
-                frontier.append((after, [*trace, (a, want)]))
-    rep.seconds = time.perf_counter() - t
-    return rep
+
+    def bring(trace: Trace) -> TfPool:
+        tp.reset()
+        for b, want in trace:
+            tp.step(b, want)
+        return tp
+
+    return replay_pages(scope, bring, compare, first)
 
 
 # ------------------------------------------------------------------ CLI
-
-
-def differences() -> Iterator[str]:
-    for name, what in DIFFERENCES:
-        yield f"  Scope.{name}: {what}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -787,14 +747,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     tf = load()
     print(f"transformers {tf.version}: {tf.where}")
-    print("differences, as scope settings of the model:")
-    print("\n".join(differences()))
-    lock = run_tf_lockstep(tf, args.examples, args.steps)
-    print(f"lockstep: {lock.examples} examples, {lock.seconds:.1f}s: "
-          + ("no disagreement" if lock.failure is None else lock.failure))
-    rep = replay(tf, replace(REPLAY_SCOPE, depth=args.depth))
-    print("exhaustive replay:\n" + rep.table())
-    bad = lock.failure is not None or bool(rep.findings)
+    bad = print_clean_run(DIFFERENCES, run_tf_lockstep(tf, args.examples, args.steps),
+                          replay(tf, replace(REPLAY_SCOPE, depth=args.depth)))
     if args.plants:
         from kvref.testing.transformers_plants import PLANTS, PatchMissing, planted_copy
 
@@ -809,13 +763,7 @@ def main(argv: list[str] | None = None) -> int:
                 bad = True
                 print(f"plant {name}: NOT PLANTED: {err}")
                 continue
-            found = got.failure is not None
-            bad |= not found or not short.findings
-            print(f"plant {name}: lockstep "
-                  + (f"found it at example {got.examples}, {got.seconds:.1f}s: {got.failure}"
-                     if found else "NOT FOUND"))
-            print("  replay: " + ("\n".join(short.table().splitlines()[3:])
-                                  if short.findings else "NOT FOUND"))
+            bad |= print_plant(name, got, short)
     return 1 if bad else 0
 
 

@@ -49,8 +49,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -58,7 +56,9 @@ from typing import Any, ClassVar
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from kvref.testing.vllm_pool import Vllm, budget, load
+from kvref.testing.engine_search import Agreed, Differed, LockstepReport, budget, explore
+from kvref.testing.engine_search import run_lockstep as run_machine
+from kvref.testing.vllm_pool import Vllm, load
 from kvref_model import pages as P
 from kvref_model.core import (
     Admit,
@@ -521,25 +521,9 @@ def lockstep_machine(v: Vllm, scope: Scope = ENGINE_SCOPE,
     return HybridLockstep
 
 
-@dataclass
-class LockstepReport:
-    examples: int
-    seconds: float
-    failure: str | None
-
-
 def run_lockstep(v: Vllm, examples: int = 200, steps: int = 30, scope: Scope = ENGINE_SCOPE,
                  machine: type[RuleBasedStateMachine] | None = None) -> LockstepReport:
-    from hypothesis.stateful import run_state_machine_as_test
-
-    machine = machine or lockstep_machine(v, scope)
-    t = time.perf_counter()
-    failure = None
-    try:
-        run_state_machine_as_test(machine, settings=budget(examples, steps))
-    except AssertionError as err:
-        failure = str(err).splitlines()[0] if str(err) else repr(err)
-    return LockstepReport(machine.runs, time.perf_counter() - t, failure)  # type: ignore[attr-defined]
+    return run_machine(machine or lockstep_machine(v, scope), budget(examples, steps))
 
 
 # ------------------------------------------------------------------ replay
@@ -557,6 +541,7 @@ class ReplayReport:
     scope: Scope
     states: int = 0
     edges: int = 0
+    unexpressible: int = 0  # every operation has a vLLM call: stays 0
     seconds: float = 0.0
     findings: dict[str, tuple[list[Op], Disagreement]] = field(default_factory=dict)
 
@@ -575,35 +560,20 @@ class ReplayReport:
 def replay(v: Vllm, scope: Scope = REPLAY_SCOPE, depth: int = 5,
            lengths: tuple[int, ...] = REPLAY_LENGTHS, spans: tuple[int, ...] = REPLAY_SPANS,
            model: type[Model] = VllmHybridModel, first: bool = False) -> ReplayReport:
-    """Every world the model reaches within `depth` operations, breadth first
-    (so a disagreement's trace is a shortest one); each operation in each is
-    compared on a fresh vLLM manager brought there by the trace."""
+    """Every world the model reaches within `depth` operations, each operation
+    compared on a fresh vLLM manager brought there by the trace; see
+    `engine_search.explore`."""
     m, rep = model(scope), ReplayReport(scope)
-    t = time.perf_counter()
-    w0 = World(m.init())
-    seen = {w0}
-    frontier: deque[tuple[World, list[Op]]] = deque([(w0, [])])
-    while frontier:
-        w, trace = frontier.popleft()
-        rep.states += 1
-        if len(trace) >= depth:
-            continue
-        for op in ops(m, w, lengths, spans):
-            vh = VllmHybrid(v, scope)
-            for b in trace:
-                vllm_op(vh, b)
-            after, bad = compare(m, w, op, vh)
-            rep.edges += 1
-            if bad is not None:
-                rep.findings.setdefault(op.kind, (trace, bad))
-                if first:
-                    frontier.clear()
-                    break
-                continue
-            if after not in seen:
-                seen.add(after)
-                frontier.append((after, [*trace, op]))
-    rep.seconds = time.perf_counter() - t
+
+    def judge(trace: list[Op], w: World, op: Op) -> Agreed[World, Op] | Differed[Disagreement]:
+        vh = VllmHybrid(v, scope)
+        for b in trace:
+            vllm_op(vh, b)
+        after, bad = compare(m, w, op, vh)
+        return Differed(op.kind, bad) if bad is not None else Agreed(after, op)
+
+    explore(rep, World(m.init()), depth, lambda w: w, lambda w: ops(m, w, lengths, spans),
+            judge, first)
     return rep
 
 

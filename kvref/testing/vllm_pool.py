@@ -35,25 +35,29 @@ import importlib
 import logging
 import os
 import sys
-import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any, ClassVar
 
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
+from kvref.testing.engine_search import LockstepReport, Unexpressible, budget
+from kvref.testing.engine_search import run_lockstep as run_machine
+from kvref.testing.pages_replay import (
+    Disagreement,
+    ReplayReport,
+    Trace,
+    print_clean_run,
+    print_plant,
+    replay_pages,
+)
 from kvref_model import pages as M
-from kvref_model.pages_check import Canon, calls, show, show_trace
+from kvref_model.pages_check import show
 from kvref_model.pages_invariants import (
     INTERESTING,
     state_violations,
@@ -189,10 +193,6 @@ def load(path: str | Path) -> Vllm:
 
 
 # ------------------------------------------------------------------ adapter
-
-
-class Unexpressible(Exception):
-    """A model action with no vLLM call (a register of a part page)."""
 
 
 def tokens_of(key: M.Key | None) -> M.Tokens:
@@ -412,19 +412,6 @@ class VllmPool:
 # ------------------------------------------------------------------ one step
 
 
-@dataclass(frozen=True)
-class Disagreement:
-    action: M.Action
-    want: M.Result
-    got: str  # the engine's result, or the exception it raised
-    detail: str
-    engine: str = "vLLM"  # kvref.testing.transformers_pool files its own under this
-
-    def __str__(self) -> str:
-        return (f"{show(self.action)}: {self.engine} {self.got}, model {show(self.want)}"
-                + (f" ({self.detail})" if self.detail else ""))
-
-
 def compare(model: M.PagesModel, s: M.State, a: M.Action, vp: VllmPool
             ) -> tuple[M.State, Disagreement | None]:
     """Step both; the model's next state and what differed, if anything."""
@@ -606,140 +593,29 @@ def lockstep_machine(v: Vllm, scope: M.Scope = ENGINE_SCOPE) -> type[RuleBasedSt
     return VllmLockstep
 
 
-def budget(examples: int = 200, steps: int = 30) -> settings:
-    """The CI budget: derandomized, no database, no shrinking."""
-    return settings(max_examples=examples, stateful_step_count=steps, derandomize=True,
-                    database=None, deadline=None, phases=[Phase.explicit, Phase.generate],
-                    suppress_health_check=list(HealthCheck), print_blob=False)
-
-
-@dataclass
-class LockstepReport:
-    examples: int
-    seconds: float
-    failure: str | None  # the first disagreement's message
-
-
 def run_lockstep(v: Vllm, cfg: settings | None = None, scope: M.Scope = ENGINE_SCOPE,
                  machine: type[RuleBasedStateMachine] | None = None) -> LockstepReport:
-    machine = machine or lockstep_machine(v, scope)
-    t = time.perf_counter()
-    failure = None
-    try:
-        run_state_machine_as_test(machine, settings=cfg or budget())
-    except AssertionError as err:
-        failure = str(err).splitlines()[0] if str(err) else repr(err)
-    return LockstepReport(machine.runs, time.perf_counter() - t, failure)  # type: ignore[attr-defined]
+    return run_machine(machine or lockstep_machine(v, scope), cfg or budget())
 
 
 # ------------------------------------------------------------------ replay
 
 
-@dataclass
-class ReplayReport:
-    scope: M.Scope
-    states: int = 0
-    edges: int = 0  # transitions compared
-    unexpressible: int = 0
-    seconds: float = 0.0
-    interesting: Counter[str] = field(default_factory=Counter)  # agreed edges
-    # the shortest trace to a disagreement, per action kind
-    findings: dict[str, tuple[list[tuple[M.Action, M.Result]], Disagreement]] = field(
-        default_factory=dict)
-
-    def table(self) -> str:
-        lines = [f"scope: {self.scope}",
-                 f"states {self.states}   transitions compared {self.edges}   "
-                 f"unexpressible {self.unexpressible}   {self.seconds:.1f}s",
-                 "interesting cases: " + ", ".join(
-                     f"{k} {self.interesting[k]}" for k in INTERESTING)]
-        if not self.findings:
-            lines.append("disagreements: none")
-        for kind, (trace, bad) in sorted(self.findings.items()):
-            lines.append(f"disagreement on {kind}, shortest trace:")
-            lines.append(show_trace(tuple(trace)) if trace else "    (the initial state)")
-            lines.append(f"    {len(trace) + 1}. {bad}")
-        return "\n".join(lines)
-
-
-def _kind(s: M.State, a: M.Action, want: M.Result) -> str:
-    """What a disagreement is filed under: the action, and a careless call's kind."""
-    kind = type(a).__name__
-    if isinstance(a, M.Register) and s.page(a.page).key is not None:
-        return kind + (", a repeat" if isinstance(want, M.Registered)
-                       else ", other tokens for a cached page")
-    if not isinstance(want, M.Misuse):
-        return kind
-    pages: tuple[int, ...] = getattr(a, "pages", ())
-    if len(set(pages)) != len(pages):
-        why = "a page twice in one list"
-    elif isinstance(a, M.Release | M.Share) and any(not s.page(p).holders for p in pages):
-        why = "a free page"
-    elif isinstance(a, M.Release):
-        why = "a page it does not hold"
-    elif isinstance(a, M.Take) and any(s.page(p).key is None for p in pages):
-        why = "a page no key names"
-    elif isinstance(a, M.Share | M.Match | M.Take):
-        why = "a page it holds already"
-    elif isinstance(a, M.Allocate):
-        why = "a negative count"
-    else:
-        why = "refused by the model"
-    return f"{kind}, {why}"
-
-
 def replay(v: Vllm, scope: M.Scope = REPLAY_SCOPE, first: bool = False) -> ReplayReport:
     """Every state the model reaches within `scope.depth` calls of its protocol,
-    breadth first (so each disagreement's trace is a shortest one): for each call
-    of the protocol in each state, a fresh vLLM pool is brought to the state by
-    its trace and the call is compared.
-    A state is only entered by calls on which the two agreed.  `first`: stop at
-    the first disagreement (a shortest trace to one)."""
-    model, canon = M.PagesModel(scope), Canon(scope)
-    rep = ReplayReport(scope)
-    t = time.perf_counter()
-    s0 = model.init()
-    seen = {canon(s0)}
-    frontier: deque[tuple[M.State, list[tuple[M.Action, M.Result]]]] = deque([(s0, [])])
-    while frontier:
-        s, trace = frontier.popleft()
-        rep.states += 1
-        if scope.depth and len(trace) >= scope.depth:
-            continue
-        for a in calls(model, s):
-            vp = VllmPool(v, scope)  # a fresh pool and the trace: cheaper than a copy
-            for b, _ in trace:
-                vp.step(b)
-            try:
-                after, bad = compare(model, s, a, vp)
-            except Unexpressible:
-                rep.unexpressible += 1
-                continue
-            rep.edges += 1
-            want = model.step(s, a)[0]
-            if bad is None:
-                rep.interesting.update(name for name, pred in INTERESTING.items()
-                                       if pred(model, s, a, want, after))
-            if bad is not None:
-                rep.findings.setdefault(_kind(s, a, bad.want), (trace, bad))
-                if first:
-                    frontier.clear()
-                    break
-                continue
-            key = canon(after)
-            if key not in seen:
-                seen.add(key)
-                frontier.append((after, [*trace, (a, want)]))
-    rep.seconds = time.perf_counter() - t
-    return rep
+    each call compared on a fresh vLLM pool brought to the state by its trace
+    (cheaper than a copy).  `first`: stop at the first disagreement."""
+
+    def bring(trace: Trace) -> VllmPool:
+        vp = VllmPool(v, scope)
+        for b, _ in trace:
+            vp.step(b)
+        return vp
+
+    return replay_pages(scope, bring, compare, first)
 
 
 # ------------------------------------------------------------------ CLI
-
-
-def differences() -> Iterator[str]:
-    for name, what in DIFFERENCES:
-        yield f"  Scope.{name}: {what}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -757,14 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     v = load(args.vllm)
     print(f"vLLM copy: {v.root}")
-    print("differences, as scope settings of the model:")
-    print("\n".join(differences()))
-    lock = run_lockstep(v, budget(args.examples, args.steps))
-    print(f"lockstep: {lock.examples} examples, {lock.seconds:.1f}s: "
-          + ("no disagreement" if lock.failure is None else lock.failure))
-    rep = replay(v, replace(REPLAY_SCOPE, depth=args.depth))
-    print("exhaustive replay:\n" + rep.table())
-    bad = lock.failure is not None or bool(rep.findings)
+    bad = print_clean_run(DIFFERENCES, run_lockstep(v, budget(args.examples, args.steps)),
+                          replay(v, replace(REPLAY_SCOPE, depth=args.depth)))
     if args.careless:
         care = replay(v, replace(REPLAY_SCOPE, depth=min(args.depth, 4),
                                  trusts_caller=False))
@@ -783,13 +653,7 @@ def main(argv: list[str] | None = None) -> int:
                 bad = True
                 print(f"plant {name} ({plant.anchor}): NOT PLANTED: {err}")
                 continue
-            found = got.failure is not None
-            bad |= not found or not short.findings
-            print(f"plant {name} ({plant.anchor}, {form}): lockstep "
-                  + (f"found it at example {got.examples}, {got.seconds:.1f}s: {got.failure}"
-                     if found else "NOT FOUND"))
-            print("  replay: " + ("\n".join(short.table().splitlines()[3:])
-                                  if short.findings else "NOT FOUND"))
+            bad |= print_plant(f"{name} ({plant.anchor}, {form})", got, short)
         load(args.vllm)
     return 1 if bad else 0
 
