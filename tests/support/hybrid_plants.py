@@ -14,24 +14,29 @@ from types import ModuleType
 import pytest
 
 from kvref import AdmitOutcome, KVStep, StepContext
+from kvref.core.groups import GROUP_SEP
 from kvref.core.refusals import AllocationFailed
 from kvref.core.stream_table import Key, StreamTable
 from kvref.manager import KVManager
+from kvref.offload import phases
 from kvref.prefix import cache as prefix_cache
 from kvref.transfer import retrieval
 
 Plant = Callable[[pytest.MonkeyPatch], None]
 
 
-def _mutant(mp: pytest.MonkeyPatch, module: ModuleType, name: str, old: str, new: str) -> None:
-    """``module.name`` rebuilt from its own source with ``old`` replaced by
-    ``new`` (one spot): a one-line defect inside a function too long to
-    wrap. Its globals are the module's, so it calls what the original does."""
-    src = textwrap.dedent(inspect.getsource(getattr(module, name)))
+def _mutant(mp: pytest.MonkeyPatch, module: ModuleType, name: str, old: str, new: str,
+            owner: type | None = None) -> None:
+    """``module.name`` (or ``owner.name``, a method of a class of the module)
+    rebuilt from its own source with ``old`` replaced by ``new`` (one spot):
+    a one-line defect inside a function too long to wrap. Its globals are
+    the module's, so it calls what the original does."""
+    where: object = module if owner is None else owner
+    src = textwrap.dedent(inspect.getsource(getattr(where, name)))
     assert src.count(old) == 1, f"{name}: the plant's spot is gone"
     scope = dict(vars(module))
     exec(compile(src.replace(old, new), f"<plant {module.__name__}.{name}>", "exec"), scope)
-    mp.setattr(module, name, scope[name])
+    mp.setattr(where, name, scope[name])
 
 
 def window_frees_tail_first(mp: pytest.MonkeyPatch) -> None:
@@ -114,6 +119,22 @@ def late_start_fault_keeps_the_started_group(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(retrieval.Retrieval, "admit_retrieve", scope["admit_retrieve"])
 
 
+def later_group_copy_trusts_the_first(mp: pytest.MonkeyPatch) -> None:
+    """R19 per group broken: a label's copy checks the claim once, at its
+    first group's copy, and the later groups' copies trust that check. A
+    reset between two groups' copies (kvref copies each group's stream in
+    its own critical sections) then has a later group copy the reset
+    stream and answer True, where a copy of a changed claim copies nothing
+    (the commit's guard still throws it away: the answer and the host
+    pages it held meanwhile are wrong). Only a schedule that runs the reset
+    between the groups' copies shows it: the controlled scheduler's hybrid
+    offload program (tests/concurrency/test_shared_programs.py)."""
+    _mutant(mp, phases, "copy_to_host", "if self._stale(offload):",
+            "if self._stale(offload) and (offload.cancelled"
+            f" or {GROUP_SEP!r} not in claim.label):",  # the first group's stream only
+            owner=phases.HostOffload)
+
+
 PLANTS: dict[str, Plant] = {
     "window_frees_tail_first": window_frees_tail_first,
     "window_hit_only_at_the_longest_point": window_hit_only_at_the_longest_point,
@@ -121,4 +142,13 @@ PLANTS: dict[str, Plant] = {
     "hit_decided_by_the_first_group": hit_decided_by_the_first_group,
     "refused_admit_keeps_the_first_group": refused_admit_keeps_the_first_group,
     "late_start_fault_keeps_the_started_group": late_start_fault_keeps_the_started_group,
+}
+
+# found by the controlled scheduler's hybrid programs, not by a sequential
+# trace: plant -> (the HYBRID_CASES program, the DFS schedule, one
+# preemption, at which it is found)
+SCHEDULED_PLANTS: dict[str, tuple[Plant, str, int]] = {
+    "later_group_copy_trusts_the_first": (
+        later_group_copy_trusts_the_first, "hybrid: an offload against a reset of its request",
+        18),  # of the clean tree's 40
 }
