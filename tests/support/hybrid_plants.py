@@ -2,13 +2,15 @@
 the class of a KV-cache bug another engine shipped: found by the model
 layers run on a hybrid scope (tests/conformance/test_hybrid_plants.py),
 while the clean tree passes the same runs. H1-H4 of specs/retention.md
-state what each breaks."""
+state what each breaks. `SCHEDULED_PLANTS` are defects only an
+interleaving shows, found by the controlled scheduler's hybrid programs
+(tests/concurrency/test_shared_programs.py)."""
 
 from __future__ import annotations
 
 import inspect
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 
 import pytest
@@ -17,8 +19,12 @@ from kvref import AdmitOutcome, KVStep, StepContext
 from kvref.core.groups import GROUP_SEP
 from kvref.core.refusals import AllocationFailed
 from kvref.core.stream_table import Key, StreamTable
+from kvref.core.streams import ClaimedStream
 from kvref.manager import KVManager
 from kvref.offload import phases
+from kvref.offload.handle import Offload
+from kvref.offload.outcomes import OffloadOutcome
+from kvref.offload.phases import HostOffload
 from kvref.prefix import cache as prefix_cache
 from kvref.transfer import retrieval
 
@@ -135,6 +141,38 @@ def later_group_copy_trusts_the_first(mp: pytest.MonkeyPatch) -> None:
             owner=phases.HostOffload)
 
 
+def commit_releases_group_by_group(mp: pytest.MonkeyPatch) -> None:
+    """H1's commit split: an offload commit that moves the first group's
+    streams in one critical section and each later group's in another, as
+    a coordinator looping over per-group managers would. Between the two,
+    any thread sees a half-offloaded request: the offload closed, the first
+    group on the host, the window group still claimed and holding its
+    device pages."""
+    orig = HostOffload.commit
+
+    def bad(self: HostOffload, offload: Offload, claims: Mapping[str, ClaimedStream],
+            copied: Sequence[str]) -> OffloadOutcome:
+        later = [lb for lb in copied if GROUP_SEP in lb]
+        first = {lb: c for lb, c in claims.items() if lb not in later}
+        out = orig(self, offload, first, [lb for lb in copied if lb not in later])
+        rid, freed = offload.request_id, out.pages_freed
+        with self.table.lock:  # the second section: the later groups
+            streams = self.table.streams.get(rid, {})
+            for lb in later:
+                s = streams.get(lb)
+                if s is None:
+                    continue
+                if not out.moved:  # the guard failed on the first group
+                    self._give_back_claim(rid, streams, lb)
+                    continue
+                freed += self.table.give_back((rid, lb), s.page_indices)
+                s.commit_offload()
+        moved = out.moved + (tuple(later) if out.moved else ())
+        return OffloadOutcome(freed, moved, out.kept, out.reason)
+
+    mp.setattr(HostOffload, "commit", bad)
+
+
 PLANTS: dict[str, Plant] = {
     "window_frees_tail_first": window_frees_tail_first,
     "window_hit_only_at_the_longest_point": window_hit_only_at_the_longest_point,
@@ -151,4 +189,7 @@ SCHEDULED_PLANTS: dict[str, tuple[Plant, str, int]] = {
     "later_group_copy_trusts_the_first": (
         later_group_copy_trusts_the_first, "hybrid: an offload against a reset of its request",
         18),  # of the clean tree's 40
+    "commit_releases_group_by_group": (
+        commit_releases_group_by_group,
+        "hybrid: an offload and its reload against another request's step", 1),
 }
