@@ -365,6 +365,11 @@ class OffloadCopy:
     rid: int
     label: int
     copy_error: bool = False  # a host copy that raises
+    # with groups: the copy of one group's stream of the label (None: every
+    # group's in turn, the label's copy). kvref copies each group's stream in
+    # its own critical sections, so a concurrent run is checked one group's
+    # copy at a time (H1); the label's copy is exactly its groups' in order
+    group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -1571,6 +1576,8 @@ class Model:
 
     def do_OffloadCopy(self, s: State, a: OffloadCopy) -> tuple[Result, State]:
         off = s.offload_of(a.rid)
+        if a.group is not None:  # a group without groups (groups.step resolves it)
+            return Misuse("OffloadStateError"), s
         if off is None or a.label in off.copied or a.label not in dict(off.claimed):
             # a closed handle, a label it never claimed, or one copied already
             return Misuse("OffloadStateError"), s

@@ -33,6 +33,7 @@ from kvref_model.core import (
     Key,
     Latched,
     MatchPrefix,
+    Misuse,
     NotReady,
     Offload,
     OffloadCopy,
@@ -96,6 +97,11 @@ def step(m: Model, s: State, a: Action) -> tuple[Result, State]:
     g = m.scope.group_count
     if isinstance(a, Admit):
         return m.step_one(s, replace(a, step=expand(a.step, g)))
+    if isinstance(a, OffloadCopy) and a.group is not None:
+        # one group's copy: kvref's own critical sections (H1)
+        if not 0 <= a.group < g:
+            return Misuse("OffloadStateError"), s
+        return m.step_one(s, replace(a, label=a.label * g + a.group, group=None))
     if isinstance(a, _PER_GROUP):
         return _on_every_group(m, s, a, g)
     if isinstance(a, MatchPrefix):

@@ -45,10 +45,11 @@ DATA = Path(__file__).with_name("features_off.json")
 # alone, so at their defaults here: checked) the keyed slots a host copy
 # remembers (S29), the length of a stream's chain of keys (S23) and whether
 # its commits key its pages (S33); and a retrieve's fault at a later group's
-# start (`RetrieveStart.late`, hybrid scopes only: H1)
-DROP = {"table", "pool", "keyed", "chain", "followed", "hosted", "preplanned", "late"}
-# hosted: windows only (W8); late: groups only
-SHARING_ONLY = {"keyed", "chain", "followed", "hosted", "late"}
+# start (`RetrieveStart.late`, hybrid scopes only: H1) and the one group an
+# offload copy names (`OffloadCopy.group`, hybrid scopes only: H1)
+DROP = {"table", "pool", "keyed", "chain", "followed", "hosted", "preplanned", "late", "group"}
+# hosted: windows only (W8); late, group: groups only
+SHARING_ONLY = {"keyed", "chain", "followed", "hosted", "late", "group"}
 
 # (variant, scope keywords, depth), sharing and windows off (Scope's defaults)
 CASES: dict[str, tuple[str, dict[str, int], int]] = {

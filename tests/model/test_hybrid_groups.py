@@ -12,13 +12,21 @@ from __future__ import annotations
 from kvref_model import invariants as inv
 from kvref_model.check import Report, explore
 from kvref_model.core import (
+    OFFLOADED,
+    RESIDENT,
     Admit,
     CachePrefix,
     Commit,
     Count,
+    Flag,
+    Freed,
     Ingest,
     MatchPrefix,
+    Misuse,
     Model,
+    OffloadClaim,
+    OffloadCommit,
+    OffloadCopy,
     Ok,
     Plan,
     Remove,
@@ -185,3 +193,49 @@ def test_a_chunked_group_names_a_group_with_a_number() -> None:
 
     with pytest.raises(ValueError):
         Scope(groups=(None, 2), chunked=(0,))
+
+
+# one full and one window group (W = 3), pages of two tokens, room on the
+# host for two group copies: the scheduler's hybrid offload programs' scope
+OFFLOADS = Scope(requests=2, labels=1, device_pages=6, host_pages=2, page_size=2, max_span=6,
+                 sharing=True, groups=(None, 3), window_cache=True)
+
+
+def test_a_label_copy_is_its_groups_copies_in_turn() -> None:
+    """H1: kvref copies each group's stream in its own critical sections,
+    so a concurrent run is checked one group's copy at a time
+    (`OffloadCopy.group`); the label's copy is exactly those, in order."""
+    m = Model(OFFLOADS)
+    base = (Ingest(0), *_prompt(0, 2), OffloadClaim(0))
+    whole, s1 = _run(m, *base, OffloadCopy(0, 0))
+    each, s2 = _run(m, *base, OffloadCopy(0, 0, group=0), OffloadCopy(0, 0, group=1))
+    assert whole[-1] == each[-2] == each[-1] == Flag(True)
+    assert s1 == s2
+    # a group the scope does not have, or one copied already: the handle's misuse
+    out, _ = _run(m, *base, OffloadCopy(0, 0, group=2), OffloadCopy(0, 0, group=0),
+                   OffloadCopy(0, 0, group=0))
+    assert out[-3] == out[-1] == Misuse("OffloadStateError") and out[-2] == Flag(True)
+    # without groups there is no group to name
+    plain = Model(Scope(requests=1, labels=1, device_pages=2, host_pages=2, page_size=2))
+    out, _ = _run(plain, Ingest(0), *_prompt(0, 2), OffloadClaim(0), OffloadCopy(0, 0, group=0))
+    assert out[-1] == Misuse("OffloadStateError")
+
+
+def test_two_offloads_can_each_move_one_group() -> None:
+    """Two offloads whose group copies interleave take the host's two pages
+    one group each: each label's groups end apart (H1 allows it; a label's
+    copy taken whole could not), and every invariant holds on the way."""
+    m = Model(OFFLOADS)
+    _, s = _run(m, Ingest(0), *_prompt(0, 2), Ingest(1), *_prompt(1, 2))
+    for a, want in ((OffloadClaim(0), None), (OffloadClaim(1), None),
+                    (OffloadCopy(0, 0, group=0), Flag(True)),
+                    (OffloadCopy(1, 0, group=0), Flag(True)),
+                    (OffloadCopy(0, 0, group=1), Flag(False)),
+                    (OffloadCopy(1, 0, group=1), Flag(False)),
+                    (OffloadCommit(0), Freed(1)), (OffloadCommit(1), Freed(1))):
+        r, s = m.step(s, a)
+        assert want is None or r == want, (a, r)
+        assert not _violations(m, s), (a, _violations(m, s))
+    st = s.stream_map()
+    assert [st[(rid, g)].offload for rid in (0, 1) for g in (0, 1)] == [
+        OFFLOADED, RESIDENT, OFFLOADED, RESIDENT]

@@ -2,36 +2,47 @@
 the class of a KV-cache bug another engine shipped: found by the model
 layers run on a hybrid scope (tests/conformance/test_hybrid_plants.py),
 while the clean tree passes the same runs. H1-H4 of specs/retention.md
-state what each breaks."""
+state what each breaks. `SCHEDULED_PLANTS` are defects only an
+interleaving shows, found by the controlled scheduler's hybrid programs
+(tests/concurrency/test_shared_programs.py)."""
 
 from __future__ import annotations
 
 import inspect
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 
 import pytest
 
 from kvref import AdmitOutcome, KVStep, StepContext
+from kvref.core.groups import GROUP_SEP
 from kvref.core.refusals import AllocationFailed
 from kvref.core.stream_table import Key, StreamTable
+from kvref.core.streams import ClaimedStream
 from kvref.manager import KVManager
+from kvref.offload import phases
+from kvref.offload.handle import Offload
+from kvref.offload.outcomes import OffloadOutcome
+from kvref.offload.phases import HostOffload
 from kvref.prefix import cache as prefix_cache
 from kvref.transfer import retrieval
 
 Plant = Callable[[pytest.MonkeyPatch], None]
 
 
-def _mutant(mp: pytest.MonkeyPatch, module: ModuleType, name: str, old: str, new: str) -> None:
-    """``module.name`` rebuilt from its own source with ``old`` replaced by
-    ``new`` (one spot): a one-line defect inside a function too long to
-    wrap. Its globals are the module's, so it calls what the original does."""
-    src = textwrap.dedent(inspect.getsource(getattr(module, name)))
+def _mutant(mp: pytest.MonkeyPatch, module: ModuleType, name: str, old: str, new: str,
+            owner: type | None = None) -> None:
+    """``module.name`` (or ``owner.name``, a method of a class of the module)
+    rebuilt from its own source with ``old`` replaced by ``new`` (one spot):
+    a one-line defect inside a function too long to wrap. Its globals are
+    the module's, so it calls what the original does."""
+    where: object = module if owner is None else owner
+    src = textwrap.dedent(inspect.getsource(getattr(where, name)))
     assert src.count(old) == 1, f"{name}: the plant's spot is gone"
     scope = dict(vars(module))
     exec(compile(src.replace(old, new), f"<plant {module.__name__}.{name}>", "exec"), scope)
-    mp.setattr(module, name, scope[name])
+    mp.setattr(where, name, scope[name])
 
 
 def window_frees_tail_first(mp: pytest.MonkeyPatch) -> None:
@@ -114,6 +125,54 @@ def late_start_fault_keeps_the_started_group(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(retrieval.Retrieval, "admit_retrieve", scope["admit_retrieve"])
 
 
+def later_group_copy_trusts_the_first(mp: pytest.MonkeyPatch) -> None:
+    """R19 per group broken: a label's copy checks the claim once, at its
+    first group's copy, and the later groups' copies trust that check. A
+    reset between two groups' copies (kvref copies each group's stream in
+    its own critical sections) then has a later group copy the reset
+    stream and answer True, where a copy of a changed claim copies nothing
+    (the commit's guard still throws it away: the answer and the host
+    pages it held meanwhile are wrong). Only a schedule that runs the reset
+    between the groups' copies shows it: the controlled scheduler's hybrid
+    offload program (tests/concurrency/test_shared_programs.py)."""
+    _mutant(mp, phases, "copy_to_host", "if self._stale(offload):",
+            "if self._stale(offload) and (offload.cancelled"
+            f" or {GROUP_SEP!r} not in claim.label):",  # the first group's stream only
+            owner=phases.HostOffload)
+
+
+def commit_releases_group_by_group(mp: pytest.MonkeyPatch) -> None:
+    """H1's commit split: an offload commit that moves the first group's
+    streams in one critical section and each later group's in another, as
+    a coordinator looping over per-group managers would. Between the two,
+    any thread sees a half-offloaded request: the offload closed, the first
+    group on the host, the window group still claimed and holding its
+    device pages."""
+    orig = HostOffload.commit
+
+    def bad(self: HostOffload, offload: Offload, claims: Mapping[str, ClaimedStream],
+            copied: Sequence[str]) -> OffloadOutcome:
+        later = [lb for lb in copied if GROUP_SEP in lb]
+        first = {lb: c for lb, c in claims.items() if lb not in later}
+        out = orig(self, offload, first, [lb for lb in copied if lb not in later])
+        rid, freed = offload.request_id, out.pages_freed
+        with self.table.lock:  # the second section: the later groups
+            streams = self.table.streams.get(rid, {})
+            for lb in later:
+                s = streams.get(lb)
+                if s is None:
+                    continue
+                if not out.moved:  # the guard failed on the first group
+                    self._give_back_claim(rid, streams, lb)
+                    continue
+                freed += self.table.give_back((rid, lb), s.page_indices)
+                s.commit_offload()
+        moved = out.moved + (tuple(later) if out.moved else ())
+        return OffloadOutcome(freed, moved, out.kept, out.reason)
+
+    mp.setattr(HostOffload, "commit", bad)
+
+
 PLANTS: dict[str, Plant] = {
     "window_frees_tail_first": window_frees_tail_first,
     "window_hit_only_at_the_longest_point": window_hit_only_at_the_longest_point,
@@ -121,4 +180,16 @@ PLANTS: dict[str, Plant] = {
     "hit_decided_by_the_first_group": hit_decided_by_the_first_group,
     "refused_admit_keeps_the_first_group": refused_admit_keeps_the_first_group,
     "late_start_fault_keeps_the_started_group": late_start_fault_keeps_the_started_group,
+}
+
+# found by the controlled scheduler's hybrid programs, not by a sequential
+# trace: plant -> (the HYBRID_CASES program, the DFS schedule, one
+# preemption, at which it is found)
+SCHEDULED_PLANTS: dict[str, tuple[Plant, str, int]] = {
+    "later_group_copy_trusts_the_first": (
+        later_group_copy_trusts_the_first, "hybrid: an offload against a reset of its request",
+        18),  # of the clean tree's 40
+    "commit_releases_group_by_group": (
+        commit_releases_group_by_group,
+        "hybrid: an offload and its reload against another request's step", 1),
 }

@@ -526,11 +526,15 @@ class Harness:
         lin = self.lin
         copy, commit, abandon = off.copy, off.commit, off.abandon
 
+        groups = self.driver.groups
+
         def copy_(label: str) -> bool:
             # a hybrid label's offload copies each group's stream in its own
-            # sections, where the model's OffloadCopy copies them all: not
-            # mapped here, so the hybrid programs offload nothing
-            assert self.driver.groups.g == 1, "hybrid offloads are not scheduled yet"
+            # sections, so each group's copy is its own model action (the
+            # model's copy of one group, H1): another thread runs between
+            # them and sees the host pool with one group's copy in it
+            internal = groups.internal(label)
+            group = None if groups.g == 1 else internal % groups.g
             ok = [False]
 
             def run() -> m.Result:
@@ -539,7 +543,8 @@ class Harness:
 
             # decided in its first manager section (stale? room?), recorded
             # in a second
-            with lin.subop(m.OffloadCopy(r, m.LABEL_NAMES.index(label)), split=True) as sub:
+            with lin.subop(m.OffloadCopy(r, internal // groups.g, group=group),
+                           split=True) as sub:
                 res = run()
                 if sub is not None:
                     sub.result = res

@@ -139,8 +139,54 @@ CASES = {
         SHIPPED_SCOPE, _window_offloaded),
 }
 
+# hybrid offloads: each request's label one page in each group, two pages
+# free, room on the host for two group copies
+TWO_EACH = ((0, 2), (1, 2), (2, 0))
+
+
+def _hybrid_offload_or_step(got: dict[m.Action, list[m.Result]]) -> None:
+    # r0's offload always moves both groups (the step takes no host room);
+    # the pages its commit frees go to r1's step or back to r0's reload,
+    # never to both (the reload needs two, the step four of the six)
+    assert got[m.OffloadCommit(0)] == [m.Freed(2)], got
+    admit, reload = got[m.Admit(step(1, 0, 4).step)], got[m.Reload(0)]
+    assert (admit, reload) in (([m.Refused("AllocationFailed", 2)], [m.Flag(True)]),
+                               ([m.Ok()], [m.Flag(False)])), (admit, reload)
+
+
+def _group_copies(got: dict[m.Action, list[m.Result]], rid: int) -> list[bool]:
+    out = []
+    for g in range(2):
+        [flag] = got[m.OffloadCopy(rid, 0, group=g)]
+        assert isinstance(flag, m.Flag), flag
+        out.append(flag.value)
+    return out
+
+
+def _hybrid_offloads_share_the_host(got: dict[m.Action, list[m.Result]]) -> None:
+    # each group's copy takes one host page of two, in its own critical
+    # sections: the first offload to copy both groups fills the host, or the
+    # two take one group each and each label's groups end apart, one on the
+    # host and one on the device (H1): what a label-level copy could not
+    # give (specs/findings.md, issue 40)
+    freed = (got[m.OffloadCommit(0)], got[m.OffloadCommit(1)])
+    assert freed in (([m.Freed(2)], [m.Freed(0)]), ([m.Freed(0)], [m.Freed(2)]),
+                     ([m.Freed(1)], [m.Freed(1)])), freed
+    for rid in (0, 1):
+        assert [m.Freed(sum(_group_copies(got, rid)))] == got[m.OffloadCommit(rid)], got
+
+
+def _hybrid_offload_or_reset(got: dict[m.Action, list[m.Result]]) -> None:
+    # the commit moves both groups or, the reset inside the offload, none;
+    # a group's copy after the reset copies nothing, and neither does any
+    # later group's (R19, per group's copy)
+    assert got[m.OffloadCommit(0)] in ([m.Freed(2)], [m.Freed(0)]), got
+    copies = _group_copies(got, 0)
+    assert copies in ([True, True], [True, False], [False, False]), copies
+
+
 # hybrid models (issue 40): CI explores them with one preemption (a few
-# seconds each), the nightly run with two (74 and 82 schedules)
+# seconds each), the nightly run with two
 HYBRID_CASES = {
     # an allocation that evicts cached pages of both groups racing a hit
     # every group must serve
@@ -154,6 +200,20 @@ HYBRID_CASES = {
         (Program("engine", [step(0, 0, 2)]), Program("life", [Op("match", 1, 0, 5)])),
         Setup(((0, 4), (1, 0), (2, 0)), (), (m.CachePrefix(0, 0),)), HYBRID,
         _hybrid_hit_or_passed),
+    # an offload, claim, a copy per group, commit, then its reload, racing
+    # another request's step for the pages the commit frees
+    "hybrid: an offload and its reload against another request's step": Case(
+        (Program("worker", [Op("offload", 0), Op("reload", 0)]),
+         Program("engine", [step(1, 0, 4)])),
+        Setup(TWO_EACH, ()), HYBRID, _hybrid_offload_or_step),
+    # two offloads whose group copies race for the host pool
+    "hybrid: two offloads against each other for the host pool": Case(
+        (Program("worker", [Op("offload", 0)]), Program("worker2", [Op("offload", 1)])),
+        Setup(TWO_EACH, ()), HYBRID, _hybrid_offloads_share_the_host),
+    # a reset of the request between its claim, its groups' copies and its commit
+    "hybrid: an offload against a reset of its request": Case(
+        (Program("worker", [Op("offload", 0)]), Program("life", [Op("reset", 0)])),
+        Setup(TWO_EACH, ()), HYBRID, _hybrid_offload_or_reset),
 }
 
 
