@@ -109,8 +109,9 @@ class GroupDecodeTables(DecodeTable):
         head = np.empty((g, 3 * b + 2), dtype=np.int32)  # a group's head per row
         head[:, :b + 1] = self._qo
         head[:, b + 1] = 0
-        # the kv indptr within each group (int64 sums cast back, as `_emit`'s)
-        np.cumsum(npages.reshape(g, b), axis=1, out=head[:, b + 2:2 * b + 2])
+        # the kv indptr within each group: the table's, less where the group starts
+        np.subtract(kv[1:].reshape(g, b), kv[:-1:b, None], out=head[:, b + 2:2 * b + 2],
+                    casting="unsafe")  # int64 sums cast back, as `_emit` casts them
         head[:, 2 * b + 2:] = (off + 1).reshape(g, b)
         ends = kv[::b].tolist()  # where each group's run of indices starts, and the end
         if not same:
