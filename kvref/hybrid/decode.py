@@ -59,6 +59,7 @@ class GroupDecodeTables(DecodeTable):
         # each group's run of the kept indices as a tensor, handed out again
         # while no row's pages change (as `DecodeTable` hands out its one)
         self._runs: list[torch.Tensor] = []
+        self._blank: Array = np.zeros((0, 0), dtype=np.int32)  # `_split`'s head, before its rows
 
     def plan(self, segments: Sequence[Segment], streams: list[CacheStream],
              grown: Sequence[int]) -> DecodePlan | None:
@@ -104,11 +105,14 @@ class GroupDecodeTables(DecodeTable):
         b = n // g
         same = indices is self._indices and len(self._runs) == g
         kv = self._keep(gens, view_len, npages, offset, indices)
-        pos = view_len - 1
-        off = pos % ps
-        head = np.empty((g, 3 * b + 2), dtype=np.int32)  # a group's head per row
-        head[:, :b + 1] = self._qo
-        head[:, b + 1] = 0
+        # each row's last page (in its view) and the new token's offset in it
+        last_page, off = np.divmod(view_len - 1, ps)
+        if self._blank.shape != (g, 3 * b + 2):
+            self._blank = np.zeros((g, 3 * b + 2), dtype=np.int32)
+            self._blank[:, :b + 1] = self._qo
+        # a group's head per row, its qo indptr (and kv indptr's 0) copied
+        # from a blank one: a small op costs more than its bytes
+        head = self._blank.copy()
         # the kv indptr within each group: the table's, less where the group starts
         np.subtract(kv[1:].reshape(g, b), kv[:-1:b, None], out=head[:, b + 2:2 * b + 2],
                     casting="unsafe")  # int64 sums cast back, as `_emit` casts them
@@ -116,7 +120,7 @@ class GroupDecodeTables(DecodeTable):
         ends = kv[::b].tolist()  # where each group's run of indices starts, and the end
         if not same:
             self._runs = [torch.from_numpy(indices[ends[k]:ends[k + 1]]) for k in range(g)]
-        host = np.concatenate((indices[kv[:-1] + pos // ps], off))
+        host = np.concatenate((indices[kv[:-1] + last_page], off))
         dev = self._device
         # on a device, every group's write slots in one copy; on the host,
         # numpy slices wrap for less than torch slices cost
@@ -125,8 +129,9 @@ class GroupDecodeTables(DecodeTable):
         # a group in lockstep with the one before (a request's windows of one
         # W: the same view lengths) has its head and write offsets, byte for
         # byte: the tensors made for the first serve the rest (none is written)
-        vl = view_len.reshape(g, b)
-        alike = [False, *(vl[1:] == vl[:-1]).all(axis=1).tolist()]
+        vl = view_len.tobytes()  # compared as bytes: a few small numpy ops cost more
+        w = len(vl) // g
+        alike = [k > 0 and vl[k * w:(k + 1) * w] == vl[(k - 1) * w:k * w] for k in range(g)]
         segs = self._segments
         out = []
         for k in range(g):

@@ -274,7 +274,7 @@ class DecodeTable:
         gens = np.fromiter(map(_generation, streams), np.int64, n)
         offset = np.fromiter(map(_released, streams), np.int64, n)
         view_len = np.fromiter(map(_stored, streams), np.int64, n) + 1 - offset
-        npages = -(-view_len // self._ps)
+        npages = (view_len + (self._ps - 1)) // self._ps  # two ops, not three
         indices = np.concatenate(
             [s.pages_array()[:k] for s, k in zip(streams, npages.tolist(), strict=True)])
         return gens, view_len, npages, offset, indices
@@ -299,7 +299,7 @@ class DecodeTable:
                 s = streams[i]
                 offset[i] = s.released
                 view_len[i] = s.stored_len + 1 - s.released
-        npages = -(-view_len // self._ps)
+        npages = (view_len + (self._ps - 1)) // self._ps  # two ops, not three
         moved = npages != self._npages
         if dirty.size:
             moved[dirty] = True  # a mask, not a union1d: that sorts
