@@ -63,6 +63,7 @@ class GroupDecodeTables(DecodeTable):
 
     def plan(self, segments: Sequence[Segment], streams: list[CacheStream],
              grown: Sequence[int]) -> DecodePlan | None:
+        """Not for a hybrid step: its rows hold several labels, one per group."""
         raise TypeError("a hybrid step has a table per group: ask `plans`")
 
     def plans(self, segments: Sequence[Segment], streams: list[CacheStream],
@@ -85,6 +86,7 @@ class GroupDecodeTables(DecodeTable):
             # row i of the step (request i // g, group i % g), group-major
             return self._split(*self._update(self._order, [i % g * b + i // g for i in grown]))
         if list(map(_span, segments)).count(1) != n:
+            # a mixed step, as each group's own `DecodeTable` plans one: afresh
             got = [fresh_plan(segments[k::g], streams[k::g], self._ps, self._device)
                    for k in range(g)]
             return None if any(p is None for p in got) else got  # type: ignore[return-value]

@@ -311,9 +311,8 @@ class DecodeTable:
             return gens, view_len, npages, offset, indices
         # a new array, never the kept one written in place (an earlier plan
         # holds it): the unchanged runs of rows as slices of it, the changed
-        # rows from their streams' kept page arrays, in one concatenate
-        # where each changed row's old pages start and end (only those rows'
-        # bounds made Python ints)
+        # rows from their streams' kept page arrays, in one concatenate (only
+        # the changed rows' bounds in it made Python ints)
         kv = self._kv
         pieces: list[Array] = []
         prev = 0
