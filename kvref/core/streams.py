@@ -375,8 +375,17 @@ class CacheStream:
         if released <= self.released or released % page_size:
             raise self._refuse("release_window_to", f"to {released} tokens")
         drop = (released - self.released) // page_size
-        go = self.page_indices[:drop]
-        self.page_indices = self.page_indices[drop:]
+        pages = self.page_indices
+        go = pages[:drop]
+        self.page_indices = pages[drop:]
+        if self._pages_src is pages and self._pages_n >= drop:
+            # the kept `pages_array` buffer, started ``drop`` entries on, is
+            # the new list's: a window releasing a page every page_size steps
+            # would otherwise have its whole array written again each time
+            self._pages_src = self.page_indices
+            self._pages_buf = self._pages_buf[drop:]
+            self._pages_n -= drop
+            self._pages_arr = self._pages_buf[:self._pages_n]
         self.released = released
         self.generation += 1  # I14: pages or length changed
         return go

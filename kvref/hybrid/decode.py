@@ -1,4 +1,4 @@
-"""A hybrid decode step's tables, one kept table per attention group (issue 40).
+"""A hybrid decode step's tables: every attention group's rows in one kept table (issue 40).
 
 `GroupLayout.expand` turns a decode step of B requests into B x G segments,
 request-major: request r's stream of group g is segment ``r * G + g``. Each
@@ -7,10 +7,14 @@ the views (`plan.plan_tables`) that is G passes over the rows, each
 building a view per row. Each group's rows are a plain decode batch of one
 label, though, which is what `DecodeTable` plans from the rows the last
 step left, re-reading only the rows that changed (a page appended, a
-window release). This keeps one `DecodeTable` per group and hands each its
-group's rows: every group's table is the same bytes `decode_tables` makes
-of its views (the kept table's contract), in the plan labels' order.
-Below `SMALL_BATCH` rows a group, where a kept table's numpy set-up costs
+window release). `GroupDecodeTables` keeps all G x B rows as one such
+table, group-major (group 0's rows, then group 1's, ...), so each group's
+page indices are one run of the kept array and a step pays the table's
+fixed numpy set-up once, not once per group (a table per group paid it G
+times: at B=16 most of the plan). Its plans split the rows back into one
+`DecodePlan` per group, the same bytes a group's own `DecodeTable` (and
+`decode_tables` of its views) makes, in the plan labels' order.
+Below `SMALL_BATCH` rows in all, where the kept table's numpy set-up costs
 more than it saves, every group is built afresh in one pass over the rows
 with one host buffer (`fresh_plans`), as `fresh_plan` builds one group.
 tests/unit/test_hybrid_decode_tables.py holds both to a scratch build.
@@ -28,7 +32,7 @@ import torch
 
 from kvref.core.streams import CacheStream
 from kvref.stepping import decode_table
-from kvref.stepping.decode_table import DecodePlan, DecodeTable
+from kvref.stepping.decode_table import DecodePlan, DecodeTable, fresh_plan
 from kvref.stepping.plan import KVPlanState, PagedIndptrs, host_to_device
 from kvref.stepping.step import Segment
 
@@ -43,49 +47,112 @@ _page_indices = operator.attrgetter("page_indices")
 _pages_array = operator.methodcaller("pages_array")
 
 
-class GroupDecodeTables:
-    """One `DecodeTable` per attention group, answering as one (`plans`)."""
+class GroupDecodeTables(DecodeTable):
+    """Every attention group's rows as one kept `DecodeTable`, group-major,
+    answering with one plan per group (`plans`)."""
 
     def __init__(self, groups: int, page_size: int, device: torch.device) -> None:
-        self._tables = [DecodeTable(page_size, device) for _ in range(groups)]
-        self._ps, self._device = page_size, device
-        # the tables whose last plan they keep rows of: only those count a
-        # commit (a fresh plan, below SMALL_BATCH rows, keeps nothing)
-        self._kept: list[DecodeTable] = []
+        super().__init__(page_size, device)
+        self._g = groups
+        # the kept rows' streams group-major: the order of the kept arrays
+        self._order: list[CacheStream] = []
+        # each group's run of the kept indices as a tensor, handed out again
+        # while no row's pages change (as `DecodeTable` hands out its one)
+        self._runs: list[torch.Tensor] = []
+        self._blank: Array = np.zeros((0, 0), dtype=np.int32)  # `_split`'s head, before its rows
+
+    def plan(self, segments: Sequence[Segment], streams: list[CacheStream],
+             grown: Sequence[int]) -> DecodePlan | None:
+        """Not for a hybrid step: its rows hold several labels, one per group."""
+        raise TypeError("a hybrid step has a table per group: ask `plans`")
 
     def plans(self, segments: Sequence[Segment], streams: list[CacheStream],
               grown: Sequence[int]) -> list[DecodePlan] | None:
         """Each group's decode plan, first group first; None unless every
-        group's rows make a plain decode step of one label (any other step
-        is planned from its views)."""
-        g = len(self._tables)
-        n = len(streams)
+        group's rows make a plain step of one label (any other step is
+        planned from its views). A mixed step (some span not 1) is each
+        group afresh (`fresh_plan`), the kept rows left as they were."""
+        g, n = self._g, len(streams)
         if not n or n % g:
             return None
-        if n // g < decode_table.SMALL_BATCH:
-            # a small batch: every group afresh in one pass (what each
-            # group's table would do, with the fixed costs paid once)
-            self._kept = []
+        if n < decode_table.SMALL_BATCH:
             return fresh_plans(segments, streams, g, self._ps, self._device)
-        rows: list[list[int]] = [[] for _ in range(g)]
-        for i in grown:  # row i is request i // g's stream in group i % g
-            rows[i % g].append(i // g)
-        out: list[DecodePlan] = []
-        for k, table in enumerate(self._tables):
-            got = table.plan(segments[k::g], streams[k::g], rows[k])
-            if got is None:
-                # a table that did plan keeps its rows; the generations its
-                # streams reach by the commit tell it they moved
-                self._kept = []
-                return None
-            out.append(got)
-        self._kept = [t for t, p in zip(self._tables, out, strict=True) if p.kept]
-        return out
+        kept = self._streams
+        if kept is not None and len(kept) == n and all(map(operator.is_, streams, kept)) and (
+                all(map(operator.is_, segments, self._segments))
+                or list(map(_span, segments)).count(1) == n):
+            self._segments = segments
+            b = n // g
+            # row i of the step (request i // g, group i % g), group-major
+            return self._split(*self._update(self._order, [i % g * b + i // g for i in grown]))
+        if list(map(_span, segments)).count(1) != n:
+            # a mixed step, as each group's own `DecodeTable` plans one: afresh
+            got = [fresh_plan(segments[k::g], streams[k::g], self._ps, self._device)
+                   for k in range(g)]
+            return None if any(p is None for p in got) else got  # type: ignore[return-value]
+        if any(len(set(map(_label, segments[k::g]))) != 1 for k in range(g)):
+            return None
+        self._streams, self._segments = streams, segments
+        self._order = [s for k in range(g) for s in streams[k::g]]
+        self._qo = np.arange(n // g + 1, dtype=np.int64)
+        return self._split(*self._rebuild(self._order))
 
-    def committed(self) -> None:
-        """The step last planned was committed, keeping its tokens."""
-        for table in self._kept:
-            table.committed()
+    def _split(self, gens: Array, view_len: Array, npages: Array, offset: Array,
+               indices: Array) -> list[DecodePlan]:
+        """Keep the rows, and hand out each group's tables, laid out as
+        `DecodeTable._emit` lays out one: its run of ``indices`` (an array
+        no one writes), its qo and kv indptrs and last page lengths in a
+        fresh buffer, its write slots."""
+        g, n, ps = self._g, gens.shape[0], self._ps
+        b = n // g
+        same = indices is self._indices and len(self._runs) == g
+        kv = self._keep(gens, view_len, npages, offset, indices)
+        # each row's last page (in its view) and the new token's offset in it
+        last_page, off = np.divmod(view_len - 1, ps)
+        if self._blank.shape != (g, 3 * b + 2):
+            self._blank = np.zeros((g, 3 * b + 2), dtype=np.int32)
+            self._blank[:, :b + 1] = self._qo
+        # a group's head per row, its qo indptr (and kv indptr's 0) copied
+        # from a blank one: a small op costs more than its bytes
+        head = self._blank.copy()
+        # the kv indptr within each group: the table's, less where the group starts
+        np.subtract(kv[1:].reshape(g, b), kv[:-1:b, None], out=head[:, b + 2:2 * b + 2],
+                    casting="unsafe")  # int64 sums cast back, as `_emit` casts them
+        head[:, 2 * b + 2:] = (off + 1).reshape(g, b)
+        ends = kv[::b].tolist()  # where each group's run of indices starts, and the end
+        if not same:
+            self._runs = [torch.from_numpy(indices[ends[k]:ends[k + 1]]) for k in range(g)]
+        host = np.concatenate((indices[kv[:-1] + last_page], off))
+        dev = self._device
+        # on a device, every group's write slots in one copy; on the host,
+        # numpy slices wrap for less than torch slices cost
+        slots = host_to_device(torch.from_numpy(host), dev) if dev.type != "cpu" else None
+        qo = torch.from_numpy(head[0, :b + 1])  # the same rows in every group's plan
+        # a group in lockstep with the one before (a request's windows of one
+        # W: the same view lengths) has its head and write offsets, byte for
+        # byte: the tensors made for the first serve the rest (none is written)
+        vl = view_len.tobytes()  # compared as bytes: a few small numpy ops cost more
+        w = len(vl) // g
+        alike = [k > 0 and vl[k * w:(k + 1) * w] == vl[(k - 1) * w:k * w] for k in range(g)]
+        segs = self._segments
+        out = []
+        for k in range(g):
+            r = slice(k * b, (k + 1) * b)
+            if not alike[k]:
+                h = head[k]
+                kv_t = torch.from_numpy(h[b + 1:2 * b + 2])
+                last_t = torch.from_numpy(h[2 * b + 2:])
+                o = slice(n + k * b, n + (k + 1) * b)
+                cache_t = slots[o] if slots is not None else torch.from_numpy(host[o])
+            indptrs = PagedIndptrs(qo_indptr=qo, paged_kv_indptr=kv_t,
+                                   paged_kv_last_page_len=last_t, paged_kv_indices=self._runs[k])
+            page_t = slots[r] if slots is not None else torch.from_numpy(host[r])
+            state = KVPlanState(token_to_page=page_t, token_to_cache=cache_t, total_tokens=b)
+            plan = DecodePlan(segs[k::g], h, indices[ends[k]:ends[k + 1]], indptrs, state,
+                              gens[r], view_len[r], offset[r])
+            plan.kept = True
+            out.append(plan)
+        return out
 
 
 def fresh_plans(segments: Sequence[Segment], streams: list[CacheStream], groups: int,

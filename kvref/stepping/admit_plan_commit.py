@@ -615,26 +615,28 @@ class Stepping:
         if self._table.releasing and step.commit:
             ps, behaviour = self._table.page_size, self._table.behaviour
             # a step names few labels (a hybrid one: one per group), each
-            # asked once; a stream is retired only where its window moved
-            # past a page, not every step (W2)
-            of_label: dict[str, LabelBehaviour] = {}
+            # asked once, and held only where it releases (None: it does
+            # not); a stream is retired only where its window moved past a
+            # page, not every step (W2)
+            of_label: dict[str, LabelBehaviour | None] = {}
             # a hybrid request's groups of one type are in lockstep (the same
             # length and released count, one after another): asked once
             last: tuple[LabelBehaviour | None, int, int] = (None, -1, -1)
             moved = False
             for seg, stream in zip(segments, streams, strict=True):
-                if seg.span and not stream.offloaded:
-                    b = of_label.get(seg.label)
-                    if b is None:
-                        b = of_label[seg.label] = behaviour(seg.label)
-                    if not b.releases:
-                        continue
+                label = seg.label
+                try:
+                    b = of_label[label]
+                except KeyError:
+                    got = behaviour(label)
+                    b = of_label[label] = got if got.releases else None
+                if b is not None and seg.span and not stream.offloaded:
                     at = (b, stream.released, stream.stored_len)
                     if at != last:
                         last = at
                         moved = b.released_after(at[1], at[2], ps) != at[1]
                     if moved:
-                        self._table.retire((seg.request_id, seg.label), stream)
+                        self._table.retire((seg.request_id, label), stream)
 
     def _dropped_span(self, seg: Segment) -> None:
         # unreachable under R2-R5; kept as the last defence, loudly, because

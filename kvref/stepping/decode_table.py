@@ -67,6 +67,9 @@ _released = operator.attrgetter("released")
 _span = operator.attrgetter("span")
 
 Array = np.ndarray[Any, Any]
+# a kept table's rows: generations, view lengths, page counts, released
+# offsets, and the page indices of every row in order
+Rows = tuple[Array, Array, Array, Array, Array]
 
 # below this many rows, `decode_tables` builds the table afresh in the time
 # the kept table's fixed numpy set-up takes (a few dozen small array ops)
@@ -245,7 +248,7 @@ class DecodeTable:
                 all(map(operator.is_, segments, self._segments))
                 or list(map(_span, segments)).count(1) == n):
             self._segments = segments
-            return self._update(streams, grown)
+            return self._emit(*self._update(streams, grown))
         if not n or list(map(_span, segments)).count(1) != n:
             # a mixed step (a decode batch plus chunks, issue 42) afresh; the
             # kept rows stay: the next decode step of them reads again only
@@ -256,7 +259,7 @@ class DecodeTable:
             return None
         self._streams, self._segments = streams, segments
         self._qo = np.arange(n + 1, dtype=np.int64)
-        return self._rebuild(streams)
+        return self._emit(*self._rebuild(streams))
 
     def plans(self, segments: Sequence[Segment], streams: list[CacheStream],
               grown: Sequence[int]) -> list[DecodePlan] | None:
@@ -265,18 +268,20 @@ class DecodeTable:
         got = self.plan(segments, streams, grown)
         return None if got is None else [got]
 
-    def _rebuild(self, streams: list[CacheStream]) -> DecodePlan:
+    def _rebuild(self, streams: list[CacheStream]) -> Rows:
         """Every row afresh from its stream."""
         n = len(streams)
         gens = np.fromiter(map(_generation, streams), np.int64, n)
         offset = np.fromiter(map(_released, streams), np.int64, n)
         view_len = np.fromiter(map(_stored, streams), np.int64, n) + 1 - offset
-        npages = -(-view_len // self._ps)
+        npages = (view_len + (self._ps - 1)) // self._ps  # two ops, not three
         indices = np.concatenate(
             [s.pages_array()[:k] for s, k in zip(streams, npages.tolist(), strict=True)])
-        return self._emit(gens, view_len, npages, offset, indices)
+        return gens, view_len, npages, offset, indices
 
-    def _update(self, streams: list[CacheStream], grown: Sequence[int]) -> DecodePlan:
+    def _update(self, streams: list[CacheStream], grown: Sequence[int]) -> Rows:
+        """The kept rows moved on by the commits told since the last plan and
+        ``grown``'s appended pages; the rows anything else changed read again."""
         n = len(streams)
         gens = np.fromiter(map(_generation, streams), np.int64, n)
         expect = self._gens + self.commits
@@ -294,27 +299,41 @@ class DecodeTable:
                 s = streams[i]
                 offset[i] = s.released
                 view_len[i] = s.stored_len + 1 - s.released
-        npages = -(-view_len // self._ps)
-        changed = np.flatnonzero(npages != self._npages)
+        npages = (view_len + (self._ps - 1)) // self._ps  # two ops, not three
+        moved = npages != self._npages
         if dirty.size:
-            changed = np.union1d(changed, dirty)
+            moved[dirty] = True  # a mask, not a union1d: that sorts
+        changed = np.flatnonzero(moved)
         indices = self._indices
         if not changed.size:
             # no row's pages changed: the kept array, which no plan writes,
             # is this plan's table as it was the last one's
-            return self._emit(gens, view_len, npages, offset, indices)
+            return gens, view_len, npages, offset, indices
         # a new array, never the kept one written in place (an earlier plan
         # holds it): the unchanged runs of rows as slices of it, the changed
-        # rows from their streams' kept page arrays, in one concatenate
-        kv = self._kv.tolist()
+        # rows from their streams' kept page arrays, in one concatenate (only
+        # the changed rows' bounds in it made Python ints)
+        kv = self._kv
         pieces: list[Array] = []
         prev = 0
-        for i, k in zip(changed.tolist(), npages[changed].tolist(), strict=True):
-            pieces.append(indices[kv[prev]:kv[i]])
+        for i, start, end, k in zip(changed.tolist(), kv[changed].tolist(),
+                                    kv[changed + 1].tolist(), npages[changed].tolist(),
+                                    strict=True):
+            pieces.append(indices[prev:start])
             pieces.append(streams[i].pages_array()[:k])
-            prev = i + 1
-        pieces.append(indices[kv[prev]:])
-        return self._emit(gens, view_len, npages, offset, np.concatenate(pieces))
+            prev = end
+        pieces.append(indices[prev:])
+        return gens, view_len, npages, offset, np.concatenate(pieces)
+
+    def _keep(self, gens: Array, view_len: Array, npages: Array, offset: Array,
+              indices: Array) -> Array:
+        """Keep the rows for the next plan to update; their kv indptr (int64)."""
+        kv = np.zeros(gens.shape[0] + 1, dtype=np.int64)
+        np.cumsum(npages, out=kv[1:])
+        self._gens, self._view_len, self._npages, self._offset = gens, view_len, npages, offset
+        self._kv, self._indices = kv, indices
+        self.commits = 0
+        return kv
 
     def _emit(self, gens: Array, view_len: Array, npages: Array, offset: Array,
               indices: Array) -> DecodePlan:
@@ -323,8 +342,9 @@ class DecodeTable:
         as it is; the indptrs and last page lengths in a fresh buffer."""
         n = gens.shape[0]
         ps = self._ps
-        kv = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(npages, out=kv[1:])
+        if indices is not self._indices or self._indices_t is None:
+            self._indices_t = torch.from_numpy(indices)
+        kv = self._keep(gens, view_len, npages, offset, indices)
         pos = view_len - 1
         off = pos % ps
         # qo, kv indptrs and last page lengths in one int32 buffer, laid out
@@ -334,8 +354,6 @@ class DecodeTable:
         head[:b[0]] = self._qo
         head[b[0]:b[1]] = kv
         head[b[1]:] = off + 1
-        if indices is not self._indices or self._indices_t is None:
-            self._indices_t = torch.from_numpy(indices)
         indptrs = PagedIndptrs(
             qo_indptr=torch.from_numpy(head[:b[0]]),
             paged_kv_indptr=torch.from_numpy(head[b[0]:b[1]]),
@@ -344,9 +362,6 @@ class DecodeTable:
         )
         state = decode_slots(np.concatenate((indices[kv[:-1] + pos // ps], off)),
                              self._device)
-        self._gens, self._view_len, self._npages, self._offset = gens, view_len, npages, offset
-        self._kv, self._indices = kv, indices
-        self.commits = 0
         plan = DecodePlan(self._segments, head, indices, indptrs, state, gens, view_len, offset)
         plan.kept = True
         return plan

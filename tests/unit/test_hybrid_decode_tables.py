@@ -1,8 +1,9 @@
 """A hybrid decode step's tables (`kvref.hybrid.decode`) against a scratch build.
 
 A hybrid step plans one table per attention group from kept rows
-(`GroupDecodeTables`: a `DecodeTable` per group), or below `SMALL_BATCH`
-rows every group afresh in one pass (`fresh_plans`). Every plan here is
+(`GroupDecodeTables`: every group's rows in one kept `DecodeTable`, split
+into a plan per group), or below `SMALL_BATCH` rows in all every group
+afresh in one pass (`fresh_plans`). Every plan here is
 compared with the tables `plan_tables` builds from the manager's observed
 state (`kvref.testing.plan_oracle`), and every earlier plan's tables with
 what they were when handed out, over steps that append pages, release

@@ -257,8 +257,9 @@ def test_mixed_tables_equal_the_oracle_builders(
 
 def test_stream_page_array_follows_its_list() -> None:
     """`CacheStream.pages_array` (the plan's kept copy of a stream's table)
-    equals the list after appends in place, growth past its buffer, and a
-    list replaced by a shorter or a longer one."""
+    equals the list after appends in place, growth past its buffer, a
+    list replaced by a shorter or a longer one, and a window's release
+    (which starts the kept buffer further on) with appends not yet copied."""
     from kvref.core.streams import CacheStream
 
     s = CacheStream()
@@ -273,8 +274,15 @@ def test_stream_page_array_follows_its_list() -> None:
     steps.append(s.pages_array().tolist())
     s.adopt_fork_pages([*s.page_indices, 99, 100])  # a new, longer list
     steps.append(s.pages_array().tolist())
+    s.append_pages([61, 62])  # in place, not yet copied when the release shifts the buffer
+    s.release_window_to(9, 1)
+    steps.append(s.pages_array().tolist())
+    s.append_pages(list(range(200, 300)))  # past the shifted buffer
+    steps.append(s.pages_array().tolist())
     assert steps == [[3, 4], [3, 4, *range(5, 60)], [3, 4, *range(5, 60)],
-                     list(range(10, 60)), [*range(10, 60), 99, 100]]
+                     list(range(10, 60)), [*range(10, 60), 99, 100],
+                     [*range(12, 60), 99, 100, 61, 62],
+                     [*range(12, 60), 99, 100, 61, 62, *range(200, 300)]]
     view = SequenceView.of_stream("r", "main", s.page_indices, s.pages_array(), 2, 5,
                                   40, 1, 0, offset=32)
     assert view.page_idxs == s.page_indices[2:5] and view.num_pages == 3
