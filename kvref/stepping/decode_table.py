@@ -282,7 +282,7 @@ class DecodeTable:
         expect = self._gens + self.commits
         if grown:
             expect[list(grown)] += 1
-        dirty = np.flatnonzero(gens != expect)
+        dirty = (gens != expect).nonzero()[0]
         if dirty.size == n:
             return self._rebuild(streams)  # every row moved
         view_len = self._view_len + self.commits
@@ -295,14 +295,22 @@ class DecodeTable:
                 offset[i] = s.released
                 view_len[i] = s.stored_len + 1 - s.released
         npages = -(-view_len // self._ps)
-        changed = np.flatnonzero(npages != self._npages)
-        if dirty.size:
-            changed = np.union1d(changed, dirty)
+        changed = (npages != self._npages).nonzero()[0]
         indices = self._indices
-        if not changed.size:
-            # no row's pages changed: the kept array, which no plan writes,
-            # is this plan's table as it was the last one's
-            return self._emit(gens, view_len, npages, offset, indices)
+        if not dirty.size:
+            if not changed.size:
+                # no row's pages changed: the kept array, which no plan writes,
+                # is this plan's table as it was the last one's
+                return self._emit(gens, view_len, npages, offset, indices)
+            if self.commits == 1:
+                # a decode step after a decode step: each changed row only
+                # gained the one page its admit appended (a row changed
+                # otherwise is dirty), so the rows are written by a few
+                # vector ops, not a slice and a page array per row (issue 42)
+                return self._emit(gens, view_len, npages, offset,
+                                  self._grown_rows(streams, changed, npages))
+        else:
+            changed = np.union1d(changed, dirty)
         # a new array, never the kept one written in place (an earlier plan
         # holds it): the unchanged runs of rows as slices of it, the changed
         # rows from their streams' kept page arrays, in one concatenate
@@ -316,6 +324,27 @@ class DecodeTable:
         pieces.append(indices[kv[prev]:])
         return self._emit(gens, view_len, npages, offset, np.concatenate(pieces))
 
+    def _grown_rows(self, streams: list[CacheStream], changed: Array, npages: Array) -> Array:
+        """The kept indices with one page added at the end of each of the
+        ``changed`` rows (each clean, its view one token longer: one page
+        more), in a new array: the kept one is never written."""
+        new_np = npages[changed]
+        # a clean row's first pages are the kept ones (only its admit's
+        # append changed its pages); the page it gained is its view's last
+        last = [streams[i].page_indices[k - 1]
+                for i, k in zip(changed.tolist(), new_np.tolist(), strict=True)]
+        old = self._indices
+        m = len(last)
+        # where each row's new page lands in the new array: after the row's
+        # kept pages, shifted by the pages added to the rows before it
+        at = self._kv[changed + 1] + np.arange(m)
+        out = np.empty(old.shape[0] + m, dtype=np.int32)
+        rest = np.ones(out.shape[0], dtype=bool)
+        rest[at] = False
+        out[rest] = old
+        out[at] = last
+        return out
+
     def _emit(self, gens: Array, view_len: Array, npages: Array, offset: Array,
               indices: Array) -> DecodePlan:
         """Keep the rows, and hand out their tables: ``indices``, the rows'
@@ -324,7 +353,7 @@ class DecodeTable:
         n = gens.shape[0]
         ps = self._ps
         kv = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(npages, out=kv[1:])
+        npages.cumsum(out=kv[1:])
         pos = view_len - 1
         off = pos % ps
         # qo, kv indptrs and last page lengths in one int32 buffer, laid out
