@@ -276,13 +276,16 @@ def _step_from(step: object, ctx: object, first: int) -> None:
     if step.post_forks:
         forks("post_forks", step.post_forks)
     combined = step.combined_labels
-    if not _is_sequence(combined) or not all(_is_str_sequence(group) for group in combined):
+    # an empty list or tuple (most steps) passes without a generator
+    if not (type(combined) in _LIST_TYPES and not combined) and (
+            not _is_sequence(combined)
+            or not all(_is_str_sequence(group) for group in combined)):
         raise InvalidStepError(
             f"KVStep.combined_labels must be a sequence of sequences of str labels, "
             f"got {combined!r}"
         )
     padded = ctx.padded_request_ids
-    if not _is_str_sequence(padded):
+    if not (type(padded) in _LIST_TYPES and not padded) and not _is_str_sequence(padded):
         raise InvalidStepError(
             f"StepContext.padded_request_ids must be a sequence of str request ids, "
             f"got {padded!r}"
@@ -380,7 +383,9 @@ class _Seen:
                 or type(ctx.padded_request_ids) not in _LIST_TYPES):
             return None
         for nested in (step_.pre_forks, step_.post_forks, step_.combined_labels):
-            if type(nested) is not tuple or not all(type(x) is tuple for x in nested):
+            # empty (most steps): no generator
+            if type(nested) is not tuple or (nested and not all(
+                    type(x) is tuple for x in nested)):
                 return None
         return cls(step_, ctx)
 
