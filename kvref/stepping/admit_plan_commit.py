@@ -336,13 +336,22 @@ class Stepping:
         claims, found = grant.claims, grant.streams
         created: list[Key] = []
         grown: list[int] = []
+        keys: list[Key] = []
+        counts: list[int] = []
         for i in grant.work:
-            rid, _, label, stream, short = claim = claims[i]
+            rid, streams, label, stream, short = claims[i]
             if stream is None:
                 created.append((rid, label))
+                stream = found[i] = streams[label] = CacheStream()
             if short > 0:
                 grown.append(i)
-            found[i] = self._claim(claim)
+                keys.append((rid, label))
+                counts.append(short)
+        if grown:
+            # the pages of every stream short of some in one call to the
+            # pool, in claim order: the pages `_claim` would give each in turn
+            for i, pages in zip(grown, self._table.take_each(keys, counts), strict=True):
+                cast("CacheStream", found[i]).append_pages(pages)
         streams = cast("list[CacheStream]", found)  # every None filled above
         CacheStream.mark_step(streams)
         return created, streams, grown
