@@ -342,7 +342,8 @@ class DecodeTable:
         # kept pages, shifted by the pages added to the rows before it
         at = self._kv[changed + 1] + np.arange(m)
         out = np.empty(old.shape[0] + m, dtype=np.int32)
-        rest = np.ones(out.shape[0], dtype=bool)
+        rest = np.empty(out.shape[0], dtype=bool)
+        rest.fill(True)  # np.ones goes through a Python wrapper
         rest[at] = False
         out[rest] = old
         out[at] = last
