@@ -314,19 +314,29 @@ class PagePool:
         if len(owners) != len(counts):
             raise InvalidArgumentError(
                 f"{len(owners)} owners and {len(counts)} page counts")
-        for owner in owners:
-            self._check_owner(owner)
-        for n in counts:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        check = self._check_owner
+        for owner, n in zip(owners, counts, strict=True):
+            check(owner)
+            if type(n) is not int or n < 0:  # a bool's type is bool
                 raise InvalidArgumentError(f"cannot allocate {n!r} pages")
         with self._lock:
+            blank = self._blank
             need = sum(counts)
-            free = len(self._blank) + len(self._lru)
+            free = len(blank) + len(self._lru)
             if need > free:
                 return AllocationFailed(pages_short=need - free,
                                         message=f"{need} pages asked for, {free} free")
-            take = self._take
-            return [take(owner, n) for owner, n in zip(owners, counts, strict=True)]
+            take, holders = self._take, self._holders
+            out: list[list[int]] = []
+            for owner, n in zip(owners, counts, strict=True):
+                if n == 1 and blank:
+                    # a decode stream's next page, as `_take` gives it, inline
+                    p = blank.popleft()
+                    holders[p] = owner
+                    out.append([p])
+                else:
+                    out.append(take(owner, n))
+            return out
 
     def _take(self, owner: Owner, n: int) -> list[int]:
         """``n`` pages, counted free under the lock held, now ``owner``'s:

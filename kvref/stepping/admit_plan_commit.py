@@ -338,6 +338,7 @@ class Stepping:
         grown: list[int] = []
         keys: list[Key] = []
         counts: list[int] = []
+        growing: list[CacheStream] = []
         for i in grant.work:
             rid, streams, label, stream, short = claims[i]
             if stream is None:
@@ -347,11 +348,13 @@ class Stepping:
                 grown.append(i)
                 keys.append((rid, label))
                 counts.append(short)
+                growing.append(stream)
         if grown:
             # the pages of every stream short of some in one call to the
             # pool, in claim order: the pages `_claim` would give each in turn
-            for i, pages in zip(grown, self._table.take_each(keys, counts), strict=True):
-                cast("CacheStream", found[i]).append_pages(pages)
+            for stream, pages in zip(growing, self._table.take_each(keys, counts),
+                                     strict=True):
+                stream.append_pages(pages)
         streams = cast("list[CacheStream]", found)  # every None filled above
         CacheStream.mark_step(streams)
         return created, streams, grown
