@@ -336,28 +336,26 @@ class Stepping:
         claims, found = grant.claims, grant.streams
         created: list[Key] = []
         grown: list[int] = []
-        keys: list[Key] = []
-        counts: list[int] = []
-        growing: list[CacheStream] = []
         for i in grant.work:
             rid, streams, label, stream, short = claims[i]
             if stream is None:
                 created.append((rid, label))
-                stream = found[i] = streams[label] = CacheStream()
+                found[i] = streams[label] = CacheStream()
             if short > 0:
                 grown.append(i)
-                keys.append((rid, label))
-                counts.append(short)
-                growing.append(stream)
-        if grown:
+        made = cast("list[CacheStream]", found)  # every None filled above
+        if len(grown) == 1:
+            rid, _, label, _, short = claims[grown[0]]
+            made[grown[0]].append_pages(self._table.take((rid, label), short))
+        elif grown:
             # the pages of every stream short of some in one call to the
             # pool, in claim order: the pages `_claim` would give each in turn
-            for stream, pages in zip(growing, self._table.take_each(keys, counts),
-                                     strict=True):
-                stream.append_pages(pages)
-        streams = cast("list[CacheStream]", found)  # every None filled above
-        CacheStream.mark_step(streams)
-        return created, streams, grown
+            rows = [claims[i] for i in grown]
+            got = self._table.take_each([(c[0], c[2]) for c in rows], [c[4] for c in rows])
+            for i, pages in zip(grown, got, strict=True):
+                made[i].append_pages(pages)
+        CacheStream.mark_step(made)
+        return created, made, grown
 
     def _copy_first(self, grant: admission.Grant) -> None:
         # first, while nothing else changed: a copy that raises leaves the
