@@ -375,8 +375,9 @@ class DecodeTable:
             paged_kv_last_page_len=torch.from_numpy(head[b[1]:]),
             paged_kv_indices=self._indices_t,
         )
-        state = decode_slots(np.concatenate((indices[kv[:-1] + pos // ps], off)),
-                             self._device)
+        # each row writes on its view's last page, ``kv[:-1] + pos // ps``:
+        # ``npages`` is ``pos // ps + 1`` (a view holds at least its new token)
+        state = decode_slots(np.concatenate((indices[kv[1:] - 1], off)), self._device)
         self._gens, self._view_len, self._npages, self._offset = gens, view_len, npages, offset
         self._kv, self._indices = kv, indices
         self.commits = 0
