@@ -66,6 +66,10 @@ logger = logging.getLogger(__name__)
 
 _span = operator.attrgetter("span")
 
+# from this many streams short of pages (a large batch crossing into new
+# pages: 16 a step at B = 256), one pool call for all (`take_each`)
+_BATCHED_TAKE = 4
+
 
 class Stepping:
     """The running step, the staged preplan, and the plan states attention reads."""
@@ -344,12 +348,15 @@ class Stepping:
             if short > 0:
                 grown.append(i)
         made = cast("list[CacheStream]", found)  # every None filled above
-        if len(grown) == 1:
-            rid, _, label, _, short = claims[grown[0]]
-            made[grown[0]].append_pages(self._table.take((rid, label), short))
-        elif grown:
+        if len(grown) < _BATCHED_TAKE:
+            # a few streams (a small batch, a chunk): the pool's one-owner
+            # call, the same path a decode step of the batch takes
+            for i in grown:
+                rid, _, label, _, short = claims[i]
+                made[i].append_pages(self._table.take((rid, label), short))
+        else:
             # the pages of every stream short of some in one call to the
-            # pool, in claim order: the pages `_claim` would give each in turn
+            # pool, in claim order: the pages `take` would give each in turn
             rows = [claims[i] for i in grown]
             got = self._table.take_each([(c[0], c[2]) for c in rows], [c[4] for c in rows])
             for i, pages in zip(grown, got, strict=True):

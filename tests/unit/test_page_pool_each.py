@@ -1,6 +1,6 @@
 """`PagePool.allocate_each`: one call giving each owner the pages
 `allocate` called for each in turn gives (issue 42: a decode step's admit
-gives a page to each stream crossing into a new one)."""
+gives a page to each stream crossing into a new one, in one call)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import pytest
 
 from kvref.core.errors import InvalidArgumentError
 from kvref.core.page_pool import PagePool
-from kvref.stepping.step import AllocationFailed
+from kvref.stepping import admit_plan_commit
+from kvref.stepping.step import AllocationFailed, KVStep, Segment, StepContext
+from tests.unit._manager_fixtures import Snapshot, assert_same, make_manager, snapshot
 
 PS = 2
 
@@ -56,3 +58,32 @@ def test_misuse_raises_and_takes_nothing(owners: list, counts: list) -> None:
     with pytest.raises(InvalidArgumentError):
         pool.allocate_each(owners, counts)
     assert pool.snapshot() == before
+
+
+def _decode_across_pages(monkeypatch: pytest.MonkeyPatch, batched_from: int) -> Snapshot:
+    """Six streams at a page's end, a cached prompt's pages free in the
+    LRU, then one decode step: every stream takes a page in the admit."""
+    monkeypatch.setattr(admit_plan_commit, "_BATCHED_TAKE", batched_from)
+    kv = make_manager(pages=40, page_size=4)
+    ctx = StepContext()
+    rids = [f"r{i}" for i in range(6)]
+    for rid in ["gone", *rids]:
+        kv.ingest_request(rid)
+    for step in (KVStep([Segment("gone", "main", 8)]),
+                 KVStep([Segment(rid, "main", 4 * (i + 1)) for i, rid in enumerate(rids)]),
+                 KVStep([Segment(rid, "main", 1) for rid in rids])):
+        assert kv.admit(step, ctx).ok
+        kv.plan(step, ctx)
+        kv.commit(step, ctx)
+        if step.segments[0].request_id == "gone":
+            kv.remove_request("gone")
+    return snapshot(kv)
+
+
+def test_a_decode_step_takes_the_pages_stream_by_stream_or_in_one_call_alike(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain admit's one pool call for many streams (issue 42) leaves
+    every stream the pages it takes stream by stream."""
+    batched = _decode_across_pages(monkeypatch, 2)
+    one_by_one = _decode_across_pages(monkeypatch, 1 << 20)
+    assert_same(batched, one_by_one)
