@@ -317,7 +317,7 @@ class PagePool:
         check = self._check_owner
         for owner, n in zip(owners, counts, strict=True):
             check(owner)
-            if type(n) is not int or n < 0:  # a bool's type is bool
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:  # as `allocate`
                 raise InvalidArgumentError(f"cannot allocate {n!r} pages")
         with self._lock:
             blank = self._blank
