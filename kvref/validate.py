@@ -12,6 +12,7 @@ stream table (read-only), and must run under the manager's lock;
 from __future__ import annotations
 
 import math
+import operator
 import os
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -257,11 +258,17 @@ def cache_fits(cfg: KVConfig, device: torch.device, dtype: torch.dtype) -> None:
 
 def step(step: object, ctx: object) -> None:
     """A `KVStep` and `StepContext` whose every field has the type it promises."""
+    _step_from(step, ctx, 0)
+
+
+def _step_from(step: object, ctx: object, first: int) -> None:
+    """`step`, its segments checked from ``first`` on (those before were
+    checked already: `StepValidator`)."""
     if not isinstance(step, KVStep):
         raise InvalidStepError(f"step must be a KVStep, got {type(step).__name__}")
     if not isinstance(ctx, StepContext):
         raise InvalidStepError(f"ctx must be a StepContext, got {type(ctx).__name__}")
-    segments(step.segments)
+    segments(step.segments, first)
     if step.commit is not True and step.commit is not False:
         raise InvalidStepError(f"KVStep.commit must be a bool, got {_what(step.commit)}")
     if step.pre_forks:
@@ -269,13 +276,16 @@ def step(step: object, ctx: object) -> None:
     if step.post_forks:
         forks("post_forks", step.post_forks)
     combined = step.combined_labels
-    if not _is_sequence(combined) or not all(_is_str_sequence(group) for group in combined):
+    # an empty list or tuple (most steps) passes without a generator
+    if not (type(combined) in _LIST_TYPES and not combined) and (
+            not _is_sequence(combined)
+            or not all(_is_str_sequence(group) for group in combined)):
         raise InvalidStepError(
             f"KVStep.combined_labels must be a sequence of sequences of str labels, "
             f"got {combined!r}"
         )
     padded = ctx.padded_request_ids
-    if not _is_str_sequence(padded):
+    if not (type(padded) in _LIST_TYPES and not padded) and not _is_str_sequence(padded):
         raise InvalidStepError(
             f"StepContext.padded_request_ids must be a sequence of str request ids, "
             f"got {padded!r}"
@@ -309,7 +319,9 @@ class StepValidator:
     element identity first: a segment replaced by an equal one counts as
     the same, as `same_step` counts it), forks and combined labels as tuples
     of tuples (of str, immutable all the way down); other steps are walked
-    every time. Called outside the manager's lock: the memo is replaced whole.
+    every time. A new step whose segments begin with the remembered step's
+    own objects (by identity) walks only the segments after those. Called
+    outside the manager's lock: the memo is replaced whole.
     """
 
     __slots__ = ("_seen",)
@@ -329,7 +341,18 @@ class StepValidator:
                     and st.segments == seen.segments_copy
                     and cx.padded_request_ids == seen.padded_copy):
                 return
-        step(step_, ctx)
+        known = 0
+        if seen is not None and type(step_) is KVStep and (
+                type(step_.segments) in _LIST_TYPES):
+            # a new step whose first segments are the last one's objects (a
+            # decode batch with a prefill chunk beside it, issue 42): those
+            # passed, and a `Segment` is frozen, so only the rest is walked
+            same = list(map(operator.is_, step_.segments, seen.segments_copy))
+            known = same.index(False) if False in same else len(same)
+        if known:
+            _step_from(step_, ctx, known)
+        else:
+            step(step_, ctx)
         assert isinstance(step_, KVStep) and isinstance(ctx, StepContext)
         self._seen = _Seen.of(step_, ctx)
 
@@ -360,18 +383,22 @@ class _Seen:
                 or type(ctx.padded_request_ids) not in _LIST_TYPES):
             return None
         for nested in (step_.pre_forks, step_.post_forks, step_.combined_labels):
-            if type(nested) is not tuple or not all(type(x) is tuple for x in nested):
+            # empty (most steps): no generator
+            if type(nested) is not tuple or (nested and not all(
+                    type(x) is tuple for x in nested)):
                 return None
         return cls(step_, ctx)
 
 
-def segments(segs: object) -> None:
+def segments(segs: object, first: int = 0) -> None:
+    """Every segment a `Segment` of str ids and a non-negative int span;
+    ``first``: the segments before it are known to be."""
     if not _is_sequence(segs):
         raise InvalidStepError(
             f"KVStep.segments must be a sequence of Segment, got {type(segs).__name__}"
         )
     assert isinstance(segs, Sequence)
-    for seg in segs:
+    for seg in segs[first:] if first else segs:
         # one expression per segment (a plain loop measured faster here than
         # C-level map/set passes); only a bad segment takes the slow path
         if not (isinstance(seg, Segment) and type(seg.span) is int and seg.span >= 0

@@ -301,21 +301,63 @@ class PagePool:
             if n > free:
                 return AllocationFailed(pages_short=n - free,
                                         message=f"{n} pages asked for, {free} free")
+            return self._take(owner, n)
+
+    def allocate_each(self, owners: Sequence[Owner], counts: Sequence[int]
+                      ) -> list[list[int]] | AllocationFailed:
+        """`allocate` of ``counts[i]`` pages for each ``owners[i]``, in order,
+        in one critical section: every owner gets its pages, or (short)
+        `AllocationFailed` and nothing is taken. The pages each owner gets
+        are the ones that `allocate` called for each in turn hands out (a
+        decode step's admit gives a page to each stream crossing into a new
+        one: one call, not one per stream)."""
+        if len(owners) != len(counts):
+            raise InvalidArgumentError(
+                f"{len(owners)} owners and {len(counts)} page counts")
+        check = self._check_owner
+        for owner, n in zip(owners, counts, strict=True):
+            check(owner)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:  # as `allocate`
+                raise InvalidArgumentError(f"cannot allocate {n!r} pages")
+        with self._lock:
             blank = self._blank
-            take = min(n, len(blank))
-            # a whole deque taken at once is a copy and a clear, not n pops
-            if take == len(blank):
-                out = list(blank)
-                blank.clear()
-            else:
-                pop = blank.popleft
-                out = [pop() for _ in range(take)]
-            holders = self._holders
-            for p in out:
-                holders[p] = owner  # a free page: no holder before
-            if take < n:
-                out += self._evict_many(n - take, owner)
+            need = sum(counts)
+            free = len(blank) + len(self._lru)
+            if need > free:
+                return AllocationFailed(pages_short=need - free,
+                                        message=f"{need} pages asked for, {free} free")
+            take, holders = self._take, self._holders
+            out: list[list[int]] = []
+            for owner, n in zip(owners, counts, strict=True):
+                if n == 1 and blank:
+                    # a decode stream's next page, as `_take` gives it, inline
+                    p = blank.popleft()
+                    holders[p] = owner
+                    out.append([p])
+                else:
+                    out.append(take(owner, n))
             return out
+
+    def _take(self, owner: Owner, n: int) -> list[int]:
+        """``n`` pages, counted free under the lock held, now ``owner``'s:
+        free-blank first, then the least recently used free-cached."""
+        blank = self._blank
+        take = min(n, len(blank))
+        # a whole deque taken at once is a copy and a clear, not n pops
+        if take == len(blank):
+            out = list(blank)
+            blank.clear()
+        elif take == 1:
+            out = [blank.popleft()]  # a decode stream's next page: no loop
+        else:
+            pop = blank.popleft
+            out = [pop() for _ in range(take)]
+        holders = self._holders
+        for p in out:
+            holders[p] = owner  # a free page: no holder before
+        if take < n:
+            out += self._evict_many(n - take, owner)
+        return out
 
     def peek(self, n: int) -> list[int]:
         """The pages `allocate` of ``n`` would hand out, in order, nothing taken

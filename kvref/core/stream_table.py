@@ -116,6 +116,13 @@ class StreamTable:
         assert isinstance(got, list), f"pages counted free under the lock went missing: {got}"
         return got
 
+    def take_each(self, keys: list[Key], counts: list[int]) -> list[list[int]]:
+        """`take` of ``counts[i]`` pages for each of ``keys`` in turn, in one
+        call to the pool."""
+        got = self.pages.allocate_each(keys, counts)
+        assert isinstance(got, list), f"pages counted free under the lock went missing: {got}"
+        return got
+
     def head_first(self, label: str) -> bool:
         """H4: a cached window lets go of its pages head first, so its tail,
         what a window hit at its end reads, is evicted last (vLLM 48435);

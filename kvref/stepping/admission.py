@@ -232,9 +232,11 @@ def plain_grant(table: Table, step: KVStep, page_size: int, free: int, max_seq_l
     work: list[int] = []
     new_keys: list[Key] = []  # the claims whose stream the admit creates
     cow: list[Key] = []
+    # bound once: a lookup each per segment is a few % of a B=256 admit
+    lookup, claim = table.get, claims.append
     for seg in step.segments:
         rid, label, span = seg.request_id, seg.label, seg.span
-        streams = table.get(rid)
+        streams = lookup(rid)
         if streams is None or span < 0:
             misuse(table, step, padded, max_seq_len)
         stream = streams.get(label)
@@ -268,7 +270,7 @@ def plain_grant(table: Table, step: KVStep, page_size: int, free: int, max_seq_l
             if first_short is None:
                 first_short = (rid, label)
             work.append(len(claims))
-        claims.append((rid, streams, label, stream, short))
+        claim((rid, streams, label, stream, short))
         keep(stream)
     if at_limit:
         validate.step_lengths(step, StepContext(), table, max_seq_len)

@@ -66,6 +66,10 @@ logger = logging.getLogger(__name__)
 
 _span = operator.attrgetter("span")
 
+# from this many streams short of pages (a large batch crossing into new
+# pages: 16 a step at B = 256), one pool call for all (`take_each`)
+_BATCHED_TAKE = 4
+
 
 class Stepping:
     """The running step, the staged preplan, and the plan states attention reads."""
@@ -337,15 +341,28 @@ class Stepping:
         created: list[Key] = []
         grown: list[int] = []
         for i in grant.work:
-            rid, _, label, stream, short = claim = claims[i]
+            rid, streams, label, stream, short = claims[i]
             if stream is None:
                 created.append((rid, label))
+                found[i] = streams[label] = CacheStream()
             if short > 0:
                 grown.append(i)
-            found[i] = self._claim(claim)
-        streams = cast("list[CacheStream]", found)  # every None filled above
-        CacheStream.mark_step(streams)
-        return created, streams, grown
+        made = cast("list[CacheStream]", found)  # every None filled above
+        if len(grown) < _BATCHED_TAKE:
+            # a few streams (a small batch, a chunk): the pool's one-owner
+            # call, the same path a decode step of the batch takes
+            for i in grown:
+                rid, _, label, _, short = claims[i]
+                made[i].append_pages(self._table.take((rid, label), short))
+        else:
+            # the pages of every stream short of some in one call to the
+            # pool, in claim order: the pages `take` would give each in turn
+            rows = [claims[i] for i in grown]
+            got = self._table.take_each([(c[0], c[2]) for c in rows], [c[4] for c in rows])
+            for i, pages in zip(grown, got, strict=True):
+                made[i].append_pages(pages)
+        CacheStream.mark_step(made)
+        return created, made, grown
 
     def _copy_first(self, grant: admission.Grant) -> None:
         # first, while nothing else changed: a copy that raises leaves the

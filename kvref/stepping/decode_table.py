@@ -244,9 +244,12 @@ class DecodeTable:
         if n < SMALL_BATCH:
             return fresh_plan(segments, streams, self._ps, self._device)
         kept = self._streams
-        if kept is not None and len(kept) == n and all(map(operator.is_, streams, kept)) and (
-                all(map(operator.is_, segments, self._segments))
-                or list(map(_span, segments)).count(1) == n):
+        # a list's == compares element by element, identity first, in C: a
+        # stream has no __eq__ (identity), and an equal segment has the same
+        # span (issue 42: ``all(map(operator.is_, ...))`` took 15 µs a
+        # compare at 256 rows, == takes well under one where all are the same)
+        if kept is not None and len(kept) == n and streams == kept and (
+                segments == self._segments or list(map(_span, segments)).count(1) == n):
             self._segments = segments
             return self._emit(*self._update(streams, grown))
         if not n or list(map(_span, segments)).count(1) != n:
@@ -287,7 +290,7 @@ class DecodeTable:
         expect = self._gens + self.commits
         if grown:
             expect[list(grown)] += 1
-        dirty = np.flatnonzero(gens != expect)
+        dirty = (gens != expect).nonzero()[0]
         if dirty.size == n:
             return self._rebuild(streams)  # every row moved
         view_len = self._view_len + self.commits
@@ -309,6 +312,12 @@ class DecodeTable:
             # no row's pages changed: the kept array, which no plan writes,
             # is this plan's table as it was the last one's
             return gens, view_len, npages, offset, indices
+        if not dirty.size and self.commits == 1:
+            # a decode step after a decode step: each changed row only gained
+            # the one page its admit appended (a row changed otherwise is
+            # dirty), so the rows are written by a few vector ops, not a
+            # slice and a page array per row (issue 42)
+            return gens, view_len, npages, offset, self._grown_rows(streams, changed, npages)
         # a new array, never the kept one written in place (an earlier plan
         # holds it): the unchanged runs of rows as slices of it, the changed
         # rows from their streams' kept page arrays, in one concatenate (only
@@ -335,6 +344,28 @@ class DecodeTable:
         self.commits = 0
         return kv
 
+    def _grown_rows(self, streams: list[CacheStream], changed: Array, npages: Array) -> Array:
+        """The kept indices with one page added at the end of each of the
+        ``changed`` rows (each clean, its view one token longer: one page
+        more), in a new array: the kept one is never written."""
+        new_np = npages[changed]
+        # a clean row's first pages are the kept ones (only its admit's
+        # append changed its pages); the page it gained is its view's last
+        last = [streams[i].page_indices[k - 1]
+                for i, k in zip(changed.tolist(), new_np.tolist(), strict=True)]
+        old = self._indices
+        m = len(last)
+        # where each row's new page lands in the new array: after the row's
+        # kept pages, shifted by the pages added to the rows before it
+        at = self._kv[changed + 1] + np.arange(m)
+        out = np.empty(old.shape[0] + m, dtype=np.int32)
+        rest = np.empty(out.shape[0], dtype=bool)
+        rest.fill(True)  # np.ones goes through a Python wrapper
+        rest[at] = False
+        out[rest] = old
+        out[at] = last
+        return out
+
     def _emit(self, gens: Array, view_len: Array, npages: Array, offset: Array,
               indices: Array) -> DecodePlan:
         """Keep the rows, and hand out their tables: ``indices``, the rows'
@@ -360,8 +391,9 @@ class DecodeTable:
             paged_kv_last_page_len=torch.from_numpy(head[b[1]:]),
             paged_kv_indices=self._indices_t,
         )
-        state = decode_slots(np.concatenate((indices[kv[:-1] + pos // ps], off)),
-                             self._device)
+        # each row writes on its view's last page, ``kv[1:] - 1``: ``npages``
+        # is ``pos // ps + 1`` (a view holds at least its new token)
+        state = decode_slots(np.concatenate((indices[kv[1:] - 1], off)), self._device)
         plan = DecodePlan(self._segments, head, indices, indptrs, state, gens, view_len, offset)
         plan.kept = True
         return plan

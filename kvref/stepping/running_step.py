@@ -3,7 +3,6 @@ remembers between admit, plan and commit (R23: one running, one staged)."""
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -38,9 +37,10 @@ def unchanged(step: KVStep, shape: StepShape) -> bool:
     commit: a segment appended after plan was committed onto a stream with
     no pages for it (found by the fast-path work, issue 11)."""
     segments = step.segments
-    # element identity first: the usual caller hands the same objects back
-    return (len(segments) == len(shape[0])
-            and (all(map(operator.is_, segments, shape[0])) or tuple(segments) == shape[0])
+    # ==, element identity first (in C: the usual caller hands the same
+    # objects back), then equality (issue 42: an identity pass by
+    # ``all(map(operator.is_, ...))`` cost more than this whole compare)
+    return (len(segments) == len(shape[0]) and tuple(segments) == shape[0]
             and step.commit == shape[1] and tuple(step.pre_forks) == shape[2]
             and tuple(step.post_forks) == shape[3]
             and _combined(step.combined_labels) == shape[4])

@@ -10,7 +10,7 @@ import os
 import pytest
 from hypothesis import settings
 
-from kvref.stepping import decode_table
+from kvref.stepping import admit_plan_commit, decode_table
 from kvref.testing import lockstep
 from kvref.testing.driver import DriverConfig
 from kvref.testing.lockstep import (
@@ -34,6 +34,9 @@ def kept_decode_table(monkeypatch: pytest.MonkeyPatch) -> None:
     # the kept decode table (issue 28) plans from one row, so the lockstep's
     # batches of one to three requests run it (in production: from 32)
     monkeypatch.setattr(decode_table, "SMALL_BATCH", 1)
+    # and a plain admit takes the pages of two streams or more in one pool
+    # call (issue 42; in production from 4): both ways run here
+    monkeypatch.setattr(admit_plan_commit, "_BATCHED_TAKE", 2)
 
 
 @pytest.mark.parametrize("scope", [SCOPE, PLAIN_SCOPE], ids=["as-shipped", "sharing-off"])

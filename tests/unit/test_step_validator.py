@@ -127,3 +127,37 @@ def test_a_well_formed_change_in_place_is_not_the_admitted_step(when: str, chang
             call()
         assert_same(before, snapshot(kv))
     assert kv.stored_len("b") == 0
+
+
+def test_a_step_beginning_with_the_last_ones_segments_walks_only_the_rest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode batch with a prefill chunk beside it (issue 42) reuses the
+    batch's segment objects: only the segments after them are walked, and a
+    bad one there is still refused."""
+    firsts: list[int] = []
+    walk = validate.segments
+
+    def counted(segs: object, first: int = 0) -> None:
+        firsts.append(first)
+        walk(segs, first)
+
+    monkeypatch.setattr(validate, "segments", counted)
+    kv = make_manager()
+    for rid in "abc":
+        kv.ingest_request(rid)
+    batch = [Segment("a", "main", 1), Segment("b", "main", 1)]
+    ctx = StepContext(["a", "b", "c"])
+    decode = KVStep(batch)
+    for call in (kv.admit, kv.plan, kv.commit):
+        call(decode, ctx)
+    mixed = KVStep([*batch, Segment("c", "main", 4)])
+    for call in (kv.admit, kv.plan, kv.commit):
+        call(mixed, ctx)
+    assert firsts == [0, 2]
+    before = snapshot(kv)
+    with pytest.raises(InvalidStepError):
+        kv.admit(KVStep([*batch, Segment("c", "main", -1)]), ctx)
+    with pytest.raises(InvalidStepError):
+        kv.admit(KVStep([batch[0], Segment("b", "main", True)]), ctx)  # type: ignore[arg-type]
+    assert firsts[2:] == [2, 1]
+    assert_same(before, snapshot(kv))
