@@ -229,8 +229,11 @@ def token_bytes(tokens: Tokens) -> bytes:
         # a prompt: a bool packs as 0 or 1, so only the items packed as 0 or
         # 1 are looked at, not the type of every id (a set of 2,048 types
         # cost as much as hashing the prompt)
-        small = np.flatnonzero((np.frombuffer(raw, dtype="<i8") >> 1) == 0).tolist()
-        if small and any(type(tokens[i]) is not int for i in small):
+        # read unsigned, a negative id is past 1: an id below 2 is 0 or 1.
+        # The minimum first: a prompt with no such id (most) pays one pass
+        words = np.frombuffer(raw, dtype="<u8")
+        if words.min() < 2 and any(type(tokens[i]) is not int
+                                   for i in np.flatnonzero(words < 2).tolist()):
             _refuse_bools(tokens)
     return raw
 
@@ -346,7 +349,26 @@ def page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
     (one loop, no generator to resume per page: a fifth less per prompt)."""
     n, tb, count, tail, step, kind, prev = _chain_setup(tokens, page_size, extras, parent,
                                                         pages, encoded, key_hash)
-    if not n:
+    return _chain(tb, n, step, count, tail, kind, prev, key_hash)
+
+
+def packed_page_keys(encoded: bytes, page_size: int, extras: ExtraKeys = (), *,
+                     parent: PageKey | None = None, key_hash: KeyHash = SHA256
+                     ) -> list[PageKey]:
+    """`page_keys` of ids already packed (``encoded``, `token_bytes` of
+    them, checked by whoever packed them): the keys of the whole pages it
+    holds, with no list of ids to check or slice."""
+    step = 8 * page_size
+    field = _parent_field(parent, key_hash)
+    return _chain(encoded, len(encoded) // step, step, _u64(page_size), encode_extras(extras),
+                  field[:1], field[1:], key_hash)
+
+
+def _chain(tb: bytes, n: int, step: int, count: bytes, tail: bytes, kind: bytes, prev: bytes,
+           key_hash: KeyHash) -> list[PageKey]:
+    """The chained keys of the ``n`` pages of ``step`` bytes each at the head
+    of ``tb``, the first after the parent field ``kind + prev``."""
+    if n <= 0:
         return []
     new, join = key_hash.new, b"".join
     # the first page apart: every later one's parent field is the child byte
