@@ -391,17 +391,27 @@ def cached_head(index: Mapping[PageKey, int], tokens: Tokens, page_size: int,
     page, stopping at the first miss, as a walk of `iter_page_keys` would."""
     n, tb, count, tail, step, kind, prev = _chain_setup(tokens, page_size, extras, None,
                                                         pages, encoded, key_hash)
-    new, join, child, find = key_hash.new, b"".join, _CHILD, index.get
     found: list[int] = []
     keys: list[PageKey] = []
-    for i in range(0, n * step, step):
-        key = new(join((kind, prev, count, tb[i:i + step], tail))).digest()
+    if not n:
+        return found, keys
+    new, join, find = key_hash.new, b"".join, index.get
+    # the first page apart, as `_chain`: the loop's parent field is the
+    # child byte and the key before it
+    key = new(join((kind, prev, count, tb[:step], tail))).digest()
+    p = find(key)
+    if p is None:
+        return found, keys
+    found.append(p)
+    keys.append(key)
+    add_page, add_key, child = found.append, keys.append, _CHILD
+    for i in range(step, n * step, step):
+        key = new(join((child, key, count, tb[i:i + step], tail))).digest()
         p = find(key)
         if p is None:
             break
-        found.append(p)
-        keys.append(key)
-        kind, prev = child, key
+        add_page(p)
+        add_key(key)
     return found, keys
 
 
