@@ -364,20 +364,34 @@ class PagePool:
         with self._lock:
             self._check_distinct(pages, PageRefError, "share")
             holders = self._holders
-            # `_holds` and `_add` inlined: a fork shares every full page
-            for p in pages:
-                h = holders[p]
-                if h is None:
-                    raise PageRefError(f"share of page {p}: it is free (a cached page is "
-                                       "taken by match, a blank one by allocate)")
-                if owner in h if type(h) is set else h == owner:
-                    raise PageRefError(f"share of page {p}: {owner!r} holds it already")
-            for p in pages:
+            # `_holds` and `_add` inlined, in one pass that takes each
+            # reference as it checks its page (a fork shares every full
+            # page, so a separate checking pass is paid per page). The first
+            # page that fails stops it, and the references taken before it
+            # are given back: the refusal changes nothing
+            i = 0
+            for i, p in enumerate(pages):  # noqa: B007 (i is read after the loop)
                 h = holders[p]
                 if type(h) is set:
+                    if owner in h:
+                        break
                     h.add(owner)
+                elif h is None or h == owner:
+                    break
                 else:
                     holders[p] = {h, owner}
+            else:
+                return
+            for q in pages[:i]:
+                got = holders[q]
+                got.remove(owner)
+                if len(got) == 1:  # a set this pass made: the holder bare again
+                    holders[q] = next(iter(got))
+            bad = pages[i]
+            if holders[bad] is None:
+                raise PageRefError(f"share of page {bad}: it is free (a cached page is "
+                                   "taken by match, a blank one by allocate)")
+            raise PageRefError(f"share of page {bad}: {owner!r} holds it already")
 
     def cached_page(self, key: PageKey) -> int | None:
         """The page registered under ``key`` now, held or free-cached; None if
@@ -667,6 +681,13 @@ class PagePool:
             raise err(f"no page {p!r}: pages are [{self.first}, {self.num_pages})")
 
     def _check_distinct(self, pages: list[int], err: type[KVRefError], what: str) -> None:
+        n = len(pages)
+        # the usual list (a stream's table: a fork shares every full page):
+        # plain ints in range, none twice, found by C-level passes; anything
+        # else is looked at page by page, for the message naming it
+        if n and list(map(type, pages)).count(int) == n and min(pages) >= self.first and (
+                max(pages) < self.num_pages and len(set(pages)) == n):
+            return
         seen: set[int] = set()
         for p in pages:
             self._check_page(p, err)

@@ -139,6 +139,32 @@ def test_release_rules() -> None:
     pool.sanity_check()
 
 
+def test_a_share_refused_part_way_gives_back_what_it_took() -> None:
+    # share takes each reference as it checks the page: a page that fails
+    # after others passed must leave every holder as it was, a page held by
+    # one owner bare again and a page held by two its own set
+    pool = PagePool(8, PS)
+    pages = pool.allocate("a", 4)
+    assert isinstance(pages, list)
+    pool.share("b", pages[:2])  # pages 0, 1 held by {a, b}; 2, 3 by a alone
+    free = [p for p in range(1, 8) if p not in pages][0]
+    before = pool.snapshot()
+    for bad, match in ((pages + [free], "free"), ([pages[2], pages[0], pages[3]], None)):
+        owner = "c" if match else "b"  # b holds pages[0] already
+        with pytest.raises(PageRefError, match=match or "holds it already"):
+            pool.share(owner, bad)
+        assert pool.snapshot() == before
+        assert type(pool._holders[pages[2]]) is str  # bare again, not a set of one
+        assert pool._holders[pages[0]] == {"a", "b"}
+    for bad in ([pages[0], pages[0]], [pages[1], 0], [pages[1], True]):  # twice, sink, a bool
+        with pytest.raises(PageRefError):
+            pool.share("c", bad)
+        assert pool.snapshot() == before
+    pool.share("c", pages)
+    assert all(pool.holders(p) >= {"a", "c"} for p in pages)
+    pool.sanity_check()
+
+
 def test_writes_need_a_private_unregistered_page() -> None:
     pool = PagePool(4, PS)
     [p] = pool.allocate("a", 1)
