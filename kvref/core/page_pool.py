@@ -340,21 +340,33 @@ class PagePool:
         with self._lock:
             pages, keys = self._hits(tokens, extras, encoded)
             holders = self._holders
-            for p in pages:
-                h = holders[p]
-                if h is not None and (owner in h if type(h) is set else h == owner):
-                    raise PageRefError(f"{owner!r} already holds cached page {p}: a hit "
-                                       "goes to a stream that does not hold its prefix")
-            for p in pages:  # `_add` inlined: a hit attaches a whole prompt's pages
+            # `_add` inlined, in one pass that takes each reference as it
+            # checks the page (a hit attaches a whole prompt's pages). A
+            # free-cached page leaves the LRU once every page passed, so a
+            # refusal gives back the references taken and changes nothing
+            touched: list[int] = []
+            i = 0
+            for i, p in enumerate(pages):  # noqa: B007 (i is read after the loop)
                 h = holders[p]
                 if h is None:
-                    self._touch(p)
                     holders[p] = owner
+                    touched.append(p)
                 elif type(h) is set:
+                    if owner in h:
+                        break
                     h.add(owner)
+                elif h == owner:
+                    break
                 else:
                     holders[p] = {h, owner}
-        return PrefixHit(tuple(pages), tuple(keys), len(pages) * self.page_size)
+            else:
+                for p in touched:
+                    self._touch(p)
+                return PrefixHit(tuple(pages), tuple(keys), len(pages) * self.page_size)
+            for q in pages[:i]:
+                self._unhold(q, owner)  # a page this pass took is free again
+            raise PageRefError(f"{owner!r} already holds cached page {pages[i]}: a hit "
+                               "goes to a stream that does not hold its prefix")
 
     def share(self, owner: Owner, pages: Sequence[int]) -> None:
         """`owner` takes a reference on pages others hold: a fork's full
@@ -524,7 +536,8 @@ class PagePool:
                 self._check_page(page, PageRegisterError)
         if len(keys) != n:
             raise ValueError(f"register_chain: {n} pages, {len(keys)} keys")
-        got, err = self.register_filled(list(pages), list(keys))
+        with self._lock:  # the pages were checked above: not again per page
+            got, err = self._take_keys(pages, keys)
         if took is not None:
             took += map(bool, got)
         return len(got), sum(got), err
@@ -535,34 +548,52 @@ class PagePool:
         decode step's): ``pages[i]`` under ``keys[i]``, in order, under one
         acquisition of the lock. Returns per page done 1 if it took its key
         here, 0 if it had that key already or another page has it (S11),
-        and the error that stopped the rest (None: all)."""
+        and the error that stopped the rest (None: all), a page that is no
+        page among them: the pages before it are done."""
+        n = len(pages)
+        if len(keys) != n:
+            raise ValueError(f"register_filled: {n} pages, {len(keys)} keys")
+        lo, hi = self.first, self.num_pages
+        # kvref's tables hold plain ints in range: found by C-level passes,
+        # so the pass checks no page again; else up to the first that fails
+        good = n
+        if n and (list(map(type, pages)).count(int) != n or min(pages) < lo
+                  or max(pages) >= hi):
+            good = next(i for i, p in enumerate(pages)
+                        if type(p) is not int or not lo <= p < hi)
+        with self._lock:
+            took, err = self._take_keys(pages[:good], keys[:good]) if good < n else (
+                self._take_keys(pages, keys))
+        if err is None and good < n:
+            err = PageRegisterError(f"no page {pages[good]!r}: pages are [{lo}, {hi})")
+        return took, err
+
+    def _take_keys(self, pages: Sequence[int], keys: Sequence[PageKey]
+                   ) -> tuple[list[int], KVRefError | None]:
+        """`register_filled`'s pass over pages the caller checked (ints in
+        range), under the lock the caller holds."""
         took: list[int] = []
         put = took.append
-        lo, hi = self.first, self.num_pages
-        with self._lock:
-            holders, have_keys, index = self._holders, self._key, self._index
-            for page, key in zip(pages, keys, strict=True):
-                if type(page) is not int or not lo <= page < hi:
-                    return took, PageRegisterError(
-                        f"no page {page!r}: pages are [{lo}, {hi})")
-                have = have_keys[page]
-                # an unkeyed page is in no entry of the index (`_index[k] == p`
-                # exactly when `_key[p] == k`): `setdefault` giving the page
-                # back put it there, one probe for the lookup and the store
-                if have is None and holders[page] is not None and (
-                        index.setdefault(key, page) == page):
-                    have_keys[page] = key
-                    put(1)
-                    continue
-                if holders[page] is None:
-                    return took, PageRegisterError(
-                        f"page {page} is free: it holds nothing committed")
-                if have is not None and have != key:
-                    return took, PageRegisterError(
-                        f"page {page} is registered under other tokens; a registered "
-                        "page is immutable")
-                put(0)  # keyed so before, or deduplicated: that page keeps the key
-            return took, None
+        holders, have_keys, index = self._holders, self._key, self._index
+        for page, key in zip(pages, keys, strict=True):
+            have = have_keys[page]
+            # an unkeyed page is in no entry of the index (`_index[k] == p`
+            # exactly when `_key[p] == k`): `setdefault` giving the page
+            # back put it there, one probe for the lookup and the store
+            if have is None and holders[page] is not None and (
+                    index.setdefault(key, page) == page):
+                have_keys[page] = key
+                put(1)
+                continue
+            if holders[page] is None:
+                return took, PageRegisterError(
+                    f"page {page} is free: it holds nothing committed")
+            if have is not None and have != key:
+                return took, PageRegisterError(
+                    f"page {page} is registered under other tokens; a registered "
+                    "page is immutable")
+            put(0)  # keyed so before, or deduplicated: that page keeps the key
+        return took, None
 
     def reset_prefix_cache(self) -> int | ResetRefused:
         """Forget every cached page (after a weight update, say); returns how

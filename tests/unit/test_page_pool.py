@@ -85,6 +85,29 @@ def test_a_hit_on_a_free_cached_page_takes_it_out_of_the_lru() -> None:
     pool.sanity_check()
 
 
+def test_a_hit_refused_part_way_changes_nothing() -> None:
+    # match takes each reference as it checks the page: a page the owner
+    # holds already, found after a free-cached, a bare and a shared one, must
+    # leave holders and the LRU's order as they were
+    pool = PagePool(8, PS)
+    z = cached(pool, "z", [9, 9])
+    p1, p2, p3, p4 = cached(pool, "a", [1, 2, 3, 4, 5, 6, 7, 8])
+    pool.share("x", [p2, p3])
+    pool.share("y", [p3])
+    pool.share("b", [p4])
+    pool.release("a", [p4, p3, p2, p1])
+    pool.release("z", z)
+    before = pool.snapshot()
+    assert before.lru == (p1, *z)  # p1 free-cached, then z's page
+    with pytest.raises(PageRefError, match=f"already holds cached page {p4}"):
+        pool.match("b", [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    assert pool.snapshot() == before
+    assert pool._holders[p2] == "x" and pool._holders[p3] == {"x", "y"}
+    assert pool.match("c", [1, 2, 3, 4, 5, 6, 7, 8, 0]).pages == (p1, p2, p3, p4)
+    assert pool.snapshot().lru == tuple(z)
+    pool.sanity_check()
+
+
 def test_extra_keys_keep_tenants_apart() -> None:
     pool = PagePool(5, PS)
     cached(pool, "a", [1, 2, 3, 4], (("salt", "ab"),))
