@@ -170,9 +170,9 @@ def test_a_share_refused_part_way_gives_back_what_it_took() -> None:
     pages = pool.allocate("a", 4)
     assert isinstance(pages, list)
     pool.share("b", pages[:2])  # pages 0, 1 held by {a, b}; 2, 3 by a alone
-    free = [p for p in range(1, 8) if p not in pages][0]
+    free = next(p for p in range(1, 8) if p not in pages)
     before = pool.snapshot()
-    for bad, match in ((pages + [free], "free"), ([pages[2], pages[0], pages[3]], None)):
+    for bad, match in (([*pages, free], "free"), ([pages[2], pages[0], pages[3]], None)):
         owner = "c" if match else "b"  # b holds pages[0] already
         with pytest.raises(PageRefError, match=match or "holds it already"):
             pool.share(owner, bad)
