@@ -782,12 +782,13 @@ class PagePool:
         blank: list[int] = []
         tail = last = prev[head]
         kept = 0  # pages others still hold; the rest are freed: blank or linked
-        i = 0
         # a tuple owner (a stream's key) never equals a set of holders: one
         # comparison per page, not two
         plain = type(owner) is tuple
         try:
-            for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
+            # no index kept per page (a tenth of the pass): a failure counts
+            # the pages done from what they left
+            for p in pages:
                 h = holders[p]
                 # the type test second: a set equals a frozenset owner
                 if h == owner and (plain or type(h) is not set):
@@ -806,6 +807,12 @@ class PagePool:
                 else:
                     raise KeyError(p)
         except (KeyError, IndexError):
+            # the pages done: the kept, the blank, and the chain linked from
+            # the tail to `last` (each once: a repeat is where the pass stops)
+            i, q = kept + len(blank), tail
+            while q != last:
+                q = nxt[q]
+                i += 1
             for q in pages[:i]:  # distinct: a repeat is where the pass stops
                 self._add(q, owner)
                 prev[q] = nxt[q] = -1  # held again: in no list

@@ -309,14 +309,20 @@ def test_release_table_refuses_as_release_does_and_keeps_lru_order() -> None:
     pool.share(b, pages[:1])  # page 0 of the table stays held by b
     other = pool.allocate(b, 1)
     assert isinstance(other, list)
+    # a free-cached page before them: a refusal's undo ends the chain at it
+    c = ("q", "main")
+    [cp] = pool.allocate(c, 1)
+    assert pool.register_chain([cp], page_keys(list(range(100, 104)), 4)) == (1, 1, None)
+    pool.release_table(c, [cp])
     before = pool.snapshot()
-    for bad in ([*pages[::-1], other[0]], [pages[0], pages[1], pages[1]], [pages[0], 99]):
+    for bad in ([*pages[::-1], other[0]], [pages[0], pages[1], pages[1]], [pages[0], 99],
+                [pages[3], pages[4], pages[2], pages[3]]):
         with pytest.raises(PageRefError):
             pool.release_table(a, bad)
         assert pool.snapshot() == before
     assert pool.release_table(a, pages[::-1]) == 5
     snap = pool.snapshot()
-    assert snap.lru == tuple(pages[3:0:-1])  # pages[1:4] cached, tail first as given
+    assert snap.lru == (cp, *pages[3:0:-1])  # pages[1:4] cached, tail first as given
     assert set(snap.blank) >= set(pages[4:])
     pool.sanity_check()
 
