@@ -554,13 +554,21 @@ class PagePool:
         if len(keys) != n:
             raise ValueError(f"register_filled: {n} pages, {len(keys)} keys")
         lo, hi = self.first, self.num_pages
-        # kvref's tables hold plain ints in range: found by C-level passes,
-        # so the pass checks no page again; else up to the first that fails
+        # kvref's tables hold plain ints in range, so the pass checks no
+        # page again: found by C-level passes for a batch's pages, page by
+        # page for the few of a small one (one a decode step at B = 16);
+        # else the pass stops before the first that fails
         good = n
-        if n and (list(map(type, pages)).count(int) != n or min(pages) < lo
-                  or max(pages) >= hi):
-            good = next(i for i, p in enumerate(pages)
-                        if type(p) is not int or not lo <= p < hi)
+        if n > 4:
+            if (list(map(type, pages)).count(int) != n or min(pages) < lo
+                    or max(pages) >= hi):
+                good = next(i for i, p in enumerate(pages)
+                            if type(p) is not int or not lo <= p < hi)
+        else:
+            for i, p in enumerate(pages):
+                if type(p) is not int or not lo <= p < hi:
+                    good = i
+                    break
         with self._lock:
             took, err = self._take_keys(pages[:good], keys[:good]) if good < n else (
                 self._take_keys(pages, keys))

@@ -379,7 +379,20 @@ def test_register_filled_answers_as_register_chain_entry_by_entry() -> None:
     took, err = pool.register_filled([99], [keys[4]])
     assert took == [] and isinstance(err, PageRegisterError) and "no page 99" in str(err)
     assert pool.key_of(pages[4]) is None
+    # a batch's pages (checked by C-level passes): the pages before one that
+    # is no page are done, in order, and its error said; a bool is no page
+    more = PagePool(12, 4)
+    got = more.allocate(("r", "main"), 6)
+    assert isinstance(got, list)
+    for bad in (99, True):
+        took, err = more.register_filled([*got[:5], bad], keys[:6])
+        assert isinstance(err, PageRegisterError) and f"no page {bad!r}" in str(err)
+        assert took == ([1] * 5 if bad == 99 else [0] * 5)  # keyed by the first pass
+    assert [more.key_of(p) for p in got] == [*keys[:5], None]
+    with pytest.raises(ValueError, match="6 pages, 5 keys"):
+        more.register_filled(got, keys[:5])
     pool.sanity_check()
+    more.sanity_check()
 
 
 @pytest.mark.parametrize("n, pages, parent", [
