@@ -345,8 +345,7 @@ class PagePool:
             # free-cached page leaves the LRU once every page passed, so a
             # refusal gives back the references taken and changes nothing
             touched: list[int] = []
-            i = 0
-            for i, p in enumerate(pages):  # noqa: B007 (i is read after the loop)
+            for p in pages:
                 h = holders[p]
                 if h is None:
                     holders[p] = owner
@@ -363,6 +362,7 @@ class PagePool:
                 for p in touched:
                     self._touch(p)
                 return PrefixHit(tuple(pages), tuple(keys), len(pages) * self.page_size)
+            i = pages.index(p)  # distinct: each page holds one key
             for q in pages[:i]:
                 self._unhold(q, owner)  # a page this pass took is free again
             raise PageRefError(f"{owner!r} already holds cached page {pages[i]}: a hit "
@@ -381,8 +381,7 @@ class PagePool:
             # page, so a separate checking pass is paid per page). The first
             # page that fails stops it, and the references taken before it
             # are given back: the refusal changes nothing
-            i = 0
-            for i, p in enumerate(pages):  # noqa: B007 (i is read after the loop)
+            for p in pages:
                 h = holders[p]
                 if type(h) is set:
                     if owner in h:
@@ -394,6 +393,7 @@ class PagePool:
                     holders[p] = {h, owner}
             else:
                 return
+            i = pages.index(p)  # the pages are distinct (checked above)
             for q in pages[:i]:
                 got = holders[q]
                 got.remove(owner)
