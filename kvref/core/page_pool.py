@@ -582,14 +582,13 @@ class PagePool:
         range), under the lock the caller holds."""
         took: list[int] = []
         put = took.append
-        holders, have_keys, index = self._holders, self._key, self._index
+        holders, have_keys, setdefault = self._holders, self._key, self._index.setdefault
         for page, key in zip(pages, keys, strict=True):
             have = have_keys[page]
             # an unkeyed page is in no entry of the index (`_index[k] == p`
             # exactly when `_key[p] == k`): `setdefault` giving the page
             # back put it there, one probe for the lookup and the store
-            if have is None and holders[page] is not None and (
-                    index.setdefault(key, page) == page):
+            if have is None and holders[page] is not None and setdefault(key, page) == page:
                 have_keys[page] = key
                 put(1)
                 continue
