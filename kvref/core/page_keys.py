@@ -319,8 +319,10 @@ def _chain_setup(tokens: Tokens, page_size: int, extras: ExtraKeys,
     if n == 0:
         return 0, b"", b"", b"", 8 * page_size, b"", b""  # nothing to hash
     # bytes, not a memoryview: a page's slice copies 8 * page_size bytes,
-    # which costs less than making a view object per page
-    tb = token_bytes(tokens[:n * page_size]) if encoded is None else bytes(encoded)
+    # which costs less than making a view object per page (a view of what
+    # was given first, so an int is refused as before, not made zero bytes)
+    tb = (token_bytes(tokens[:n * page_size]) if encoded is None
+          else encoded if type(encoded) is bytes else bytes(memoryview(encoded)))
     field = _parent_field(parent, h)
     return n, tb, _u64(page_size), encode_extras(extras), 8 * page_size, field[:1], field[1:]
 
