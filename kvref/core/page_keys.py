@@ -229,8 +229,11 @@ def token_bytes(tokens: Tokens) -> bytes:
         # a prompt: a bool packs as 0 or 1, so only the items packed as 0 or
         # 1 are looked at, not the type of every id (a set of 2,048 types
         # cost as much as hashing the prompt)
-        small = np.flatnonzero((np.frombuffer(raw, dtype="<i8") >> 1) == 0).tolist()
-        if small and any(type(tokens[i]) is not int for i in small):
+        # read unsigned, a negative id is past 1: an id below 2 is 0 or 1.
+        # The minimum first: a prompt with no such id (most) pays one pass
+        words = np.frombuffer(raw, dtype="<u8")
+        if words.min() < 2 and any(type(tokens[i]) is not int
+                                   for i in np.flatnonzero(words < 2).tolist()):
             _refuse_bools(tokens)
     return raw
 
@@ -300,10 +303,13 @@ def page_key(parent: PageKey | None, tokens: Tokens, extras: ExtraKeys = (), *,
 
 def _chain_setup(tokens: Tokens, page_size: int, extras: ExtraKeys,
                  parent: PageKey | None, pages: int | None, encoded: bytes | None,
-                 h: KeyHash) -> tuple[int, memoryview, bytes, bytes, int, bytes]:
+                 h: KeyHash) -> tuple[int, bytes, bytes, bytes, int, bytes, bytes]:
     """What hashing a chain needs: the number of pages, the ids encoded once
     (only what is hashed), the count and extras fields, the page's byte
-    length, and the first page's parent field."""
+    length, and the first page's parent field split in two: its prefix byte
+    and the parent key (empty for a root). The loops hash each page's
+    message as one join of five parts, the parent key among them, so no
+    parent field is built per page."""
     if page_size <= 0:
         raise InvalidArgumentError(f"page_size must be positive, got {page_size}")
     check_ids(tokens)  # before its length is read
@@ -311,10 +317,14 @@ def _chain_setup(tokens: Tokens, page_size: int, extras: ExtraKeys,
     if pages is not None:
         n = min(n, max(pages, 0))
     if n == 0:
-        return 0, memoryview(b""), b"", b"", 8 * page_size, b""  # nothing to hash
-    tb = memoryview(token_bytes(tokens[:n * page_size]) if encoded is None else encoded)
-    return (n, tb, _u64(page_size), encode_extras(extras), 8 * page_size,
-            _parent_field(parent, h))
+        return 0, b"", b"", b"", 8 * page_size, b"", b""  # nothing to hash
+    # bytes, not a memoryview: a page's slice copies 8 * page_size bytes,
+    # which costs less than making a view object per page (a view of what
+    # was given first, so an int is refused as before, not made zero bytes)
+    tb = (token_bytes(tokens[:n * page_size]) if encoded is None
+          else encoded if type(encoded) is bytes else bytes(memoryview(encoded)))
+    field = _parent_field(parent, h)
+    return n, tb, _u64(page_size), encode_extras(extras), 8 * page_size, field[:1], field[1:]
 
 
 def iter_page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
@@ -325,13 +335,13 @@ def iter_page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
     them), lazily: a caller that stops at the first miss hashes no further.
     The tokens and the extra keys are encoded once for the whole chain;
     ``encoded``: `token_bytes` of `tokens`, where the caller has it already."""
-    n, tb, count, tail, step, prev = _chain_setup(tokens, page_size, extras, parent, pages,
-                                                  encoded, key_hash)
+    n, tb, count, tail, step, kind, prev = _chain_setup(tokens, page_size, extras, parent,
+                                                        pages, encoded, key_hash)
     new, join = key_hash.new, b"".join
     for i in range(0, n * step, step):
-        key = new(join((prev, count, tb[i:i + step], tail))).digest()
+        key = new(join((kind, prev, count, tb[i:i + step], tail))).digest()
         yield key
-        prev = _CHILD + key
+        kind, prev = _CHILD, key
 
 
 def page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
@@ -339,15 +349,38 @@ def page_keys(tokens: Tokens, page_size: int, extras: ExtraKeys = (), *,
               encoded: bytes | None = None, key_hash: KeyHash = SHA256) -> list[PageKey]:
     """`iter_page_keys` as a list: what an engine computes once per prompt
     (one loop, no generator to resume per page: a fifth less per prompt)."""
-    n, tb, count, tail, step, prev = _chain_setup(tokens, page_size, extras, parent, pages,
-                                                  encoded, key_hash)
-    new, join, child = key_hash.new, b"".join, _CHILD
-    out: list[PageKey] = []
-    add = out.append
-    for i in range(0, n * step, step):
-        key = new(join((prev, count, tb[i:i + step], tail))).digest()
+    n, tb, count, tail, step, kind, prev = _chain_setup(tokens, page_size, extras, parent,
+                                                        pages, encoded, key_hash)
+    return _chain(tb, n, step, count, tail, kind, prev, key_hash)
+
+
+def packed_page_keys(encoded: bytes, page_size: int, extras: ExtraKeys = (), *,
+                     parent: PageKey | None = None, key_hash: KeyHash = SHA256
+                     ) -> list[PageKey]:
+    """`page_keys` of ids already packed (``encoded``, `token_bytes` of
+    them, checked by whoever packed them): the keys of the whole pages it
+    holds, with no list of ids to check or slice."""
+    step = 8 * page_size
+    field = _parent_field(parent, key_hash)
+    return _chain(encoded, len(encoded) // step, step, _u64(page_size), encode_extras(extras),
+                  field[:1], field[1:], key_hash)
+
+
+def _chain(tb: bytes, n: int, step: int, count: bytes, tail: bytes, kind: bytes, prev: bytes,
+           key_hash: KeyHash) -> list[PageKey]:
+    """The chained keys of the ``n`` pages of ``step`` bytes each at the head
+    of ``tb``, the first after the parent field ``kind + prev``."""
+    if n <= 0:
+        return []
+    new, join = key_hash.new, b"".join
+    # the first page apart: every later one's parent field is the child byte
+    # and the key before it, so the loop keeps no parent field of its own
+    key = new(join((kind, prev, count, tb[:step], tail))).digest()
+    out: list[PageKey] = [key]
+    add, child = out.append, _CHILD
+    for i in range(step, n * step, step):
+        key = new(join((child, key, count, tb[i:i + step], tail))).digest()
         add(key)
-        prev = child + key
     return out
 
 
@@ -358,19 +391,29 @@ def cached_head(index: Mapping[PageKey, int], tokens: Tokens, page_size: int,
     """The longest run of `tokens`' first pages (at most `pages`) whose keys
     ``index`` maps: the pages it maps them to, and the keys. Hashed page by
     page, stopping at the first miss, as a walk of `iter_page_keys` would."""
-    n, tb, count, tail, step, prev = _chain_setup(tokens, page_size, extras, None, pages,
-                                                  encoded, key_hash)
-    new, join, child, find = key_hash.new, b"".join, _CHILD, index.get
+    n, tb, count, tail, step, kind, prev = _chain_setup(tokens, page_size, extras, None,
+                                                        pages, encoded, key_hash)
     found: list[int] = []
     keys: list[PageKey] = []
-    for i in range(0, n * step, step):
-        key = new(join((prev, count, tb[i:i + step], tail))).digest()
+    if not n:
+        return found, keys
+    new, join, find = key_hash.new, b"".join, index.get
+    # the first page apart, as `_chain`: the loop's parent field is the
+    # child byte and the key before it
+    key = new(join((kind, prev, count, tb[:step], tail))).digest()
+    p = find(key)
+    if p is None:
+        return found, keys
+    found.append(p)
+    keys.append(key)
+    add_page, add_key, child = found.append, keys.append, _CHILD
+    for i in range(step, n * step, step):
+        key = new(join((child, key, count, tb[i:i + step], tail))).digest()
         p = find(key)
         if p is None:
             break
-        found.append(p)
-        keys.append(key)
-        prev = child + key
+        add_page(p)
+        add_key(key)
     return found, keys
 
 

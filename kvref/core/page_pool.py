@@ -382,21 +382,33 @@ class PagePool:
         with self._lock:
             pages, keys = self._hits(tokens, extras, encoded)
             holders = self._holders
+            # `_add` inlined, in one pass that takes each reference as it
+            # checks the page (a hit attaches a whole prompt's pages). A
+            # free-cached page leaves the LRU once every page passed, so a
+            # refusal gives back the references taken and changes nothing
+            touched: list[int] = []
             for p in pages:
                 h = holders[p]
-                if h is not None and (owner in h if type(h) is set else h == owner):
-                    raise PageRefError(f"{owner!r} already holds cached page {p}: a hit "
-                                       "goes to a stream that does not hold its prefix")
-            for p in pages:  # `_add` inlined: a hit attaches a whole prompt's pages
-                h = holders[p]
                 if h is None:
-                    self._touch(p)
                     holders[p] = owner
+                    touched.append(p)
                 elif type(h) is set:
+                    if owner in h:
+                        break
                     h.add(owner)
+                elif h == owner:
+                    break
                 else:
                     holders[p] = {h, owner}
-        return PrefixHit(tuple(pages), tuple(keys), len(pages) * self.page_size)
+            else:
+                for p in touched:
+                    self._touch(p)
+                return PrefixHit(tuple(pages), tuple(keys), len(pages) * self.page_size)
+            i = pages.index(p)  # distinct: each page holds one key
+            for q in pages[:i]:
+                self._unhold(q, owner)  # a page this pass took is free again
+            raise PageRefError(f"{owner!r} already holds cached page {pages[i]}: a hit "
+                               "goes to a stream that does not hold its prefix")
 
     def share(self, owner: Owner, pages: Sequence[int]) -> None:
         """`owner` takes a reference on pages others hold: a fork's full
@@ -406,20 +418,34 @@ class PagePool:
         with self._lock:
             self._check_distinct(pages, PageRefError, "share")
             holders = self._holders
-            # `_holds` and `_add` inlined: a fork shares every full page
-            for p in pages:
-                h = holders[p]
-                if h is None:
-                    raise PageRefError(f"share of page {p}: it is free (a cached page is "
-                                       "taken by match, a blank one by allocate)")
-                if owner in h if type(h) is set else h == owner:
-                    raise PageRefError(f"share of page {p}: {owner!r} holds it already")
+            # `_holds` and `_add` inlined, in one pass that takes each
+            # reference as it checks its page (a fork shares every full
+            # page, so a separate checking pass is paid per page). The first
+            # page that fails stops it, and the references taken before it
+            # are given back: the refusal changes nothing
             for p in pages:
                 h = holders[p]
                 if type(h) is set:
+                    if owner in h:
+                        break
                     h.add(owner)
+                elif h is None or h == owner:
+                    break
                 else:
                     holders[p] = {h, owner}
+            else:
+                return
+            i = pages.index(p)  # the pages are distinct (checked above)
+            for q in pages[:i]:
+                got = holders[q]
+                got.remove(owner)
+                if len(got) == 1:  # a set this pass made: the holder bare again
+                    holders[q] = next(iter(got))
+            bad = pages[i]
+            if holders[bad] is None:
+                raise PageRefError(f"share of page {bad}: it is free (a cached page is "
+                                   "taken by match, a blank one by allocate)")
+            raise PageRefError(f"share of page {bad}: {owner!r} holds it already")
 
     def cached_page(self, key: PageKey) -> int | None:
         """The page registered under ``key`` now, held or free-cached; None if
@@ -552,7 +578,8 @@ class PagePool:
                 self._check_page(page, PageRegisterError)
         if len(keys) != n:
             raise ValueError(f"register_chain: {n} pages, {len(keys)} keys")
-        got, err = self.register_filled(list(pages), list(keys))
+        with self._lock:  # the pages were checked above: not again per page
+            got, err = self._take_keys(pages, keys)
         if took is not None:
             took += map(bool, got)
         return len(got), sum(got), err
@@ -563,22 +590,23 @@ class PagePool:
         decode step's): ``pages[i]`` under ``keys[i]``, in order, under one
         acquisition of the lock. Returns per page done 1 if it took its key
         here, 0 if it had that key already or another page has it (S11),
-        and the error that stopped the rest (None: all)."""
-        took: list[int] = []
-        put = took.append
+        and the error that stopped the rest (None: all), a page that is no
+        page among them: the pages before it are done."""
+        if len(keys) != len(pages):
+            raise ValueError(f"register_filled: {len(pages)} pages, {len(keys)} keys")
         lo, hi = self.first, self.num_pages
         with self._lock:
-            holders, have_keys, index = self._holders, self._key, self._index
+            # `_take_keys`' pass, each page checked as it is reached: a
+            # decode step's few pages pay no C-level passes and no second call
+            took: list[int] = []
+            put = took.append
+            holders, have_keys, setdefault = self._holders, self._key, self._index.setdefault
             for page, key in zip(pages, keys, strict=True):
                 if type(page) is not int or not lo <= page < hi:
                     return took, PageRegisterError(
                         f"no page {page!r}: pages are [{lo}, {hi})")
                 have = have_keys[page]
-                # an unkeyed page is in no entry of the index (`_index[k] == p`
-                # exactly when `_key[p] == k`): `setdefault` giving the page
-                # back put it there, one probe for the lookup and the store
-                if have is None and holders[page] is not None and (
-                        index.setdefault(key, page) == page):
+                if have is None and holders[page] is not None and setdefault(key, page) == page:
                     have_keys[page] = key
                     put(1)
                     continue
@@ -591,6 +619,33 @@ class PagePool:
                         "page is immutable")
                 put(0)  # keyed so before, or deduplicated: that page keeps the key
             return took, None
+
+    def _take_keys(self, pages: Sequence[int], keys: Sequence[PageKey]
+                   ) -> tuple[list[int], KVRefError | None]:
+        """`register_filled`'s pass over pages the caller checked (ints in
+        range: `register_chain`'s, by C-level passes over a prompt's pages),
+        under the lock the caller holds."""
+        took: list[int] = []
+        put = took.append
+        holders, have_keys, setdefault = self._holders, self._key, self._index.setdefault
+        for page, key in zip(pages, keys, strict=True):
+            have = have_keys[page]
+            # an unkeyed page is in no entry of the index (`_index[k] == p`
+            # exactly when `_key[p] == k`): `setdefault` giving the page
+            # back put it there, one probe for the lookup and the store
+            if have is None and holders[page] is not None and setdefault(key, page) == page:
+                have_keys[page] = key
+                put(1)
+                continue
+            if holders[page] is None:
+                return took, PageRegisterError(
+                    f"page {page} is free: it holds nothing committed")
+            if have is not None and have != key:
+                return took, PageRegisterError(
+                    f"page {page} is registered under other tokens; a registered "
+                    "page is immutable")
+            put(0)  # keyed so before, or deduplicated: that page keeps the key
+        return took, None
 
     def reset_prefix_cache(self) -> int | ResetRefused:
         """Forget every cached page (after a weight update, say); returns how
@@ -709,6 +764,13 @@ class PagePool:
             raise err(f"no page {p!r}: pages are [{self.first}, {self.num_pages})")
 
     def _check_distinct(self, pages: list[int], err: type[KVRefError], what: str) -> None:
+        n = len(pages)
+        # the usual list (a stream's table: a fork shares every full page):
+        # plain ints in range, none twice, found by C-level passes; anything
+        # else is looked at page by page, for the message naming it
+        if n and list(map(type, pages)).count(int) == n and min(pages) >= self.first and (
+                max(pages) < self.num_pages and len(set(pages)) == n):
+            return
         seen: set[int] = set()
         for p in pages:
             self._check_page(p, err)
@@ -772,12 +834,13 @@ class PagePool:
         blank: list[int] = []
         tail = last = prev[head]
         kept = 0  # pages others still hold; the rest are freed: blank or linked
-        i = 0
         # a tuple owner (a stream's key) never equals a set of holders: one
         # comparison per page, not two
         plain = type(owner) is tuple
         try:
-            for i, p in enumerate(pages):  # noqa: B007 (i is read in the except)
+            # no index kept per page (a tenth of the pass): a failure counts
+            # the pages done from what they left
+            for p in pages:
                 h = holders[p]
                 # the type test second: a set equals a frozenset owner
                 if h == owner and (plain or type(h) is not set):
@@ -796,6 +859,12 @@ class PagePool:
                 else:
                     raise KeyError(p)
         except (KeyError, IndexError):
+            # the pages done: the kept, the blank, and the chain linked from
+            # the tail to `last` (each once: a repeat is where the pass stops)
+            i, q = kept + len(blank), tail
+            while q != last:
+                q = nxt[q]
+                i += 1
             for q in pages[:i]:  # distinct: a repeat is where the pass stops
                 self._add(q, owner)
                 prev[q] = nxt[q] = -1  # held again: in no list

@@ -440,7 +440,7 @@ def _checked(table: StreamTable, rid: str, label: str, tokens: Tokens, start: in
 
 def _register(table: StreamTable, todo: _Todo) -> int:
     """Key the full pages `_checked` found past the stream's chain."""
-    stream, rid, label, tokens, raw, start = todo
+    stream, rid, label, _, raw, start = todo
     ps = table.page_size
     keyed = len(stream.keys) * ps
     full = (start + len(raw) // 8) // ps
@@ -462,12 +462,12 @@ def _register(table: StreamTable, todo: _Todo) -> int:
         if err is not None:
             raise err
         return keyed_now
-    fresh = tokens[keyed - start:(full * ps) - start]
     fresh_raw = raw[(keyed - start) * 8:(full * ps - start) * 8]
     parent = stream.keys[-1] if stream.keys else None
-    # hashed from the bytes already checked above, not encoded again
-    new_keys = prefix_hash.page_keys(fresh, ps, extras, parent=parent, encoded=fresh_raw,
-                                     key_hash=table.pages.key_hash)
+    # hashed from the bytes already checked above: not encoded again, and
+    # no slice of the ids made only to be checked again
+    new_keys = prefix_hash.packed_page_keys(fresh_raw, ps, extras, parent=parent,
+                                            key_hash=table.pages.key_hash)
     # one pass under the pool's lock for the whole run of pages
     done, keyed_now, err = table.pages.register_chain(
         stream.page_indices[len(stream.keys) - off:full - off], new_keys)
@@ -500,12 +500,8 @@ def _register_past_window(table: StreamTable, todo: _Todo, extras: ExtraKeys,
 def _chain_of(table: StreamTable, ids: bytes, extras: ExtraKeys, parent: PageKey | None
               ) -> list[PageKey]:
     """The chained keys of the whole pages whose ids ``ids`` holds, packed."""
-    step, keys = 8 * table.page_size, []
-    for i in range(0, len(ids), step):
-        parent = prefix_hash.next_page_key(parent, ids[i:i + step], extras,
-                                           key_hash=table.pages.key_hash)
-        keys.append(parent)
-    return keys
+    return prefix_hash.packed_page_keys(ids, table.page_size, extras, parent=parent,
+                                        key_hash=table.pages.key_hash)
 
 
 def reset_prefix_cache(table: StreamTable) -> int | ResetRefused:

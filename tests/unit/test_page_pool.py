@@ -85,6 +85,29 @@ def test_a_hit_on_a_free_cached_page_takes_it_out_of_the_lru() -> None:
     pool.sanity_check()
 
 
+def test_a_hit_refused_part_way_changes_nothing() -> None:
+    # match takes each reference as it checks the page: a page the owner
+    # holds already, found after a free-cached, a bare and a shared one, must
+    # leave holders and the LRU's order as they were
+    pool = PagePool(8, PS)
+    z = cached(pool, "z", [9, 9])
+    p1, p2, p3, p4 = cached(pool, "a", [1, 2, 3, 4, 5, 6, 7, 8])
+    pool.share("x", [p2, p3])
+    pool.share("y", [p3])
+    pool.share("b", [p4])
+    pool.release("a", [p4, p3, p2, p1])
+    pool.release("z", z)
+    before = pool.snapshot()
+    assert before.lru == (p1, *z)  # p1 free-cached, then z's page
+    with pytest.raises(PageRefError, match=f"already holds cached page {p4}"):
+        pool.match("b", [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    assert pool.snapshot() == before
+    assert pool._holders[p2] == "x" and pool._holders[p3] == {"x", "y"}
+    assert pool.match("c", [1, 2, 3, 4, 5, 6, 7, 8, 0]).pages == (p1, p2, p3, p4)
+    assert pool.snapshot().lru == tuple(z)
+    pool.sanity_check()
+
+
 def test_extra_keys_keep_tenants_apart() -> None:
     pool = PagePool(5, PS)
     cached(pool, "a", [1, 2, 3, 4], (("salt", "ab"),))
@@ -136,6 +159,32 @@ def test_release_rules() -> None:
         pool.share("c", [3])
     assert pool.release("b", pages[1::-1]) == 2
     assert pool.num_free == 4
+    pool.sanity_check()
+
+
+def test_a_share_refused_part_way_gives_back_what_it_took() -> None:
+    # share takes each reference as it checks the page: a page that fails
+    # after others passed must leave every holder as it was, a page held by
+    # one owner bare again and a page held by two its own set
+    pool = PagePool(8, PS)
+    pages = pool.allocate("a", 4)
+    assert isinstance(pages, list)
+    pool.share("b", pages[:2])  # pages 0, 1 held by {a, b}; 2, 3 by a alone
+    free = next(p for p in range(1, 8) if p not in pages)
+    before = pool.snapshot()
+    for bad, match in (([*pages, free], "free"), ([pages[2], pages[0], pages[3]], None)):
+        owner = "c" if match else "b"  # b holds pages[0] already
+        with pytest.raises(PageRefError, match=match or "holds it already"):
+            pool.share(owner, bad)
+        assert pool.snapshot() == before
+        assert type(pool._holders[pages[2]]) is str  # bare again, not a set of one
+        assert pool._holders[pages[0]] == {"a", "b"}
+    for bad in ([pages[0], pages[0]], [pages[1], 0], [pages[1], True]):  # twice, sink, a bool
+        with pytest.raises(PageRefError):
+            pool.share("c", bad)
+        assert pool.snapshot() == before
+    pool.share("c", pages)
+    assert all(pool.holders(p) >= {"a", "c"} for p in pages)
     pool.sanity_check()
 
 
@@ -260,14 +309,20 @@ def test_release_table_refuses_as_release_does_and_keeps_lru_order() -> None:
     pool.share(b, pages[:1])  # page 0 of the table stays held by b
     other = pool.allocate(b, 1)
     assert isinstance(other, list)
+    # a free-cached page before them: a refusal's undo ends the chain at it
+    c = ("q", "main")
+    [cp] = pool.allocate(c, 1)
+    assert pool.register_chain([cp], page_keys(list(range(100, 104)), 4)) == (1, 1, None)
+    pool.release_table(c, [cp])
     before = pool.snapshot()
-    for bad in ([*pages[::-1], other[0]], [pages[0], pages[1], pages[1]], [pages[0], 99]):
+    for bad in ([*pages[::-1], other[0]], [pages[0], pages[1], pages[1]], [pages[0], 99],
+                [pages[3], pages[4], pages[2], pages[3]]):
         with pytest.raises(PageRefError):
             pool.release_table(a, bad)
         assert pool.snapshot() == before
     assert pool.release_table(a, pages[::-1]) == 5
     snap = pool.snapshot()
-    assert snap.lru == tuple(pages[3:0:-1])  # pages[1:4] cached, tail first as given
+    assert snap.lru == (cp, *pages[3:0:-1])  # pages[1:4] cached, tail first as given
     assert set(snap.blank) >= set(pages[4:])
     pool.sanity_check()
 
@@ -324,7 +379,20 @@ def test_register_filled_answers_as_register_chain_entry_by_entry() -> None:
     took, err = pool.register_filled([99], [keys[4]])
     assert took == [] and isinstance(err, PageRegisterError) and "no page 99" in str(err)
     assert pool.key_of(pages[4]) is None
+    # a batch's pages (checked by C-level passes): the pages before one that
+    # is no page are done, in order, and its error said; a bool is no page
+    more = PagePool(12, 4)
+    got = more.allocate(("r", "main"), 6)
+    assert isinstance(got, list)
+    for bad in (99, True):
+        took, err = more.register_filled([*got[:5], bad], keys[:6])
+        assert isinstance(err, PageRegisterError) and f"no page {bad!r}" in str(err)
+        assert took == ([1] * 5 if bad == 99 else [0] * 5)  # keyed by the first pass
+    assert [more.key_of(p) for p in got] == [*keys[:5], None]
+    with pytest.raises(ValueError, match="6 pages, 5 keys"):
+        more.register_filled(got, keys[:5])
     pool.sanity_check()
+    more.sanity_check()
 
 
 @pytest.mark.parametrize("n, pages, parent", [
