@@ -509,6 +509,57 @@ class PagePool:
                     key[p] = None
             return self._drop_table(owner, pages)
 
+    def release_blank_each(self, owners: Sequence[Owner], pages: Sequence[list[int]]) -> int:
+        """`release_blank` of ``pages[i]`` for each ``owners[i]``, in order, in
+        one critical section; returns how many pages became free. Every list
+        is checked before any page goes: a refusal (as `release` words it,
+        or an owner listed twice) leaves the pool as it was (a decode
+        step's commit lets go of each window's passed page: one call, not
+        one per window)."""
+        if len(owners) != len(pages):
+            raise InvalidArgumentError(f"{len(owners)} owners and {len(pages)} page lists")
+        if len(set(owners)) != len(owners):
+            # a second list of one owner would be checked against what the
+            # first left: refused, not released in part
+            raise PageRefError("release_blank_each lists an owner twice")
+        with self._lock:
+            holders, key, index = self._holders, self._key, self._index
+            flat = [p for got in pages for p in got]
+            n = len(flat)
+            # the usual lists (a page each, distinct ints in range) checked by
+            # C-level passes over all at once; any other list by itself, as
+            # `release` checks it (a page two owners hold is in two lists)
+            if not (n and list(map(type, flat)).count(int) == n and min(flat) >= self.first
+                    and max(flat) < self.num_pages and len(set(flat)) == n):
+                for got in pages:
+                    self._check_distinct(got, PageRefError, "a release")
+            for owner, got in zip(owners, pages, strict=True):
+                for p in got:
+                    h = holders[p]
+                    if not (owner in h if type(h) is set else h is not None and h == owner):
+                        self._check_release(owner, got)  # raises, naming the page
+                        raise AssertionError(f"release of {got!r} failed a check that passed")
+            # every page checked: nothing below refuses. A page its owner
+            # holds alone goes back blank, its key dropped (as
+            # `release_blank`); one another holder keeps keeps its key
+            blank: list[int] = []
+            for owner, got in zip(owners, pages, strict=True):
+                for p in got:
+                    h = holders[p]
+                    if type(h) is set:
+                        h.remove(owner)
+                        if len(h) == 1:
+                            holders[p] = next(iter(h))
+                        continue
+                    k = key[p]
+                    if k is not None:
+                        del index[k]
+                        key[p] = None
+                    holders[p] = None
+                    blank.append(p)
+            self._blank.extend(blank)
+            return len(blank)
+
     # ------------------------------------------------------------ contents
 
     def check_writable(self, owner: Owner, page: int) -> None:

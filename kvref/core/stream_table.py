@@ -109,6 +109,30 @@ class StreamTable:
             return self.pages.release_blank(key, gone) if gone else 0
         return self.give_back(key, gone)
 
+    def retire_each(self, keys: list[Key], streams: list[CacheStream]) -> None:
+        """`retire` of each ``streams[i]`` (the stream ``keys[i]``, each named
+        once), the pages the cached windows pass given back blank in one
+        pool call (H3). A stream whose window did not move releases nothing."""
+        ps = self.page_size
+        blank_keys: list[Key] = []
+        blank: list[list[int]] = []
+        for key, stream in zip(keys, streams, strict=True):
+            b = self.behaviour(key[1])
+            released = b.released_after(stream.released, stream.stored_len, ps)
+            if released == stream.released:
+                continue
+            gone = stream.release_window_to(released, ps)
+            if not b.cacheable:
+                if blank:  # the pool hears the releases in `retire`'s order
+                    self.pages.release_blank_each(blank_keys, blank)
+                    blank_keys, blank = [], []
+                self.give_back(key, gone)
+            elif gone:
+                blank_keys.append(key)
+                blank.append(gone)
+        if blank:
+            self.pages.release_blank_each(blank_keys, blank)
+
     def take(self, key: Key, n: int) -> list[int]:
         """``n`` fresh pages for the stream ``key``; the caller counted them
         free under the same lock (an admission, a reload's check)."""

@@ -85,6 +85,11 @@ def key_followed(table: StreamTable, due: list[CacheStream],
     keys: list[PageKey] = []
     pages: list[int] = []
     one_pass = True
+    # the last page packed: a hybrid request's groups follow one list of ids
+    # and fill the same page in the same commit, so each group after the
+    # first reuses its bytes (its key still hashes its own label's extras)
+    was: tuple[object, int, bytes] | None = None
+    was_raw = b""
     for stream in due:
         f = stream.follow
         if f is None or stream.offloaded:
@@ -108,27 +113,33 @@ def key_followed(table: StreamTable, due: list[CacheStream],
             one_pass = False
             continue
         head = f.head
-        if head and start == f.head_at:
-            # the page the hand-over's ids began: only the ids appended since
-            # are checked and packed
-            have = len(head) // 8
-            tokens = ids[start + have:start + ps]
-            fresh, pk = ps - have, prefix_hash.page_packer(ps - have)
+        if not head or start != f.head_at:
+            head = b""  # this page is not the one the hand-over's ids began
+        if was is not None and was[0] is ids and was[1] == start and was[2] == head:
+            raw = was_raw  # the page the stream before packed, the same way from the same ids
         else:
-            tokens, fresh, pk = ids[start:start + ps], ps, pack
-        try:
-            raw = pk(*tokens)
-        except struct.error:
-            one_pass = False  # too few ids, or not 64-bit ints: said below
-            continue
-        # a bool packs as 0 or 1: only where an id's low byte is 0 or 1 are
-        # the types counted (as `cache_prefix`'s one-pass path)
-        if len(raw[::8].translate(None, b"\x00\x01")) != fresh and (
-                sum(type(t) is int for t in tokens) != fresh):
-            one_pass = False
-            continue
-        if fresh != ps:
-            raw = head + raw
+            if head:
+                # the page the hand-over's ids began: only the ids appended
+                # since are checked and packed
+                have = len(head) // 8
+                tokens = ids[start + have:start + ps]
+                fresh, pk = ps - have, prefix_hash.page_packer(ps - have)
+            else:
+                tokens, fresh, pk = ids[start:start + ps], ps, pack
+            try:
+                raw = pk(*tokens)
+            except struct.error:
+                one_pass = False  # too few ids, or not 64-bit ints: said below
+                continue
+            # a bool packs as 0 or 1: only where an id's low byte is 0 or 1
+            # are the types counted (as `cache_prefix`'s one-pass path)
+            if len(raw[::8].translate(None, b"\x00\x01")) != fresh and (
+                    sum(type(t) is int for t in tokens) != fresh):
+                one_pass = False
+                continue
+            if fresh != ps:
+                raw = head + raw
+            was, was_raw = (ids, start, head), raw
         filled.append(stream)
         raws.append(raw)
         msg = (join((child, chain[-1], count, raw, f.tail)) if done

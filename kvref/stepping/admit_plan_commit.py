@@ -65,6 +65,8 @@ from kvref.stepping.step import (
 logger = logging.getLogger(__name__)
 
 _span = operator.attrgetter("span")
+# `_end_plain`'s mark for a label whose behaviour it has not asked yet
+_UNASKED = cast(LabelBehaviour, object())
 
 # from this many streams short of pages (a large batch crossing into new
 # pages: 16 a step at B = 256), one pool call for all (`take_each`)
@@ -636,24 +638,44 @@ class Stepping:
             # not); a stream is retired only where its window moved past a
             # page, not every step (W2)
             of_label: dict[str, LabelBehaviour | None] = {}
+            # equal behaviours (a hybrid config's window groups of one W) as
+            # one object, so rows in lockstep are told by identity
+            alike: list[LabelBehaviour] = []
             # a hybrid request's groups of one type are in lockstep (the same
             # length and released count, one after another): asked once
-            last: tuple[LabelBehaviour | None, int, int] = (None, -1, -1)
+            last_b: LabelBehaviour | None = None
+            last_r = last_n = -1
             moved = False
+            keys: list[Key] = []
+            retiring: list[CacheStream] = []
+            get = of_label.get
             for seg, stream in zip(segments, streams, strict=True):
                 label = seg.label
-                try:
-                    b = of_label[label]
-                except KeyError:
+                b = get(label, _UNASKED)
+                if b is None:
+                    continue  # a label that releases nothing: most rows ask no more
+                if b is _UNASKED:
                     got = behaviour(label)
-                    b = of_label[label] = got if got.releases else None
-                if b is not None and seg.span and not stream.offloaded:
-                    at = (b, stream.released, stream.stored_len)
-                    if at != last:
-                        last = at
-                        moved = b.released_after(at[1], at[2], ps) != at[1]
-                    if moved:
-                        self._table.retire((seg.request_id, label), stream)
+                    if not got.releases:
+                        of_label[label] = None
+                        continue
+                    # asked once per label a step: a scan of the few kept
+                    b = of_label[label] = next((a for a in alike if a == got), got)
+                    if b is got:
+                        alike.append(got)
+                if not seg.span or stream.offloaded:
+                    continue
+                r, n = stream.released, stream.stored_len
+                if b is not last_b or r != last_r or n != last_n:
+                    last_b, last_r, last_n = b, r, n
+                    moved = b.released_after(r, n, ps) != r
+                if moved:
+                    keys.append((seg.request_id, label))
+                    retiring.append(stream)
+            if retiring:
+                # each stream's release as `retire` makes it, the pages the
+                # windows pass given back in one pool call
+                self._table.retire_each(keys, retiring)
 
     def _dropped_span(self, seg: Segment) -> None:
         # unreachable under R2-R5; kept as the last defence, loudly, because

@@ -80,7 +80,13 @@ def window_passes_keyed_pages_to_the_lru(mp: pytest.MonkeyPatch) -> None:
         gone = stream.release_window_to(released, ps)  # type: ignore[attr-defined]
         return self.pages.release_table(key, list(gone)[::-1]) if gone else 0
 
+    def bad_each(self: StreamTable, keys: list[Key], streams: list[object]) -> None:
+        for key, stream in zip(keys, streams, strict=True):
+            bad(self, key, stream)
+
     mp.setattr(StreamTable, "retire", bad)
+    # a decode step's commit retires its windows in one call
+    mp.setattr(StreamTable, "retire_each", bad_each)
 
 
 def hit_decided_by_the_first_group(mp: pytest.MonkeyPatch) -> None:
