@@ -251,7 +251,13 @@ def release_lists_name_retired_pages(mp: pytest.MonkeyPatch) -> None:
             s.page_indices = s.page_indices + RETIRED.pop((rid, label), [])
         orig_remove(self, rid)
 
+    def retire_each(self: StreamTable, keys: list[Key], streams: list[CacheStream]) -> None:
+        for key, stream in zip(keys, streams, strict=True):
+            retire(self, key, stream)
+
     mp.setattr(StreamTable, "retire", retire)
+    # a decode step's commit retires its windows in one call
+    mp.setattr(StreamTable, "retire_each", retire_each)
     mp.setattr(KVManager, "remove_request", remove)
 
 
