@@ -21,8 +21,11 @@ REFLECTION = {"getattr", "setattr", "delattr", "hasattr"}
 # which offers no read-only view of its hash map or free list: they read that
 # engine's privates, never kvref's (they import no kvref manager at all, as
 # the second test checks)
+# the adapters to other engines, and the search they share (engine_search,
+# pages_replay): none of them may drive kvref's manager
 OTHER_ENGINE = frozenset({"vllm_pool.py", "vllm_plants.py", "transformers_pool.py",
-                          "transformers_plants.py", "transformers_window.py"})
+                          "transformers_plants.py", "transformers_window.py",
+                          "engine_search.py", "pages_replay.py"})
 
 
 def private(name: str) -> bool:
