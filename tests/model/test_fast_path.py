@@ -171,7 +171,8 @@ def test_interesting_cases_hold_only_inside_their_limits() -> None:
         for _ in range(4000):
             s, n = rng.choice(pool), rng.choice(pool)
             a, r = rng.choice(actions), rng.choice(RESULTS)
-            if _excluded(i, a, r, s, n, inv.INTERESTING_ON, inv.INTERESTING_RESULTS):
+            if _excluded(i, a, r, s, n, inv.INTERESTING_ON, inv.INTERESTING_RESULTS) or (
+                    i in inv.INTERESTING_WHEN and not inv.INTERESTING_WHEN[i](s)):
                 assert not p(m, s, a, r, n), (i, s, a, r, n)  # type: ignore[arg-type]
     pairs = list(itertools.product(actions, RESULTS))
     for s in pool:
