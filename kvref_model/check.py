@@ -71,15 +71,16 @@ class Observer:
       `INTERESTING_UNCHANGED_STATE_ONLY`), the verdict serving the rest; no
       case that cannot hold there (`INTERESTING_CHANGED_ONLY`).
 
-    A state's signature is its guards (`WHEN`, `INTERESTING_WHEN`) and the truth of the state-only
-    cases; per signature and (action type, result type, unchanged) the plan of
-    what to call is made once.  `stats()` says per check on how many
+    A state's signature is its guards (`WHEN`, `INTERESTING_WHEN`) and the
+    truth of the state-only cases; per signature and (action type, result
+    type, unchanged) the plan of what to call is made once.  `stats()` says per check on how many
     transitions it ran since the last call: the report's account of what was
     skipped."""
 
     def __init__(self) -> None:
         # each guard once, whether a check's or a case's (they share them)
-        self._guards = tuple(dict.fromkeys([*inv.WHEN.values(), *inv.INTERESTING_WHEN.values()]))
+        self._guards = tuple(dict.fromkeys([*inv.WHEN.values(),
+                                            *inv.INTERESTING_WHEN.values()]))
         self._cases = tuple((i, inv.INTERESTING[i][1])
                             for i in sorted(inv.INTERESTING_UNCHANGED_STATE_ONLY)
                             if i in inv.INTERESTING)
