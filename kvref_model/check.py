@@ -63,7 +63,7 @@ class Observer:
 
     - those the action's type, the result's type and the state it leaves do
       not rule out (`ON_ACTIONS`, `ON_RESULTS`, `WHEN`; `INTERESTING_ON`,
-      `INTERESTING_RESULTS`);
+      `INTERESTING_RESULTS`, `INTERESTING_WHEN`);
     - where the next state is the very object the transition left (every
       refusal and misuse, most no-ops): not the checks that hold there
       (`UNCHANGED_HOLDS`, `UNCHANGED_ON_ACTIONS`); those whose verdict there
@@ -71,14 +71,16 @@ class Observer:
       `INTERESTING_UNCHANGED_STATE_ONLY`), the verdict serving the rest; no
       case that cannot hold there (`INTERESTING_CHANGED_ONLY`).
 
-    A state's signature is its guards (`WHEN`) and the truth of the state-only
-    cases; per signature and (action type, result type, unchanged) the plan of
-    what to call is made once.  `stats()` says per check on how many
+    A state's signature is its guards (`WHEN`, `INTERESTING_WHEN`) and the
+    truth of the state-only cases; per signature and (action type, result
+    type, unchanged) the plan of what to call is made once.  `stats()` says per check on how many
     transitions it ran since the last call: the report's account of what was
     skipped."""
 
     def __init__(self) -> None:
-        self._guards = tuple(inv.WHEN.items())
+        # each guard once, whether a check's or a case's (they share them)
+        self._guards = tuple(dict.fromkeys([*inv.WHEN.values(),
+                                            *inv.INTERESTING_WHEN.values()]))
         self._cases = tuple((i, inv.INTERESTING[i][1])
                             for i in sorted(inv.INTERESTING_UNCHANGED_STATE_ONLY)
                             if i in inv.INTERESTING)
@@ -99,13 +101,15 @@ class Observer:
 
     def _plan(self, key: PlanKey) -> list[Any]:
         ta, tr, unchanged, flags = key
-        off = {i for (i, _), ok in zip(self._guards, flags, strict=True) if not ok}
+        false = {g for g, ok in zip(self._guards, flags, strict=True) if not ok}
+        off = {i for i, g in inv.WHEN.items() if g in false}
         preds: list[tuple[str, Pred]] = []
         state_only: list[tuple[str, Pred]] = []
         for i, (_, pred) in inv.INTERESTING.items():
             if ((i in inv.INTERESTING_ON and not issubclass(ta, inv.INTERESTING_ON[i]))
                     or (i in inv.INTERESTING_RESULTS
-                        and not issubclass(tr, inv.INTERESTING_RESULTS[i]))):
+                        and not issubclass(tr, inv.INTERESTING_RESULTS[i]))
+                    or inv.INTERESTING_WHEN.get(i) in false):
                 continue
             if unchanged and i in inv.INTERESTING_CHANGED_ONLY:
                 continue
@@ -129,7 +133,7 @@ class Observer:
         """A new state: its guards, its state-only cases (asked as of a
         transition that left it unchanged: any action and result will do)."""
         self._prev = prev
-        self._flags = tuple([g(prev) for _, g in self._guards])
+        self._flags = tuple([g(prev) for g in self._guards])
         truths = tuple([bool(p(m, prev, a, r, prev)) for _, p in self._cases])
         self._truth = {i: t for (i, _), t in zip(self._cases, truths, strict=True)}
         self._mine = self._by_signature.setdefault((self._flags, truths), {})

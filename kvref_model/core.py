@@ -1195,7 +1195,7 @@ class Model:
         # held last: free-cached then, so free is the pool's count (S18, R57)
         free = len(pool.blank) + len(pool.lru) if self.scope.sharing else s.free - new
         return Ok(), self._admitted(replace(s, pool=pool), st, free, a, marks,
-                                    tuple(undo), fresh)
+                                    tuple(undo), fresh, asked=s)
 
     def _shared_in_targets(self, step: Step, st: dict[Key, Stream],
                            pool: pool_model.State | None) -> dict[Key, tuple[int, ...]]:
@@ -1288,8 +1288,13 @@ class Model:
     def _admitted(
         self, s: State, st: dict[Key, Stream], free: int, a: Admit,
         marks: frozenset[Key], undo: tuple[tuple[Key, Tokens | None], ...],
-        fresh: frozenset[Key],
+        fresh: frozenset[Key], asked: State | None = None,
     ) -> State:
+        # `asked`: the state the admit was called in, which `s` differs from
+        # only in its pool (the pages just reserved). A preplan's basis is
+        # read from it: the lengths the running step leaves do not depend on
+        # the pool, and `_settled` keeps its answer for that very object, so a
+        # state's preplan admits work the running step out once, not twice each
         if not self.R2_mark_everything_named:  # the reference marks segments only
             marks = frozenset(k for k in marks if k in {(g.rid, g.label) for g in a.step.segments})
         for k in marks:
@@ -1301,7 +1306,7 @@ class Model:
                     preplanned=copies)
         if a.preplan:
             return replace(s, free=free, streams=_sorted(st), staged=replace(
-                p, basis=self._basis(s, a.step)))
+                p, basis=self._basis(s if asked is None else asked, a.step)))
         return replace(s, free=free, streams=_sorted(st), current=p)
 
     def _fork_all(self, st: dict[Key, Stream], pool: pool_model.State, p: Pending,
@@ -1790,9 +1795,9 @@ class Model:
             return NotReady(), s
         if a.length <= v.stored_len:
             return Ok(), s
-        busy = set().union(*(named(p.step) for p in (s.current, s.staged) if p))
         if (self.R14_retrieve_refuses_named and v.in_flight) or (
-            self.R15_retrieve_refuses_absent_named and k in busy
+            self.R15_retrieve_refuses_absent_named
+            and any(k in named(p.step) for p in (s.current, s.staged) if p)
         ):
             # R14: the step planned its writes at the old length; R15: a step
             # names a label that did not exist at admit, so no mark covers it

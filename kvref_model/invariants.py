@@ -806,10 +806,16 @@ WHEN: dict[str, Callable[[State], bool]] = {
     "I11": _latched, "I18": _leased, "I22": _leased, "I9": _staged, "I15": _committing,
     "I21": _over_basis,
 }
+# what the state a transition leaves must have for an interesting case to
+# hold (its first lines ask it): I18 names a leased request, and most states
+# lease none while most of I18's actions are refusals (the others' actions
+# are rare: guarding them would save nothing)
+INTERESTING_WHEN: dict[str, Callable[[State], bool]] = {"I18": _leased}
 # the predicates that hold on every transition whose next state is the very
 # object it left: I10 fails only if the state changed (`s != n`), I22 only if
-# a stream's contents changed, I14 only if a stream became offloaded
-UNCHANGED_HOLDS = frozenset({"I10", "I14", "I22"})
+# a stream's contents changed, I14 only if a stream became offloaded, I31
+# only if pages joined the LRU
+UNCHANGED_HOLDS = frozenset({"I10", "I14", "I22", "I31"})
 # on such a transition, the action types a predicate can still fail on: I11's
 # latch cannot vanish when nothing changed, so only a reset or remove that
 # kept it, or a retrieve answered otherwise than refused, fails it

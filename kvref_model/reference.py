@@ -122,7 +122,7 @@ class ReferenceModel(Model):
         if a.preplan and self.UNDO_ALL_INVENTED:  # DESIGN: every invented label goes
             undo = [(k, None) for k in sorted(fresh)] + [u for u in undo if u[1] is not None]
         return Ok(), self._admitted(replace(s, pool=pool), st, free, a, marks, tuple(undo),
-                                    fresh)
+                                    fresh, asked=s)
 
 
 def without(*rules: str) -> type[Model]:
