@@ -868,8 +868,13 @@ class Lockstep(RuleBasedStateMachine):
         label = data.draw(st.sampled_from([lb for lb in range(sc.labels)
                                            if label_window(sc, lb)[0] is None]),
                               label="label")
-        span = data.draw(st.integers(1, sc.max_span), label="prompt")
-        self.run_whole(m.Step((m.Seg(rid, label, span),), padded=(rid,)))
+        # a prompt longer than a step's span is computed in chunks, as an
+        # engine's chunked prefill does: the keys then cover several pages,
+        # which the re-key from a page inside them (S34) and a release of a
+        # chain in its order (S6, below) need
+        for _ in range(data.draw(st.integers(1, 2), label="prompt chunks")):
+            span = data.draw(st.integers(1, sc.max_span), label="prompt")
+            self.run_whole(m.Step((m.Seg(rid, label, span),), padded=(rid,)))
         # keyed by a call, or handed its ids so the commits below key what
         # they fill (S33)
         follows = data.draw(st.booleans(), label="follows its ids")
@@ -913,6 +918,13 @@ class Lockstep(RuleBasedStateMachine):
             # nightly scopes): the draws of the others stay as measured
             self.fork_the_prompt(data, rid, label, data.draw(st.sampled_from(full),
                                                              label="other label"))
+        if data.draw(st.booleans(), label="preempted"):
+            # one of the two preempted for recompute: reset keeping its
+            # pages, so its keyed and shared ones go back to the cache, a
+            # chain's tail first (S6); the reset rule seldom meets a chain
+            victim = data.draw(st.sampled_from(sorted({rid, other})), label="preempts")
+            if m.Reset(victim, free=False) in self.enabled_of(m.Reset):
+                self.run(m.Reset(victim, free=False))
         self.agrees_with_model()
 
     def fork_the_prompt(self, data: st.DataObject, rid: int, label: int, other: int) -> None:
