@@ -687,10 +687,7 @@ class Lockstep(RuleBasedStateMachine):
         one dropped, then, where no request holds two labels that fork, one
         computes both. Waiting for an idle batch with such a request, it
         ran in about one machine in a hundred (issue 41)."""
-        self.run_enabled(m.Plan(), m.Write(), m.Commit())
-        if self.state.staged is not None and self.state.current is None:
-            self.run(m.ClearPreplan())
-        if self.state.current is not None or self.state.staged is not None or not self.ready():
+        if not self.settled():
             return
         alike = self.fork_pairs("any")
         if alike and not self.fork_pairs("held"):
@@ -703,11 +700,32 @@ class Lockstep(RuleBasedStateMachine):
         if pairs and self.state.current is None and self.ready():
             self.fork_batch(data, pairs, held_first=True)
 
-    @precondition(lambda self: self.batch_idle() and bool(self.fork_pairs("absent")))
+    @precondition(lambda self: bool(self.ready()))
     @rule(data=st.data())
     def fork_from_a_label_a_request_lacks(self, data: st.DataObject) -> None:
-        """A fork onto tokens a padded request holds, from a label it lacks (R20)."""
-        self.fork_batch(data, self.fork_pairs("absent"))
+        """A fork onto tokens a padded request holds, from a label it lacks
+        (R20), scheduled as the held forks' rule is: where no request holds
+        such a target, one that lacks a label computes a label it forks into."""
+        if not self.settled():
+            return
+        streams = self.user.stream_map()
+        lacking = [(r, t) for r in self.ready() for f, t in self.fork_pairs("any")
+                   if (r, f) not in streams]
+        if lacking and not self.fork_pairs("absent"):
+            rid, label = data.draw(st.sampled_from(lacking), label="computes a target")
+            self.run_whole(m.Step((m.Seg(rid, label, data.draw(
+                st.integers(1, self.scope.max_span), label="span")),), padded=(rid,)))
+        pairs = self.fork_pairs("absent")
+        if pairs and self.state.current is None and self.ready():
+            self.fork_batch(data, pairs)
+
+    def settled(self) -> bool:
+        """Finish the running step and drop the staged one, as an engine
+        does before it schedules a batch; whether a batch can now run."""
+        self.run_enabled(m.Plan(), m.Write(), m.Commit())
+        if self.state.staged is not None and self.state.current is None:
+            self.run(m.ClearPreplan())
+        return self.state.current is None and self.state.staged is None and bool(self.ready())
 
     def fork_batch(self, data: st.DataObject, pairs: list[tuple[int, int]],
                    held_first: bool = False) -> None:
