@@ -16,7 +16,7 @@ Groups (the budgets their tests use):
              or 400 examples (HALF, BUDGET, NIGHTLY_BUDGET)
   seam       tests/conformance/test_interaction_plants.py LOCKSTEP_FINDS,
              SHIPPED_SCOPE, 100 examples
-  admission  tests/conformance/test_admission_paths_lockstep.py, SCOPE, 400
+  admission  tests/conformance/test_admission_paths_lockstep.py, SCOPE, 200
   pool       tests/conformance/test_page_pool_plants.py, the page pool's
              lockstep, 200 examples
 """
