@@ -9,7 +9,7 @@ found under a seed only where the clean tree passed the same seed and
 budget, so a clean failure is never credited to a plant.
 
     PYTHONPATH=. python scripts/plant_rates.py [--seeds 10] [--only SUBSTR]
-        [--json FILE] [--markdown FILE]
+        [--skip-controls] [--json FILE] [--markdown FILE]
 
 Groups (the budgets their tests use):
   mutant     tests/conformance/test_mutations.py MUTANTS, PLAIN_SCOPE, 50, 100
