@@ -9,14 +9,14 @@ found under a seed only where the clean tree passed the same seed and
 budget, so a clean failure is never credited to a plant.
 
     PYTHONPATH=. python scripts/plant_rates.py [--seeds 10] [--only SUBSTR]
-        [--json FILE] [--markdown FILE]
+        [--skip-controls] [--json FILE] [--markdown FILE]
 
 Groups (the budgets their tests use):
   mutant     tests/conformance/test_mutations.py MUTANTS, PLAIN_SCOPE, 50, 100
              or 400 examples (HALF, BUDGET, NIGHTLY_BUDGET)
   seam       tests/conformance/test_interaction_plants.py LOCKSTEP_FINDS,
              SHIPPED_SCOPE, 100 examples
-  admission  tests/conformance/test_admission_paths_lockstep.py, SCOPE, 400
+  admission  tests/conformance/test_admission_paths_lockstep.py, SCOPE, 200
   pool       tests/conformance/test_page_pool_plants.py, the page pool's
              lockstep, 200 examples
 """
@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                     "(comma-separated)")
     ap.add_argument("--max-examples", type=int, default=0,
                     help="skip the plants (and controls) whose budget is larger; 0: none")
+    ap.add_argument("--skip-controls", action="store_true",
+                    help="run the plants only: each failing seed counts, marked "
+                    "'control not run' (a control costs a plant's whole budget per seed)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--render", metavar="JSON", default=None,
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             or any(w in f"{c.group} {c.name}" for w in o.only.split(","))]
     if o.max_examples:
         todo = [c for c in todo if c.examples <= o.max_examples]
-    wanted = {c.control for c in todo if c.plant is not None}
+    wanted = set() if o.skip_controls else {c.control for c in todo if c.plant is not None}
     todo = [c for c in todo if c.plant is not None or c.name in wanted]
     rows: dict[str, dict[str, object]] = {}
     for c in todo:
