@@ -643,39 +643,30 @@ class PagePool:
         here, 0 if it had that key already or another page has it (S11),
         and the error that stopped the rest (None: all), a page that is no
         page among them: the pages before it are done."""
-        if len(keys) != len(pages):
-            raise ValueError(f"register_filled: {len(pages)} pages, {len(keys)} keys")
+        n = len(pages)
+        if len(keys) != n:
+            raise ValueError(f"register_filled: {n} pages, {len(keys)} keys")
         lo, hi = self.first, self.num_pages
+        # the pages before the first that is no page are done, as a loop of
+        # `register` calls would: found by C-level passes, each page again
+        # only when one fails
+        bad = n
+        if n and (list(map(type, pages)).count(int) != n or min(pages) < lo
+                  or max(pages) >= hi):
+            bad = next(i for i, p in enumerate(pages)
+                       if type(p) is not int or not lo <= p < hi)
         with self._lock:
-            # `_take_keys`' pass, each page checked as it is reached: a
-            # decode step's few pages pay no C-level passes and no second call
-            took: list[int] = []
-            put = took.append
-            holders, have_keys, setdefault = self._holders, self._key, self._index.setdefault
-            for page, key in zip(pages, keys, strict=True):
-                if type(page) is not int or not lo <= page < hi:
-                    return took, PageRegisterError(
-                        f"no page {page!r}: pages are [{lo}, {hi})")
-                have = have_keys[page]
-                if have is None and holders[page] is not None and setdefault(key, page) == page:
-                    have_keys[page] = key
-                    put(1)
-                    continue
-                if holders[page] is None:
-                    return took, PageRegisterError(
-                        f"page {page} is free: it holds nothing committed")
-                if have is not None and have != key:
-                    return took, PageRegisterError(
-                        f"page {page} is registered under other tokens; a registered "
-                        "page is immutable")
-                put(0)  # keyed so before, or deduplicated: that page keeps the key
-            return took, None
+            took, err = (self._take_keys(pages, keys) if bad == n
+                         else self._take_keys(pages[:bad], keys[:bad]))
+        if err is None and bad < n:
+            err = PageRegisterError(f"no page {pages[bad]!r}: pages are [{lo}, {hi})")
+        return took, err
 
     def _take_keys(self, pages: Sequence[int], keys: Sequence[PageKey]
                    ) -> tuple[list[int], KVRefError | None]:
-        """`register_filled`'s pass over pages the caller checked (ints in
-        range: `register_chain`'s, by C-level passes over a prompt's pages),
-        under the lock the caller holds."""
+        """The keying pass of `register_chain` and `register_filled` over
+        pages the caller checked (ints in range, by C-level passes), under the
+        lock the caller holds."""
         took: list[int] = []
         put = took.append
         holders, have_keys, setdefault = self._holders, self._key, self._index.setdefault
