@@ -24,6 +24,7 @@ import contextlib
 import logging
 import struct
 from collections.abc import Sequence, Set
+from operator import countOf
 
 from kvref.core import page_keys as prefix_hash
 from kvref.core.errors import InvalidArgumentError, KVRefError
@@ -88,8 +89,9 @@ def key_followed(table: StreamTable, due: list[CacheStream],
     # the last page packed: a hybrid request's groups follow one list of ids
     # and fill the same page in the same commit, so each group after the
     # first reuses its bytes (its key still hashes its own label's extras)
-    was: tuple[object, int, bytes] | None = None
-    was_raw = b""
+    was_ids: object = None
+    was_at = -1
+    was_head = was_raw = b""
     for stream in due:
         f = stream.follow
         if f is None or stream.offloaded:
@@ -104,18 +106,22 @@ def key_followed(table: StreamTable, due: list[CacheStream],
         start = done * ps
         n = stream.stored_len
         if n < start + ps:
-            continue  # the step filled no page (the compare is conservative)
+            # the step filled no page (the compare is conservative): looked
+            # at again once the page after the chain is full
+            stream.key_at = start + ps
+            continue
         ids = f.ids
+        slot = done - stream.released // ps  # page_indices starts at the window
         if (n >= start + 2 * ps or type(ids) is not list or f.space is not stream.space
                 or stream.received or stream.read_future is not None
-                or stream.read_error is not None or done < stream.released // ps):
+                or stream.read_error is not None or slot < 0):
             # (the last: a window passed the page; `cache_prefix` keys the chain)
             one_pass = False
             continue
         head = f.head
-        if not head or start != f.head_at:
+        if head and start != f.head_at:
             head = b""  # this page is not the one the hand-over's ids began
-        if was is not None and was[0] is ids and was[1] == start and was[2] == head:
+        if ids is was_ids and start == was_at and head == was_head:
             raw = was_raw  # the page the stream before packed, the same way from the same ids
         else:
             if head:
@@ -132,26 +138,32 @@ def key_followed(table: StreamTable, due: list[CacheStream],
                 one_pass = False  # too few ids, or not 64-bit ints: said below
                 continue
             # a bool packs as 0 or 1: only where an id's low byte is 0 or 1
-            # are the types counted (as `cache_prefix`'s one-pass path)
+            # are the types counted, by a C-level pass (as `cache_prefix`'s
+            # one-pass path; about one page in eight of random ids)
             if len(raw[::8].translate(None, b"\x00\x01")) != fresh and (
-                    sum(type(t) is int for t in tokens) != fresh):
+                    countOf(map(type, tokens), int) != fresh):
                 one_pass = False
                 continue
-            if fresh != ps:
+            if head:
                 raw = head + raw
-            was, was_raw = (ids, start, head), raw
+            was_ids, was_at, was_head, was_raw = ids, start, head, raw
         filled.append(stream)
         raws.append(raw)
         msg = (join((child, chain[-1], count, raw, f.tail)) if done
                else join((root_count, raw, f.tail)))
         keys.append(one_shot(msg) if one_shot is not None else new(msg).digest())
-        pages.append(stream.page_indices[done - stream.released // ps])
-    if one_pass:
-        if filled:
-            prefix_cache.key_filled(table, filled, raws, keys, pages)
-    else:
+        pages.append(stream.page_indices[slot])
+    if not one_pass:
         _key_each(table, looked)
-    CacheStream.looked(looked, ps)
+        CacheStream.looked(looked, ps)
+    elif filled:
+        # one pool call; each stream whose page took its key extends its
+        # chain and is looked at again once the next page is full, in one
+        # pass (a stream past a failure is looked at by the next commit)
+        took, err = table.pages.register_filled(pages, keys)
+        CacheStream.extend_followed(filled, keys, raws, len(took), ps)
+        if err is not None:
+            raise err
 
 
 def _key_each(table: StreamTable, streams: list[CacheStream]) -> None:
