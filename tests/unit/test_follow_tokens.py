@@ -285,3 +285,34 @@ def test_the_handed_over_partial_page_is_not_packed_again(
     assert packed == [2, 3, 1]
     ref.cache_prefix("c", "main", c_ids)
     assert _state(mgr) == _state(ref) and mgr.cached_tokens("c") == 8
+
+
+def test_ids_past_the_committed_tokens_at_hand_over_are_read_at_their_commit() -> None:
+    """An engine may hand over a buffer it fills in place (placeholders past
+    the committed tokens, as vLLM's input batch keeps its token ids): those
+    ids were never checked nor packed at hand-over (R56), so each commit
+    keys the ids the list holds then, not what it held at hand-over (S33),
+    in one-token decode steps (the one-pass path) and in a chunk (the
+    general path)."""
+    (mgr, drv), (ref, rdrv) = _mgr(), _mgr()
+    for d in (drv, rdrv):
+        d.ingest("a")
+        d.step([("a", "main", 6)])
+    real = IDS["a"]
+    buf = [*real[:6], *[0] * 18]  # 6 committed ids, then placeholders
+    assert mgr.follow_tokens("a", buf) == 1
+    for n in range(6, 13):  # the engine writes each step's input before it
+        buf[n] = real[n]
+        for d in (drv, rdrv):
+            d.step([("a", "main", 1)])
+        ref.cache_prefix("a", "main", real[:n + 1])
+        assert _state(mgr) == _state(ref), n
+    assert mgr.cached_tokens("a") == 12
+    buf[13:21] = real[13:21]
+    for d in (drv, rdrv):
+        d.step([("a", "main", 8)])  # 21 tokens: two more pages at once
+    ref.cache_prefix("a", "main", real[:21])
+    assert _state(mgr) == _state(ref) and mgr.cached_tokens("a") == 20
+    mgr.ingest_request("z")
+    assert mgr.match_prefix("z", "main", [*real[:20], 0]) == 20
+    check_device_pages(mgr)
