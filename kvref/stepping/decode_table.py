@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from itertools import accumulate
+from itertools import repeat
 from typing import Any, Protocol
 
 import numpy as np
@@ -140,7 +140,9 @@ def fresh_plan(segments: Sequence[Segment], streams: list[CacheStream], page_siz
     pages: list[int] = []
     offsets: list[int] = []
     cuts: list[LongChunk] = []
-    mixed = False
+    # rows of span other than 1 (mixed steps only): each row's index and the
+    # queries it adds past one, by which the query indptr after it moves
+    shifts: list[tuple[int, int]] = []
     arrays: list[Array] = []
     view_len: list[int] = []
     held = 0
@@ -163,7 +165,7 @@ def fresh_plan(segments: Sequence[Segment], streams: list[CacheStream], page_siz
         else:
             if not s.stored_len + span:
                 return None  # an empty stream that stays empty has no view
-            mixed = True
+            shifts.append((len(last), span - 1))
             length = end + span
             k = -(-length // ps)
             last.append((length - 1) % ps + 1 if length else 0)
@@ -177,15 +179,19 @@ def fresh_plan(segments: Sequence[Segment], streams: list[CacheStream], page_siz
     gens = list(map(_generation, streams))
     offset = list(map(_released, streams))
     b = 3 * n + 2
-    if mixed:
-        qo = list(accumulate(map(_span, segments), initial=0))
-        table = np.concatenate((np.array(qo + kv + last, dtype=np.int32), *arrays))
+    # qo indptr (one query a row), kv indptr, last page lengths: a decode
+    # step's head, whose query indptr a mixed step's chunks then move in C
+    # (an ``accumulate`` of every span cost more than the chunk's slots)
+    head = [*range(n + 1), *kv, *last]
+    for i, extra in shifts:
+        head[i + 1:n + 1] = map(operator.add, head[i + 1:n + 1], repeat(extra))
+    table = np.concatenate((np.array(head, dtype=np.int32), *arrays))
+    if shifts:
         indptrs, state, cuda = mixed_outputs(table, n, b + held,
-                                             joined_slots(pages, offsets, cuts, ps), qo[-1],
+                                             joined_slots(pages, offsets, cuts, ps), head[n],
                                              device)
         return DecodePlan(segments, table[:b], table[b:], indptrs, state, gens, view_len,
                           offset, cuda)
-    table = np.concatenate((np.array([*range(n + 1), *kv, *last], dtype=np.int32), *arrays))
     return DecodePlan(segments, table[:b], table[b:], table_indptrs(table, n),
                       decode_slots(np.array(pages + offsets, dtype=np.int64), device),
                       gens, view_len, offset)
