@@ -181,7 +181,7 @@ def fresh_plan(segments: Sequence[Segment], streams: list[CacheStream], page_siz
     b = 3 * n + 2
     # qo indptr (one query a row), kv indptr, last page lengths: a decode
     # step's head, whose query indptr a mixed step's chunks then move in C
-    # (an ``accumulate`` of every span cost more than the chunk's slots)
+    # (not an ``accumulate`` over every row's span: about 1 µs at B = 16)
     head = [*range(n + 1), *kv, *last]
     for i, extra in shifts:
         head[i + 1:n + 1] = map(operator.add, head[i + 1:n + 1], repeat(extra))
