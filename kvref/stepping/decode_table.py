@@ -26,9 +26,10 @@ numpy set-up of an update costs more than building the table afresh from
 the admit's streams (`fresh_plan`), which is done instead. A mixed step
 (the decode batch plus a prefill chunk, what continuous batching with
 chunked prefill runs most of the time) is built by `fresh_plan` too, in
-the same one pass, with the chunk's write slots spliced in as
-`mixed_tables` does (issue 42: it used to try the decode pass, drop it at
-the chunk, and build every view for the general path).
+the same one pass, the chunk one longer row whose write slots join the
+one-token rows' as `mixed_tables` joins them (issue 42: it used to try the
+decode pass, drop it at the chunk, and build every view for the general
+path).
 
 Outputs are the same bytes `decode_tables` (`mixed_tables`) gives over the same state
 (tests/unit/test_decode_table.py and the lockstep compare them), and a
