@@ -502,11 +502,11 @@ def mixed_tables(
     qo = [0] * (n + 1)
     kv = [0] * (n + 1)
     last = [0] * n
-    # the slot of each one-token row, by index as on the decode path (no
-    # appends); the other rows (chunks, span 0) are spliced in after
-    row_page = [0] * n
-    row_offset = [0] * n
-    chunks: list[ChunkRow] = []
+    # the write slots as Python ints in row order (one-token rows, short
+    # chunks), and where the long chunks' go among them (`joined_slots`)
+    slot_pages: list[int] = []
+    slot_offsets: list[int] = []
+    cuts: list[LongChunk] = []
     q = held = 0
     for i, v in enumerate(views):
         span = v.to_compute
@@ -517,62 +517,67 @@ def mixed_tables(
         end = v.length - 1
         if span == 1:
             last[i] = end % page_size + 1
-            row_page[i] = v.page_at(end // page_size)
-            row_offset[i] = end % page_size
+            slot_pages.append(v.page_at(end // page_size))
+            slot_offsets.append(end % page_size)
         else:
             last[i] = end % page_size + 1 if end >= 0 else 0
-            # a view's pages from its first; a long chunk's as an array
-            chunks.append((i, v.page_idxs, v._page_array, v.length - span, v.length))
+            # a view's pages from its first
+            chunk_slots(v.page_idxs, v._page_array(), v.length - span, v.length, page_size,
+                        slot_pages, slot_offsets, cuts)
     # the table from each view's page array (`_table`), not a list of pages
     table = _table(qo + kv + last, views)
-    slots = spliced_slots(row_page, row_offset, chunks, page_size)
+    slots = joined_slots(slot_pages, slot_offsets, cuts, page_size)
     return mixed_outputs(table, n, 3 * n + 2 + held, slots, q, device)
 
 
-# a row of a mixed step that is not one token (a chunk, or span 0): its row,
-# its view's pages (list, and a maker of them as int32), and the view
-# positions ``[start, end)`` it writes
-ChunkRow = tuple[int, list[int], Callable[[], np.ndarray[Any, Any]], int, int]
+# a long chunk of a mixed step: how many of the step's Python-int slots come
+# before its own, its view's pages (int32), and the view positions
+# ``[start, end)`` it writes
+LongChunk = tuple[int, np.ndarray[Any, Any], int, int]
 
 
-def spliced_slots(row_page: list[int], row_offset: list[int], chunks: Sequence[ChunkRow],
-                  page_size: int) -> np.ndarray[Any, Any]:
-    """A step's write slots (int64: every token's page, then every offset),
-    request-major as the query rows: ``row_page[i]``/``row_offset[i]`` for
-    a one-token row ``i``, the positions of each of ``chunks`` for the
-    others. Runs of Python ints (one-token rows, short chunks) between numpy
-    pieces (long chunks: vector ops, not a list fill per token). Shared by
-    `mixed_tables` and the decode table's fresh plan of a mixed step, so
-    both give the same bytes by construction."""
-    if not chunks:
-        return np.array(row_page + row_offset, dtype=np.int64)
+def chunk_slots(pages: list[int], array: np.ndarray[Any, Any], start: int, end: int,
+                page_size: int, slot_pages: list[int], slot_offsets: list[int],
+                cuts: list[LongChunk]) -> None:
+    """The write slots of a row that is not one token (a chunk, or span 0),
+    view positions ``[start, end)`` of ``pages`` (``array``: them as
+    int32), after the step's slots so far: a short chunk's appended to
+    ``slot_pages``/``slot_offsets`` as Python ints, a long one's place
+    marked in ``cuts`` for `joined_slots`. Shared by `mixed_tables` and the
+    decode table's fresh plan of a mixed step, so both give the same bytes
+    by construction."""
+    if end - start < _VECTOR_CHUNK:
+        _chunk_slots(pages, start, end, page_size, slot_pages, slot_offsets)
+    else:
+        cuts.append((len(slot_pages), array, start, end))
+
+
+def joined_slots(slot_pages: list[int], slot_offsets: list[int], cuts: Sequence[LongChunk],
+                 page_size: int) -> np.ndarray[Any, Any]:
+    """A step's write slots (int64: every token's page, then every offset,
+    request-major as the query rows): the Python-int slots converted in one
+    call, as a decode step's are, then, where there are long chunks, their
+    slices and each long chunk's vector-built slots (`_long_chunk_slots`)
+    joined by one concatenate (issue 42: a conversion per run of rows
+    between chunks, and a concatenate of those, cost more than the chunk)."""
+    host = np.array(slot_pages + slot_offsets, dtype=np.int64)
+    if not cuts:
+        return host
+    m = len(slot_pages)
     page_parts: list[np.ndarray[Any, Any]] = []
     offset_parts: list[np.ndarray[Any, Any]] = []
-    slot_pages: list[int] = []
-    slot_offsets: list[int] = []
-    prev = 0
-    for i, pages, array_of, start, end in chunks:
-        slot_pages += row_page[prev:i]
-        slot_offsets += row_offset[prev:i]
-        if end - start < _VECTOR_CHUNK:
-            _chunk_slots(pages, start, end, page_size, slot_pages, slot_offsets)
-        else:
-            if slot_pages:
-                page_parts.append(np.array(slot_pages, dtype=np.int64))
-                offset_parts.append(np.array(slot_offsets, dtype=np.int64))
-                slot_pages, slot_offsets = [], []
-            pages_out, offsets_out = _long_chunk_slots(array_of(), start, end, page_size)
-            page_parts.append(pages_out)
-            offset_parts.append(offsets_out)
-        prev = i + 1
-    slot_pages += row_page[prev:]
-    slot_offsets += row_offset[prev:]
-    if not page_parts:
-        # short chunks only (every slot a Python int): one array
-        return np.array(slot_pages + slot_offsets, dtype=np.int64)
-    if slot_pages:  # rows after the last long chunk (none where it ends the step)
-        page_parts.append(np.array(slot_pages, dtype=np.int64))
-        offset_parts.append(np.array(slot_offsets, dtype=np.int64))
+    at = 0
+    for cut, array, start, end in cuts:
+        pages_out, offsets_out = _long_chunk_slots(array, start, end, page_size)
+        if cut > at:
+            page_parts.append(host[at:cut])
+            offset_parts.append(host[m + at:m + cut])
+        page_parts.append(pages_out)
+        offset_parts.append(offsets_out)
+        at = cut
+    if m > at:  # rows after the last long chunk (none where it ends the step)
+        page_parts.append(host[at:m])
+        offset_parts.append(host[m + at:])
     # int64 whatever the pieces (a long chunk's pages come as int32)
     return np.concatenate((*page_parts, *offset_parts), dtype=np.int64)
 
