@@ -54,8 +54,10 @@ def control_tables(rows: list[control_plane.DecodeRow], mixed: list[control_plan
         f"Mixed steps: the same decode batch plus one {chunk}-token prefill chunk "
         f"(a 512-token prompt, {chunk} tokens a step). Each iteration times a decode "
         "step and a mixed step (alternating which goes first) on kvref, then on the "
-        "reference. *extra* = mixed - decode of the same iteration, median [p10, p90] "
-        "(the pair ran back to back, so drift cancels); the target is extra ≤ 15 µs "
+        "reference, the reference's order flipping every two iterations. *extra* = "
+        "mixed - decode, averaged over two consecutive iterations (one each way "
+        "round, so the first step's cold penalty cancels), median [p10, p90]; the "
+        "target is extra ≤ 15 µs "
         "+ a cost linear in the chunk's tokens.",
         "",
         md_table(
