@@ -1048,7 +1048,8 @@ class Driver:
         streams let go in one call interleave (a remove, a reset) is left
         open, as the model releases them by label, kvref in the order they
         were made. A page two streams share goes free with the later one,
-        so it is ordered only among the pages those two shared (issue 41)."""
+        so it is ordered only among the pages those two shared (issue 41),
+        and must sit within one of its holders' lists (`check_shared_in_a_list`)."""
         if before.pool is None or after.pool is None:
             return
         ps = self.scope.page_size
