@@ -1048,7 +1048,8 @@ class Driver:
         streams let go in one call interleave (a remove, a reset) is left
         open, as the model releases them by label, kvref in the order they
         were made. A page two streams share goes free with the later one,
-        so it is ordered only among the pages those two shared (issue 41)."""
+        so it is ordered only among the pages those two shared (issue 41),
+        and must sit within one of its holders' lists (`check_shared_in_a_list`)."""
         if before.pool is None or after.pool is None:
             return
         ps = self.scope.page_size
@@ -1114,6 +1115,36 @@ class Driver:
                         == [r for r in got if r[0] == "held"
                             and tuple(h for h, _ in r[1]) == hs]), (
                     f"{' and '.join(map(str, hs))}'s pages in the {where} (S6: tail first)")
+            for side, roles in (("kvref", got), ("the model", want)):
+                self.check_shared_in_a_list(side, roles, where)
+
+    def release_head_first(self, label: int) -> bool:
+        """H4: a cached window's list runs head first; every other tail first (S6)."""
+        return self.scope.window_cache and self.scope.window(label) is not None
+
+    def check_shared_in_a_list(self, side: str, roles: list[tuple[Any, ...]],
+                               where: str) -> None:
+        """A page several streams held goes free within the list of the one
+        that let go of it last (S6, H4, S22), so among that stream's own
+        pages it stands where that list's order puts it, whichever stream
+        went last. A cached window's list runs head first (H4), so a page it
+        shared sits before its own later pages: a release that let the shared
+        pages go apart from the lists (after them all, say) is seen here,
+        not by the comparison with the model, which orders only the pages
+        the same streams held (issue 41, findings (h))."""
+        held = [(i, r[1]) for i, r in enumerate(roles) if r[0] == "held"]
+
+        def fits(at: int, k: tuple[int, int], slot: int) -> bool:
+            own = sorted([(i, hs[0][1]) for i, hs in held if len(hs) == 1 and hs[0][0] == k]
+                         + [(at, slot)])
+            slots = [j for _, j in own]
+            return slots == sorted(slots, reverse=not self.release_head_first(k[1]))
+
+        for at, hs in held:
+            if len({k for k, _ in hs}) > 1 and not any(fits(at, k, j) for k, j in hs):
+                raise AssertionError(
+                    f"{side}: the page {' and '.join(map(str, hs))} held went free out of "
+                    f"each holder's list (S6, H4, S22) in the {where}")
 
     def check_bytes(self, model_state: m.State) -> None:
         """I7: every resident stream reads back, through its pages, as the
