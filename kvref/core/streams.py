@@ -487,6 +487,12 @@ class CacheStream:
             self.follow = replace(f, head=b"")  # may name cut tokens
         self.key_at = NEVER if self.follow is None else 0
 
+    def look_at(self, n: int) -> None:
+        """A followed stream whose commit filled no page: the next commit
+        looks at it once its length reaches ``n`` (the page after its chain
+        is full)."""
+        self.key_at = n
+
     @staticmethod
     def looked(streams: Iterable[CacheStream], page_size: int) -> None:
         """A commit keyed what it could of each followed stream: the next

@@ -108,7 +108,7 @@ def key_followed(table: StreamTable, due: list[CacheStream],
         if n < start + ps:
             # the step filled no page (the compare is conservative): looked
             # at again once the page after the chain is full
-            stream.key_at = start + ps
+            stream.look_at(start + ps)
             continue
         ids = f.ids
         slot = done - stream.released // ps  # page_indices starts at the window
