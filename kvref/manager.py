@@ -379,8 +379,10 @@ class KVManager(EvictionCalls, TransferCalls, LayerIO):
         them (``start = pages keyed * page_size``) hashes only the new pages.
         Ids of pages already keyed are compared with those they were keyed
         with; a page whose key another page holds stays the stream's own
-        (S11). 0 with the cache off, and for a stream a retrieve filled (a
-        peer's KV is never cached, R55). Raises, changing nothing:
+        (S11). 0 with the cache off; a retrieve's tokens are a peer's KV, so
+        the page its first token is in and every page after it key nothing,
+        only the pages the stream computed before it do (R55). Raises,
+        changing nothing:
         `InvalidArgumentError` for ids past the committed tokens, a ``start``
         that is not a page boundary at or before the keyed pages' end, or ids
         that disagree with those named before for a keyed page, or that are

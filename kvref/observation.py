@@ -66,7 +66,7 @@ class StreamObservation:
     in_flight: bool  # a step holding addressing into it is admitted
     offload: OffloadState
     retrieve: RetrieveState
-    received: bool  # filled by a retrieve (a peer's KV: never cached, R55)
+    received: bool  # a retrieve filled some of it (that page on: a peer's KV, never cached, R55)
     keyed_pages: int  # its first pages the prefix cache keys (`cached_tokens` / page size)
     followed: bool = False  # its commits key the pages they fill (`follow_tokens`, S33)
     # the next token's absolute position (W4): ``stored_len`` in every state

@@ -116,7 +116,7 @@ class CacheStream:
         "read_error",
         "read_future",
         "read_pending",
-        "received",
+        "received_at",
         "released",
         "space",
         "step_in_flight",
@@ -177,9 +177,12 @@ class CacheStream:
         # (None: its own). A fork target holds its source's KV, so it takes
         # the source's: a sample forked from ``main`` keys its pages as main's
         self.space: str | None = None
-        # filled by a retrieve: its pages are never registered (a peer's KV,
-        # whose tokens this manager never saw computed; vllm-ascend PR 2083)
-        self.received = False
+        # the first token a retrieve filled (None: none did): the pages from
+        # the one that token is in on hold a peer's KV, whose tokens this
+        # manager never saw computed, and are never registered (R55;
+        # vllm-ascend PR 2083). The pages wholly before it are the stream's
+        # own and key as any other's
+        self.received_at: int | None = None
         # from admit until commit: the step already holds addressing into
         # these pages, so an offload must not claim them
         self.step_in_flight = False
@@ -192,6 +195,12 @@ class CacheStream:
         self._pages_arr: np.ndarray[Any, Any] = _NO_PAGES  # buf[:n], kept
 
     # -- what other modules ask (beside the fields, read-only outside) --
+
+    @property
+    def received(self) -> bool:
+        """A retrieve filled some of its tokens (R55): the pages from
+        ``received_at`` on are a peer's."""
+        return self.received_at is not None
 
     @property
     def retrieve(self) -> RetrieveState:
@@ -258,7 +267,7 @@ class CacheStream:
         self._chain_cut()
         self.tail_maybe_shared = False
         self.space = None
-        self.received = False
+        self.received_at = None
         if freed:
             self.page_indices = []
         self.generation += 1  # I14: pages or length changed
@@ -361,6 +370,9 @@ class CacheStream:
         self.position = new_len  # W4: the next commit's window is from the new length
         if not new_len:
             self._holds_no_kv()
+        elif self.received_at is not None and new_len <= self.received_at:
+            # cut back to its own tokens: no peer's KV is left in it (R55)
+            self.received_at = None
         full = new_len // page_size
         del self.keys[full:]
         del self.key_tokens[full * page_size * 8:]
@@ -421,7 +433,7 @@ class CacheStream:
         self._chain_cut()
         # the partial page was copied into one of its own (or every page was)
         self.tail_maybe_shared = False
-        self.received = src.received
+        self.received_at = src.received_at
         self.space = space
         if not src.stored_len:
             self._holds_no_kv()
@@ -446,7 +458,7 @@ class CacheStream:
         # page of the same tokens under its own label was never found (the
         # nightly lockstep, 2026-12-05)
         self.space = None
-        self.received = False
+        self.received_at = None
 
     # prefix cache
 
@@ -588,9 +600,12 @@ class CacheStream:
         self.released = released
         self.read_future = future
         self.read_pending = future is not None
+        # the tokens from the old length on are the peer's (W16 copies only
+        # [max(old, released), n), but the slots between hold none of ours)
+        old = self.stored_len
+        self.received_at = old if self.received_at is None else min(self.received_at, old)
         self.stored_len = seq_len
         self.position = seq_len
-        self.received = True
         self.generation += 1  # I14: pages or length changed
 
     def fail_retrieve(self, err: BaseException) -> None:

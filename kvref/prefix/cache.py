@@ -421,7 +421,7 @@ def _checked(table: StreamTable, rid: str, label: str, tokens: Tokens, start: in
         raise InvalidArgumentError(
             f"cache_prefix from token {start}: the stream's cached pages end at {keyed}, "
             "and a page's key chains from the one before it", request_id=rid, label=label)
-    if stream.received or not table.sharing.caches(table.behaviour(label)):
+    if not table.sharing.caches(table.behaviour(label)):
         # W9: a windowed label registers nothing, so its window's release
         # frees pages blank and never pushes cached prefixes out (vLLM 42948);
         # nothing does without shared pages
@@ -433,6 +433,12 @@ def _checked(table: StreamTable, rid: str, label: str, tokens: Tokens, start: in
             f"cache_prefix names tokens {start}..{overlap - 1} otherwise than the stream's "
             "cached pages hold them (a hit or an earlier cache_prefix)",
             request_id=rid, label=label)
+    own = stream.received_at
+    if own is not None and end > own:
+        # R55: the page a retrieve's first token is in, and every page after
+        # it, hold a peer's KV; the pages before it are this stream's own
+        end = max(start, own - own % ps)
+        raw = raw[:(end - start) * 8]
     if end // ps <= len(stream.keys):
         return None
     return stream, rid, label, tokens, raw, start

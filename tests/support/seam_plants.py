@@ -347,11 +347,11 @@ def received_kv_cached(mp: pytest.MonkeyPatch) -> None:
 
     def bad(table: StreamTable, rid: str, label: str, tokens: object, start: int = 0) -> int:
         stream = table.stream(rid, label)
-        received, stream.received = stream.received, False
+        received, stream.received_at = stream.received_at, None
         try:
             return orig(table, rid, label, tokens, start)  # type: ignore[arg-type]
         finally:
-            stream.received = received
+            stream.received_at = received
 
     mp.setattr(prefix_cache, "cache_prefix", bad)
 
@@ -736,13 +736,13 @@ def preplan_privatises_by_refcount(mp: pytest.MonkeyPatch) -> None:
 
 def fork_drops_received(mp: pytest.MonkeyPatch) -> None:
     """Forks x retrieve x prefix cache (R55): the fork target does not carry
-    the source's ``received`` flag, so a sample forked from a retrieved
+    the source's ``received_at``, so a sample forked from a retrieved
     stream has a peer's KV keyed by cache_prefix."""
     orig = CacheStream.fork_from
 
     def fork_from(self: CacheStream, src: CacheStream, space: str, page_size: int) -> None:
         orig(self, src, space, page_size)
-        self.received = False
+        self.received_at = None
 
     mp.setattr(CacheStream, "fork_from", fork_from)
 

@@ -1,23 +1,26 @@
 """cache_prefix of a stream that computed a page and then received a peer's
 KV (R55, S30; issue 41, findings (i)).
 
-Open: the seam control of `scripts/plant_rates.py` failed under seed 0 on
-this (shrunk from 60 calls to these 12). A request computes two tokens (one
-full page of its own), then a retrieve appends a peer's KV to 3 tokens, and
-`cache_prefix` is called. kvref answers 0: the stream is `received`, never
-registered until a reset (R55, W16). The model keys the first page: its S30
-rule asks whether each page's tokens are a peer's, not whether the stream
-received any. The spec's text is R55's; which one the rule means is the
-lead's call, so the test is kept as an expected failure until then.
+The seam control of `scripts/plant_rates.py` failed under seed 0 on this
+(shrunk from 60 calls to these 12). A request computes two tokens (one full
+page of its own), then a retrieve appends a peer's KV to 3 tokens, and
+`cache_prefix` is called. kvref answered 0 (the whole stream was `received`),
+the model 1 (its S30 rule asks of each page whether its tokens are a
+peer's). Settled for the model: R55 now says the pages wholly before a
+retrieve's first token are the stream's own and key; kvref keeps where the
+peer's tokens begin (`CacheStream.received_at`).
 """
 
 from __future__ import annotations
 
 import pytest
 
+from kvref import KVManager
 from kvref.testing.driver import DriverConfig
-from kvref.testing.exhaustive import Mismatch, run_trace
+from kvref.testing.exhaustive import run_trace
 from kvref_model import core as m
+from tests.unit._manager_fixtures import Driver
+from tests.unit.test_shared_pages import _fill, _mgr
 
 SCOPE = m.Scope(requests=3, labels=3, device_pages=6, host_pages=4, page_size=2, max_span=3,
                 depth=6, sharing=True, windows=(None, 2, 2), margins=(0, 1, 1),
@@ -43,8 +46,50 @@ def test_the_model_keys_the_page_computed_before_the_retrieve() -> None:
     assert model.step(s, CALLS[-1])[0] == m.Count(1)
 
 
-@pytest.mark.xfail(raises=Mismatch, strict=True,
-                   reason="open: R55 (kvref: a received stream keys nothing) against "
-                          "the model's S30 (pages of its own tokens key); findings (i)")
 def test_cache_prefix_after_a_retrieve_onto_computed_tokens() -> None:
+    # kvref keys the page it computed before the retrieve, as the model does
     run_trace(m.Model(SCOPE), CALLS, DriverConfig())
+
+
+def _computed_then_received(own: int) -> tuple[KVManager, KVManager, Driver]:
+    """``dst``'s request ``r`` computed ``own`` tokens of its own, then a
+    retrieve appended a peer's KV up to 10 tokens (pages of 4)."""
+    src, drv = _mgr(pages=16)
+    drv.ingest("r")
+    _fill(drv, "r", 10)
+    dst, dd = _mgr(pages=16)
+    dd.ingest("r")
+    _fill(dd, "r", own)
+    pub = src.publish("r")
+    assert dst.admit_retrieve("r", None, None, pub).ok
+    for s in dst._streams["r"].values():
+        if s.read_future is not None:
+            s.read_future.result(timeout=10)
+    assert dst.admit_retrieve("r", None, None, pub).ready
+    src.release_published("r")
+    return src, dst, dd
+
+
+@pytest.mark.parametrize(("own", "keyed"), [(3, 0), (4, 1), (5, 1), (8, 2), (9, 2)])
+def test_only_the_pages_before_the_peers_first_token_key(own: int, keyed: int) -> None:
+    """R55: the page the peer's first token is in, and every page after it,
+    key nothing; the whole pages before it are the request's own."""
+    src, dst, _ = _computed_then_received(own)
+    assert dst.cache_prefix("r", "main", list(range(10))) == keyed
+    assert len(dst._streams["r"]["main"].keys) == keyed
+    src.cleanup()
+    dst.cleanup()
+
+
+def test_a_truncate_back_to_its_own_tokens_makes_the_stream_its_own() -> None:
+    """Cut to the peer's first token, nothing of the peer's is left: the
+    pages the request computes next key again (the model's contents)."""
+    src, dst, dd = _computed_then_received(4)
+    dst.truncate("r", "main", 5)
+    assert dst._streams["r"]["main"].received  # token 4 is still the peer's
+    dst.truncate("r", "main", 4)
+    assert not dst._streams["r"]["main"].received
+    dd.step([("r", "main", 6)])  # its model holds the request's own 4 tokens
+    assert dst.cache_prefix("r", "main", list(range(10))) == 2
+    src.cleanup()
+    dst.cleanup()

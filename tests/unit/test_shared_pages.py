@@ -433,7 +433,7 @@ def test_the_retrieved_guard_is_what_keeps_peer_kv_out(monkeypatch: pytest.Monke
     """The plant: without the guard the peer's pages are registered, and the
     test above would fail on its first assertion."""
     src, dst = _retrieved()
-    dst._streams["r"]["main"].received = False  # the guard, removed
+    dst._streams["r"]["main"].received_at = None  # the guard, removed
     assert dst.cache_prefix("r", "main", list(range(10))) == 2
     src.cleanup()
     dst.cleanup()
