@@ -19,6 +19,7 @@ this one writes a field, on any path, run or not.
 from __future__ import annotations
 
 import enum
+import operator
 import sys
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -100,39 +101,46 @@ class CacheStream:
     """
 
     __slots__ = (
+        "_batch",
+        "_flight",
+        "_gen",
+        "_len",
         "_pages_arr",
         "_pages_buf",
         "_pages_n",
         "_pages_src",
+        "_pos",
+        "_row",
         "follow",
-        "generation",
         "key_at",
         "key_tokens",
         "keys",
         "offload",
         "offloaded",
         "page_indices",
-        "position",
         "read_error",
         "read_future",
         "read_pending",
         "received",
         "released",
         "space",
-        "step_in_flight",
-        "stored_len",
         "tail_maybe_shared",
     )
 
     def __init__(self) -> None:
         self.page_indices: list[int] = []
-        self.stored_len = 0
+        # ``stored_len``, ``position``, ``generation`` and ``step_in_flight``
+        # are these, plus the decode batch's (`StreamBatch`) where the stream
+        # is in one: a batch's step moves all its rows at once (issue 42)
+        self._batch: StreamBatch | None = None
+        self._row = 0
+        self._len = 0
         # the reference's counters (W4 of specs/retention.md): ``position`` is
         # the next token's absolute position (= stored_len); ``released`` the
         # tokens a windowed label (KVConfig.retention) let go of, whole pages
         # from the front. ``page_indices`` holds slot ``released // page_size``
         # onward: a released slot holds no page and is in no list
-        self.position = 0
+        self._pos = 0
         self.released = 0
         self.read_pending = False
         # declared lock-free (R31): the future itself is polled through done()
@@ -149,7 +157,7 @@ class CacheStream:
         # (every admit and commit of a segment), a slot beside the state,
         # written by the same transitions
         self.offloaded = False
-        self.generation = 0
+        self._gen = 0
         # the prefix-cache keys of the first len(keys) full pages, a chain
         # (kvref.prefix.keys): what `cache_prefix` registered or `match_prefix`
         # attached. A later `cache_prefix` continues the chain from its last
@@ -182,7 +190,7 @@ class CacheStream:
         self.received = False
         # from admit until commit: the step already holds addressing into
         # these pages, so an offload must not claim them
-        self.step_in_flight = False
+        self._flight = False
         # `pages_array`'s cache: the list it mirrors, and an int32 buffer whose
         # first ``_pages_n`` entries are that list's pages, so a plan copies a
         # stream's page table with one memcpy, not one Python int per page
@@ -207,6 +215,56 @@ class CacheStream:
             return RetrieveState.PENDING
         # done: a failure not yet latched (the next admit latches it) is a failure
         return RetrieveState.FAILED if fut.exception() is not None else RetrieveState.IDLE
+
+    # the fields a decode batch moves (`StreamBatch`): the stream's own value,
+    # plus the batch's commits while it is in one. The setters are for the
+    # tests' planted faults; kvref's writers are the transitions below
+    @property
+    def stored_len(self) -> int:
+        b = self._batch
+        return self._len if b is None else self._len + b.ticks
+
+    @stored_len.setter
+    def stored_len(self, value: int) -> None:
+        self._own()
+        self._len = value
+
+    @property
+    def position(self) -> int:
+        b = self._batch
+        return self._pos if b is None else self._pos + b.ticks
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._own()
+        self._pos = value
+
+    @property
+    def generation(self) -> int:
+        b = self._batch
+        return self._gen if b is None else self._gen + b.ticks
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self._own()
+        self._gen = value
+
+    @property
+    def step_in_flight(self) -> bool:
+        b = self._batch
+        return self._flight or (b is not None and b.in_flight)
+
+    @step_in_flight.setter
+    def step_in_flight(self, value: bool) -> None:
+        self._own()
+        self._flight = value
+
+    def _own(self) -> None:
+        """Leave the decode batch (if any) before a transition writes: its
+        fields become the stream's own, and the batch is no longer whole."""
+        b = self._batch
+        if b is not None:
+            b.detach(self)
 
     def pages_array(self) -> np.ndarray[Any, Any]:
         """``page_indices`` as int32, kept across steps: written again only
@@ -247,8 +305,9 @@ class CacheStream:
         """Empty the stream (`reset_prefix_cache`); ``freed``: its pages went
         back too, else they stay as spare. Leaves the offload state alone: a
         claim in progress fails its commit on the bumped generation."""
-        self.stored_len = 0
-        self.position = 0
+        self._own()
+        self._len = 0
+        self._pos = 0
         self.released = 0
         self.read_error = None
         self.read_pending = False
@@ -261,20 +320,22 @@ class CacheStream:
         self.received = False
         if freed:
             self.page_indices = []
-        self.generation += 1  # I14: pages or length changed
+        self._gen += 1  # I14: pages or length changed
 
     def drop_pages(self) -> None:
         """`remove_request`: the pages went back; the stream is about to go."""
+        self._own()
         self.page_indices = []
-        self.generation += 1  # I14: pages or length changed
+        self._gen += 1  # I14: pages or length changed
 
     def keep_spare(self, pages: list[int]) -> None:
         """An emptied stream keeps only ``pages`` of its spare ones (those
         private to it: a later write must not land in a page another reads)."""
         if self.stored_len:
             raise self._refuse("keep_spare", "the stream holds tokens")
+        self._own()
         self.page_indices = pages
-        self.generation += 1  # I14: pages or length changed
+        self._gen += 1  # I14: pages or length changed
 
     # steps
 
@@ -282,25 +343,29 @@ class CacheStream:
         """An admit's fresh pages, after the stream's own (in place: the kept
         `pages_array` copies only the new ones)."""
         self._need_resident("append_pages")
+        self._own()
         self.page_indices += pages
-        self.generation += 1  # I14: pages or length changed
+        self._gen += 1  # I14: pages or length changed
 
     def mark_in_flight(self) -> None:
         """An admitted step holds addressing into the pages (until commit)."""
         if self.offloaded:  # asked inline: once per segment of every step
             self._need_resident("mark_in_flight")
-        self.step_in_flight = True
+        self._own()
+        self._flight = True
 
     def clear_in_flight(self) -> None:
-        self.step_in_flight = False
+        self._own()
+        self._flight = False
 
     def append_tokens(self, span: int) -> None:
         """A committed step's ``span`` tokens (W4: the next token's position)."""
         if self.offloaded:  # asked inline: once per segment of every step
             self._need_resident("append_tokens")
-        n = self.stored_len = self.stored_len + span
-        self.position = n
-        self.generation += 1  # I14: pages or length changed
+        self._own()
+        n = self._len = self._len + span
+        self._pos = n
+        self._gen += 1  # I14: pages or length changed
 
     # a step's streams at once: `mark_in_flight` over an admit's streams, and
     # `clear_in_flight` + `append_tokens` over a commit's, in one call each
@@ -314,7 +379,9 @@ class CacheStream:
             if s.offloaded:
                 s._need_resident("mark_in_flight")
         for s in streams:
-            s.step_in_flight = True
+            if s._batch is not None:
+                s._batch.detach(s)
+            s._flight = True
 
     @staticmethod
     def end_step(streams: Sequence[CacheStream], spans: Iterable[int] | None,
@@ -329,19 +396,23 @@ class CacheStream:
         compare is not paid (2% of a B=256 step)."""
         if spans is None:
             for s in streams:
-                s.step_in_flight = False
+                if s._batch is not None:
+                    s._batch.detach(s)
+                s._flight = False
             return []
         dropped: list[CacheStream] = []
         watch = due.append if due is not None else None
         for s, span in zip(streams, spans, strict=True):
-            s.step_in_flight = False
+            if s._batch is not None:
+                s._batch.detach(s)
+            s._flight = False
             if span:
                 if s.offloaded:
                     dropped.append(s)
                     continue
-                n = s.stored_len = s.stored_len + span
-                s.position = n
-                s.generation += 1  # I14: pages or length changed
+                n = s._len = s._len + span
+                s._pos = n
+                s._gen += 1  # I14: pages or length changed
                 if watch and n >= s.key_at:
                     watch(s)
         return dropped
@@ -353,12 +424,13 @@ class CacheStream:
         page may be another stream's too (R52), so the next write checks."""
         if new_len > self.stored_len or new_len < self.released:
             raise self._refuse("truncate_to", f"to {new_len} tokens")
+        self._own()
         pages = self.page_indices
         cut = pages[keep:]
         # a new list: a slice someone took of the old one keeps what it saw
         self.page_indices = pages[:keep]
-        self.stored_len = new_len
-        self.position = new_len  # W4: the next commit's window is from the new length
+        self._len = new_len
+        self._pos = new_len  # W4: the next commit's window is from the new length
         if not new_len:
             self._holds_no_kv()
         full = new_len // page_size
@@ -366,7 +438,7 @@ class CacheStream:
         del self.key_tokens[full * page_size * 8:]
         self._chain_cut()
         self.tail_maybe_shared = bool(new_len % page_size)
-        self.generation += 1  # I14: pages or length changed
+        self._gen += 1  # I14: pages or length changed
         return cut
 
     def release_window_to(self, released: int, page_size: int) -> list[int]:
@@ -374,6 +446,7 @@ class CacheStream:
         list; returns their pages (the caller gives them back)."""
         if released <= self.released or released % page_size:
             raise self._refuse("release_window_to", f"to {released} tokens")
+        self._own()
         drop = (released - self.released) // page_size
         pages = self.page_indices
         go = pages[:drop]
@@ -387,7 +460,7 @@ class CacheStream:
             self._pages_n -= drop
             self._pages_arr = self._pages_buf[:self._pages_n]
         self.released = released
-        self.generation += 1  # I14: pages or length changed
+        self._gen += 1  # I14: pages or length changed
         return go
 
     def rehome_pages(self, pages: list[int]) -> None:
@@ -396,25 +469,28 @@ class CacheStream:
         if len(pages) != len(self.page_indices):
             raise self._refuse("rehome_pages", f"{len(pages)} pages for "
                                f"{len(self.page_indices)} slots")
+        self._own()
         self.page_indices = pages
         self.tail_maybe_shared = False
-        self.generation += 1  # I14: pages or length changed
+        self._gen += 1  # I14: pages or length changed
 
     # forks
 
     def adopt_fork_pages(self, pages: list[int]) -> None:
         """A copy-on-write fork's target: the source's full pages, shared,
         then its own private ones (`fork_from` follows, under the same lock)."""
+        self._own()
         self.page_indices = pages
-        self.generation += 1  # I14: pages or length changed
+        self._gen += 1  # I14: pages or length changed
 
     def fork_from(self, src: CacheStream, space: str, page_size: int) -> None:
         """The fork's target now holds ``src``'s KV (its pages were copied or
         shared already): its length and, W5, its window's state. ``space``:
         whose KV that is, for the prefix cache's keys."""
-        self.stored_len = src.stored_len
+        self._own()
+        self._len = src.stored_len
         self.released = src.released
-        self.position = src.position
+        self._pos = src.position
         full = src.stored_len // page_size
         self.keys = src.keys[:full]
         self.key_tokens = src.key_tokens[: full * page_size * 8]
@@ -425,18 +501,19 @@ class CacheStream:
         self.space = space
         if not src.stored_len:
             self._holds_no_kv()
-        self.generation += 1  # I14: pages or length changed
+        self._gen += 1  # I14: pages or length changed
 
     def empty_torn(self) -> None:
         """A fork target a failed copy left torn: nothing in it is trusted (R26)."""
-        self.stored_len = 0
-        self.position = 0
+        self._own()
+        self._len = 0
+        self._pos = 0
         self.released = 0
         self.keys = []
         self.key_tokens = bytearray()
         self._chain_cut()
         self._holds_no_kv()
-        self.generation += 1  # I14: pages or length changed
+        self._gen += 1  # I14: pages or length changed
 
     def _holds_no_kv(self) -> None:
         # an empty stream holds nobody's KV: the tokens it computes next are
@@ -459,14 +536,15 @@ class CacheStream:
         if self.stored_len:
             raise self._refuse("attach_prefix", "the stream holds tokens")
         self._need_resident("attach_prefix")
+        self._own()
         self.page_indices = pages + self.page_indices
         self.released = released
-        self.stored_len = n
-        self.position = n  # W4: the next token's position
+        self._len = n
+        self._pos = n  # W4: the next token's position
         self.keys = keys
         self.key_tokens = bytearray(raw)
         self._chain_cut()
-        self.generation += 1  # I14: pages or length changed
+        self._gen += 1  # I14: pages or length changed
 
     def extend_chain(self, keys: list[bytes], raw: bytes) -> None:
         """The next full pages' keys, and the ids of the tokens keyed (the
@@ -477,6 +555,7 @@ class CacheStream:
     def follow_with(self, followed: FollowedTokens | None, page_size: int) -> None:
         """S33: commits key the stream's filled pages from ``followed`` (None:
         they stop), from the first that fills the page after the chain."""
+        self._own()
         self.follow = followed
         self.key_at = NEVER if followed is None else (len(self.keys) + 1) * page_size
 
@@ -493,7 +572,9 @@ class CacheStream:
         commit looks at it once its length reaches the end of the page after
         its chain."""
         for s in streams:
-            s.key_at = NEVER if s.follow is None else (len(s.keys) + 1) * page_size
+            at = s.key_at = NEVER if s.follow is None else (len(s.keys) + 1) * page_size
+            if s._batch is not None:
+                s._batch.key_at[s._row] = at  # the batch's commit compares it
 
     @staticmethod
     def extend_chains(streams: Sequence[CacheStream], keys: Sequence[bytes],
@@ -511,6 +592,7 @@ class CacheStream:
         self._need_resident("claim_offload")
         if self.step_in_flight:
             raise self._refuse("claim_offload", "a step is in flight (R4)")
+        self._own()
         self.offload, self.offloaded = _CLAIMED, True
         return ClaimedStream(label, list(self.page_indices), self.generation,
                              self.stored_len, self.position, self.released)
@@ -520,25 +602,28 @@ class CacheStream:
         the pages (given back by the caller) go; a reload gives fresh ones."""
         if self.offload is not _CLAIMED:
             raise self._refuse("commit_offload", f"offload state is {self.offload.name}")
+        self._own()
         self.offload = _OFFLOADED  # still offloaded: only reload brings it back
         self.page_indices = []
         self.keys = []
         self.key_tokens = bytearray()
         self._chain_cut()
         self.tail_maybe_shared = False
-        self.generation += 1  # I14: pages or length changed
+        self._gen += 1  # I14: pages or length changed
 
     def abandon_offload(self) -> None:
         """CLAIMED -> RESIDENT: the copy did not fit, failed, or the stream
         changed behind it; the pages never left."""
         if self.offload is not _CLAIMED:
             raise self._refuse("abandon_offload", f"offload state is {self.offload.name}")
+        self._own()
         self.offload, self.offloaded = _RESIDENT, False
 
     def forget_offload(self) -> None:
         """OFFLOADED -> RESIDENT: the host copy was discarded (a reset, R12)."""
         if self.offload is not _OFFLOADED:
             raise self._refuse("forget_offload", f"offload state is {self.offload.name}")
+        self._own()
         self.offload, self.offloaded = _RESIDENT, False
 
     def reload(self, pages: list[int], stored_len: int, position: int,
@@ -547,13 +632,14 @@ class CacheStream:
         full pages are shared again, a part page is fresh: the tail is private."""
         if self.offload is not _OFFLOADED:
             raise self._refuse("reload", f"offload state is {self.offload.name}")
+        self._own()
         self.offload, self.offloaded = _RESIDENT, False
         self.page_indices = pages
-        self.stored_len = stored_len
-        self.position = position
+        self._len = stored_len
+        self._pos = position
         self.released = released
         self.tail_maybe_shared = False
-        self.generation += 1  # I14: pages or length changed
+        self._gen += 1  # I14: pages or length changed
 
     # retrieve
 
@@ -565,20 +651,22 @@ class CacheStream:
         self._need_resident("start_retrieve")
         if self.read_future is not None or self.read_error is not None:
             raise self._refuse("start_retrieve", f"retrieve state is {self.retrieve.name}")
+        self._own()
         self.page_indices = pages
         self.released = released
         self.read_future = future
         self.read_pending = future is not None
-        self.stored_len = seq_len
-        self.position = seq_len
+        self._len = seq_len
+        self._pos = seq_len
         self.received = True
-        self.generation += 1  # I14: pages or length changed
+        self._gen += 1  # I14: pages or length changed
 
     def fail_retrieve(self, err: BaseException) -> None:
         """-> FAILED, latched (I11): a publication found stale before any copy."""
         fut = self.read_future
         if fut is not None and not fut.done():
             raise self._refuse("fail_retrieve", "a copy is still writing its pages")
+        self._own()
         self.read_error = err
 
     def abort_retrieve(self, err: BaseException) -> None:
@@ -588,6 +676,7 @@ class CacheStream:
         go."""
         if self.read_error is not None:
             raise self._refuse("abort_retrieve", f"retrieve state is {self.retrieve.name}")
+        self._own()
         self.read_error = err
 
     def settle_retrieve(self) -> RetrieveState:
@@ -595,6 +684,7 @@ class CacheStream:
         (PENDING -> IDLE or FAILED); returns the state."""
         fut = self.read_future
         if fut is not None and fut.done():
+            self._own()
             self.read_future = None
             err = fut.exception()
             if err is not None:
@@ -632,3 +722,148 @@ class ClaimedStream:
     stored_len: int
     position: int
     released: int
+
+
+class StreamBatch:
+    """The streams of a decode batch, moved as one (issue 42, item 5).
+
+    A decode step names the same streams step after step, each growing by
+    one token. Their per-row reads and writes in Python (lookups, six fields,
+    the page count, four fields written back at commit) were most of a
+    B = 256 step, so while the batch runs the rows' lengths and page counts
+    live here, in arrays: a row's ``stored_len``, ``position`` and
+    ``generation`` are its own plus ``ticks`` (the batch's commits), its
+    ``step_in_flight`` its own or ``in_flight``. An admit finds the rows
+    short of a page from the arrays, a commit is ``ticks += 1``.
+
+    A batch holds only streams it checked at `join`: resident, no retrieve,
+    no shared tail, at rest; any other transition on a row first makes the
+    row's values its own again (`detach`), and from then the batch is not
+    ``intact``: stepping takes the general path, which detaches the rest
+    as it writes them, and builds a batch again later.
+    """
+
+    __slots__ = ("gens", "in_flight", "intact", "key_at", "keys", "lens", "max_len", "npages",
+                 "segments", "streams", "ticks")
+
+    def __init__(self, streams: list[CacheStream], segments: tuple[Any, ...],
+                 keys: list[tuple[str, str]], page_size: int) -> None:
+        n = len(streams)
+        self.streams, self.segments, self.keys = streams, segments, keys
+        self.ticks = 0
+        self.in_flight = False
+        self.intact = True
+        for i, s in enumerate(streams):
+            if s._batch is not None:
+                s._batch.detach(s)
+            s._batch = self
+            s._row = i
+        # per row, at ticks 0: the length, the pages its slots reach (held
+        # plus released), the generation, where its commit looks to key (S33)
+        self.lens: np.ndarray[Any, Any] = np.fromiter(
+            [s._len for s in streams], np.int64, n)
+        self.npages: np.ndarray[Any, Any] = np.fromiter(
+            [len(s.page_indices) + s.released // page_size for s in streams], np.int64, n)
+        self.gens: np.ndarray[Any, Any] = np.fromiter([s._gen for s in streams], np.int64, n)
+        self.key_at: np.ndarray[Any, Any] = np.fromiter(
+            [s.key_at for s in streams], np.int64, n)
+        self.max_len = int(self.lens.max()) if n else 0
+
+    @staticmethod
+    def join(streams: list[CacheStream], segments: tuple[Any, ...],
+             page_size: int) -> StreamBatch | None:
+        """A batch of ``streams`` (one segment of span 1 each, ``segments``,
+        each stream named once), or None where a row may refuse an admit
+        or copy its tail: the general path decides those."""
+        for s in streams:
+            if (s.offloaded or s.read_future is not None or s.read_error is not None
+                    or s.tail_maybe_shared or s._flight):
+                return None
+        keys = [(g.request_id, g.label) for g in segments]
+        return StreamBatch(streams, segments, keys, page_size)
+
+    def detach(self, s: CacheStream) -> None:
+        """``s`` leaves: the batch's part of its fields becomes its own."""
+        t = self.ticks
+        s._len += t
+        s._pos += t
+        s._gen += t
+        if self.in_flight:
+            s._flight = True
+        s._batch = None
+        self.intact = False
+
+    def dissolve(self) -> None:
+        """Every row leaves (a step the batch does not end by itself)."""
+        for s in self.streams:
+            if s._batch is self:
+                self.detach(s)
+
+    def matches(self, segments: Sequence[Any]) -> bool:
+        """``segments`` name the batch's streams in its order, span 1 each."""
+        mine = self.segments
+        n = len(mine)
+        if len(segments) != n:
+            return False
+        if segments[0] is mine[0]:
+            # the same objects (an engine that keeps its step): ==, identity
+            # first in C; a segment replaced by an equal one compares equal
+            ok = tuple(segments) == mine
+        else:
+            ok = (list(map(_key_of, segments)) == self.keys
+                  and list(map(_span_of, segments)).count(1) == n)
+        if ok:
+            self.segments = tuple(segments)
+        return ok
+
+    def short(self, page_size: int) -> tuple[list[int], list[int]]:
+        """The rows whose next token lies past the pages they hold, and how
+        many pages each is short."""
+        short = (self.lens + (self.ticks + page_size)) // page_size - self.npages
+        rows = (short > 0).nonzero()[0]
+        return rows.tolist(), short[rows].tolist()
+
+    def grow(self, rows: list[int], counts: list[int], pages: Sequence[list[int]]) -> None:
+        """`append_pages` of ``pages[j]`` (``counts[j]`` of them) to row
+        ``rows[j]`` each."""
+        streams = self.streams
+        for i, got in zip(rows, pages, strict=True):
+            s = streams[i]
+            s.page_indices += got
+            s._gen += 1  # I14: pages or length changed
+        self.npages[rows] += counts
+        self.gens[rows] += 1
+
+    def mark(self) -> None:
+        """`mark_step` of every row."""
+        self.in_flight = True
+
+    def end(self, commit: bool, watch: bool) -> list[int]:
+        """`end_step` of every row, one token each where ``commit``; with
+        ``watch``, the rows whose length reached their ``key_at`` (S33)."""
+        self.in_flight = False
+        if not commit:
+            return []
+        t = self.ticks = self.ticks + 1
+        if not watch:
+            return []
+        return ((self.lens + t) >= self.key_at).nonzero()[0].tolist()  # type: ignore[no-any-return]
+
+    def generations(self) -> np.ndarray[Any, Any]:
+        """Every row's ``generation``."""
+        return self.gens + self.ticks
+
+
+_key_of = operator.attrgetter("request_id", "label")
+_span_of = operator.attrgetter("span")
+
+
+_generation = operator.attrgetter("generation")
+
+
+def generations(streams: list[CacheStream]) -> np.ndarray[Any, Any]:
+    """Each stream's ``generation`` (int64): a whole batch's from its array."""
+    b = streams[0]._batch if streams else None
+    if b is not None and b.intact and b.streams is streams:
+        return b.generations()
+    return np.fromiter(map(_generation, streams), np.int64, len(streams))

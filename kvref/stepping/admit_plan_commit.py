@@ -28,7 +28,7 @@ from kvref.core.errors import (
 )
 from kvref.core.labels import LabelBehaviour
 from kvref.core.stream_table import Key, StreamTable
-from kvref.core.streams import CacheStream
+from kvref.core.streams import CacheStream, StreamBatch
 from kvref.prefix import follow
 from kvref.stepping import admission
 from kvref.stepping.decode_table import DecodeTable, DecodeTables
@@ -72,6 +72,10 @@ _UNASKED = cast(LabelBehaviour, object())
 # pages: 16 a step at B = 256), one pool call for all (`take_each`)
 _BATCHED_TAKE = 4
 
+# from this many rows a decode batch's streams are moved as one
+# (`StreamBatch`); below it the per-row pass costs less than its numpy set-up
+BATCH_ROWS = 32
+
 
 class Stepping:
     """The running step, the staged preplan, and the plan states attention reads."""
@@ -93,6 +97,11 @@ class Stepping:
         # (a hybrid config's: one per attention group, `kvref.hybrid.decode`)
         self.decode_table: DecodeTables = (
             decode_table if decode_table is not None else DecodeTable(table.page_size, device))
+        # the decode batch (`StreamBatch`) the last steps ran, and the streams
+        # of the last decode step the general path committed: the same ones
+        # committed twice in a row are made a batch
+        self._batch: StreamBatch | None = None
+        self._last_rows: list[CacheStream] | None = None
 
     # -- admit ---------------------------------------------------------------
 
@@ -161,6 +170,12 @@ class Stepping:
         free = self._table.pages.num_free
         sharing = self._table.sharing
         if plain:
+            batch = self._batch
+            if batch is not None and batch.intact and not (
+                    releasing or self._table.tails_maybe_shared) and (
+                    not padded or all(map(all_streams.__contains__, padded))):
+                if self._admit_batch(batch, step, padded, free):
+                    return ADMIT_OK
             # no stream's tail can be shared until a truncate made one so
             grant = admission.plain_grant(
                 all_streams, step, self._table.page_size, free, self._max_seq_len,
@@ -203,6 +218,32 @@ class Stepping:
         else:
             self.running = RunningStep(step, padded, set(created))
         return ADMIT_OK
+
+    def _admit_batch(self, batch: StreamBatch, step: KVStep, padded: tuple[str, ...],
+                     free: int) -> bool:
+        """`plain_grant` and `_apply_plain` of a step of the batch's streams,
+        from its arrays; False (nothing changed) where the step is not one
+        of the batch, or may be refused or misuse: the general path decides.
+        A batch is at rest and every row resident, retrieve-free, with a
+        private tail (`StreamBatch.join`, and any transition since made it
+        not intact): what is left to ask is each row's pages and length."""
+        if batch.in_flight or not batch.matches(step.segments):
+            return False
+        if batch.max_len + batch.ticks + 1 >= self._max_seq_len:
+            return False  # `validate.step_lengths` decides
+        rows, counts = batch.short(self._table.page_size)
+        if sum(counts) > free:
+            return False  # refused: `settle` says by whom
+        if rows:
+            keys = batch.keys
+            if len(rows) < _BATCHED_TAKE:
+                got = [self._table.take(keys[i], k) for i, k in zip(rows, counts, strict=True)]
+            else:
+                got = self._table.take_each([keys[i] for i in rows], counts)
+            batch.grow(rows, counts, got)
+        batch.mark()
+        self.running = RunningStep(step, padded, set(), streams=batch.streams, grown=rows)
+        return True
 
     def _views_would_move(self, step: KVStep, padded: tuple[str, ...],
                           settled: Mapping[Key, int]) -> PreplanRefused | None:
@@ -579,6 +620,10 @@ class Stepping:
         # S33: the followed streams whose length reached a page to key (None:
         # the cache is off, and no stream is followed)
         due: list[CacheStream] | None = [] if self._table.sharing.shares else None
+        batch = self._batch
+        if batch is not None and running.streams is batch.streams and (
+                staged_marks is not None or not batch.intact):
+            batch.dissolve()  # the general path below ends the step row by row
         if running.streams is not None and staged_marks is None:
             # a plain admit's streams, one per segment (R2), looked up once:
             # marks cleared and spans added by one transition over them all
@@ -586,6 +631,7 @@ class Stepping:
             if step.commit and running.table_planned:
                 self.decode_table.committed()
         else:
+            self._last_rows = None
             named = running.streams if running.streams is not None else [
                 all_streams[rid][label]
                 for rid, label in admission.named_keys(step, running.padded)]
@@ -627,8 +673,17 @@ class Stepping:
         """`commit` of a plain admit's step whose marks no staged preplan
         shares: what the general path's clear and `_add_spans` do."""
         segments = step.segments
+        batch = self._batch
+        releasing = self._table.releasing
+        if batch is not None and streams is batch.streams and batch.intact and not releasing:
+            # the batch's step: every row one token on at once
+            rows = batch.end(step.commit, due is not None)
+            if rows and due is not None:
+                due.extend([streams[i] for i in rows])
+            return
         dropped = CacheStream.end_step(
             streams, map(_span, segments) if step.commit else None, due)
+        self._maybe_batch(step, streams)
         for stream in dropped:
             self._dropped_span(segments[streams.index(stream)])
         if self._table.releasing and step.commit:
@@ -676,6 +731,21 @@ class Stepping:
                 # each stream's release as `retire` makes it, the pages the
                 # windows pass given back in one pool call
                 self._table.retire_each(keys, retiring)
+
+    def _maybe_batch(self, step: KVStep, streams: list[CacheStream]) -> None:
+        """After a plain step the general path committed: the same streams
+        committed by the decode step before it make a batch for the next."""
+        segments = step.segments
+        n = len(streams)
+        if not (step.commit and n >= BATCH_ROWS and list(map(_span, segments)).count(1) == n):
+            self._last_rows = None
+            return
+        if streams != self._last_rows or self._table.releasing or (
+                self._table.tails_maybe_shared):
+            self._last_rows = streams
+            return
+        self._last_rows = None
+        self._batch = StreamBatch.join(streams, tuple(segments), self._table.page_size)
 
     def _dropped_span(self, seg: Segment) -> None:
         # unreachable under R2-R5; kept as the last defence, loudly, because
