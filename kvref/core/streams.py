@@ -102,15 +102,15 @@ class CacheStream:
 
     __slots__ = (
         "_batch",
-        "_flight",
-        "_gen",
-        "_len",
+        "_batch_row",
+        "_flight_own",
+        "_gen_own",
+        "_len_own",
         "_pages_arr",
         "_pages_buf",
         "_pages_n",
         "_pages_src",
-        "_pos",
-        "_row",
+        "_pos_own",
         "follow",
         "key_at",
         "key_tokens",
@@ -133,14 +133,14 @@ class CacheStream:
         # are these, plus the decode batch's (`StreamBatch`) where the stream
         # is in one: a batch's step moves all its rows at once (issue 42)
         self._batch: StreamBatch | None = None
-        self._row = 0
-        self._len = 0
+        self._batch_row = 0
+        self._len_own = 0
         # the reference's counters (W4 of specs/retention.md): ``position`` is
         # the next token's absolute position (= stored_len); ``released`` the
         # tokens a windowed label (KVConfig.retention) let go of, whole pages
         # from the front. ``page_indices`` holds slot ``released // page_size``
         # onward: a released slot holds no page and is in no list
-        self._pos = 0
+        self._pos_own = 0
         self.released = 0
         self.read_pending = False
         # declared lock-free (R31): the future itself is polled through done()
@@ -157,7 +157,7 @@ class CacheStream:
         # (every admit and commit of a segment), a slot beside the state,
         # written by the same transitions
         self.offloaded = False
-        self._gen = 0
+        self._gen_own = 0
         # the prefix-cache keys of the first len(keys) full pages, a chain
         # (kvref.prefix.keys): what `cache_prefix` registered or `match_prefix`
         # attached. A later `cache_prefix` continues the chain from its last
@@ -190,7 +190,7 @@ class CacheStream:
         self.received = False
         # from admit until commit: the step already holds addressing into
         # these pages, so an offload must not claim them
-        self._flight = False
+        self._flight_own = False
         # `pages_array`'s cache: the list it mirrors, and an int32 buffer whose
         # first ``_pages_n`` entries are that list's pages, so a plan copies a
         # stream's page table with one memcpy, not one Python int per page
@@ -222,42 +222,42 @@ class CacheStream:
     @property
     def stored_len(self) -> int:
         b = self._batch
-        return self._len if b is None else self._len + b.ticks
+        return self._len_own if b is None else self._len_own + b.ticks
 
     @stored_len.setter
     def stored_len(self, value: int) -> None:
         self._own()
-        self._len = value
+        self._len_own = value
 
     @property
     def position(self) -> int:
         b = self._batch
-        return self._pos if b is None else self._pos + b.ticks
+        return self._pos_own if b is None else self._pos_own + b.ticks
 
     @position.setter
     def position(self, value: int) -> None:
         self._own()
-        self._pos = value
+        self._pos_own = value
 
     @property
     def generation(self) -> int:
         b = self._batch
-        return self._gen if b is None else self._gen + b.ticks
+        return self._gen_own if b is None else self._gen_own + b.ticks
 
     @generation.setter
     def generation(self, value: int) -> None:
         self._own()
-        self._gen = value
+        self._gen_own = value
 
     @property
     def step_in_flight(self) -> bool:
         b = self._batch
-        return self._flight or (b is not None and b.in_flight)
+        return self._flight_own or (b is not None and b.in_flight)
 
     @step_in_flight.setter
     def step_in_flight(self, value: bool) -> None:
         self._own()
-        self._flight = value
+        self._flight_own = value
 
     def _own(self) -> None:
         """Leave the decode batch (if any) before a transition writes: its
@@ -306,8 +306,8 @@ class CacheStream:
         back too, else they stay as spare. Leaves the offload state alone: a
         claim in progress fails its commit on the bumped generation."""
         self._own()
-        self._len = 0
-        self._pos = 0
+        self._len_own = 0
+        self._pos_own = 0
         self.released = 0
         self.read_error = None
         self.read_pending = False
@@ -320,13 +320,13 @@ class CacheStream:
         self.received = False
         if freed:
             self.page_indices = []
-        self._gen += 1  # I14: pages or length changed
+        self._gen_own += 1  # I14: pages or length changed
 
     def drop_pages(self) -> None:
         """`remove_request`: the pages went back; the stream is about to go."""
         self._own()
         self.page_indices = []
-        self._gen += 1  # I14: pages or length changed
+        self._gen_own += 1  # I14: pages or length changed
 
     def keep_spare(self, pages: list[int]) -> None:
         """An emptied stream keeps only ``pages`` of its spare ones (those
@@ -335,7 +335,7 @@ class CacheStream:
             raise self._refuse("keep_spare", "the stream holds tokens")
         self._own()
         self.page_indices = pages
-        self._gen += 1  # I14: pages or length changed
+        self._gen_own += 1  # I14: pages or length changed
 
     # steps
 
@@ -345,27 +345,27 @@ class CacheStream:
         self._need_resident("append_pages")
         self._own()
         self.page_indices += pages
-        self._gen += 1  # I14: pages or length changed
+        self._gen_own += 1  # I14: pages or length changed
 
     def mark_in_flight(self) -> None:
         """An admitted step holds addressing into the pages (until commit)."""
         if self.offloaded:  # asked inline: once per segment of every step
             self._need_resident("mark_in_flight")
         self._own()
-        self._flight = True
+        self._flight_own = True
 
     def clear_in_flight(self) -> None:
         self._own()
-        self._flight = False
+        self._flight_own = False
 
     def append_tokens(self, span: int) -> None:
         """A committed step's ``span`` tokens (W4: the next token's position)."""
         if self.offloaded:  # asked inline: once per segment of every step
             self._need_resident("append_tokens")
         self._own()
-        n = self._len = self._len + span
-        self._pos = n
-        self._gen += 1  # I14: pages or length changed
+        n = self._len_own = self._len_own + span
+        self._pos_own = n
+        self._gen_own += 1  # I14: pages or length changed
 
     # a step's streams at once: `mark_in_flight` over an admit's streams, and
     # `clear_in_flight` + `append_tokens` over a commit's, in one call each
@@ -381,7 +381,7 @@ class CacheStream:
         for s in streams:
             if s._batch is not None:
                 s._batch.detach(s)
-            s._flight = True
+            s._flight_own = True
 
     @staticmethod
     def end_step(streams: Sequence[CacheStream], spans: Iterable[int] | None,
@@ -398,21 +398,21 @@ class CacheStream:
             for s in streams:
                 if s._batch is not None:
                     s._batch.detach(s)
-                s._flight = False
+                s._flight_own = False
             return []
         dropped: list[CacheStream] = []
         watch = due.append if due is not None else None
         for s, span in zip(streams, spans, strict=True):
             if s._batch is not None:
                 s._batch.detach(s)
-            s._flight = False
+            s._flight_own = False
             if span:
                 if s.offloaded:
                     dropped.append(s)
                     continue
-                n = s._len = s._len + span
-                s._pos = n
-                s._gen += 1  # I14: pages or length changed
+                n = s._len_own = s._len_own + span
+                s._pos_own = n
+                s._gen_own += 1  # I14: pages or length changed
                 if watch and n >= s.key_at:
                     watch(s)
         return dropped
@@ -429,8 +429,8 @@ class CacheStream:
         cut = pages[keep:]
         # a new list: a slice someone took of the old one keeps what it saw
         self.page_indices = pages[:keep]
-        self._len = new_len
-        self._pos = new_len  # W4: the next commit's window is from the new length
+        self._len_own = new_len
+        self._pos_own = new_len  # W4: the next commit's window is from the new length
         if not new_len:
             self._holds_no_kv()
         full = new_len // page_size
@@ -438,7 +438,7 @@ class CacheStream:
         del self.key_tokens[full * page_size * 8:]
         self._chain_cut()
         self.tail_maybe_shared = bool(new_len % page_size)
-        self._gen += 1  # I14: pages or length changed
+        self._gen_own += 1  # I14: pages or length changed
         return cut
 
     def release_window_to(self, released: int, page_size: int) -> list[int]:
@@ -460,7 +460,7 @@ class CacheStream:
             self._pages_n -= drop
             self._pages_arr = self._pages_buf[:self._pages_n]
         self.released = released
-        self._gen += 1  # I14: pages or length changed
+        self._gen_own += 1  # I14: pages or length changed
         return go
 
     def rehome_pages(self, pages: list[int]) -> None:
@@ -472,7 +472,7 @@ class CacheStream:
         self._own()
         self.page_indices = pages
         self.tail_maybe_shared = False
-        self._gen += 1  # I14: pages or length changed
+        self._gen_own += 1  # I14: pages or length changed
 
     # forks
 
@@ -481,16 +481,16 @@ class CacheStream:
         then its own private ones (`fork_from` follows, under the same lock)."""
         self._own()
         self.page_indices = pages
-        self._gen += 1  # I14: pages or length changed
+        self._gen_own += 1  # I14: pages or length changed
 
     def fork_from(self, src: CacheStream, space: str, page_size: int) -> None:
         """The fork's target now holds ``src``'s KV (its pages were copied or
         shared already): its length and, W5, its window's state. ``space``:
         whose KV that is, for the prefix cache's keys."""
         self._own()
-        self._len = src.stored_len
+        self._len_own = src.stored_len
         self.released = src.released
-        self._pos = src.position
+        self._pos_own = src.position
         full = src.stored_len // page_size
         self.keys = src.keys[:full]
         self.key_tokens = src.key_tokens[: full * page_size * 8]
@@ -501,19 +501,19 @@ class CacheStream:
         self.space = space
         if not src.stored_len:
             self._holds_no_kv()
-        self._gen += 1  # I14: pages or length changed
+        self._gen_own += 1  # I14: pages or length changed
 
     def empty_torn(self) -> None:
         """A fork target a failed copy left torn: nothing in it is trusted (R26)."""
         self._own()
-        self._len = 0
-        self._pos = 0
+        self._len_own = 0
+        self._pos_own = 0
         self.released = 0
         self.keys = []
         self.key_tokens = bytearray()
         self._chain_cut()
         self._holds_no_kv()
-        self._gen += 1  # I14: pages or length changed
+        self._gen_own += 1  # I14: pages or length changed
 
     def _holds_no_kv(self) -> None:
         # an empty stream holds nobody's KV: the tokens it computes next are
@@ -539,12 +539,12 @@ class CacheStream:
         self._own()
         self.page_indices = pages + self.page_indices
         self.released = released
-        self._len = n
-        self._pos = n  # W4: the next token's position
+        self._len_own = n
+        self._pos_own = n  # W4: the next token's position
         self.keys = keys
         self.key_tokens = bytearray(raw)
         self._chain_cut()
-        self._gen += 1  # I14: pages or length changed
+        self._gen_own += 1  # I14: pages or length changed
 
     def extend_chain(self, keys: list[bytes], raw: bytes) -> None:
         """The next full pages' keys, and the ids of the tokens keyed (the
@@ -574,7 +574,7 @@ class CacheStream:
         for s in streams:
             at = s.key_at = NEVER if s.follow is None else (len(s.keys) + 1) * page_size
             if s._batch is not None:
-                s._batch.key_at[s._row] = at  # the batch's commit compares it
+                s._batch.key_at[s._batch_row] = at  # the batch's commit compares it
 
     @staticmethod
     def extend_chains(streams: Sequence[CacheStream], keys: Sequence[bytes],
@@ -609,7 +609,7 @@ class CacheStream:
         self.key_tokens = bytearray()
         self._chain_cut()
         self.tail_maybe_shared = False
-        self._gen += 1  # I14: pages or length changed
+        self._gen_own += 1  # I14: pages or length changed
 
     def abandon_offload(self) -> None:
         """CLAIMED -> RESIDENT: the copy did not fit, failed, or the stream
@@ -635,11 +635,11 @@ class CacheStream:
         self._own()
         self.offload, self.offloaded = _RESIDENT, False
         self.page_indices = pages
-        self._len = stored_len
-        self._pos = position
+        self._len_own = stored_len
+        self._pos_own = position
         self.released = released
         self.tail_maybe_shared = False
-        self._gen += 1  # I14: pages or length changed
+        self._gen_own += 1  # I14: pages or length changed
 
     # retrieve
 
@@ -656,10 +656,10 @@ class CacheStream:
         self.released = released
         self.read_future = future
         self.read_pending = future is not None
-        self._len = seq_len
-        self._pos = seq_len
+        self._len_own = seq_len
+        self._pos_own = seq_len
         self.received = True
-        self._gen += 1  # I14: pages or length changed
+        self._gen_own += 1  # I14: pages or length changed
 
     def fail_retrieve(self, err: BaseException) -> None:
         """-> FAILED, latched (I11): a publication found stale before any copy."""
@@ -757,14 +757,14 @@ class StreamBatch:
             if s._batch is not None:
                 s._batch.detach(s)
             s._batch = self
-            s._row = i
+            s._batch_row = i
         # per row, at ticks 0: the length, the pages its slots reach (held
         # plus released), the generation, where its commit looks to key (S33)
         self.lens: np.ndarray[Any, Any] = np.fromiter(
-            [s._len for s in streams], np.int64, n)
+            [s._len_own for s in streams], np.int64, n)
         self.npages: np.ndarray[Any, Any] = np.fromiter(
             [len(s.page_indices) + s.released // page_size for s in streams], np.int64, n)
-        self.gens: np.ndarray[Any, Any] = np.fromiter([s._gen for s in streams], np.int64, n)
+        self.gens: np.ndarray[Any, Any] = np.fromiter([s._gen_own for s in streams], np.int64, n)
         self.key_at: np.ndarray[Any, Any] = np.fromiter(
             [s.key_at for s in streams], np.int64, n)
         self.max_len = int(self.lens.max()) if n else 0
@@ -777,7 +777,12 @@ class StreamBatch:
         or copy its tail: the general path decides those."""
         for s in streams:
             if (s.offloaded or s.read_future is not None or s.read_error is not None
-                    or s.tail_maybe_shared or s._flight):
+                    or s.step_in_flight):
+                return None
+            if s.tail_maybe_shared and s.stored_len % page_size:
+                # its next write may land in a shared page (R52), which the
+                # general path copies first. At a page's end it lands in a
+                # page of its own, as every later write of the batch does
                 return None
         keys = [(g.request_id, g.label) for g in segments]
         return StreamBatch(streams, segments, keys, page_size)
@@ -785,11 +790,11 @@ class StreamBatch:
     def detach(self, s: CacheStream) -> None:
         """``s`` leaves: the batch's part of its fields becomes its own."""
         t = self.ticks
-        s._len += t
-        s._pos += t
-        s._gen += t
+        s._len_own += t
+        s._pos_own += t
+        s._gen_own += t
         if self.in_flight:
-            s._flight = True
+            s._flight_own = True
         s._batch = None
         self.intact = False
 
@@ -830,7 +835,7 @@ class StreamBatch:
         for i, got in zip(rows, pages, strict=True):
             s = streams[i]
             s.page_indices += got
-            s._gen += 1  # I14: pages or length changed
+            s._gen_own += 1  # I14: pages or length changed
         self.npages[rows] += counts
         self.gens[rows] += 1
 

@@ -100,8 +100,9 @@ class Stepping:
         # the decode batch (`StreamBatch`) the last steps ran, and the streams
         # of the last decode step the general path committed: the same ones
         # committed twice in a row are made a batch
-        self._batch: StreamBatch | None = None
+        self._decode_batch: StreamBatch | None = None
         self._last_rows: list[CacheStream] | None = None
+        self.batch_rows = BATCH_ROWS  # read once: the tests lower it
 
     # -- admit ---------------------------------------------------------------
 
@@ -170,9 +171,10 @@ class Stepping:
         free = self._table.pages.num_free
         sharing = self._table.sharing
         if plain:
-            batch = self._batch
-            if batch is not None and batch.intact and not (
-                    releasing or self._table.tails_maybe_shared) and (
+            batch = self._decode_batch
+            # (a row's tail is private: `StreamBatch.join` checked it, and
+            # only a truncate, which takes the row out, makes one shared)
+            if batch is not None and batch.intact and not releasing and (
                     not padded or all(map(all_streams.__contains__, padded))):
                 if self._admit_batch(batch, step, padded, free):
                     return ADMIT_OK
@@ -620,7 +622,7 @@ class Stepping:
         # S33: the followed streams whose length reached a page to key (None:
         # the cache is off, and no stream is followed)
         due: list[CacheStream] | None = [] if self._table.sharing.shares else None
-        batch = self._batch
+        batch = self._decode_batch
         if batch is not None and running.streams is batch.streams and (
                 staged_marks is not None or not batch.intact):
             batch.dissolve()  # the general path below ends the step row by row
@@ -673,7 +675,7 @@ class Stepping:
         """`commit` of a plain admit's step whose marks no staged preplan
         shares: what the general path's clear and `_add_spans` do."""
         segments = step.segments
-        batch = self._batch
+        batch = self._decode_batch
         releasing = self._table.releasing
         if batch is not None and streams is batch.streams and batch.intact and not releasing:
             # the batch's step: every row one token on at once
@@ -737,15 +739,14 @@ class Stepping:
         committed by the decode step before it make a batch for the next."""
         segments = step.segments
         n = len(streams)
-        if not (step.commit and n >= BATCH_ROWS and list(map(_span, segments)).count(1) == n):
+        if not (step.commit and n >= self.batch_rows and list(map(_span, segments)).count(1) == n):
             self._last_rows = None
             return
-        if streams != self._last_rows or self._table.releasing or (
-                self._table.tails_maybe_shared):
+        if streams != self._last_rows or self._table.releasing:
             self._last_rows = streams
             return
         self._last_rows = None
-        self._batch = StreamBatch.join(streams, tuple(segments), self._table.page_size)
+        self._decode_batch = StreamBatch.join(streams, tuple(segments), self._table.page_size)
 
     def _dropped_span(self, seg: Segment) -> None:
         # unreachable under R2-R5; kept as the last defence, loudly, because
