@@ -852,7 +852,8 @@ class StreamBatch:
         t = self.ticks = self.ticks + 1
         if not watch:
             return []
-        return ((self.lens + t) >= self.key_at).nonzero()[0].tolist()  # type: ignore[no-any-return]
+        rows: list[int] = ((self.lens + t) >= self.key_at).nonzero()[0].tolist()
+        return rows
 
     def generations(self) -> np.ndarray[Any, Any]:
         """Every row's ``generation``."""

@@ -175,9 +175,9 @@ class Stepping:
             # (a row's tail is private: `StreamBatch.join` checked it, and
             # only a truncate, which takes the row out, makes one shared)
             if batch is not None and batch.intact and not releasing and (
-                    not padded or all(map(all_streams.__contains__, padded))):
-                if self._admit_batch(batch, step, padded, free):
-                    return ADMIT_OK
+                    not padded or all(map(all_streams.__contains__, padded))) and (
+                    self._admit_batch(batch, step, padded, free)):
+                return ADMIT_OK
             # no stream's tail can be shared until a truncate made one so
             grant = admission.plain_grant(
                 all_streams, step, self._table.page_size, free, self._max_seq_len,

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
 
 from kvref.core.streams import StreamBatch
-from kvref.manager import KVManager
 from kvref.stepping.step import KVStep, Segment, StepContext
 from tests.unit._manager_fixtures import make_manager
 
@@ -48,8 +48,8 @@ def _tables(outputs: Any) -> Any:
                                                 out.cpu_indptrs.paged_kv_indptr,
                                                 out.cpu_indptrs.paged_kv_indices,
                                                 out.cpu_indptrs.paged_kv_last_page_len)),
-                    [(v.request_id, v.label, list(v.page_idxs), v.length, v.to_compute, v.generation,
-                      v.offset)
+                    [(v.request_id, v.label, list(v.page_idxs), v.length, v.to_compute,
+                      v.generation, v.offset)
                      for v in out.views])
             for label, out in outputs.items()}
 
@@ -66,7 +66,7 @@ class Pair:
 
     def both(self, name: str, *args: Any, **kw: Any) -> Any:
         self.calls += 1
-        answers = [_answer(lambda m=m: getattr(m, name)(*args, **kw))
+        answers = [_answer(partial(getattr(m, name), *args, **kw))
                    for m in (self.fast, self.slow)]
         if name == "plan" and answers[0][0] == "ok":
             answers = [(a[0], _tables(a[1])) for a in answers]
@@ -160,8 +160,8 @@ def run(seed: int, pages: int = 80, **cfg: Any) -> tuple[int, int]:
                 if pair.both("offload", rid)[1]:
                     pair.both("reload", rid)
             elif op == "mixed":
-                spans = [rng.choice([2, 5]) if g.request_id == rid else 1 for g in batch]
-                pair.step([Segment(g.request_id, "main", k) for g, k in zip(batch, spans)])
+                pair.step([Segment(g.request_id, "main", rng.choice([2, 5]))
+                           if g.request_id == rid else g for g in batch])
             elif op == "follow" and cfg.get("sharing", True):
                 n = pair.fast.stored_len(rid)
                 pair.both("follow_tokens", rid, list(range(100, 100 + n + 60)))
@@ -203,3 +203,18 @@ def test_a_batch_answers_as_row_by_row(seed: int) -> None:
 def test_a_batch_answers_as_row_by_row_without_sharing() -> None:
     admits, detached = run(7, sharing=False)
     assert admits > 100 and detached > 20, (admits, detached)
+
+
+def test_a_batch_short_of_the_page_its_next_token_starts_is_found() -> None:
+    """Planted: the batch counts the pages its rows' current tokens need, not
+    the next one's, so a row at a page's end is given no page."""
+
+    def one_behind(self: StreamBatch, page_size: int) -> tuple[list[int], list[int]]:
+        short = (self.lens + (self.ticks + page_size - 1)) // page_size - self.npages
+        rows = (short > 0).nonzero()[0]
+        return rows.tolist(), short[rows].tolist()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StreamBatch, "short", one_behind)
+        with pytest.raises(AssertionError):
+            run(0)
