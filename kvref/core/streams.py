@@ -103,44 +103,39 @@ class CacheStream:
     __slots__ = (
         "_batch",
         "_batch_row",
-        "_flight_own",
-        "_gen_own",
-        "_len_own",
         "_pages_arr",
         "_pages_buf",
         "_pages_n",
         "_pages_src",
-        "_pos_own",
         "follow",
+        "generation",
         "key_at",
         "key_tokens",
         "keys",
         "offload",
         "offloaded",
         "page_indices",
+        "position",
         "read_error",
         "read_future",
         "read_pending",
         "received",
         "released",
         "space",
+        "step_in_flight",
+        "stored_len",
         "tail_maybe_shared",
     )
 
     def __init__(self) -> None:
         self.page_indices: list[int] = []
-        # ``stored_len``, ``position``, ``generation`` and ``step_in_flight``
-        # are these, plus the decode batch's (`StreamBatch`) where the stream
-        # is in one: a batch's step moves all its rows at once (issue 42)
-        self._batch: StreamBatch | None = None
-        self._batch_row = 0
-        self._len_own = 0
+        self.stored_len = 0
         # the reference's counters (W4 of specs/retention.md): ``position`` is
         # the next token's absolute position (= stored_len); ``released`` the
         # tokens a windowed label (KVConfig.retention) let go of, whole pages
         # from the front. ``page_indices`` holds slot ``released // page_size``
         # onward: a released slot holds no page and is in no list
-        self._pos_own = 0
+        self.position = 0
         self.released = 0
         self.read_pending = False
         # declared lock-free (R31): the future itself is polled through done()
@@ -157,7 +152,7 @@ class CacheStream:
         # (every admit and commit of a segment), a slot beside the state,
         # written by the same transitions
         self.offloaded = False
-        self._gen_own = 0
+        self.generation = 0
         # the prefix-cache keys of the first len(keys) full pages, a chain
         # (kvref.prefix.keys): what `cache_prefix` registered or `match_prefix`
         # attached. A later `cache_prefix` continues the chain from its last
@@ -190,7 +185,7 @@ class CacheStream:
         self.received = False
         # from admit until commit: the step already holds addressing into
         # these pages, so an offload must not claim them
-        self._flight_own = False
+        self.step_in_flight = False
         # `pages_array`'s cache: the list it mirrors, and an int32 buffer whose
         # first ``_pages_n`` entries are that list's pages, so a plan copies a
         # stream's page table with one memcpy, not one Python int per page
@@ -198,6 +193,10 @@ class CacheStream:
         self._pages_buf: np.ndarray[Any, Any] = _NO_PAGES
         self._pages_n = 0
         self._pages_arr: np.ndarray[Any, Any] = _NO_PAGES  # buf[:n], kept
+        # the decode batch (`StreamBatch`) the stream is row ``_batch_row``
+        # of, while its class is `BatchedStream`; None otherwise
+        self._batch: StreamBatch | None = None
+        self._batch_row = 0
 
     # -- what other modules ask (beside the fields, read-only outside) --
 
@@ -215,56 +214,6 @@ class CacheStream:
             return RetrieveState.PENDING
         # done: a failure not yet latched (the next admit latches it) is a failure
         return RetrieveState.FAILED if fut.exception() is not None else RetrieveState.IDLE
-
-    # the fields a decode batch moves (`StreamBatch`): the stream's own value,
-    # plus the batch's commits while it is in one. The setters are for the
-    # tests' planted faults; kvref's writers are the transitions below
-    @property
-    def stored_len(self) -> int:
-        b = self._batch
-        return self._len_own if b is None else self._len_own + b.ticks
-
-    @stored_len.setter
-    def stored_len(self, value: int) -> None:
-        self._own()
-        self._len_own = value
-
-    @property
-    def position(self) -> int:
-        b = self._batch
-        return self._pos_own if b is None else self._pos_own + b.ticks
-
-    @position.setter
-    def position(self, value: int) -> None:
-        self._own()
-        self._pos_own = value
-
-    @property
-    def generation(self) -> int:
-        b = self._batch
-        return self._gen_own if b is None else self._gen_own + b.ticks
-
-    @generation.setter
-    def generation(self, value: int) -> None:
-        self._own()
-        self._gen_own = value
-
-    @property
-    def step_in_flight(self) -> bool:
-        b = self._batch
-        return self._flight_own or (b is not None and b.in_flight)
-
-    @step_in_flight.setter
-    def step_in_flight(self, value: bool) -> None:
-        self._own()
-        self._flight_own = value
-
-    def _own(self) -> None:
-        """Leave the decode batch (if any) before a transition writes: its
-        fields become the stream's own, and the batch is no longer whole."""
-        b = self._batch
-        if b is not None:
-            b.detach(self)
 
     def pages_array(self) -> np.ndarray[Any, Any]:
         """``page_indices`` as int32, kept across steps: written again only
@@ -294,6 +243,12 @@ class CacheStream:
 
     # -- transitions: the only writers of the fields above --------------------
 
+    def _own(self) -> None:
+        """Before a transition writes what a decode batch assumed of its rows
+        (`StreamBatch`): none here; a `BatchedStream` leaves its batch. A
+        transition that writes ``stored_len``, ``position``, ``generation``
+        or ``step_in_flight`` leaves it by that write."""
+
     def _refuse(self, transition: str, why: str) -> StreamStateError:
         return StreamStateError(f"{transition} of {self!r}: {why}")
 
@@ -305,9 +260,8 @@ class CacheStream:
         """Empty the stream (`reset_prefix_cache`); ``freed``: its pages went
         back too, else they stay as spare. Leaves the offload state alone: a
         claim in progress fails its commit on the bumped generation."""
-        self._own()
-        self._len_own = 0
-        self._pos_own = 0
+        self.stored_len = 0
+        self.position = 0
         self.released = 0
         self.read_error = None
         self.read_pending = False
@@ -320,22 +274,20 @@ class CacheStream:
         self.received = False
         if freed:
             self.page_indices = []
-        self._gen_own += 1  # I14: pages or length changed
+        self.generation += 1  # I14: pages or length changed
 
     def drop_pages(self) -> None:
         """`remove_request`: the pages went back; the stream is about to go."""
-        self._own()
         self.page_indices = []
-        self._gen_own += 1  # I14: pages or length changed
+        self.generation += 1  # I14: pages or length changed
 
     def keep_spare(self, pages: list[int]) -> None:
         """An emptied stream keeps only ``pages`` of its spare ones (those
         private to it: a later write must not land in a page another reads)."""
         if self.stored_len:
             raise self._refuse("keep_spare", "the stream holds tokens")
-        self._own()
         self.page_indices = pages
-        self._gen_own += 1  # I14: pages or length changed
+        self.generation += 1  # I14: pages or length changed
 
     # steps
 
@@ -343,29 +295,25 @@ class CacheStream:
         """An admit's fresh pages, after the stream's own (in place: the kept
         `pages_array` copies only the new ones)."""
         self._need_resident("append_pages")
-        self._own()
         self.page_indices += pages
-        self._gen_own += 1  # I14: pages or length changed
+        self.generation += 1  # I14: pages or length changed
 
     def mark_in_flight(self) -> None:
         """An admitted step holds addressing into the pages (until commit)."""
         if self.offloaded:  # asked inline: once per segment of every step
             self._need_resident("mark_in_flight")
-        self._own()
-        self._flight_own = True
+        self.step_in_flight = True
 
     def clear_in_flight(self) -> None:
-        self._own()
-        self._flight_own = False
+        self.step_in_flight = False
 
     def append_tokens(self, span: int) -> None:
         """A committed step's ``span`` tokens (W4: the next token's position)."""
         if self.offloaded:  # asked inline: once per segment of every step
             self._need_resident("append_tokens")
-        self._own()
-        n = self._len_own = self._len_own + span
-        self._pos_own = n
-        self._gen_own += 1  # I14: pages or length changed
+        n = self.stored_len = self.stored_len + span
+        self.position = n
+        self.generation += 1  # I14: pages or length changed
 
     # a step's streams at once: `mark_in_flight` over an admit's streams, and
     # `clear_in_flight` + `append_tokens` over a commit's, in one call each
@@ -379,9 +327,7 @@ class CacheStream:
             if s.offloaded:
                 s._need_resident("mark_in_flight")
         for s in streams:
-            if s._batch is not None:
-                s._batch.detach(s)
-            s._flight_own = True
+            s.step_in_flight = True
 
     @staticmethod
     def end_step(streams: Sequence[CacheStream], spans: Iterable[int] | None,
@@ -396,23 +342,19 @@ class CacheStream:
         compare is not paid (2% of a B=256 step)."""
         if spans is None:
             for s in streams:
-                if s._batch is not None:
-                    s._batch.detach(s)
-                s._flight_own = False
+                s.step_in_flight = False
             return []
         dropped: list[CacheStream] = []
         watch = due.append if due is not None else None
         for s, span in zip(streams, spans, strict=True):
-            if s._batch is not None:
-                s._batch.detach(s)
-            s._flight_own = False
+            s.step_in_flight = False
             if span:
                 if s.offloaded:
                     dropped.append(s)
                     continue
-                n = s._len_own = s._len_own + span
-                s._pos_own = n
-                s._gen_own += 1  # I14: pages or length changed
+                n = s.stored_len = s.stored_len + span
+                s.position = n
+                s.generation += 1  # I14: pages or length changed
                 if watch and n >= s.key_at:
                     watch(s)
         return dropped
@@ -424,13 +366,12 @@ class CacheStream:
         page may be another stream's too (R52), so the next write checks."""
         if new_len > self.stored_len or new_len < self.released:
             raise self._refuse("truncate_to", f"to {new_len} tokens")
-        self._own()
         pages = self.page_indices
         cut = pages[keep:]
         # a new list: a slice someone took of the old one keeps what it saw
         self.page_indices = pages[:keep]
-        self._len_own = new_len
-        self._pos_own = new_len  # W4: the next commit's window is from the new length
+        self.stored_len = new_len
+        self.position = new_len  # W4: the next commit's window is from the new length
         if not new_len:
             self._holds_no_kv()
         full = new_len // page_size
@@ -438,7 +379,7 @@ class CacheStream:
         del self.key_tokens[full * page_size * 8:]
         self._chain_cut()
         self.tail_maybe_shared = bool(new_len % page_size)
-        self._gen_own += 1  # I14: pages or length changed
+        self.generation += 1  # I14: pages or length changed
         return cut
 
     def release_window_to(self, released: int, page_size: int) -> list[int]:
@@ -446,7 +387,6 @@ class CacheStream:
         list; returns their pages (the caller gives them back)."""
         if released <= self.released or released % page_size:
             raise self._refuse("release_window_to", f"to {released} tokens")
-        self._own()
         drop = (released - self.released) // page_size
         pages = self.page_indices
         go = pages[:drop]
@@ -460,7 +400,7 @@ class CacheStream:
             self._pages_n -= drop
             self._pages_arr = self._pages_buf[:self._pages_n]
         self.released = released
-        self._gen_own += 1  # I14: pages or length changed
+        self.generation += 1  # I14: pages or length changed
         return go
 
     def rehome_pages(self, pages: list[int]) -> None:
@@ -469,28 +409,25 @@ class CacheStream:
         if len(pages) != len(self.page_indices):
             raise self._refuse("rehome_pages", f"{len(pages)} pages for "
                                f"{len(self.page_indices)} slots")
-        self._own()
         self.page_indices = pages
         self.tail_maybe_shared = False
-        self._gen_own += 1  # I14: pages or length changed
+        self.generation += 1  # I14: pages or length changed
 
     # forks
 
     def adopt_fork_pages(self, pages: list[int]) -> None:
         """A copy-on-write fork's target: the source's full pages, shared,
         then its own private ones (`fork_from` follows, under the same lock)."""
-        self._own()
         self.page_indices = pages
-        self._gen_own += 1  # I14: pages or length changed
+        self.generation += 1  # I14: pages or length changed
 
     def fork_from(self, src: CacheStream, space: str, page_size: int) -> None:
         """The fork's target now holds ``src``'s KV (its pages were copied or
         shared already): its length and, W5, its window's state. ``space``:
         whose KV that is, for the prefix cache's keys."""
-        self._own()
-        self._len_own = src.stored_len
+        self.stored_len = src.stored_len
         self.released = src.released
-        self._pos_own = src.position
+        self.position = src.position
         full = src.stored_len // page_size
         self.keys = src.keys[:full]
         self.key_tokens = src.key_tokens[: full * page_size * 8]
@@ -501,19 +438,18 @@ class CacheStream:
         self.space = space
         if not src.stored_len:
             self._holds_no_kv()
-        self._gen_own += 1  # I14: pages or length changed
+        self.generation += 1  # I14: pages or length changed
 
     def empty_torn(self) -> None:
         """A fork target a failed copy left torn: nothing in it is trusted (R26)."""
-        self._own()
-        self._len_own = 0
-        self._pos_own = 0
+        self.stored_len = 0
+        self.position = 0
         self.released = 0
         self.keys = []
         self.key_tokens = bytearray()
         self._chain_cut()
         self._holds_no_kv()
-        self._gen_own += 1  # I14: pages or length changed
+        self.generation += 1  # I14: pages or length changed
 
     def _holds_no_kv(self) -> None:
         # an empty stream holds nobody's KV: the tokens it computes next are
@@ -536,15 +472,14 @@ class CacheStream:
         if self.stored_len:
             raise self._refuse("attach_prefix", "the stream holds tokens")
         self._need_resident("attach_prefix")
-        self._own()
         self.page_indices = pages + self.page_indices
         self.released = released
-        self._len_own = n
-        self._pos_own = n  # W4: the next token's position
+        self.stored_len = n
+        self.position = n  # W4: the next token's position
         self.keys = keys
         self.key_tokens = bytearray(raw)
         self._chain_cut()
-        self._gen_own += 1  # I14: pages or length changed
+        self.generation += 1  # I14: pages or length changed
 
     def extend_chain(self, keys: list[bytes], raw: bytes) -> None:
         """The next full pages' keys, and the ids of the tokens keyed (the
@@ -574,7 +509,7 @@ class CacheStream:
         for s in streams:
             at = s.key_at = NEVER if s.follow is None else (len(s.keys) + 1) * page_size
             if s._batch is not None:
-                s._batch.key_at[s._batch_row] = at  # the batch's commit compares it
+                s._batch.key_at[s._batch_row] = at  # what the batch's commit compares
 
     @staticmethod
     def extend_chains(streams: Sequence[CacheStream], keys: Sequence[bytes],
@@ -602,14 +537,13 @@ class CacheStream:
         the pages (given back by the caller) go; a reload gives fresh ones."""
         if self.offload is not _CLAIMED:
             raise self._refuse("commit_offload", f"offload state is {self.offload.name}")
-        self._own()
         self.offload = _OFFLOADED  # still offloaded: only reload brings it back
         self.page_indices = []
         self.keys = []
         self.key_tokens = bytearray()
         self._chain_cut()
         self.tail_maybe_shared = False
-        self._gen_own += 1  # I14: pages or length changed
+        self.generation += 1  # I14: pages or length changed
 
     def abandon_offload(self) -> None:
         """CLAIMED -> RESIDENT: the copy did not fit, failed, or the stream
@@ -632,14 +566,13 @@ class CacheStream:
         full pages are shared again, a part page is fresh: the tail is private."""
         if self.offload is not _OFFLOADED:
             raise self._refuse("reload", f"offload state is {self.offload.name}")
-        self._own()
         self.offload, self.offloaded = _RESIDENT, False
         self.page_indices = pages
-        self._len_own = stored_len
-        self._pos_own = position
+        self.stored_len = stored_len
+        self.position = position
         self.released = released
         self.tail_maybe_shared = False
-        self._gen_own += 1  # I14: pages or length changed
+        self.generation += 1  # I14: pages or length changed
 
     # retrieve
 
@@ -651,15 +584,14 @@ class CacheStream:
         self._need_resident("start_retrieve")
         if self.read_future is not None or self.read_error is not None:
             raise self._refuse("start_retrieve", f"retrieve state is {self.retrieve.name}")
-        self._own()
         self.page_indices = pages
         self.released = released
         self.read_future = future
         self.read_pending = future is not None
-        self._len_own = seq_len
-        self._pos_own = seq_len
+        self.stored_len = seq_len
+        self.position = seq_len
         self.received = True
-        self._gen_own += 1  # I14: pages or length changed
+        self.generation += 1  # I14: pages or length changed
 
     def fail_retrieve(self, err: BaseException) -> None:
         """-> FAILED, latched (I11): a publication found stale before any copy."""
@@ -728,19 +660,25 @@ class StreamBatch:
     """The streams of a decode batch, moved as one (issue 42, item 5).
 
     A decode step names the same streams step after step, each growing by
-    one token. Their per-row reads and writes in Python (lookups, six fields,
-    the page count, four fields written back at commit) were most of a
-    B = 256 step, so while the batch runs the rows' lengths and page counts
-    live here, in arrays: a row's ``stored_len``, ``position`` and
-    ``generation`` are its own plus ``ticks`` (the batch's commits), its
-    ``step_in_flight`` its own or ``in_flight``. An admit finds the rows
-    short of a page from the arrays, a commit is ``ticks += 1``.
+    one token. Its per-row passes in Python (two lookups and six fields read
+    per row at admit, four fields written at commit) were most of a B = 256
+    step; while a batch runs, its rows' lengths, page counts and
+    generations live here, in arrays, and its admit and commit touch only
+    the rows that cross into a new page.
+
+    A row is a `BatchedStream` (the stream's class while it is in a batch):
+    its ``stored_len``, ``position`` and ``generation`` read as the stream's
+    own plus ``ticks`` (the batch's commits), its ``step_in_flight`` as its
+    own or ``in_flight``. A stream outside a batch keeps plain slots, so no
+    other path pays for a batch. Any transition on a row first makes its
+    fields its own again (`detach`, by writing one of the four or by
+    `CacheStream._own`), and from then the batch is no longer ``intact``:
+    stepping takes the general path, which detaches the other rows as it
+    writes them, and makes a batch again later.
 
     A batch holds only streams it checked at `join`: resident, no retrieve,
-    no shared tail, at rest; any other transition on a row first makes the
-    row's values its own again (`detach`), and from then the batch is not
-    ``intact``: stepping takes the general path, which detaches the rest
-    as it writes them, and builds a batch again later.
+    at rest, a private tail: what the general admit asks of a row beside
+    its pages and length.
     """
 
     __slots__ = ("gens", "in_flight", "intact", "key_at", "keys", "lens", "max_len", "npages",
@@ -753,36 +691,38 @@ class StreamBatch:
         self.ticks = 0
         self.in_flight = False
         self.intact = True
-        for i, s in enumerate(streams):
-            if s._batch is not None:
-                s._batch.detach(s)
-            s._batch = self
-            s._batch_row = i
         # per row, at ticks 0: the length, the pages its slots reach (held
         # plus released), the generation, where its commit looks to key (S33)
         self.lens: np.ndarray[Any, Any] = np.fromiter(
-            [s._len_own for s in streams], np.int64, n)
+            [s.stored_len for s in streams], np.int64, n)
         self.npages: np.ndarray[Any, Any] = np.fromiter(
             [len(s.page_indices) + s.released // page_size for s in streams], np.int64, n)
-        self.gens: np.ndarray[Any, Any] = np.fromiter([s._gen_own for s in streams], np.int64, n)
+        self.gens: np.ndarray[Any, Any] = np.fromiter(
+            [s.generation for s in streams], np.int64, n)
         self.key_at: np.ndarray[Any, Any] = np.fromiter(
             [s.key_at for s in streams], np.int64, n)
         self.max_len = int(self.lens.max()) if n else 0
+        for i, s in enumerate(streams):
+            s.__class__ = BatchedStream
+            s._batch = self
+            s._batch_row = i
 
     @staticmethod
     def join(streams: list[CacheStream], segments: tuple[Any, ...],
              page_size: int) -> StreamBatch | None:
         """A batch of ``streams`` (one segment of span 1 each, ``segments``,
-        each stream named once), or None where a row may refuse an admit
-        or copy its tail: the general path decides those."""
+        each stream named once, none in a batch), or None where a row may
+        refuse an admit or copy its tail: the general path decides those."""
         for s in streams:
+            if type(s) is not CacheStream:
+                return None  # a row of another batch, or a test's own subclass
             if (s.offloaded or s.read_future is not None or s.read_error is not None
                     or s.step_in_flight):
                 return None
             if s.tail_maybe_shared and s.stored_len % page_size:
                 # its next write may land in a shared page (R52), which the
-                # general path copies first. At a page's end it lands in a
-                # page of its own, as every later write of the batch does
+                # general path copies first. From a page's end it writes
+                # into pages of its own, as every later step of the batch does
                 return None
         keys = [(g.request_id, g.label) for g in segments]
         return StreamBatch(streams, segments, keys, page_size)
@@ -790,11 +730,12 @@ class StreamBatch:
     def detach(self, s: CacheStream) -> None:
         """``s`` leaves: the batch's part of its fields becomes its own."""
         t = self.ticks
-        s._len_own += t
-        s._pos_own += t
-        s._gen_own += t
+        s.__class__ = CacheStream
+        s.stored_len += t
+        s.position += t
+        s.generation += t
         if self.in_flight:
-            s._flight_own = True
+            s.step_in_flight = True
         s._batch = None
         self.intact = False
 
@@ -830,12 +771,12 @@ class StreamBatch:
 
     def grow(self, rows: list[int], counts: list[int], pages: Sequence[list[int]]) -> None:
         """`append_pages` of ``pages[j]`` (``counts[j]`` of them) to row
-        ``rows[j]`` each."""
+        ``rows[j]`` each, the rows staying in the batch."""
         streams = self.streams
         for i, got in zip(rows, pages, strict=True):
             s = streams[i]
             s.page_indices += got
-            s._gen_own += 1  # I14: pages or length changed
+            _GENERATION.__set__(s, _GENERATION.__get__(s, CacheStream) + 1)  # I14
         self.npages[rows] += counts
         self.gens[rows] += 1
 
@@ -860,10 +801,72 @@ class StreamBatch:
         return self.gens + self.ticks
 
 
+# the slots under `BatchedStream`'s properties: the row's own values
+_STORED_LEN = CacheStream.__dict__["stored_len"]
+_POSITION = CacheStream.__dict__["position"]
+_GENERATION = CacheStream.__dict__["generation"]
+_IN_FLIGHT = CacheStream.__dict__["step_in_flight"]
+
+
+class BatchedStream(CacheStream):
+    """A stream while it is a row of a `StreamBatch` (its class is swapped
+    in and out by the batch): the four fields the batch moves read through
+    it, and any write of one, or any other transition, leaves the batch."""
+
+    __slots__ = ()
+
+    def _own(self) -> None:
+        b = self._batch
+        assert b is not None
+        b.detach(self)
+
+    @property
+    def stored_len(self) -> int:
+        b = self._batch
+        assert b is not None
+        return int(_STORED_LEN.__get__(self, CacheStream)) + b.ticks
+
+    @stored_len.setter
+    def stored_len(self, value: int) -> None:
+        self._own()
+        self.stored_len = value
+
+    @property
+    def position(self) -> int:
+        b = self._batch
+        assert b is not None
+        return int(_POSITION.__get__(self, CacheStream)) + b.ticks
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._own()
+        self.position = value
+
+    @property
+    def generation(self) -> int:
+        b = self._batch
+        assert b is not None
+        return int(_GENERATION.__get__(self, CacheStream)) + b.ticks
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self._own()
+        self.generation = value
+
+    @property
+    def step_in_flight(self) -> bool:
+        b = self._batch
+        assert b is not None
+        return bool(_IN_FLIGHT.__get__(self, CacheStream)) or b.in_flight
+
+    @step_in_flight.setter
+    def step_in_flight(self, value: bool) -> None:
+        self._own()
+        self.step_in_flight = value
+
+
 _key_of = operator.attrgetter("request_id", "label")
 _span_of = operator.attrgetter("span")
-
-
 _generation = operator.attrgetter("generation")
 
 
