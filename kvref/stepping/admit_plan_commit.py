@@ -676,16 +676,19 @@ class Stepping:
         shares: what the general path's clear and `_add_spans` do."""
         segments = step.segments
         batch = self._decode_batch
-        releasing = self._table.releasing
-        if batch is not None and streams is batch.streams and batch.intact and not releasing:
-            # the batch's step: every row one token on at once
+        if batch is not None and streams is batch.streams and batch.intact:
+            # the batch's step (its admit asked that no label releases):
+            # every row one token on at once
             rows = batch.end(step.commit, due is not None)
             if rows and due is not None:
                 due.extend([streams[i] for i in rows])
             return
         dropped = CacheStream.end_step(
             streams, map(_span, segments) if step.commit else None, due)
-        self._maybe_batch(step, streams)
+        if len(streams) >= self.batch_rows:
+            self._maybe_batch(step, streams)
+        else:
+            self._last_rows = None
         for stream in dropped:
             self._dropped_span(segments[streams.index(stream)])
         if self._table.releasing and step.commit:
@@ -739,7 +742,7 @@ class Stepping:
         committed by the decode step before it make a batch for the next."""
         segments = step.segments
         n = len(streams)
-        if not (step.commit and n >= self.batch_rows and list(map(_span, segments)).count(1) == n):
+        if not (step.commit and list(map(_span, segments)).count(1) == n):
             self._last_rows = None
             return
         if streams != self._last_rows or self._table.releasing:
