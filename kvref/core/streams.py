@@ -14,6 +14,13 @@ step reads about nine fields per segment (read-only properties made a
 256-request decode step about 60% slower, `benchmarks.decode_alone`).
 `tests/unit/test_stream_writers.py` fails if any module under `kvref/` but
 this one writes a field, on any path, run or not.
+
+The exception is a decode batch (`StreamBatch`, issue 42): streams decoded
+together step after step keep their lengths, page counts and generations
+in the batch's arrays, and read them through properties of their class
+while in it (`BatchedStream`), so a B = 256 step's admit and commit touch
+only the rows that cross into a page. A stream outside a batch keeps its
+plain slots; any transition on a row takes it out first.
 """
 
 from __future__ import annotations
@@ -508,8 +515,11 @@ class CacheStream:
         its chain."""
         for s in streams:
             at = s.key_at = NEVER if s.follow is None else (len(s.keys) + 1) * page_size
-            if s._batch is not None:
-                s._batch.key_at[s._batch_row] = at  # what the batch's commit compares
+            b = s._batch
+            if b is not None:
+                # what the batch's commit compares
+                b.key_at[s._batch_row] = at
+                b.next_due = min(b.next_due, at - int(b.lens[s._batch_row]))
 
     @staticmethod
     def extend_chains(streams: Sequence[CacheStream], keys: Sequence[bytes],
@@ -681,8 +691,8 @@ class StreamBatch:
     its pages and length.
     """
 
-    __slots__ = ("gens", "in_flight", "intact", "key_at", "keys", "lens", "max_len", "npages",
-                 "segments", "streams", "ticks")
+    __slots__ = ("gens", "in_flight", "intact", "key_at", "keys", "lens", "max_len",
+                 "next_due", "npages", "segments", "streams", "ticks")
 
     def __init__(self, streams: list[CacheStream], segments: tuple[Any, ...],
                  keys: list[tuple[str, str]], page_size: int) -> None:
@@ -702,6 +712,10 @@ class StreamBatch:
         self.key_at: np.ndarray[Any, Any] = np.fromiter(
             [s.key_at for s in streams], np.int64, n)
         self.max_len = int(self.lens.max()) if n else 0
+        # the fewest commits before some row's length reaches its key_at: the
+        # commits before it compare nothing (a row's later key_at only lowers
+        # it, `CacheStream.looked`; a commit that compares finds it again)
+        self.next_due = int((self.key_at - self.lens).min()) if n else NEVER
         for i, s in enumerate(streams):
             s.__class__ = BatchedStream
             s._batch = self
@@ -762,20 +776,22 @@ class StreamBatch:
             self.segments = tuple(segments)
         return ok
 
-    def short(self, page_size: int) -> tuple[list[int], list[int]]:
+    def short(self, page_size: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
         """The rows whose next token lies past the pages they hold, and how
         many pages each is short."""
         short = (self.lens + (self.ticks + page_size)) // page_size - self.npages
         rows = (short > 0).nonzero()[0]
-        return rows.tolist(), short[rows].tolist()
+        return rows, short[rows]
 
-    def grow(self, rows: list[int], counts: list[int], pages: Sequence[list[int]]) -> None:
+    def grow(self, rows: np.ndarray[Any, Any], counts: np.ndarray[Any, Any],
+             pages: Sequence[list[int]]) -> None:
         """`append_pages` of ``pages[j]`` (``counts[j]`` of them) to row
         ``rows[j]`` each, the rows staying in the batch."""
         streams = self.streams
-        for i, got in zip(rows, pages, strict=True):
+        for i, got in zip(rows.tolist(), pages, strict=True):
             s = streams[i]
             s.page_indices += got
+            # the slot under the property: the row stays in the batch
             _GENERATION.__set__(s, _GENERATION.__get__(s, CacheStream) + 1)  # I14
         self.npages[rows] += counts
         self.gens[rows] += 1
@@ -791,9 +807,11 @@ class StreamBatch:
         if not commit:
             return []
         t = self.ticks = self.ticks + 1
-        if not watch:
+        if not watch or t < self.next_due:
             return []
-        rows: list[int] = ((self.lens + t) >= self.key_at).nonzero()[0].tolist()
+        gap = self.key_at - self.lens
+        rows: list[int] = (gap <= t).nonzero()[0].tolist()
+        self.next_due = int(gap.min())
         return rows
 
     def generations(self) -> np.ndarray[Any, Any]:

@@ -233,16 +233,18 @@ class Stepping:
             return False
         if batch.max_len + batch.ticks + 1 >= self._max_seq_len:
             return False  # `validate.step_lengths` decides
-        rows, counts = batch.short(self._table.page_size)
-        if sum(counts) > free:
-            return False  # refused: `settle` says by whom
+        at, short = batch.short(self._table.page_size)
+        rows: list[int] = at.tolist()
         if rows:
+            counts: list[int] = short.tolist()
+            if sum(counts) > free:
+                return False  # refused: `settle` says by whom
             keys = batch.keys
             if len(rows) < _BATCHED_TAKE:
                 got = [self._table.take(keys[i], k) for i, k in zip(rows, counts, strict=True)]
             else:
                 got = self._table.take_each([keys[i] for i in rows], counts)
-            batch.grow(rows, counts, got)
+            batch.grow(at, short, got)
         batch.mark()
         self.running = RunningStep(step, padded, set(), streams=batch.streams, grown=rows)
         return True

@@ -106,7 +106,7 @@ def run(seed: int, pages: int = 80, **cfg: Any) -> tuple[int, int]:
     admits = detached = 0
     admit, detach = StreamBatch.short, StreamBatch.detach
 
-    def counting_short(self: StreamBatch, ps: int) -> tuple[list[int], list[int]]:
+    def counting_short(self: StreamBatch, ps: int) -> tuple[Any, Any]:
         nonlocal admits
         if self is pair.fast._stepping._decode_batch:
             admits += 1
@@ -209,10 +209,10 @@ def test_a_batch_short_of_the_page_its_next_token_starts_is_found() -> None:
     """Planted: the batch counts the pages its rows' current tokens need, not
     the next one's, so a row at a page's end is given no page."""
 
-    def one_behind(self: StreamBatch, page_size: int) -> tuple[list[int], list[int]]:
+    def one_behind(self: StreamBatch, page_size: int) -> tuple[Any, Any]:
         short = (self.lens + (self.ticks + page_size - 1)) // page_size - self.npages
         rows = (short > 0).nonzero()[0]
-        return rows.tolist(), short[rows].tolist()
+        return rows, short[rows]
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(StreamBatch, "short", one_behind)
