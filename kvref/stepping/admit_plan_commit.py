@@ -75,6 +75,9 @@ _BATCHED_TAKE = 4
 # from this many rows a decode batch's streams are moved as one
 # (`StreamBatch`); below it the per-row pass costs less than its numpy set-up
 BATCH_ROWS = 32
+# the decode steps of the same streams committed row by row, after the
+# first, before they are made a batch
+_BATCH_AFTER = 2
 
 
 class Stepping:
@@ -102,6 +105,7 @@ class Stepping:
         # committed twice in a row are made a batch
         self._decode_batch: StreamBatch | None = None
         self._last_rows: list[CacheStream] | None = None
+        self._repeats = 0  # how many steps before decoded ``_last_rows`` again
         self.batch_rows = BATCH_ROWS  # read once: the tests lower it
 
     # -- admit ---------------------------------------------------------------
@@ -741,14 +745,21 @@ class Stepping:
 
     def _maybe_batch(self, step: KVStep, streams: list[CacheStream]) -> None:
         """After a plain step the general path committed: the same streams
-        committed by the decode step before it make a batch for the next."""
+        decoded `_BATCH_AFTER` + 1 times in a row make a batch for the next.
+        (A batch another step breaks up soon costs more than it saves: each
+        row leaves it one by one, as in a decode batch interleaved with
+        mixed steps, `benchmarks.control_plane.bench_mixed`.)"""
         segments = step.segments
         n = len(streams)
         if not (step.commit and list(map(_span, segments)).count(1) == n):
             self._last_rows = None
             return
         if streams != self._last_rows or self._table.releasing:
-            self._last_rows = streams
+            self._last_rows, self._repeats = streams, 0
+            return
+        self._last_rows = streams
+        self._repeats += 1
+        if self._repeats < _BATCH_AFTER:
             return
         self._last_rows = None
         self._decode_batch = StreamBatch.join(streams, tuple(segments), self._table.page_size)

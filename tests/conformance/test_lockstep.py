@@ -40,6 +40,7 @@ def kept_decode_table(monkeypatch: pytest.MonkeyPatch) -> None:
     # and the same streams committed twice in a row are a decode batch
     # (`StreamBatch`, issue 42; in production from 32 rows): from one row here
     monkeypatch.setattr(admit_plan_commit, "BATCH_ROWS", 1)
+    monkeypatch.setattr(admit_plan_commit, "_BATCH_AFTER", 1)  # from the second in a row
 
 
 @pytest.mark.parametrize("scope", [SCOPE, PLAIN_SCOPE], ids=["as-shipped", "sharing-off"])

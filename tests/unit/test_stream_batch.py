@@ -188,7 +188,7 @@ def run(seed: int, pages: int = 80, **cfg: Any) -> tuple[int, int]:
             elif op == "long":
                 # a row at max_seq_len: the decode steps below are misuse
                 pair.step([Segment(rid, "main", LIMIT - 2 - pair.fast.stored_len(rid))])
-            for _ in range(3):
+            for _ in range(4):
                 pair.step(batch)
     return admits, detached
 
