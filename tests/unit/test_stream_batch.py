@@ -98,8 +98,9 @@ class Pair:
         self.both("commit", step, ctx)
 
 
-def run(seed: int, pages: int = 80, **cfg: Any) -> tuple[int, int]:
-    """Returns the batch's admits and the rows its transitions ever detached."""
+def run(seed: int, pages: int = 80, aux: bool = False, **cfg: Any) -> tuple[int, int]:
+    """Returns the batch's admits and the rows its transitions ever detached.
+    ``aux``: the batch also decodes a second label of the first two rows."""
     rng = random.Random(seed)
     pair = Pair(pages=pages, page_size=PS, cpu_pages=40, heads=1, head_dim=2, layers=1,
                 max_seq_len=LIMIT, **cfg)
@@ -124,13 +125,17 @@ def run(seed: int, pages: int = 80, **cfg: Any) -> tuple[int, int]:
             pair.both("ingest_request", rid)
             pair.step([Segment(rid, "main", rng.randint(1, 9))])
         batch = [Segment(r, "main", 1) for r in ROWS]
+        if aux:
+            for rid in ROWS[:2]:
+                pair.step([Segment(rid, "aux", rng.randint(1, 9))])
+            batch += [Segment(r, "aux", 1) for r in ROWS[:2]]
         for _ in range(150):
-            for r in ROWS:
+            for g in batch:
                 # the rows' lengths bounded, so the pool holds them all
-                if pair.fast.stored_len(r) > LIMIT - 10:
+                if pair.fast.stored_len(g.request_id, g.label) > LIMIT - 10:
                     # to a page's end: a row cut inside a page may share
                     # its tail, and joins a batch only from a page's end
-                    pair.both("truncate", r, "main", rng.randint(1, 5) * PS)
+                    pair.both("truncate", g.request_id, g.label, rng.randint(1, 5) * PS)
             rid = rng.choice(ROWS)
             op = rng.choice(["decode"] * 8 + [
                 "copies", "subset", "order", "no-commit", "truncate", "reset", "remove",
@@ -160,7 +165,7 @@ def run(seed: int, pages: int = 80, **cfg: Any) -> tuple[int, int]:
                 if pair.both("offload", rid)[1]:
                     pair.both("reload", rid)
             elif op == "mixed":
-                pair.step([Segment(g.request_id, "main", rng.choice([2, 5]))
+                pair.step([Segment(g.request_id, g.label, rng.choice([2, 5]))
                            if g.request_id == rid else g for g in batch])
             elif op == "follow" and cfg.get("sharing", True):
                 n = pair.fast.stored_len(rid)
@@ -218,3 +223,8 @@ def test_a_batch_short_of_the_page_its_next_token_starts_is_found() -> None:
         mp.setattr(StreamBatch, "short", one_behind)
         with pytest.raises(AssertionError):
             run(0)
+
+
+def test_a_batch_of_two_labels_answers_as_row_by_row() -> None:
+    admits, detached = run(3, pages=100, aux=True)
+    assert admits > 100 and detached > 20, (admits, detached)
