@@ -5,13 +5,14 @@ decoded twice in a row (from two rows here, 32 in production), the other
 never does (every step row by row, the path the lockstep holds to the
 model). After every call their answers (outcome, refusal, error type and
 message) and their whole state (`KVManager.observe`: lengths, positions,
-page tables, generations, in-flight marks, offloads, keys, pages) must be
-equal, and each decode step's plan the same tables. Between the batch's
+page tables, generations, in-flight marks, offloads, keys, pages, the
+staged preplan) must be equal, and each decode step's plan the same tables. Between the batch's
 decode steps every call that changes a row otherwise runs: an offload and
 reload, a truncate, a reset, a remove and re-ingest, a mixed step, a
 step of a subset or in another order, a step that keeps nothing, followed
 tokens keyed as pages fill, a registration, a pool run dry, and misuse in
-flight (a second admit, a remove, an offload, an unknown padded id).
+flight (a second admit, a remove, an offload, an unknown padded id), and a
+preplan of the next step over the batch's.
 """
 
 from __future__ import annotations
@@ -94,6 +95,19 @@ class Pair:
         elif misuse == "commit-first":
             self.both("commit", step, ctx)  # not planned: allowed, ends the step
             return
+        elif misuse == "preplan":
+            # the next step admitted and planned over this one (R41), then
+            # this one committed and the next promoted
+            nxt = KVStep(list(segments))
+            pre = StepContext(padded_request_ids=padded, is_preplan=True)
+            self.both("plan", step, ctx)
+            if self.both("admit", nxt, pre)[1]:
+                self.both("plan", nxt, pre)
+            self.both("commit", step, ctx)
+            self.both("admit", nxt, ctx)
+            self.both("plan", nxt, ctx)
+            self.both("commit", nxt, ctx)
+            return
         self.both("plan", step, ctx)
         self.both("commit", step, ctx)
 
@@ -140,7 +154,7 @@ def run(seed: int, pages: int = 80, aux: bool = False, **cfg: Any) -> tuple[int,
             op = rng.choice(["decode"] * 8 + [
                 "copies", "subset", "order", "no-commit", "truncate", "reset", "remove",
                 "offload", "mixed", "follow", "register", "again", "remove-in-flight",
-                "offload-in-flight", "padded", "commit-first", "dry", "long"])
+                "offload-in-flight", "padded", "commit-first", "dry", "long", "preplan"])
             if op == "copies":
                 # equal segments, other objects: an engine that builds its step afresh
                 pair.step([Segment(g.request_id, g.label, g.span) for g in batch])
@@ -173,7 +187,7 @@ def run(seed: int, pages: int = 80, aux: bool = False, **cfg: Any) -> tuple[int,
             elif op == "register" and cfg.get("sharing", True):
                 n = pair.fast.stored_len(rid)
                 pair.both("cache_prefix", rid, "main", list(range(100, 100 + n)))
-            elif op in ("again", "commit-first"):
+            elif op in ("again", "commit-first", "preplan"):
                 pair.step(batch, misuse=op)
             elif op == "remove-in-flight":
                 pair.step(batch, misuse="remove")
