@@ -14,11 +14,19 @@ step reads about nine fields per segment (read-only properties made a
 256-request decode step about 60% slower, `benchmarks.decode_alone`).
 `tests/unit/test_stream_writers.py` fails if any module under `kvref/` but
 this one writes a field, on any path, run or not.
+
+The exception is a decode batch (`StreamBatch`, issue 42): streams decoded
+together step after step keep their lengths, page counts and generations
+in the batch's arrays, and read them through properties of their class
+while in it (`BatchedStream`), so a B = 256 step's admit and commit touch
+only the rows that cross into a page. A stream outside a batch keeps its
+plain slots; any transition on a row takes it out first.
 """
 
 from __future__ import annotations
 
 import enum
+import operator
 import sys
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -100,6 +108,8 @@ class CacheStream:
     """
 
     __slots__ = (
+        "_batch",
+        "_batch_row",
         "_pages_arr",
         "_pages_buf",
         "_pages_n",
@@ -193,6 +203,10 @@ class CacheStream:
         self._pages_buf: np.ndarray[Any, Any] = _NO_PAGES
         self._pages_n = 0
         self._pages_arr: np.ndarray[Any, Any] = _NO_PAGES  # buf[:n], kept
+        # the decode batch (`StreamBatch`) the stream is row ``_batch_row``
+        # of, while its class is `BatchedStream`; None otherwise
+        self._batch: StreamBatch | None = None
+        self._batch_row = 0
 
     # -- what other modules ask (beside the fields, read-only outside) --
 
@@ -244,6 +258,12 @@ class CacheStream:
         return arr
 
     # -- transitions: the only writers of the fields above --------------------
+
+    def _own(self) -> None:
+        """Before a transition writes what a decode batch assumed of its rows
+        (`StreamBatch`): none here; a `BatchedStream` leaves its batch. A
+        transition that writes ``stored_len``, ``position``, ``generation``
+        or ``step_in_flight`` leaves it by that write."""
 
     def _refuse(self, transition: str, why: str) -> StreamStateError:
         return StreamStateError(f"{transition} of {self!r}: {why}")
@@ -489,6 +509,7 @@ class CacheStream:
     def follow_with(self, followed: FollowedTokens | None, page_size: int) -> None:
         """S33: commits key the stream's filled pages from ``followed`` (None:
         they stop), from the first that fills the page after the chain."""
+        self._own()
         self.follow = followed
         self.key_at = NEVER if followed is None else (len(self.keys) + 1) * page_size
 
@@ -503,7 +524,16 @@ class CacheStream:
         """A followed stream whose commit filled no page: the next commit
         looks at it once its length reaches ``n`` (the page after its chain
         is full)."""
-        self.key_at = n
+        self._look_at(n)
+
+    def _look_at(self, at: int) -> None:
+        self.key_at = at
+        b = self._batch
+        if b is not None:
+            # what the batch's commit compares: left behind, the row would
+            # be looked at by every commit (never missed, but never skipped)
+            b.key_at[self._batch_row] = at
+            b.next_due = min(b.next_due, at - int(b.lens[self._batch_row]))
 
     @staticmethod
     def looked(streams: Iterable[CacheStream], page_size: int) -> None:
@@ -511,7 +541,7 @@ class CacheStream:
         commit looks at it once its length reaches the end of the page after
         its chain."""
         for s in streams:
-            s.key_at = NEVER if s.follow is None else (len(s.keys) + 1) * page_size
+            s._look_at(NEVER if s.follow is None else (len(s.keys) + 1) * page_size)
 
     @staticmethod
     def extend_chains(streams: Sequence[CacheStream], keys: Sequence[bytes],
@@ -533,7 +563,7 @@ class CacheStream:
             chain = s.keys
             chain.append(key)
             s.key_tokens += raw
-            s.key_at = (len(chain) + 1) * page_size
+            s._look_at((len(chain) + 1) * page_size)
 
     # offload
 
@@ -542,6 +572,7 @@ class CacheStream:
         self._need_resident("claim_offload")
         if self.step_in_flight:
             raise self._refuse("claim_offload", "a step is in flight (R4)")
+        self._own()
         self.offload, self.offloaded = _CLAIMED, True
         return ClaimedStream(label, list(self.page_indices), self.generation,
                              self.stored_len, self.position, self.released)
@@ -564,12 +595,14 @@ class CacheStream:
         changed behind it; the pages never left."""
         if self.offload is not _CLAIMED:
             raise self._refuse("abandon_offload", f"offload state is {self.offload.name}")
+        self._own()
         self.offload, self.offloaded = _RESIDENT, False
 
     def forget_offload(self) -> None:
         """OFFLOADED -> RESIDENT: the host copy was discarded (a reset, R12)."""
         if self.offload is not _OFFLOADED:
             raise self._refuse("forget_offload", f"offload state is {self.offload.name}")
+        self._own()
         self.offload, self.offloaded = _RESIDENT, False
 
     def reload(self, pages: list[int], stored_len: int, position: int,
@@ -613,6 +646,7 @@ class CacheStream:
         fut = self.read_future
         if fut is not None and not fut.done():
             raise self._refuse("fail_retrieve", "a copy is still writing its pages")
+        self._own()
         self.read_error = err
 
     def abort_retrieve(self, err: BaseException) -> None:
@@ -622,6 +656,7 @@ class CacheStream:
         go."""
         if self.read_error is not None:
             raise self._refuse("abort_retrieve", f"retrieve state is {self.retrieve.name}")
+        self._own()
         self.read_error = err
 
     def settle_retrieve(self) -> RetrieveState:
@@ -629,6 +664,7 @@ class CacheStream:
         (PENDING -> IDLE or FAILED); returns the state."""
         fut = self.read_future
         if fut is not None and fut.done():
+            self._own()
             self.read_future = None
             err = fut.exception()
             if err is not None:
@@ -666,3 +702,233 @@ class ClaimedStream:
     stored_len: int
     position: int
     released: int
+
+
+class StreamBatch:
+    """The streams of a decode batch, moved as one (issue 42, item 5).
+
+    A decode step names the same streams step after step, each growing by
+    one token. Its per-row passes in Python (two lookups and six fields read
+    per row at admit, four fields written at commit) were most of a B = 256
+    step; while a batch runs, its rows' lengths, page counts and
+    generations live here, in arrays, and its admit and commit touch only
+    the rows that cross into a new page.
+
+    A row is a `BatchedStream` (the stream's class while it is in a batch):
+    its ``stored_len``, ``position`` and ``generation`` read as the stream's
+    own plus ``ticks`` (the batch's commits), its ``step_in_flight`` as its
+    own or ``in_flight``. A stream outside a batch keeps plain slots, so no
+    other path pays for a batch. Any transition on a row first makes its
+    fields its own again (`detach`, by writing one of the four or by
+    `CacheStream._own`), and from then the batch is no longer ``intact``:
+    stepping takes the general path, which detaches the other rows as it
+    writes them, and makes a batch again later.
+
+    A batch holds only streams it checked at `join`: resident, no retrieve,
+    at rest, a private tail: what the general admit asks of a row beside
+    its pages and length.
+    """
+
+    __slots__ = ("gens", "in_flight", "intact", "key_at", "keys", "lens", "max_len",
+                 "next_due", "npages", "segments", "streams", "ticks")
+
+    def __init__(self, streams: list[CacheStream], segments: tuple[Any, ...],
+                 keys: list[tuple[str, str]], page_size: int) -> None:
+        n = len(streams)
+        self.streams, self.segments, self.keys = streams, segments, keys
+        self.ticks = 0
+        self.in_flight = False
+        self.intact = True
+        # per row, at ticks 0: the length, the pages its slots reach (held
+        # plus released), the generation, where its commit looks to key (S33)
+        self.lens: np.ndarray[Any, Any] = np.fromiter(
+            [s.stored_len for s in streams], np.int64, n)
+        self.npages: np.ndarray[Any, Any] = np.fromiter(
+            [len(s.page_indices) + s.released // page_size for s in streams], np.int64, n)
+        self.gens: np.ndarray[Any, Any] = np.fromiter(
+            [s.generation for s in streams], np.int64, n)
+        self.key_at: np.ndarray[Any, Any] = np.fromiter(
+            [s.key_at for s in streams], np.int64, n)
+        self.max_len = int(self.lens.max()) if n else 0
+        # the fewest commits before some row's length reaches its key_at: the
+        # commits before it compare nothing (a row's later key_at only lowers
+        # it, `CacheStream.looked`; a commit that compares finds it again)
+        self.next_due = int((self.key_at - self.lens).min()) if n else NEVER
+        for i, s in enumerate(streams):
+            s.__class__ = BatchedStream
+            s._batch = self
+            s._batch_row = i
+
+    @staticmethod
+    def join(streams: list[CacheStream], segments: tuple[Any, ...],
+             page_size: int) -> StreamBatch | None:
+        """A batch of ``streams`` (one segment of span 1 each, ``segments``,
+        each stream named once, none in a batch), or None where a row may
+        refuse an admit or copy its tail: the general path decides those."""
+        for s in streams:
+            if type(s) is not CacheStream:
+                return None  # a row of another batch, or a test's own subclass
+            if (s.offloaded or s.read_future is not None or s.read_error is not None
+                    or s.step_in_flight):
+                return None
+            if s.tail_maybe_shared and s.stored_len % page_size:
+                # its next write may land in a shared page (R52), which the
+                # general path copies first. From a page's end it writes
+                # into pages of its own, as every later step of the batch does
+                return None
+        keys = [(g.request_id, g.label) for g in segments]
+        return StreamBatch(streams, segments, keys, page_size)
+
+    def detach(self, s: CacheStream) -> None:
+        """``s`` leaves: the batch's part of its fields becomes its own."""
+        t = self.ticks
+        s.__class__ = CacheStream
+        s.stored_len += t
+        s.position += t
+        s.generation += t
+        if self.in_flight:
+            s.step_in_flight = True
+        s._batch = None
+        self.intact = False
+
+    def dissolve(self) -> None:
+        """Every row leaves (a step the batch does not end by itself)."""
+        for s in self.streams:
+            if s._batch is self:
+                self.detach(s)
+
+    def matches(self, segments: Sequence[Any]) -> bool:
+        """``segments`` name the batch's streams in its order, span 1 each."""
+        mine = self.segments
+        n = len(mine)
+        if len(segments) != n:
+            return False
+        if segments[0] is mine[0]:
+            # the same objects (an engine that keeps its step): ==, identity
+            # first in C; a segment replaced by an equal one compares equal
+            ok = tuple(segments) == mine
+        else:
+            ok = (list(map(_key_of, segments)) == self.keys
+                  and list(map(_span_of, segments)).count(1) == n)
+        if ok:
+            self.segments = tuple(segments)
+        return ok
+
+    def short(self, page_size: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """The rows whose next token lies past the pages they hold, and how
+        many pages each is short."""
+        short = (self.lens + (self.ticks + page_size)) // page_size - self.npages
+        rows = (short > 0).nonzero()[0]
+        return rows, short[rows]
+
+    def grow(self, rows: np.ndarray[Any, Any], counts: np.ndarray[Any, Any],
+             pages: Sequence[list[int]]) -> None:
+        """`append_pages` of ``pages[j]`` (``counts[j]`` of them) to row
+        ``rows[j]`` each, the rows staying in the batch."""
+        streams = self.streams
+        for i, got in zip(rows.tolist(), pages, strict=True):
+            s = streams[i]
+            s.page_indices += got
+            # the slot under the property: the row stays in the batch
+            _GENERATION.__set__(s, _GENERATION.__get__(s, CacheStream) + 1)  # I14
+        self.npages[rows] += counts
+        self.gens[rows] += 1
+
+    def mark(self) -> None:
+        """`mark_step` of every row."""
+        self.in_flight = True
+
+    def end(self, commit: bool, watch: bool) -> list[int]:
+        """`end_step` of every row, one token each where ``commit``; with
+        ``watch``, the rows whose length reached their ``key_at`` (S33)."""
+        self.in_flight = False
+        if not commit:
+            return []
+        t = self.ticks = self.ticks + 1
+        if not watch or t < self.next_due:
+            return []
+        gap = self.key_at - self.lens
+        rows: list[int] = (gap <= t).nonzero()[0].tolist()
+        self.next_due = int(gap.min())
+        return rows
+
+    def generations(self) -> np.ndarray[Any, Any]:
+        """Every row's ``generation``."""
+        return self.gens + self.ticks
+
+
+# the slots under `BatchedStream`'s properties: the row's own values
+_STORED_LEN = CacheStream.__dict__["stored_len"]
+_POSITION = CacheStream.__dict__["position"]
+_GENERATION = CacheStream.__dict__["generation"]
+_IN_FLIGHT = CacheStream.__dict__["step_in_flight"]
+
+
+class BatchedStream(CacheStream):
+    """A stream while it is a row of a `StreamBatch` (its class is swapped
+    in and out by the batch): the four fields the batch moves read through
+    it, and any write of one, or any other transition, leaves the batch."""
+
+    __slots__ = ()
+
+    def _own(self) -> None:
+        b = self._batch
+        assert b is not None
+        b.detach(self)
+
+    @property
+    def stored_len(self) -> int:
+        b = self._batch
+        assert b is not None
+        return int(_STORED_LEN.__get__(self, CacheStream)) + b.ticks
+
+    @stored_len.setter
+    def stored_len(self, value: int) -> None:
+        self._own()
+        self.stored_len = value
+
+    @property
+    def position(self) -> int:
+        b = self._batch
+        assert b is not None
+        return int(_POSITION.__get__(self, CacheStream)) + b.ticks
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._own()
+        self.position = value
+
+    @property
+    def generation(self) -> int:
+        b = self._batch
+        assert b is not None
+        return int(_GENERATION.__get__(self, CacheStream)) + b.ticks
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self._own()
+        self.generation = value
+
+    @property
+    def step_in_flight(self) -> bool:
+        b = self._batch
+        assert b is not None
+        return bool(_IN_FLIGHT.__get__(self, CacheStream)) or b.in_flight
+
+    @step_in_flight.setter
+    def step_in_flight(self, value: bool) -> None:
+        self._own()
+        self.step_in_flight = value
+
+
+_key_of = operator.attrgetter("request_id", "label")
+_span_of = operator.attrgetter("span")
+_generation = operator.attrgetter("generation")
+
+
+def generations(streams: list[CacheStream]) -> np.ndarray[Any, Any]:
+    """Each stream's ``generation`` (int64): a whole batch's from its array."""
+    b = streams[0]._batch if streams else None
+    if b is not None and b.intact and b.streams is streams:
+        return b.generations()
+    return np.fromiter(map(_generation, streams), np.int64, len(streams))

@@ -28,7 +28,7 @@ from kvref.core.errors import (
 )
 from kvref.core.labels import LabelBehaviour
 from kvref.core.stream_table import Key, StreamTable
-from kvref.core.streams import CacheStream
+from kvref.core.streams import CacheStream, StreamBatch
 from kvref.prefix import follow
 from kvref.stepping import admission
 from kvref.stepping.decode_table import DecodeTable, DecodeTables
@@ -72,6 +72,13 @@ _UNASKED = cast(LabelBehaviour, object())
 # pages: 16 a step at B = 256), one pool call for all (`take_each`)
 _BATCHED_TAKE = 4
 
+# from this many rows a decode batch's streams are moved as one
+# (`StreamBatch`); below it the per-row pass costs less than its numpy set-up
+BATCH_ROWS = 32
+# the decode steps of the same streams committed row by row, after the
+# first, before they are made a batch
+_BATCH_AFTER = 2
+
 
 class Stepping:
     """The running step, the staged preplan, and the plan states attention reads."""
@@ -93,6 +100,13 @@ class Stepping:
         # (a hybrid config's: one per attention group, `kvref.hybrid.decode`)
         self.decode_table: DecodeTables = (
             decode_table if decode_table is not None else DecodeTable(table.page_size, device))
+        # the decode batch (`StreamBatch`) the last steps ran, and the streams
+        # of the last decode step the general path committed: the same ones
+        # committed twice in a row are made a batch
+        self._decode_batch: StreamBatch | None = None
+        self._last_rows: list[CacheStream] | None = None
+        self._repeats = 0  # how many steps before decoded ``_last_rows`` again
+        self.batch_rows = BATCH_ROWS  # read once: the tests lower it
 
     # -- admit ---------------------------------------------------------------
 
@@ -161,6 +175,13 @@ class Stepping:
         free = self._table.pages.num_free
         sharing = self._table.sharing
         if plain:
+            batch = self._decode_batch
+            # (a row's tail is private: `StreamBatch.join` checked it, and
+            # only a truncate, which takes the row out, makes one shared)
+            if batch is not None and batch.intact and not releasing and (
+                    not padded or all(map(all_streams.__contains__, padded))) and (
+                    self._admit_batch(batch, step, padded, free)):
+                return ADMIT_OK
             # no stream's tail can be shared until a truncate made one so
             grant = admission.plain_grant(
                 all_streams, step, self._table.page_size, free, self._max_seq_len,
@@ -203,6 +224,34 @@ class Stepping:
         else:
             self.running = RunningStep(step, padded, set(created))
         return ADMIT_OK
+
+    def _admit_batch(self, batch: StreamBatch, step: KVStep, padded: tuple[str, ...],
+                     free: int) -> bool:
+        """`plain_grant` and `_apply_plain` of a step of the batch's streams,
+        from its arrays; False (nothing changed) where the step is not one
+        of the batch, or may be refused or misuse: the general path decides.
+        A batch is at rest and every row resident, retrieve-free, with a
+        private tail (`StreamBatch.join`, and any transition since made it
+        not intact): what is left to ask is each row's pages and length."""
+        if batch.in_flight or not batch.matches(step.segments):
+            return False
+        if batch.max_len + batch.ticks + 1 >= self._max_seq_len:
+            return False  # `validate.step_lengths` decides
+        at, short = batch.short(self._table.page_size)
+        rows: list[int] = at.tolist()
+        if rows:
+            counts: list[int] = short.tolist()
+            if sum(counts) > free:
+                return False  # refused: `settle` says by whom
+            keys = batch.keys
+            if len(rows) < _BATCHED_TAKE:
+                got = [self._table.take(keys[i], k) for i, k in zip(rows, counts, strict=True)]
+            else:
+                got = self._table.take_each([keys[i] for i in rows], counts)
+            batch.grow(at, short, got)
+        batch.mark()
+        self.running = RunningStep(step, padded, set(), streams=batch.streams, grown=rows)
+        return True
 
     def _views_would_move(self, step: KVStep, padded: tuple[str, ...],
                           settled: Mapping[Key, int]) -> PreplanRefused | None:
@@ -579,6 +628,10 @@ class Stepping:
         # S33: the followed streams whose length reached a page to key (None:
         # the cache is off, and no stream is followed)
         due: list[CacheStream] | None = [] if self._table.sharing.shares else None
+        batch = self._decode_batch
+        if batch is not None and running.streams is batch.streams and (
+                staged_marks is not None or not batch.intact):
+            batch.dissolve()  # the general path below ends the step row by row
         if running.streams is not None and staged_marks is None:
             # a plain admit's streams, one per segment (R2), looked up once:
             # marks cleared and spans added by one transition over them all
@@ -586,6 +639,7 @@ class Stepping:
             if step.commit and running.table_planned:
                 self.decode_table.committed()
         else:
+            self._last_rows = None
             named = running.streams if running.streams is not None else [
                 all_streams[rid][label]
                 for rid, label in admission.named_keys(step, running.padded)]
@@ -627,8 +681,20 @@ class Stepping:
         """`commit` of a plain admit's step whose marks no staged preplan
         shares: what the general path's clear and `_add_spans` do."""
         segments = step.segments
+        batch = self._decode_batch
+        if batch is not None and streams is batch.streams and batch.intact:
+            # the batch's step (its admit asked that no label releases):
+            # every row one token on at once
+            rows = batch.end(step.commit, due is not None)
+            if rows and due is not None:
+                due.extend([streams[i] for i in rows])
+            return
         dropped = CacheStream.end_step(
             streams, map(_span, segments) if step.commit else None, due)
+        if len(streams) >= self.batch_rows:
+            self._maybe_batch(step, streams)
+        else:
+            self._last_rows = None
         for stream in dropped:
             self._dropped_span(segments[streams.index(stream)])
         if self._table.releasing and step.commit:
@@ -676,6 +742,27 @@ class Stepping:
                 # each stream's release as `retire` makes it, the pages the
                 # windows pass given back in one pool call
                 self._table.retire_each(keys, retiring)
+
+    def _maybe_batch(self, step: KVStep, streams: list[CacheStream]) -> None:
+        """After a plain step the general path committed: the same streams
+        decoded `_BATCH_AFTER` + 1 times in a row make a batch for the next.
+        (A batch another step breaks up soon costs more than it saves: each
+        row leaves it one by one, as in a decode batch interleaved with
+        mixed steps, `benchmarks.control_plane.bench_mixed`.)"""
+        segments = step.segments
+        n = len(streams)
+        if not (step.commit and list(map(_span, segments)).count(1) == n):
+            self._last_rows = None
+            return
+        if streams != self._last_rows or self._table.releasing:
+            self._last_rows, self._repeats = streams, 0
+            return
+        self._last_rows = streams
+        self._repeats += 1
+        if self._repeats < _BATCH_AFTER:
+            return
+        self._last_rows = None
+        self._decode_batch = StreamBatch.join(streams, tuple(segments), self._table.page_size)
 
     def _dropped_span(self, seg: Segment) -> None:
         # unreachable under R2-R5; kept as the last defence, loudly, because

@@ -49,7 +49,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from kvref.core.streams import CacheStream
+from kvref.core.streams import CacheStream, generations
 from kvref.stepping.plan import (
     KVPlanState,
     LongChunk,
@@ -282,7 +282,7 @@ class DecodeTable:
     def _rebuild(self, streams: list[CacheStream]) -> Rows:
         """Every row afresh from its stream."""
         n = len(streams)
-        gens = np.fromiter(map(_generation, streams), np.int64, n)
+        gens = generations(streams)
         offset = np.fromiter(map(_released, streams), np.int64, n)
         view_len = np.fromiter(map(_stored, streams), np.int64, n) + 1 - offset
         npages = (view_len + (self._ps - 1)) // self._ps  # two ops, not three
@@ -294,7 +294,7 @@ class DecodeTable:
         """The kept rows moved on by the commits told since the last plan and
         ``grown``'s appended pages; the rows anything else changed read again."""
         n = len(streams)
-        gens = np.fromiter(map(_generation, streams), np.int64, n)
+        gens = generations(streams)
         expect = self._gens + self.commits
         if grown:
             expect[list(grown)] += 1

@@ -37,6 +37,10 @@ def kept_decode_table(monkeypatch: pytest.MonkeyPatch) -> None:
     # and a plain admit takes the pages of two streams or more in one pool
     # call (issue 42; in production from 4): both ways run here
     monkeypatch.setattr(admit_plan_commit, "_BATCHED_TAKE", 2)
+    # and the same streams committed twice in a row are a decode batch
+    # (`StreamBatch`, issue 42; in production from 32 rows): from one row here
+    monkeypatch.setattr(admit_plan_commit, "BATCH_ROWS", 1)
+    monkeypatch.setattr(admit_plan_commit, "_BATCH_AFTER", 1)  # from the second in a row
 
 
 @pytest.mark.parametrize("scope", [SCOPE, PLAIN_SCOPE], ids=["as-shipped", "sharing-off"])

@@ -1,0 +1,244 @@
+"""The decode batch (`StreamBatch`, issue 42) against the row-by-row path.
+
+Two managers take the same calls: one makes a batch of the same streams
+decoded twice in a row (from two rows here, 32 in production), the other
+never does (every step row by row, the path the lockstep holds to the
+model). After every call their answers (outcome, refusal, error type and
+message) and their whole state (`KVManager.observe`: lengths, positions,
+page tables, generations, in-flight marks, offloads, keys, pages, the
+staged preplan) must be equal, and each decode step's plan the same tables. Between the batch's
+decode steps every call that changes a row otherwise runs: an offload and
+reload, a truncate, a reset, a remove and re-ingest, a mixed step, a
+step of a subset or in another order, a step that keeps nothing, followed
+tokens keyed as pages fill, a registration, a pool run dry, and misuse in
+flight (a second admit, a remove, an offload, an unknown padded id), and a
+preplan of the next step over the batch's.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+
+from kvref.core.streams import StreamBatch
+from kvref.stepping.step import KVStep, Segment, StepContext
+from tests.unit._manager_fixtures import make_manager
+
+PS = 4
+ROWS = ["a", "b", "c", "d", "e"]
+LIMIT = 64  # max_seq_len: the "long" call takes a row to it
+
+
+def _answer(call: Callable[[], Any]) -> Any:
+    try:
+        got = call()
+    except Exception as err:  # both managers must raise alike
+        return ("raised", type(err).__name__, str(err))
+    if isinstance(got, torch.Tensor):
+        return ("tensor", got.tolist())
+    return ("ok", got)
+
+
+def _tables(outputs: Any) -> Any:
+    return {label: (tuple(t.tolist() for t in (out.cpu_indptrs.qo_indptr,
+                                                out.cpu_indptrs.paged_kv_indptr,
+                                                out.cpu_indptrs.paged_kv_indices,
+                                                out.cpu_indptrs.paged_kv_last_page_len)),
+                    [(v.request_id, v.label, list(v.page_idxs), v.length, v.to_compute,
+                      v.generation, v.offset)
+                     for v in out.views])
+            for label, out in outputs.items()}
+
+
+class Pair:
+    """The same calls on a batching manager and a row-by-row one."""
+
+    def __init__(self, **cfg: Any) -> None:
+        self.fast = make_manager(**cfg)
+        self.slow = make_manager(**cfg)
+        self.fast._stepping.batch_rows = 2
+        self.slow._stepping.batch_rows = 1 << 30
+        self.calls = 0
+
+    def both(self, name: str, *args: Any, **kw: Any) -> Any:
+        self.calls += 1
+        answers = [_answer(partial(getattr(m, name), *args, **kw))
+                   for m in (self.fast, self.slow)]
+        if name == "plan" and answers[0][0] == "ok":
+            answers = [(a[0], _tables(a[1])) for a in answers]
+        elif name == "admit" and answers[0][0] == "ok":
+            answers = [(a[0], a[1].ok, type(a[1].reason).__name__, getattr(
+                a[1].reason, "message", None)) for a in answers]
+        assert answers[0] == answers[1], (name, args, answers)
+        assert self.fast.observe() == self.slow.observe(), (name, args)
+        return answers[0]
+
+    def step(self, segments: list[Segment], commit: bool = True,
+             padded: tuple[str, ...] = (), misuse: str | None = None) -> None:
+        step = KVStep(segments, commit=commit)
+        ctx = StepContext(padded_request_ids=padded)
+        admitted = self.both("admit", step, ctx)
+        if admitted[0] != "ok" or not admitted[1]:
+            return
+        if misuse == "again":
+            self.both("admit", step, ctx)  # the same step: admitted already
+            self.both("admit", KVStep(segments[:1]), ctx)  # another: refused
+        elif misuse == "remove":
+            self.both("remove_request", segments[0].request_id)
+        elif misuse == "offload":
+            self.both("offload", segments[0].request_id)
+        elif misuse == "commit-first":
+            self.both("commit", step, ctx)  # not planned: allowed, ends the step
+            return
+        elif misuse == "preplan":
+            # the next step admitted and planned over this one (R41), then
+            # this one committed and the next promoted
+            nxt = KVStep(list(segments))
+            pre = StepContext(padded_request_ids=padded, is_preplan=True)
+            self.both("plan", step, ctx)
+            if self.both("admit", nxt, pre)[1]:
+                self.both("plan", nxt, pre)
+            self.both("commit", step, ctx)
+            self.both("admit", nxt, ctx)
+            self.both("plan", nxt, ctx)
+            self.both("commit", nxt, ctx)
+            return
+        self.both("plan", step, ctx)
+        self.both("commit", step, ctx)
+
+
+def run(seed: int, pages: int = 80, aux: bool = False, **cfg: Any) -> tuple[int, int]:
+    """Returns the batch's admits and the rows its transitions ever detached.
+    ``aux``: the batch also decodes a second label of the first two rows."""
+    rng = random.Random(seed)
+    pair = Pair(pages=pages, page_size=PS, cpu_pages=40, heads=1, head_dim=2, layers=1,
+                max_seq_len=LIMIT, **cfg)
+    admits = detached = 0
+    admit, detach = StreamBatch.short, StreamBatch.detach
+
+    def counting_short(self: StreamBatch, ps: int) -> tuple[Any, Any]:
+        nonlocal admits
+        if self is pair.fast._stepping._decode_batch:
+            admits += 1
+        return admit(self, ps)
+
+    def counting_detach(self: StreamBatch, s: Any) -> None:
+        nonlocal detached
+        detached += 1
+        detach(self, s)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StreamBatch, "short", counting_short)
+        mp.setattr(StreamBatch, "detach", counting_detach)
+        for rid in ROWS:
+            pair.both("ingest_request", rid)
+            pair.step([Segment(rid, "main", rng.randint(1, 9))])
+        batch = [Segment(r, "main", 1) for r in ROWS]
+        if aux:
+            for rid in ROWS[:2]:
+                pair.step([Segment(rid, "aux", rng.randint(1, 9))])
+            batch += [Segment(r, "aux", 1) for r in ROWS[:2]]
+        for _ in range(150):
+            for g in batch:
+                # the rows' lengths bounded, so the pool holds them all
+                if pair.fast.stored_len(g.request_id, g.label) > LIMIT - 10:
+                    # to a page's end: a row cut inside a page may share
+                    # its tail, and joins a batch only from a page's end
+                    pair.both("truncate", g.request_id, g.label, rng.randint(1, 5) * PS)
+            rid = rng.choice(ROWS)
+            op = rng.choice(["decode"] * 8 + [
+                "copies", "subset", "order", "no-commit", "truncate", "reset", "remove",
+                "offload", "mixed", "follow", "register", "again", "remove-in-flight",
+                "offload-in-flight", "padded", "commit-first", "dry", "long", "preplan"])
+            if op == "copies":
+                # equal segments, other objects: an engine that builds its step afresh
+                pair.step([Segment(g.request_id, g.label, g.span) for g in batch])
+            elif op == "subset":
+                pair.step(batch[1:])
+            elif op == "order":
+                pair.step(batch[::-1])
+            elif op == "no-commit":
+                pair.step(batch, commit=False)
+            elif op == "truncate":
+                n = pair.fast.stored_len(rid)
+                if n > 1:
+                    pair.both("truncate", rid, "main", rng.randrange(1, n))
+            elif op == "reset":
+                pair.both("reset_request", rid, free=rng.random() < 0.5)
+                pair.step([Segment(rid, "main", rng.randint(1, 6))])
+            elif op == "remove":
+                pair.both("remove_request", rid)
+                pair.both("ingest_request", rid)
+                pair.step([Segment(rid, "main", rng.randint(1, 6))])
+            elif op == "offload":
+                if pair.both("offload", rid)[1]:
+                    pair.both("reload", rid)
+            elif op == "mixed":
+                pair.step([Segment(g.request_id, g.label, rng.choice([2, 5]))
+                           if g.request_id == rid else g for g in batch])
+            elif op == "follow" and cfg.get("sharing", True):
+                n = pair.fast.stored_len(rid)
+                pair.both("follow_tokens", rid, list(range(100, 100 + n + 60)))
+            elif op == "register" and cfg.get("sharing", True):
+                n = pair.fast.stored_len(rid)
+                pair.both("cache_prefix", rid, "main", list(range(100, 100 + n)))
+            elif op in ("again", "commit-first", "preplan"):
+                pair.step(batch, misuse=op)
+            elif op == "remove-in-flight":
+                pair.step(batch, misuse="remove")
+            elif op == "offload-in-flight":
+                pair.step(batch, misuse="offload")
+            elif op == "padded":
+                pair.step(batch, padded=("nobody",))
+            elif op == "dry":
+                # a long prefill of the pool's free pages: the batch's next
+                # decode steps may find too few and are refused alike
+                free = pair.fast.num_free_pages
+                pair.both("ingest_request", "z")
+                pair.step([Segment("z", "main", max(1, free * PS - rng.randint(0, PS)))])
+                for _ in range(rng.randint(1, 3)):
+                    pair.step(batch)
+                pair.both("remove_request", "z")
+            elif op == "long":
+                # a row at max_seq_len: the decode steps below are misuse
+                pair.step([Segment(rid, "main", LIMIT - 2 - pair.fast.stored_len(rid))])
+            for _ in range(4):
+                pair.step(batch)
+    return admits, detached
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_batch_answers_as_row_by_row(seed: int) -> None:
+    admits, detached = run(seed)
+    # the batch ran most decode steps, and was broken up by the other calls
+    assert admits > 100 and detached > 20, (admits, detached)
+
+
+def test_a_batch_answers_as_row_by_row_without_sharing() -> None:
+    admits, detached = run(7, sharing=False)
+    assert admits > 100 and detached > 20, (admits, detached)
+
+
+def test_a_batch_short_of_the_page_its_next_token_starts_is_found() -> None:
+    """Planted: the batch counts the pages its rows' current tokens need, not
+    the next one's, so a row at a page's end is given no page."""
+
+    def one_behind(self: StreamBatch, page_size: int) -> tuple[Any, Any]:
+        short = (self.lens + (self.ticks + page_size - 1)) // page_size - self.npages
+        rows = (short > 0).nonzero()[0]
+        return rows, short[rows]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StreamBatch, "short", one_behind)
+        with pytest.raises(AssertionError):
+            run(0)
+
+
+def test_a_batch_of_two_labels_answers_as_row_by_row() -> None:
+    admits, detached = run(3, pages=100, aux=True)
+    assert admits > 100 and detached > 20, (admits, detached)
