@@ -13,7 +13,9 @@ from collections.abc import Callable
 
 import pytest
 
+from kvref.core.errors import KVRefError
 from kvref.core.labels import LabelBehaviour, SlidingWindow
+from kvref.core.page_pool import PagePool
 from kvref.core.sharing import PageSharing, PrefixSharing
 from kvref.core.stream_table import Key, StreamTable
 from kvref.core.streams import CacheStream, FollowedTokens
@@ -659,13 +661,17 @@ def commit_keys_in_reverse(mp: pytest.MonkeyPatch) -> None:
     """The one-pass keying registers a step's filled pages last segment
     first: of two pages filled with one key in one step, the later
     segment's takes it (S11 gives it to the first)."""
-    orig = prefix_cache.key_filled
+    # the pool call both one-pass paths make (a followed commit's keying
+    # and a batch of `cache_prefixes`): patching either caller alone left
+    # the other path's order as it was
+    orig = PagePool.register_filled
 
-    def bad(table: StreamTable, streams: list[CacheStream], raws: list[bytes],
-            keys: list[bytes], pages: list[int]) -> list[int]:
-        return orig(table, streams[::-1], raws[::-1], keys[::-1], pages[::-1])[::-1]
+    def bad(self: PagePool, pages: list[int], keys: list[bytes]
+            ) -> tuple[list[int], KVRefError | None]:
+        took, err = orig(self, pages[::-1], keys[::-1])
+        return took[::-1], err
 
-    mp.setattr(prefix_cache, "key_filled", bad)
+    mp.setattr(PagePool, "register_filled", bad)
 
 
 # --- issue 44, item 1: a retrieve (or a step's copy-on-write) under the
