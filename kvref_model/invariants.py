@@ -578,7 +578,8 @@ def i29(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
 def i30(m: Model, s: State) -> Msg:
     """H1: a label's groups move together: each group's stream of a label
     exists with group 0's and has its length, its tokens (each in its own
-    group's identity) and its flags; so a hit attached the same length in
+    group's identity) and its flags (following ids only where the group
+    caches: W9's window group follows none); so a hit attached the same length in
     every group, and a refused call changed none. Where the stream is
     (resident, claimed, offloaded) may differ: an offload copies each
     group's stream on its own, and the host may take one and not another."""
@@ -595,9 +596,16 @@ def i30(m: Model, s: State) -> Msg:
                 return f"{(rid, lb)} has no stream for group {i}"
             # group i's own token identity is group 0's plus i (UNWRITTEN stays)
             same = tuple(t - i if t >= 0 else t for t in w.contents) == v.contents
-            if not same or (w.stored_len, w.in_flight, w.retrieve, w.followed) != (
-                    v.stored_len, v.in_flight, v.retrieve, v.followed):
+            if not same or (w.stored_len, w.in_flight, w.retrieve) != (
+                    v.stored_len, v.in_flight, v.retrieve):
                 return f"{(rid, lb)}: group {i} is at {w} where group 0 is at {v}"
+        # followed ids (S33) key only where a group caches: a window group
+        # under W9 follows none, the label's other groups all or none
+        follows = {st[(rid, lb + i)].followed for i in range(g) if not m._never_cached(lb + i)}
+        if len(follows) > 1:
+            return f"{(rid, lb)}: its caching groups disagree on following ids"
+        if any(st[(rid, lb + i)].followed for i in range(g) if m._never_cached(lb + i)):
+            return f"{(rid, lb)}: a group that never caches (W9) follows ids"
     return None
 
 

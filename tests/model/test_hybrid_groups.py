@@ -9,6 +9,8 @@ hybrid bugs by tests/conformance/test_hybrid_plants.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvref_model import invariants as inv
 from kvref_model.check import Report, explore
 from kvref_model.core import (
@@ -19,6 +21,7 @@ from kvref_model.core import (
     Commit,
     Count,
     Flag,
+    FollowTokens,
     Freed,
     Ingest,
     MatchPrefix,
@@ -239,3 +242,24 @@ def test_two_offloads_can_each_move_one_group() -> None:
     st = s.stream_map()
     assert [st[(rid, g)].offload for rid in (0, 1) for g in (0, 1)] == [
         OFFLOADED, RESIDENT, OFFLOADED, RESIDENT]
+
+
+# W9 (window_cache off): the window group keys nothing, so it follows no ids
+UNCACHED_WINDOW = replace(HYBRID, window_cache=False, depth=4)
+
+
+def test_a_window_group_that_never_caches_follows_no_ids() -> None:
+    """I30 compared `followed` across groups, so ``--groups None,1`` without
+    window_cache failed at its second call: the full group follows the ids,
+    W9's window group does not, and H1 asks no more (issue 41)."""
+    m = Model(UNCACHED_WINDOW)
+    _, s = _run(m, Ingest(0), FollowTokens(0, 0))
+    streams = s.stream_map()
+    assert streams[(0, 0)].followed and not streams[(0, 1)].followed
+    assert inv.i30(m, s) is None
+    rep = _check(m)
+    assert not rep.violations, rep.violations
+    # planted: the window group follows too
+    bad = dict(streams)
+    bad[(0, 1)] = replace(bad[(0, 1)], followed=True)
+    assert inv.i30(m, replace(s, streams=tuple(sorted(bad.items())))) is not None
