@@ -52,8 +52,11 @@ def replace(obj: _T, /, **changes: Any) -> _T:
         return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
     new = object.__new__(cls)
     d, src = new.__dict__, obj.__dict__
-    for name in names[0]:
-        d[name] = src[name]
+    if len(src) == len(names[0]):
+        d.update(src)  # nothing cached beside the fields: one C-level copy
+    else:
+        for name in names[0]:
+            d[name] = src[name]
     d.update(changes)
     return new  # type: ignore[no-any-return]
 

@@ -83,11 +83,11 @@ def i3(m: Model, s: State) -> Msg:
     for k, v in s.streams:
         if v.offload != OFFLOADED and v.pages < m.need(v.stored_len) - m.released(v):
             return f"{k} holds {v.pages} pages for {v.stored_len} tokens"
-    st = s.stream_map()
     # the running step only: a staged preplan's lengths settle at promotion (R11)
     for p in (s.current,):
         if p is None or p.phase == ADMITTED:
             continue  # lengths settle once plan applies the pre-forks
+        st = s.stream_map()  # only here: most states run no planned step
         for g in p.step.segments:
             w = st.get((g.rid, g.label))
             if g.span and w is not None and w.pages < m.need(w.stored_len + g.span) - (
@@ -97,6 +97,8 @@ def i3(m: Model, s: State) -> Msg:
 
 
 def i4(m: Model, s: State) -> Msg:
+    if all(v.offload == RESIDENT for _, v in s.streams):
+        return None  # nothing offloading: no named stream can be (most states)
     st = s.stream_map()
     for p in (s.current, s.staged):
         for k in sorted(named(p.step)) if p else ():
@@ -130,9 +132,21 @@ def i7(m: Model, s: State) -> Msg:
     for k, v in s.streams:
         if len(v.contents) != v.stored_len:
             return f"{k} stores {v.stored_len} tokens but holds {len(v.contents)}"
-        if any(not 0 <= t < 2 * m.nlab and t != UNWRITTEN for t in v.contents):
+        if not _TOKENS[m.nlab].issuperset(v.contents):  # a C-level pass, not a generator
             return f"{k} holds a token no write or retrieve produced"
     return None
+
+
+class _Tokens(dict[int, frozenset[int]]):
+    """Per label count L: the token identities a write or a retrieve makes
+    (0 .. 2L - 1) and UNWRITTEN."""
+
+    def __missing__(self, nlab: int) -> frozenset[int]:
+        got = self[nlab] = frozenset([*range(2 * nlab), UNWRITTEN])
+        return got
+
+
+_TOKENS = _Tokens()
 
 
 def i8_state(m: Model, s: State) -> Msg:
@@ -211,8 +225,10 @@ def i12(m: Model, s: State) -> Msg:
 
 
 def i13(m: Model, s: State) -> Msg:
-    owned = (s.current.marks if s.current else frozenset()) | (
-        s.staged.marks if s.staged else frozenset())
+    cur, staged = s.current, s.staged
+    # a union only where both steps own marks: most states hold one step or none
+    owned = (cur.marks | staged.marks if cur and staged else cur.marks if cur
+             else staged.marks if staged else frozenset())
     for k, v in s.streams:
         if v.in_flight != (k in owned):
             return f"{k} in_flight={v.in_flight} but an admitted step owns its mark: {k in owned}"

@@ -236,14 +236,16 @@ def _expand(spec: Spec, chunk: list[Entry], leaves: bool, known: Any,
     seen: set[Any] = set()
     local: set[int] = set()
     unchanged = 0
-    types: dict[type, int] = {}  # transitions per action type: names once, at the end
+    # transitions per action type, counted a state at a time by Counter's C
+    # loop; names once, at the end
+    types: Counter[type] = Counter()
     for sid, data in chunk:
         s = loads(data)
         seen.add(s)  # a successor equal to the state it left is none
-        for idx, a in enumerate(enabled(m, s)):
+        acts = list(enabled(m, s))
+        types.update(map(type, acts))
+        for idx, a in enumerate(acts):
             r, n = step(s, a)
-            t = type(a)
-            types[t] = types.get(t, 0) + 1
             if n is s:
                 unchanged += 1
             elif n not in seen:

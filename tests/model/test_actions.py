@@ -242,6 +242,12 @@ def test_state_invariants_flag_bad_states() -> None:
     assert "I4" in {x for x, _ in inv.violations(m, claimed)}
     _, s = run(Ingest(0), Admit(seg(1)), Plan())
     assert "I8" in {x for x, _ in inv.violations(m, replace(s, streams=(), free=3))}
+    # the planned step's branch of I3 (its stream map is read only there)
+    short = replace(s, streams=(((0, MAIN), replace(stream(s), pages=0, table=())),))
+    assert any(x == "I3" and "planned step" in msg for x, msg in inv.violations(m, short))
+    # I7's token check: a token id no label's write or retrieve makes
+    odd = replace(good, streams=(((0, MAIN), replace(v, contents=(*v.contents[:-1], 2 * m.nlab))),))
+    assert any(x == "I7" and "no write" in msg for x, msg in inv.violations(m, odd))
 
 
 def test_transition_invariants_flag_bad_steps() -> None:
