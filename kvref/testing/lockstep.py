@@ -589,10 +589,9 @@ class Lockstep(RuleBasedStateMachine):
         # and draws stay as they were: the remove rule drew a leased request
         # in too few machines to find a remove that ignores the lease
         # (mutant "lease: remove ignores the lease", 6 of 10 seeds, issue 41)
-        remove = m.Remove(a.rid)
-        if isinstance(a, m.Publish) and isinstance(self.model.step(self.state, remove)[0],
-                                                   m.Misuse):
-            self.run(remove)
+        if isinstance(a, m.Publish) and isinstance(
+                self.model.step(self.state, m.Remove(a.rid))[0], m.Misuse):
+            self.run(m.Remove(a.rid))
 
     @precondition(lambda self: self.has(m.RetrieveStart))
     @rule(data=st.data())
