@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvref import KVManager
 from kvref.testing.driver import DriverConfig
 from kvref.testing.exhaustive import run_trace
 from kvref_model import core as m
-from tests.unit._manager_fixtures import Driver
-from tests.unit.test_shared_pages import _fill, _mgr
+from tests.unit.test_shared_pages import _received
 
 SCOPE = m.Scope(requests=3, labels=3, device_pages=6, host_pages=4, page_size=2, max_span=3,
                 depth=6, sharing=True, windows=(None, 2, 2), margins=(0, 1, 1),
@@ -51,30 +49,11 @@ def test_cache_prefix_after_a_retrieve_onto_computed_tokens() -> None:
     run_trace(m.Model(SCOPE), CALLS, DriverConfig())
 
 
-def _computed_then_received(own: int) -> tuple[KVManager, KVManager, Driver]:
-    """``dst``'s request ``r`` computed ``own`` tokens of its own, then a
-    retrieve appended a peer's KV up to 10 tokens (pages of 4)."""
-    src, drv = _mgr(pages=16)
-    drv.ingest("r")
-    _fill(drv, "r", 10)
-    dst, dd = _mgr(pages=16)
-    dd.ingest("r")
-    _fill(dd, "r", own)
-    pub = src.publish("r")
-    assert dst.admit_retrieve("r", None, None, pub).ok
-    for s in dst._streams["r"].values():
-        if s.read_future is not None:
-            s.read_future.result(timeout=10)
-    assert dst.admit_retrieve("r", None, None, pub).ready
-    src.release_published("r")
-    return src, dst, dd
-
-
 @pytest.mark.parametrize(("own", "keyed"), [(3, 0), (4, 1), (5, 1), (8, 2), (9, 2)])
 def test_only_the_pages_before_the_peers_first_token_key(own: int, keyed: int) -> None:
     """R55: the page the peer's first token is in, and every page after it,
     key nothing; the whole pages before it are the request's own."""
-    src, dst, _ = _computed_then_received(own)
+    src, dst, _ = _received(own)
     assert dst.cache_prefix("r", "main", list(range(10))) == keyed
     assert len(dst._streams["r"]["main"].keys) == keyed
     src.cleanup()
@@ -84,7 +63,7 @@ def test_only_the_pages_before_the_peers_first_token_key(own: int, keyed: int) -
 def test_a_truncate_back_to_its_own_tokens_makes_the_stream_its_own() -> None:
     """Cut to the peer's first token, nothing of the peer's is left: the
     pages the request computes next key again (the model's contents)."""
-    src, dst, dd = _computed_then_received(4)
+    src, dst, dd = _received(4)
     dst.truncate("r", "main", 5)
     assert dst._streams["r"]["main"].received  # token 4 is still the peer's
     dst.truncate("r", "main", 4)

@@ -401,19 +401,28 @@ def test_a_fork_under_memory_pressure_takes_one_page_not_its_length() -> None:
 
 def _retrieved(monkeypatch: pytest.MonkeyPatch | None = None) -> tuple[KVManager, KVManager]:
     """``dst`` holds request ``r``'s 10 tokens, copied from ``src`` by a retrieve."""
+    src, dst, _ = _received(0)
+    return src, dst
+
+
+def _received(own: int) -> tuple[KVManager, KVManager, Driver]:
+    """``dst``'s request ``r`` computed ``own`` tokens of its own, then a
+    retrieve from ``src`` brought it to 10 tokens; with ``dst``'s driver."""
     src, drv = _mgr(pages=16)
     drv.ingest("r")
     _fill(drv, "r", 10)
-    dst, _ = _mgr(pages=16)
+    dst, dd = _mgr(pages=16)
+    dd.ingest("r")
+    if own:
+        _fill(dd, "r", own)
     pub = src.publish("r")
-    dst.ingest_request("r")
     assert dst.admit_retrieve("r", None, None, pub).ok
     for s in dst._streams["r"].values():
         if s.read_future is not None:
             s.read_future.result(timeout=10)
     assert dst.admit_retrieve("r", None, None, pub).ready
     src.release_published("r")
-    return src, dst
+    return src, dst, dd
 
 
 def test_retrieved_kv_is_never_cached() -> None:
