@@ -520,13 +520,10 @@ class CacheStream:
             self.follow = replace(f, head=b"")  # may name cut tokens
         self.key_at = NEVER if self.follow is None else 0
 
-    def look_at(self, n: int) -> None:
-        """A followed stream whose commit filled no page: the next commit
-        looks at it once its length reaches ``n`` (the page after its chain
-        is full)."""
-        self._look_at(n)
-
-    def _look_at(self, at: int) -> None:
+    def look_at(self, at: int) -> None:
+        """The next commit looks at this followed stream once its length
+        reaches ``at`` (the end of the page after its chain): every commit
+        that looked at it sets this, whether it filled a page or not."""
         self.key_at = at
         b = self._batch
         if b is not None:
@@ -541,7 +538,7 @@ class CacheStream:
         commit looks at it once its length reaches the end of the page after
         its chain."""
         for s in streams:
-            s._look_at(NEVER if s.follow is None else (len(s.keys) + 1) * page_size)
+            s.look_at(NEVER if s.follow is None else (len(s.keys) + 1) * page_size)
 
     @staticmethod
     def extend_chains(streams: Sequence[CacheStream], keys: Sequence[bytes],
@@ -563,7 +560,7 @@ class CacheStream:
             chain = s.keys
             chain.append(key)
             s.key_tokens += raw
-            s._look_at((len(chain) + 1) * page_size)
+            s.look_at((len(chain) + 1) * page_size)
 
     # offload
 

@@ -637,14 +637,14 @@ def page_filled_at_its_end_missed(mp: pytest.MonkeyPatch) -> None:
     """Off by one: a commit looks at a followed stream only once it is past
     the end of the page after its chain, so the page a step fills exactly is
     keyed a step late."""
-    # `_look_at`: where every commit sets a followed stream's next look
+    # `look_at`: where every commit sets a followed stream's next look
     # (`looked`, `look_at`, `extend_followed`)
-    orig = CacheStream._look_at
+    orig = CacheStream.look_at
 
     def bad(self: CacheStream, at: int) -> None:
         orig(self, at if self.follow is None else at + 1)
 
-    mp.setattr(CacheStream, "_look_at", bad)
+    mp.setattr(CacheStream, "look_at", bad)
     orig_follow = CacheStream.follow_with
 
     def bad_follow(self: CacheStream, followed: FollowedTokens | None, page_size: int) -> None:
