@@ -807,7 +807,15 @@ class Lockstep(RuleBasedStateMachine):
         (then N+1 is stale); N+1's real admit and plan promote it, or refuse
         it and the engine replans (R42)."""
         self.driver.combine = data.draw(st.booleans(), label="combined labels")
-        self.run(m.Admit(data.draw(steps(self.model, self.state, self.ready()))))
+        first = data.draw(steps(self.model, self.state, self.ready()))
+        got = self.run(m.Admit(first))
+        if isinstance(got, m.Refused) and got.kind == "AllocationFailed":
+            # the pool is full (the usual state of a small scope): an engine
+            # schedules what fits, the tokens that fill the pages held (R41's
+            # lengths then move under the preplan; issue 41)
+            fits = self.what_fits(first)
+            if fits is not None:
+                self.run(m.Admit(fits))
         cur = self.user.current
         if cur is None:
             return
@@ -815,8 +823,16 @@ class Lockstep(RuleBasedStateMachine):
         spans = st.integers(0, self.scope.max_span)
         nxt = m.Step(tuple(m.Seg(r, lb, data.draw(spans)) for r, lb in keys), (), (),
                      tuple(sorted({r for r, _ in keys})), data.draw(st.booleans()))
-        self.run(m.Admit(nxt, preplan=True))
-        if self.state.staged is not None and data.draw(st.booleans(), label="preplan-plan"):
+        if isinstance(self.run(m.Admit(nxt, preplan=True)), m.Refused):
+            # N+1 with no new tokens needs no page; its views still start
+            # where N leaves each stream
+            self.run(m.Admit(replace(nxt, segments=tuple(
+                replace(g, span=0) for g in nxt.segments)), preplan=True))
+        # an engine plans N+1 ahead while N runs (what overlap is for); where
+        # N moves a stream N+1 names, three times in four
+        moves = cur.step.commit and any(g.span for g in cur.step.segments)
+        ahead = st.sampled_from([True, True, True, False]) if moves else st.booleans()
+        if self.state.staged is not None and data.draw(ahead, label="preplan-plan"):
             self.run(m.Plan(preplan=True))
         forks = cur.step.pre_forks or cur.step.post_forks
         fault = bool(forks) and data.draw(st.booleans(), label="a fork copy of N fails")
@@ -836,6 +852,22 @@ class Lockstep(RuleBasedStateMachine):
         self.run(m.Plan())
         self.run_enabled(m.Write(), m.Commit())
         self.agrees_with_model()
+
+    def what_fits(self, step: m.Step) -> m.Step | None:
+        """``step`` cut to the tokens that fit in the pages its streams hold
+        (up to each one's partly filled last page), kept, with no forks; None
+        where no segment's stream has room."""
+        ps = self.scope.page_size
+        streams = self.user.stream_map()
+        segs = []
+        for g in step.segments:
+            v = streams.get((g.rid, g.label))
+            room = (-v.stored_len) % ps if v is not None and v.pages else 0
+            if room:
+                segs.append(replace(g, span=min(max(g.span, 1), room)))
+        if not segs:
+            return None
+        return m.Step(tuple(segs), padded=tuple(sorted({g.rid for g in segs})))
 
     def run_enabled(self, *actions: m.Action) -> None:
         """Each of ``actions`` in turn, where a careful engine would issue it."""
