@@ -180,12 +180,12 @@ def main(argv: list[str] | None = None) -> int:
                     "'control not run' (a control costs a plant's whole budget per seed)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
-    ap.add_argument("--render", metavar="JSON", default=None,
-                    help="only print the table of an earlier run's --json")
+    ap.add_argument("--render", metavar="JSON", nargs="+", default=None,
+                    help="only print the table of earlier runs' --json files, merged: "
+                    "runs over other seeds (one process per seed range) add up")
     o = ap.parse_args(argv)
     if o.render:
-        with open(o.render) as f:
-            print(render(json.load(f)["rows"]))
+        print(render(merged(o.render)))
         return 0
     preload()  # Hypothesis's pool of constants, as in the suite (tests/conftest.py)
     seeds = range(o.first_seed, o.first_seed + o.seeds)
@@ -219,6 +219,32 @@ def main(argv: list[str] | None = None) -> int:
         with open(o.markdown, "w") as f:
             f.write(table + "\n")
     return 0
+
+
+def merged(paths: list[str]) -> dict[str, dict[str, object]]:
+    """The rows of several --json runs as one run: each plant's seeds, in the
+    files' order. A seed run twice would count twice, so it is refused."""
+    rows: dict[str, dict[str, object]] = {}
+    seen: dict[str, set[int]] = {}
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        for name, r in run["rows"].items():
+            mine = seen.setdefault(name, set())
+            # a row cut short has fewer results than seeds: only those it ran
+            ran = run["seeds"][:len(r["failed"])]
+            if mine & set(ran):
+                raise SystemExit(f"{path}: {name!r} ran seeds {sorted(mine & set(ran))} "
+                                 "in an earlier file too")
+            mine.update(ran)
+            if name not in rows:
+                rows[name] = dict(r)
+                continue
+            got = rows[name]
+            got["failed"] = [*got["failed"], *r["failed"]]  # type: ignore[misc]
+            got["notes"] = [*got["notes"], *r["notes"]][:3]  # type: ignore[misc]
+            got["seconds"] = round(float(got["seconds"]) + float(r["seconds"]), 1)  # type: ignore[arg-type]
+    return rows
 
 
 def render(rows: dict[str, dict[str, object]]) -> str:
