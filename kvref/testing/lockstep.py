@@ -964,6 +964,7 @@ class Lockstep(RuleBasedStateMachine):
             for _ in range(decodes):
                 if r in self.ready() and self.state.current is None:
                     self.run_whole(m.Step((m.Seg(r, label, 1),), padded=(r,)))
+            self.key_the_page_filled(r, label)
         v = self.user.stream_map().get((rid, label))
         if v is not None and v.chain > 1 and self.has(m.CachePrefix):
             # the prompt keyed again from one of its keyed pages (S34): the
@@ -986,6 +987,22 @@ class Lockstep(RuleBasedStateMachine):
             if m.Reset(victim, free=False) in self.enabled_of(m.Reset):
                 self.run(m.Reset(victim, free=False))
         self.agrees_with_model()
+
+    def key_the_page_filled(self, rid: int, label: int) -> None:
+        """The page a decode filled, keyed as an engine keys every request's
+        pages as they fill (vLLM caches each full block at its step): a
+        cache_prefix of the ids after the stream's chain, one page, so kvref
+        takes its one-page path. A followed stream's commit keyed it already.
+        The finder's pages were never keyed here, and the computing
+        request's decoded page only by a re-key from inside its chain, so a
+        salt-less request told apart by extra keys met the one-page path
+        under some seeds only (issue 41: seeds 0 and 4 never did)."""
+        v = self.user.stream_map().get((rid, label))
+        ps = self.scope.page_size
+        if v is None or v.followed or v.stored_len < (v.chain + 1) * ps:
+            return
+        if m.CachePrefix(rid, label) in self.enabled_of(m.CachePrefix):
+            self.run(m.CachePrefix(rid, label, start=v.chain * ps))
 
     def fork_the_prompt(self, data: st.DataObject, rid: int, label: int, other: int) -> None:
         """Forks x the prefix cache (issue 44: no layer drew these together):
