@@ -591,9 +591,16 @@ class CacheStream:
         """Each stream's ``stored_len``, a batch's row's from its slot and
         the batch's ``ticks``: no property call per row."""
         get = _STORED_LEN.__get__
-        return [get(s) if type(s) is CacheStream
-                else get(s) + s._batch.ticks if type(s) is BatchedStream and s._batch is not None
-                else s.stored_len for s in streams]
+        out: list[int] = []
+        for s in streams:
+            kind, b = type(s), s._batch
+            if kind is CacheStream:
+                out.append(get(s))
+            elif kind is BatchedStream and b is not None:
+                out.append(get(s) + b.ticks)
+            else:
+                out.append(s.stored_len)  # a subclass's own
+        return out
 
     # offload
 

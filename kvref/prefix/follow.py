@@ -35,10 +35,6 @@ from kvref.prefix import cache as prefix_cache
 
 logger = logging.getLogger(__name__)
 
-# the field of a page's message before its parent's key, and the join
-CHILD = prefix_hash.CHILD_FIELD
-join = b"".join
-
 
 def follow_tokens(table: StreamTable, rid: str, label: str, ids: Sequence[int]) -> int:
     """See `KVManager.follow_tokens`: the `cache_prefix` of the committed ids
@@ -88,7 +84,7 @@ def key_followed(table: StreamTable, due: list[CacheStream],
     # the pool's hash (`KVConfig.page_key_hash`): its one-shot digest where
     # it has one, else its constructor's
     h = table.pages.key_hash
-    new, one_shot = h.new, h.one_shot
+    child, new, one_shot, join = prefix_hash.CHILD_FIELD, h.new, h.one_shot, b"".join
     filled: list[CacheStream] = []
     raws: list[bytes] = []
     keys: list[PageKey] = []
@@ -143,7 +139,9 @@ def key_followed(table: StreamTable, due: list[CacheStream],
             # a bool packs as 0 or 1: only where an id's low byte is 0 or 1
             # are the types counted, by a C-level pass (as `cache_prefix`'s
             # one-pass path; about one page in five of random ids)
-            low = raw[::8]  # (ints asked: `in` with bytes first tries them as an int, and raises)
+            # (``0 in low``: a bytes operand of ``in`` is first tried as an
+            # int, raising and catching a formatted TypeError)
+            low = raw[::8]
             if (0 in low or 1 in low) and (
                     countOf(map(type, tokens), int) != len(tokens)):
                 _key_all(table, due, unkeyable)
@@ -153,7 +151,7 @@ def key_followed(table: StreamTable, due: list[CacheStream],
             was_ids, was_at, was_head, was_raw = ids, start, head, raw
         filled.append(stream)
         raws.append(raw)
-        msg = (join((CHILD, chain[-1], count, raw, f.tail)) if done
+        msg = (join((child, chain[-1], count, raw, f.tail)) if done
                else join((root_count, raw, f.tail)))
         keys.append(one_shot(msg) if one_shot is not None else new(msg).digest())
         pages.append(stream.page_indices[slot])
