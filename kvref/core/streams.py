@@ -554,13 +554,53 @@ class CacheStream:
                         raws: Sequence[bytes], done: int, page_size: int) -> None:
         """A commit keyed the page after the chain of each of the first
         ``done`` followed ``streams`` (`extend_chains`), and each is looked
-        at again once the next page is full (`looked`): one pass, where a
+        at again once the next page is full (`look_all`): one pass, where a
         decode step of B = 256 fills about 16 pages."""
-        for s, key, raw in zip(streams[:done], keys, raws, strict=False):
+        streams = streams[:done]
+        ats: list[int] = []
+        for s, key, raw in zip(streams, keys, raws, strict=False):
             chain = s.keys
             chain.append(key)
             s.key_tokens += raw
-            s.look_at((len(chain) + 1) * page_size)
+            ats.append((len(chain) + 1) * page_size)
+        CacheStream.look_all(streams, ats)
+
+    @staticmethod
+    def look_all(streams: Sequence[CacheStream], ats: list[int]) -> None:
+        """`look_at` of ``ats[i]`` for each ``streams[i]``; the rows of one
+        decode batch by one store into its array, not a store and a read of
+        a numpy scalar each (a decode step's filled pages)."""
+        b = streams[0]._batch if streams else None
+        if b is not None:
+            rows = [s._batch_row for s in streams if s._batch is b]
+            if len(rows) == len(streams):
+                for s, at in zip(streams, ats, strict=True):
+                    s.key_at = at
+                # `put`: a fancy store from lists first tries each list as
+                # an index, raising and catching a formatted TypeError
+                b.key_at.put(rows, ats)
+                # a lower bound of the rows' ``key_at - lens`` with no read
+                # of ``lens`` (a commit that compares finds the exact one)
+                b.next_due = min(b.next_due, min(ats) - b.max_len)
+                return
+        for s, at in zip(streams, ats, strict=True):
+            s.look_at(at)
+
+    @staticmethod
+    def lengths(streams: Sequence[CacheStream]) -> list[int]:
+        """Each stream's ``stored_len``, a batch's row's from its slot and
+        the batch's ``ticks``: no property call per row."""
+        get = _STORED_LEN.__get__
+        out: list[int] = []
+        for s in streams:
+            kind, b = type(s), s._batch
+            if kind is CacheStream:
+                out.append(get(s))
+            elif kind is BatchedStream and b is not None:
+                out.append(get(s) + b.ticks)
+            else:
+                out.append(s.stored_len)  # a subclass's own
+        return out
 
     # offload
 

@@ -73,38 +73,37 @@ def key_followed(table: StreamTable, due: list[CacheStream],
     once: R2): each one's full committed pages past its chain, from its ids.
     A decode step's (at most the one page after each chain, ids in a list)
     in one pass and one pool call; anything else stream by stream, as
-    `cache_prefix` would key it."""
+    `cache_prefix` would key it.
+
+    The pass runs for every page a decode step fills (about 16 at B = 256),
+    so its loop reads slots, not properties (`CacheStream.lengths`), calls
+    no Python function per page, and looks at the rows of a decode batch
+    again by one array store (`CacheStream.extend_followed`)."""
     ps = table.page_size
     pack, count, root_count = prefix_cache.page_fields(ps)
     # the pool's hash (`KVConfig.page_key_hash`): its one-shot digest where
     # it has one, else its constructor's
     h = table.pages.key_hash
     child, new, one_shot, join = prefix_hash.CHILD_FIELD, h.new, h.one_shot, b"".join
-    looked: list[CacheStream] = []
     filled: list[CacheStream] = []
     raws: list[bytes] = []
     keys: list[PageKey] = []
     pages: list[int] = []
-    one_pass = True
     # the last page packed: a hybrid request's groups follow one list of ids
     # and fill the same page in the same commit, so each group after the
     # first reuses its bytes (its key still hashes its own label's extras)
     was_ids: object = None
     was_at = -1
     was_head = was_raw = b""
-    for stream in due:
+    for stream, n in zip(due, CacheStream.lengths(due), strict=True):
         f = stream.follow
         if f is None or stream.offloaded:
             continue
         if unkeyable and (f.request_id, f.label) in unkeyable:
             continue  # S32: keyed by a commit after the fork ran, not now
-        looked.append(stream)
-        if not one_pass:
-            continue
         chain = stream.keys
         done = len(chain)
         start = done * ps
-        n = stream.stored_len
         if n < start + ps:
             # the step filled no page (the compare is conservative): looked
             # at again once the page after the chain is full
@@ -113,11 +112,11 @@ def key_followed(table: StreamTable, due: list[CacheStream],
         ids = f.ids
         slot = done - stream.released // ps  # page_indices starts at the window
         if (n >= start + 2 * ps or type(ids) is not list or f.space is not stream.space
-                or stream.received or stream.read_future is not None
+                or stream.received_at is not None or stream.read_future is not None
                 or stream.read_error is not None or slot < 0):
             # (the last: a window passed the page; `cache_prefix` keys the chain)
-            one_pass = False
-            continue
+            _key_all(table, due, unkeyable)
+            return
         head = f.head
         if head and start != f.head_at:
             head = b""  # this page is not the one the hand-over's ids began
@@ -129,21 +128,24 @@ def key_followed(table: StreamTable, due: list[CacheStream],
                 # since are checked and packed
                 have = len(head) // 8
                 tokens = ids[start + have:start + ps]
-                fresh, pk = ps - have, prefix_hash.page_packer(ps - have)
+                pk = prefix_hash.page_packer(ps - have)
             else:
-                tokens, fresh, pk = ids[start:start + ps], ps, pack
+                tokens, pk = ids[start:start + ps], pack
             try:
                 raw = pk(*tokens)
             except struct.error:
-                one_pass = False  # too few ids, or not 64-bit ints: said below
-                continue
+                _key_all(table, due, unkeyable)  # too few ids, or not 64-bit ints: said there
+                return
             # a bool packs as 0 or 1: only where an id's low byte is 0 or 1
             # are the types counted, by a C-level pass (as `cache_prefix`'s
-            # one-pass path; about one page in eight of random ids)
-            if len(raw[::8].translate(None, b"\x00\x01")) != fresh and (
-                    countOf(map(type, tokens), int) != fresh):
-                one_pass = False
-                continue
+            # one-pass path; about one page in five of random ids)
+            # (``0 in low``: a bytes operand of ``in`` is first tried as an
+            # int, raising and catching a formatted TypeError)
+            low = raw[::8]
+            if (0 in low or 1 in low) and (
+                    countOf(map(type, tokens), int) != len(tokens)):
+                _key_all(table, due, unkeyable)
+                return
             if head:
                 raw = head + raw
             was_ids, was_at, was_head, was_raw = ids, start, head, raw
@@ -153,17 +155,26 @@ def key_followed(table: StreamTable, due: list[CacheStream],
                else join((root_count, raw, f.tail)))
         keys.append(one_shot(msg) if one_shot is not None else new(msg).digest())
         pages.append(stream.page_indices[slot])
-    if not one_pass:
-        _key_each(table, looked)
-        CacheStream.looked(looked, ps)
-    elif filled:
+    if filled:
         # one pool call; each stream whose page took its key extends its
-        # chain and is looked at again once the next page is full, in one
-        # pass (a stream past a failure is looked at by the next commit)
+        # chain and is looked at again once the next page is full (a stream
+        # past a failure is looked at by the next commit)
         took, err = table.pages.register_filled(pages, keys)
         CacheStream.extend_followed(filled, keys, raws, len(took), ps)
         if err is not None:
             raise err
+
+
+def _key_all(table: StreamTable, due: list[CacheStream],
+             unkeyable: Set[tuple[str, str]]) -> None:
+    """A commit's keying that one pass cannot do (more than a page a
+    stream, ids not in a list, a fork's label, received KV, a window past
+    the page, ids that do not pack): every followed stream of ``due`` keyed
+    stream by stream, as `cache_prefix` would, nothing of the pass kept."""
+    looked = [s for s in due if s.follow is not None and not s.offloaded and not (
+        unkeyable and (s.follow.request_id, s.follow.label) in unkeyable)]
+    _key_each(table, looked)
+    CacheStream.looked(looked, table.page_size)
 
 
 def _key_each(table: StreamTable, streams: list[CacheStream]) -> None:

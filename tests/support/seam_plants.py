@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -638,13 +638,22 @@ def page_filled_at_its_end_missed(mp: pytest.MonkeyPatch) -> None:
     the end of the page after its chain, so the page a step fills exactly is
     keyed a step late."""
     # `look_at`: where every commit sets a followed stream's next look
-    # (`looked`, `look_at`, `extend_followed`)
+    # (`looked`, `look_at`), and `look_all`, where a commit sets a decode
+    # batch's rows' by one store (`extend_followed`)
     orig = CacheStream.look_at
 
     def bad(self: CacheStream, at: int) -> None:
         orig(self, at if self.follow is None else at + 1)
 
     mp.setattr(CacheStream, "look_at", bad)
+    orig_all = CacheStream.look_all
+
+    def bad_all(streams: Sequence[CacheStream], ats: list[int]) -> None:
+        if streams and streams[0]._batch is not None:  # its rows: no `look_at` call
+            ats = [at if s.follow is None else at + 1 for s, at in zip(streams, ats, strict=True)]
+        orig_all(streams, ats)
+
+    mp.setattr(CacheStream, "look_all", staticmethod(bad_all))
     orig_follow = CacheStream.follow_with
 
     def bad_follow(self: CacheStream, followed: FollowedTokens | None, page_size: int) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvref.core.streams import StreamBatch
+from kvref.core.streams import CacheStream, StreamBatch
 from kvref.stepping.step import KVStep, Segment, StepContext
 from tests.unit._manager_fixtures import make_manager
 
@@ -242,3 +242,40 @@ def test_a_batch_short_of_the_page_its_next_token_starts_is_found() -> None:
 def test_a_batch_of_two_labels_answers_as_row_by_row() -> None:
     admits, detached = run(3, pages=100, aux=True)
     assert admits > 100 and detached > 20, (admits, detached)
+
+
+def _batch_of(lens: list[int]) -> StreamBatch:
+    streams = []
+    for n in lens:
+        s = CacheStream()
+        s.stored_len = s.position = n
+        streams.append(s)
+    segments = tuple(Segment(f"r{i}", "main", 1) for i in range(len(lens)))
+    return StreamBatch(streams, segments, [(g.request_id, g.label) for g in segments], PS)
+
+
+def test_look_all_over_a_batchs_rows_is_look_at_of_each() -> None:
+    """A commit looks at the rows of a decode batch again by one store into
+    its array (`CacheStream.look_all`): each row's ``key_at``, the batch's
+    array, and the rows each later commit finds due are what `look_at` of
+    each row would leave; `CacheStream.lengths` reads each row's length as
+    its property does, and a plain stream's from its slot."""
+    lens = [5, 9, 14, 3, 21]
+    one, each = _batch_of(lens), _batch_of(lens)
+    rows = [0, 2, 4]
+    ats = [8, 16, 24]
+    for b in (one, each):
+        b.end(True, True)  # a commit: ticks 1
+    CacheStream.look_all([one.streams[i] for i in rows], ats)
+    for i, at in zip(rows, ats, strict=True):
+        each.streams[i].look_at(at)
+    assert [s.key_at for s in one.streams] == [s.key_at for s in each.streams]
+    assert one.key_at.tolist() == each.key_at.tolist()
+    assert one.next_due <= each.next_due  # a lower bound: never a row missed
+    for _ in range(12):
+        assert one.end(True, True) == each.end(True, True)
+    assert CacheStream.lengths(one.streams) == [s.stored_len for s in one.streams] == [
+        n + 13 for n in lens]
+    one.dissolve()
+    mixed = [one.streams[0], each.streams[1]]  # a plain stream beside a row
+    assert CacheStream.lengths(mixed) == [s.stored_len for s in mixed] == [18, 22]
