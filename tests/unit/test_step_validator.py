@@ -163,14 +163,23 @@ def test_a_step_beginning_with_the_last_ones_segments_walks_only_the_rest(
     assert_same(before, snapshot(kv))
 
 
+def _after(change: Callable[[StepContext], None]) -> Callable[[list[Segment], StepContext],
+                                                               KVStep]:
+    """A new step of the same fields, over the context changed by ``change``."""
+    def make(batch: list[Segment], ctx: StepContext) -> KVStep:
+        change(ctx)
+        return KVStep(batch)
+    return make
+
+
 NEXT_STEP_CHANGES: dict[str, Callable[[list[Segment], StepContext], KVStep]] = {
     "commit-not-a-bool": lambda b, c: KVStep(b, commit=1),  # type: ignore[arg-type]
     "forks-onto-itself": lambda b, c: KVStep(b, post_forks=(("main", "main"),)),
     "combined-not-str": lambda b, c: KVStep(b, combined_labels=((1,),)),  # type: ignore[arg-type]
-    "padded-appended-int": lambda b, c: (
-        c.padded_request_ids.append(7), KVStep(b))[1],  # type: ignore[attr-defined]
-    "preplan-swapped": lambda b, c: (_swap_field(c, "is_preplan", "no"), KVStep(b))[1],
-    "lease-swapped": lambda b, c: (_swap_field(c, "slot_lease", "slot"), KVStep(b))[1],
+    "padded-appended-int": _after(
+        lambda c: c.padded_request_ids.append(7)),  # type: ignore[attr-defined]
+    "preplan-swapped": _after(lambda c: _swap_field(c, "is_preplan", "no")),
+    "lease-swapped": _after(lambda c: _swap_field(c, "slot_lease", "slot")),
 }
 
 
