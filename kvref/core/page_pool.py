@@ -350,8 +350,9 @@ class PagePool:
         elif take == 1:
             out = [blank.popleft()]  # a decode stream's next page: no loop
         else:
-            pop = blank.popleft
-            out = [pop() for _ in range(take)]
+            # the pops in C: a chunk's few pages each step (issue 42), no
+            # comprehension's frame
+            out = list(itertools.starmap(blank.popleft, itertools.repeat((), take)))
         holders = self._holders
         for p in out:
             holders[p] = owner  # a free page: no holder before

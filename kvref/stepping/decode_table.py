@@ -185,7 +185,10 @@ def fresh_plan(segments: Sequence[Segment], streams: list[CacheStream], page_siz
     # (not an ``accumulate`` over every row's span: about 1 µs at B = 16)
     head = [*range(n + 1), *kv, *last]
     for i, extra in shifts:
-        head[i + 1:n + 1] = map(operator.add, head[i + 1:n + 1], repeat(extra))
+        if i == n - 1:
+            head[n] += extra  # a chunk in the last row: only the end moves
+        else:
+            head[i + 1:n + 1] = map(operator.add, head[i + 1:n + 1], repeat(extra))
     table = np.concatenate((np.array(head, dtype=np.int32), *arrays))
     if shifts:
         indptrs, state, cuda = mixed_outputs(table, n, b + held,

@@ -467,7 +467,7 @@ def _long_chunk_slots(pages: np.ndarray[Any, Any], start: int, end: int, page_si
     page (0 .. 0, 1 .. 1, ...: one gather from ``pages``) and its offset in
     it. Two numpy calls, no division or repeat count per chunk (issue 42:
     the repeat took half of a 64-token chunk's slots). The pages come out in
-    ``pages``' int32; the caller's concatenate widens them to int64."""
+    ``pages``' int32; the caller's int64 buffer widens them."""
     runs = _RUNS.get(page_size)
     lo = start % page_size
     need = lo + end - start
@@ -556,30 +556,31 @@ def joined_slots(slot_pages: list[int], slot_offsets: list[int], cuts: Sequence[
                  page_size: int) -> np.ndarray[Any, Any]:
     """A step's write slots (int64: every token's page, then every offset,
     request-major as the query rows): the Python-int slots converted in one
-    call, as a decode step's are, then, where there are long chunks, their
-    slices and each long chunk's vector-built slots (`_long_chunk_slots`)
-    joined by one concatenate (issue 42: a conversion per run of rows
-    between chunks, and a concatenate of those, cost more than the chunk)."""
-    host = np.array(slot_pages + slot_offsets, dtype=np.int64)
+    call, as a decode step's are; where there are long chunks, one int64
+    buffer written in row order: each run of Python ints between chunks
+    (numpy converts them as it writes) and each long chunk's vector-built
+    slots (`_long_chunk_slots`). Issue 42: converting the ints first, then
+    slicing that array and joining the slices and the chunks' in one
+    concatenate, cost more in numpy calls than the chunk's slots."""
     if not cuts:
-        return host
+        return np.array(slot_pages + slot_offsets, dtype=np.int64)
     m = len(slot_pages)
-    page_parts: list[np.ndarray[Any, Any]] = []
-    offset_parts: list[np.ndarray[Any, Any]] = []
-    at = 0
+    q = m + sum(end - start for _, _, start, end in cuts)  # the step's tokens
+    out = np.empty(2 * q, dtype=np.int64)
+    at = w = 0  # Python-int slots taken, tokens written
     for cut, array, start, end in cuts:
-        pages_out, offsets_out = _long_chunk_slots(array, start, end, page_size)
         if cut > at:
-            page_parts.append(host[at:cut])
-            offset_parts.append(host[m + at:m + cut])
-        page_parts.append(pages_out)
-        offset_parts.append(offsets_out)
-        at = cut
-    if m > at:  # rows after the last long chunk (none where it ends the step)
-        page_parts.append(host[at:m])
-        offset_parts.append(host[m + at:])
-    # int64 whatever the pieces (a long chunk's pages come as int32)
-    return np.concatenate((*page_parts, *offset_parts), dtype=np.int64)
+            k = w + cut - at
+            out[w:k] = slot_pages[at:cut]
+            out[q + w:q + k] = slot_offsets[at:cut]
+            w = k
+        k = w + end - start
+        out[w:k], out[q + w:q + k] = _long_chunk_slots(array, start, end, page_size)
+        w, at = k, cut
+    if m > at:  # rows after the last long chunk
+        out[w:q] = slot_pages[at:]
+        out[q + w:] = slot_offsets[at:]
+    return out
 
 
 def mixed_outputs(table: np.ndarray[Any, Any], n: int, table_len: int,

@@ -161,3 +161,75 @@ def test_a_step_beginning_with_the_last_ones_segments_walks_only_the_rest(
         kv.admit(KVStep([batch[0], Segment("b", "main", True)]), ctx)  # type: ignore[arg-type]
     assert firsts[2:] == [2, 1]
     assert_same(before, snapshot(kv))
+
+
+def _after(change: Callable[[StepContext], None]) -> Callable[[list[Segment], StepContext],
+                                                               KVStep]:
+    """A new step of the same fields, over the context changed by ``change``."""
+    def make(batch: list[Segment], ctx: StepContext) -> KVStep:
+        change(ctx)
+        return KVStep(batch)
+    return make
+
+
+NEXT_STEP_CHANGES: dict[str, Callable[[list[Segment], StepContext], KVStep]] = {
+    "commit-not-a-bool": lambda b, c: KVStep(b, commit=1),  # type: ignore[arg-type]
+    "forks-onto-itself": lambda b, c: KVStep(b, post_forks=(("main", "main"),)),
+    "combined-not-str": lambda b, c: KVStep(b, combined_labels=((1,),)),  # type: ignore[arg-type]
+    "padded-appended-int": _after(
+        lambda c: c.padded_request_ids.append(7)),  # type: ignore[attr-defined]
+    "preplan-swapped": _after(lambda c: _swap_field(c, "is_preplan", "no")),
+    "lease-swapped": _after(lambda c: _swap_field(c, "slot_lease", "slot")),
+}
+
+
+def test_a_new_step_of_the_same_fields_walks_only_its_segments(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each engine step is a new `KVStep` over the same context (issue 42):
+    where every field but the segments is the last step's object, only the
+    new segments are walked (no `_step_from`), and the memo moves on."""
+    walks: list[int] = []
+    walk = validate._step_from
+
+    def counted(step: object, ctx: object, first: int) -> None:
+        walks.append(first)
+        walk(step, ctx, first)
+
+    monkeypatch.setattr(validate, "_step_from", counted)
+    kv = make_manager()
+    for rid in "abc":
+        kv.ingest_request(rid)
+    batch = [Segment("a", "main", 1), Segment("b", "main", 1)]
+    ctx = StepContext(["a", "b", "c"])
+    first = KVStep(batch)
+    for call in (kv.admit, kv.plan, kv.commit):
+        call(first, ctx)
+    assert walks == [0]
+    for step in (KVStep([*batch, Segment("c", "main", 4)]), KVStep(batch)):
+        for call in (kv.admit, kv.plan, kv.commit):
+            call(step, ctx)
+    assert walks == [0]  # neither new step walked its fields again
+    before = snapshot(kv)
+    with pytest.raises(InvalidStepError):
+        kv.admit(KVStep([*batch, Segment("c", "main", -1)]), ctx)
+    assert walks == [0]
+    assert_same(before, snapshot(kv))
+
+
+@pytest.mark.parametrize("change", list(NEXT_STEP_CHANGES), ids=list(NEXT_STEP_CHANGES))
+def test_a_new_step_with_a_bad_field_is_refused(change: str) -> None:
+    """The memo moves on only for the very objects it checked: a new step
+    whose other fields are bad, or whose context changed since, is walked
+    whole and refused, the manager unchanged."""
+    kv = make_manager()
+    for rid in "ab":
+        kv.ingest_request(rid)
+    batch = [Segment("a", "main", 1), Segment("b", "main", 1)]
+    ctx = StepContext(["a", "b"])
+    step = KVStep(batch)
+    for call in (kv.admit, kv.plan, kv.commit):
+        call(step, ctx)
+    before = snapshot(kv)
+    with pytest.raises(InvalidStepError):
+        kv.admit(NEXT_STEP_CHANGES[change](batch, ctx), ctx)
+    assert_same(before, snapshot(kv))
