@@ -242,9 +242,9 @@ class CacheStream:
         have = self._pages_n if self._pages_src is pages else 0
         if have == n and n:
             return self._pages_arr  # the common step: no page added since
+        if have > n:
+            have = 0  # shrunk in place: written afresh
         if have != n:
-            if have > n:
-                have = 0  # shrunk in place: written afresh
             buf = self._pages_buf
             if n > buf.shape[0]:
                 # room to grow: a decode stream appends a page every page_size steps
@@ -252,7 +252,11 @@ class CacheStream:
                 grown[:have] = buf[:have]
                 buf = self._pages_buf = grown
             buf[have:n] = pages[have:]
-            self._pages_n = n
+        # set for an empty list too: a new empty list (a reset that freed
+        # the pages) read here, then appended to in place, kept the old
+        # count, so the pages it gained were copied from past the first and
+        # the plan named the old first page (the seam lockstep, seed 0)
+        self._pages_n = n
         self._pages_src = pages
         arr = self._pages_arr = self._pages_buf[:n]
         return arr

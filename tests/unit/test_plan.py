@@ -289,6 +289,24 @@ def test_stream_page_array_follows_its_list() -> None:
     assert view.page_at(1) == s.page_indices[3]
 
 
+def test_stream_page_array_after_an_empty_list_is_read() -> None:
+    """A reset that frees a stream's pages gives it a new, empty list; a step
+    that reads it empty (a zero-span segment) and then an admit that appends
+    to that list in place must see the new pages from the first. The kept
+    count stayed at the old list's, so the first new page was never copied:
+    the plan named the page the stream had before its reset (found by the
+    seam lockstep, seed 0; `test_a_zero_span_read_after_a_freeing_reset`)."""
+    from kvref.core.streams import CacheStream
+
+    s = CacheStream()
+    s.append_pages([2])
+    assert s.pages_array().tolist() == [2]
+    s.reset(freed=True)
+    assert s.pages_array().tolist() == []
+    s.append_pages([6, 2])  # in place, into the list read empty
+    assert s.pages_array().tolist() == [6, 2]
+
+
 # -- plan states, where tables are placed, forks and combined groups in the plan
 
 
