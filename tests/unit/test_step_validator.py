@@ -129,6 +129,23 @@ def test_a_well_formed_change_in_place_is_not_the_admitted_step(when: str, chang
     assert kv.stored_len("b") == 0
 
 
+def _run(kv: Any, step: KVStep, ctx: StepContext) -> None:
+    for call in (kv.admit, kv.plan, kv.commit):
+        call(step, ctx)
+
+
+def _decoded_batch() -> tuple[Any, list[Segment], StepContext]:
+    """Requests a, b and c, and one decode step of a and b run over a
+    context naming all three: the step the next one follows."""
+    kv = make_manager()
+    for rid in "abc":
+        kv.ingest_request(rid)
+    batch = [Segment("a", "main", 1), Segment("b", "main", 1)]
+    ctx = StepContext(["a", "b", "c"])
+    _run(kv, KVStep(batch), ctx)
+    return kv, batch, ctx
+
+
 def test_a_step_beginning_with_the_last_ones_segments_walks_only_the_rest(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode batch with a prefill chunk beside it (issue 42) reuses the
@@ -142,17 +159,8 @@ def test_a_step_beginning_with_the_last_ones_segments_walks_only_the_rest(
         walk(segs, first)
 
     monkeypatch.setattr(validate, "segments", counted)
-    kv = make_manager()
-    for rid in "abc":
-        kv.ingest_request(rid)
-    batch = [Segment("a", "main", 1), Segment("b", "main", 1)]
-    ctx = StepContext(["a", "b", "c"])
-    decode = KVStep(batch)
-    for call in (kv.admit, kv.plan, kv.commit):
-        call(decode, ctx)
-    mixed = KVStep([*batch, Segment("c", "main", 4)])
-    for call in (kv.admit, kv.plan, kv.commit):
-        call(mixed, ctx)
+    kv, batch, ctx = _decoded_batch()
+    _run(kv, KVStep([*batch, Segment("c", "main", 4)]), ctx)
     assert firsts == [0, 2]
     before = snapshot(kv)
     with pytest.raises(InvalidStepError):
@@ -196,18 +204,10 @@ def test_a_new_step_of_the_same_fields_walks_only_its_segments(
         walk(step, ctx, first)
 
     monkeypatch.setattr(validate, "_step_from", counted)
-    kv = make_manager()
-    for rid in "abc":
-        kv.ingest_request(rid)
-    batch = [Segment("a", "main", 1), Segment("b", "main", 1)]
-    ctx = StepContext(["a", "b", "c"])
-    first = KVStep(batch)
-    for call in (kv.admit, kv.plan, kv.commit):
-        call(first, ctx)
+    kv, batch, ctx = _decoded_batch()
     assert walks == [0]
     for step in (KVStep([*batch, Segment("c", "main", 4)]), KVStep(batch)):
-        for call in (kv.admit, kv.plan, kv.commit):
-            call(step, ctx)
+        _run(kv, step, ctx)
     assert walks == [0]  # neither new step walked its fields again
     before = snapshot(kv)
     with pytest.raises(InvalidStepError):
@@ -221,14 +221,7 @@ def test_a_new_step_with_a_bad_field_is_refused(change: str) -> None:
     """The memo moves on only for the very objects it checked: a new step
     whose other fields are bad, or whose context changed since, is walked
     whole and refused, the manager unchanged."""
-    kv = make_manager()
-    for rid in "ab":
-        kv.ingest_request(rid)
-    batch = [Segment("a", "main", 1), Segment("b", "main", 1)]
-    ctx = StepContext(["a", "b"])
-    step = KVStep(batch)
-    for call in (kv.admit, kv.plan, kv.commit):
-        call(step, ctx)
+    kv, batch, ctx = _decoded_batch()
     before = snapshot(kv)
     with pytest.raises(InvalidStepError):
         kv.admit(NEXT_STEP_CHANGES[change](batch, ctx), ctx)
