@@ -9,7 +9,7 @@ found under a seed only where the clean tree passed the same seed and
 budget, so a clean failure is never credited to a plant.
 
     PYTHONPATH=. python scripts/plant_rates.py [--seeds 10] [--only SUBSTR]
-        [--skip-controls] [--json FILE] [--markdown FILE]
+        [--skip-controls | --controls-only] [--json FILE] [--markdown FILE]
 
 Groups (the budgets their tests use):
   mutant     tests/conformance/test_mutations.py MUTANTS, PLAIN_SCOPE, 50, 100
@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-controls", action="store_true",
                     help="run the plants only: each failing seed counts, marked "
                     "'control not run' (a control costs a plant's whole budget per seed)")
+    ap.add_argument("--controls-only", action="store_true",
+                    help="run only the clean runs (controls) whose names have one of --only's "
+                    "words (a control run later than its plants, or again)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--render", metavar="JSON", nargs="+", default=None,
@@ -191,9 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     seeds = range(o.first_seed, o.first_seed + o.seeds)
     todo = [c for c in cases() if c.plant is None
             or any(w in f"{c.group} {c.name}" for w in o.only.split(","))]
+    if o.controls_only:
+        todo = [c for c in cases() if c.plant is None
+                and any(w in c.name for w in o.only.split(","))]
     if o.max_examples:
         todo = [c for c in todo if c.examples <= o.max_examples]
     wanted = set() if o.skip_controls else {c.control for c in todo if c.plant is not None}
+    if o.controls_only:
+        wanted = {c.name for c in todo}
     todo = [c for c in todo if c.plant is not None or c.name in wanted]
     rows: dict[str, dict[str, object]] = {}
     for c in todo:
