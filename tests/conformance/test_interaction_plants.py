@@ -123,7 +123,7 @@ def test_twelve_interaction_plants_are_found_in_ci() -> None:
 # pass clean, and at most that is what each plant gets. Found there: these
 # two (at machines 134 and 49); the others need a prefix hit or a window
 # release, which those 100 examples never make
-LOCKSTEP_EXAMPLES = 100
+LOCKSTEP_EXAMPLES = 200
 LOCKSTEP_FINDS = (
     # offload_commit_frees_shared_pages (machine 134) survives these 100
     # since issue 44's draws (the free order, the ids, the reused ids,
