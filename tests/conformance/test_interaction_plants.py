@@ -118,21 +118,24 @@ def test_twelve_interaction_plants_are_found_in_ci() -> None:
     assert len({n.split("@")[0] for n in FOUND_AT}) >= 12
 
 
-# the Hypothesis lockstep in the shipped configuration: the clean tree's first
-# open disagreement comes at its 244th machine (derandomized); 100 examples
-# pass clean, and at most that is what each plant gets. Found there: these
-# two (at machines 134 and 49); the others need a prefix hit or a window
-# release, which those 100 examples never make
+# the Hypothesis lockstep in the shipped configuration, at the budget whose
+# rates over seeds 0-9 are measured (`scripts/plant_rates.py`, issue 41):
+# at 100 examples the clean run missed a prefix hit or a followed commit
+# under some seeds (its coverage check), and each plant that needs one was
+# found under 8 or 9 seeds of 10; at 200 the clean run passed all ten and
+# these were found under 9 or 10 (docs/verification/coverage.md). A plant
+# found under fewer is not listed: it was found by a lucky draw
 LOCKSTEP_EXAMPLES = 200
 LOCKSTEP_FINDS = (
-    # offload_commit_frees_shared_pages (machine 134) survives these 100
-    # since issue 44's draws (the free order, the ids, the reused ids,
-    # share_a_prompt's new draws): its trace and program find it in CI
-    "reset_cache_while_offloaded",  # at the 30th machine since issue 44
-    "page_filled_at_its_end_missed",  # S33: at the 93rd machine
+    # offload_commit_frees_shared_pages survives the lockstep since issue
+    # 44's draws: its trace and program find it in CI. Nor is
+    # release_shared_head_first listed: 8 of 10 at 200 examples (seeds 5 and
+    # 8 missed) once decode steps key their pages, 9 of 10 at 100 before;
+    # its trace finds it in CI
+    "reset_cache_while_offloaded",
+    "page_filled_at_its_end_missed",  # S33
     # issue 44: the reach added to the lockstep (docs/verification/planted-bugs.md)
     "cache_prefix_compares_from_token_0",  # S34's start drawn
-    "release_shared_head_first",  # the free queues' order compared
     "one_pass_ignores_extra_keys",  # a tenant told apart by extra keys, keys compared
     "remove_keeps_the_config",  # request ids used again
 )
