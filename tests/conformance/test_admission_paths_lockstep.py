@@ -5,7 +5,7 @@ the general rules before every admit it issues
 (`tests/support/admission_check.py`), so every state and step shape the
 lockstep draws is a case of the equality `tests/unit/test_admission_paths.py`
 checks on drawn tables. The clean tree passes it in `test_lockstep` (200
-examples of the ci profile, both scopes); here a divergence planted in the fast
+examples of the ci profile as shipped, 100 with sharing off); here a divergence planted in the fast
 path is found by it within the same budget of examples.
 """
 
