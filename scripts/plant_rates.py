@@ -195,11 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     preload()  # Hypothesis's pool of constants, as in the suite (tests/conftest.py)
     seeds = range(o.first_seed, o.first_seed + o.seeds)
-    todo = [c for c in cases() if c.plant is None
-            or any(w in f"{c.group} {c.name}" for w in o.only.split(","))]
+    words = o.only.split(",")
     if o.controls_only:
+        todo = [c for c in cases() if c.plant is None and any(w in c.name for w in words)]
+    else:
         todo = [c for c in cases() if c.plant is None
-                and any(w in c.name for w in o.only.split(","))]
+                or any(w in f"{c.group} {c.name}" for w in words)]
     if o.max_examples:
         todo = [c for c in todo if c.examples <= o.max_examples]
     wanted = set() if o.skip_controls else {c.control for c in todo if c.plant is not None}

@@ -723,7 +723,6 @@ class Driver:
         # a careless engine's draft ids, past the committed
         ids += [engine_id(a.label, len(ids) + i) for i in range(a.drafts)]
         ps = self.scope.page_size
-        v = self.model_state.stream_map().get((a.rid, a.label * self.groups.g))
         if a.start > 0 and not a.drafts:
             # from ``start`` (S34), as an engine keying pages as they fill
             # names them: the full pages from there, no partial one (the
@@ -731,7 +730,9 @@ class Driver:
             ids = ids[a.start: max(a.start, len(ids) // ps * ps)]
         elif a.start > 0:
             ids = ids[a.start:]
-        elif not a.drafts and (v is None or not v.chain) and len(ids) >= ps:
+        elif not a.drafts and len(ids) >= ps and not getattr(
+                self.model_state.stream_map().get((a.rid, a.label * self.groups.g)),
+                "chain", 0):
             # a stream's first pages, named the same way: with every id, a
             # first page that filled took the general path, so a tenant whose
             # one-page keying dropped its extra keys was met under 8 seeds
