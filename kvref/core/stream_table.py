@@ -136,9 +136,7 @@ class StreamTable:
     def take(self, key: Key, n: int) -> list[int]:
         """``n`` fresh pages for the stream ``key``; the caller counted them
         free under the same lock (an admission, a reload's check)."""
-        got = self.pages.allocate(key, n)
-        assert isinstance(got, list), f"pages counted free under the lock went missing: {got}"
-        return got
+        return self.pages.take_counted(key, n)
 
     def take_each(self, keys: list[Key], counts: list[int]) -> list[list[int]]:
         """`take` of ``counts[i]`` pages for each of ``keys`` in turn, in one

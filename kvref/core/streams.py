@@ -261,6 +261,22 @@ class CacheStream:
         arr = self._pages_arr = self._pages_buf[:n]
         return arr
 
+    @staticmethod
+    def pages_arrays(streams: Sequence[CacheStream]) -> list[np.ndarray[Any, Any]]:
+        """`pages_array` of each of ``streams``: the kept array read inline
+        where no page changed since (most rows of a step), a call only for
+        the others (a plan's rows: a method call each was about a tenth of a
+        B = 16 decode plan)."""
+        out: list[np.ndarray[Any, Any]] = []
+        put = out.append
+        for s in streams:
+            pages = s.page_indices
+            if s._pages_src is pages and s._pages_n == len(pages) and pages:
+                put(s._pages_arr)
+            else:
+                put(s.pages_array())
+        return out
+
     # -- transitions: the only writers of the fields above --------------------
 
     def _own(self) -> None:
@@ -314,7 +330,8 @@ class CacheStream:
     def append_pages(self, pages: list[int]) -> None:
         """An admit's fresh pages, after the stream's own (in place: the kept
         `pages_array` copies only the new ones)."""
-        self._need_resident("append_pages")
+        if self.offloaded:  # asked inline: every admit that takes pages
+            self._need_resident("append_pages")
         self.page_indices += pages
         self.generation += 1  # I14: pages or length changed
 
@@ -343,9 +360,10 @@ class CacheStream:
     def mark_step(streams: Sequence[CacheStream]) -> None:
         """`mark_in_flight` of each of ``streams``: all are checked before any
         is marked."""
-        for s in streams:
-            if s.offloaded:
-                s._need_resident("mark_in_flight")
+        if True in map(_offloaded, streams):  # a C-level pass: none, at every step
+            for s in streams:
+                if s.offloaded:
+                    s._need_resident("mark_in_flight")
         for s in streams:
             s.step_in_flight = True
 
@@ -965,6 +983,7 @@ class BatchedStream(CacheStream):
 _key_of = operator.attrgetter("request_id", "label")
 _span_of = operator.attrgetter("span")
 _generation = operator.attrgetter("generation")
+_offloaded = operator.attrgetter("offloaded")
 
 
 def generations(streams: list[CacheStream]) -> np.ndarray[Any, Any]:

@@ -148,13 +148,12 @@ def fresh_plan(segments: Sequence[Segment], streams: list[CacheStream], page_siz
     view_len: list[int] = []
     held = 0
     ps = page_size
-    for seg, s in zip(segments, streams, strict=True):
+    for seg, s, arr in zip(segments, streams, CacheStream.pages_arrays(streams), strict=True):
         if seg.label != label:
             return None
         # a windowed stream's view starts at its first retained page (W1, W4)
         end = s.stored_len - s.released  # the first new token's place in the view
         span = seg.span
-        arr = s.pages_array()
         if span == 1:
             k = end // ps
             off = end - k * ps

@@ -565,6 +565,17 @@ def joined_slots(slot_pages: list[int], slot_offsets: list[int], cuts: Sequence[
     if not cuts:
         return np.array(slot_pages + slot_offsets, dtype=np.int64)
     m = len(slot_pages)
+    if len(cuts) == 1 and cuts[0][0] == m:
+        # one long chunk after every Python-int slot (a mixed step's chunk
+        # in its last row): the two runs whole, with no slicing of the
+        # lists and no pass over the cuts
+        _, array, start, end = cuts[0]
+        q = m + end - start
+        out = np.empty(2 * q, dtype=np.int64)
+        out[:m] = slot_pages
+        out[q:q + m] = slot_offsets
+        out[m:q], out[q + m:] = _long_chunk_slots(array, start, end, page_size)
+        return out
     q = m + sum(end - start for _, _, start, end in cuts)  # the step's tokens
     out = np.empty(2 * q, dtype=np.int64)
     at = w = 0  # Python-int slots taken, tokens written
@@ -597,12 +608,10 @@ def mixed_outputs(table: np.ndarray[Any, Any], n: int, table_len: int,
         page_t = torch.from_numpy(slots[:q])
         offset_t = torch.from_numpy(slots[q:])
         # its own record over the same tensors, as `to_device` gave on the host
-        device_indptrs = PagedIndptrs(
-            qo_indptr=cpu_indptrs.qo_indptr,
-            paged_kv_indptr=cpu_indptrs.paged_kv_indptr,
-            paged_kv_indices=cpu_indptrs.paged_kv_indices,
-            paged_kv_last_page_len=cpu_indptrs.paged_kv_last_page_len,
-        )
+        # (positional: the fields' order, qo, kv, indices, last page lengths)
+        c = cpu_indptrs
+        device_indptrs = PagedIndptrs(c.qo_indptr, c.paged_kv_indptr, c.paged_kv_indices,
+                                      c.paged_kv_last_page_len)
     else:
         host = np.concatenate((table.astype(np.int64), slots))
         b = (0, n + 1, 2 * n + 2, 3 * n + 2, table_len)

@@ -87,3 +87,23 @@ def test_a_decode_step_takes_the_pages_stream_by_stream_or_in_one_call_alike(
     batched = _decode_across_pages(monkeypatch, 2)
     one_by_one = _decode_across_pages(monkeypatch, 1 << 20)
     assert_same(batched, one_by_one)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 6, 8])
+def test_take_counted_gives_what_allocate_gives(n: int) -> None:
+    # the admission's trusted take (no argument checks): the same pages,
+    # holders, keys dropped and LRU as `allocate`, blank first then cached
+    counted, checked = _pool_with_cached_pages(), _pool_with_cached_pages()
+    assert counted.take_counted(("r", "m"), n) == checked.allocate(("r", "m"), n)
+    assert counted.snapshot() == checked.snapshot()
+    counted.sanity_check()
+
+
+def test_take_counted_past_the_free_pages_is_a_broken_count() -> None:
+    # a count the caller did not make under the lock is its bug, not a
+    # refusal: it stops before any page moves
+    pool = _pool_with_cached_pages()
+    before = pool.snapshot()
+    with pytest.raises(AssertionError, match="9 pages counted free, 8 are"):
+        pool.take_counted(("r", "m"), 9)
+    assert pool.snapshot() == before
