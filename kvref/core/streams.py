@@ -238,10 +238,16 @@ class CacheStream:
         transition assigns a new list). Valid until the stream's pages next
         change: a plan copies from it at once."""
         pages = self.page_indices
+        if self._pages_src is pages and self._pages_n == len(pages) and pages:
+            return self._pages_arr  # the common step: no page added since
+        return self._write_pages_array()
+
+    def _write_pages_array(self) -> np.ndarray[Any, Any]:
+        """`pages_array` where the kept array is not the list's: the pages
+        appended since copied in (all of them for a new or shrunk list)."""
+        pages = self.page_indices
         n = len(pages)
         have = self._pages_n if self._pages_src is pages else 0
-        if have == n and n:
-            return self._pages_arr  # the common step: no page added since
         if have > n:
             have = 0  # shrunk in place: written afresh
         if have != n:
@@ -263,10 +269,10 @@ class CacheStream:
 
     @staticmethod
     def pages_arrays(streams: Sequence[CacheStream]) -> list[np.ndarray[Any, Any]]:
-        """`pages_array` of each of ``streams``: the kept array read inline
-        where no page changed since (most rows of a step), a call only for
-        the others (a plan's rows: a method call each was about a tenth of a
-        B = 16 decode plan)."""
+        """`pages_array` of each of ``streams``, its test inline: the kept
+        array where no page changed since (most rows of a step), written
+        only for the others (a plan's rows: a method call each was about a
+        tenth of a B = 16 decode plan)."""
         out: list[np.ndarray[Any, Any]] = []
         put = out.append
         for s in streams:
@@ -274,7 +280,7 @@ class CacheStream:
             if s._pages_src is pages and s._pages_n == len(pages) and pages:
                 put(s._pages_arr)
             else:
-                put(s.pages_array())
+                put(s._write_pages_array())
         return out
 
     # -- transitions: the only writers of the fields above --------------------

@@ -402,11 +402,9 @@ class Stepping:
         if len(grown) < _BATCHED_TAKE:
             # a few streams (a small batch, a chunk): the pool's one-owner
             # call, the same path a decode step of the batch takes
-            # the pool's call itself: the table's `take` adds only a frame
-            take = self._table.pages.take_counted
             for i in grown:
                 rid, _, label, _, short = claims[i]
-                made[i].append_pages(take((rid, label), short))
+                made[i].append_pages(self._table.take((rid, label), short))
         else:
             # the pages of every stream short of some in one call to the
             # pool, in claim order: the pages `take` would give each in turn
