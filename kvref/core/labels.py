@@ -18,12 +18,16 @@ Core: imports nothing above `kvref.core`.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvref.core.config import RetentionPolicy
 from kvref.core.groups import GROUP_SEP, AttentionGroup, ChunkedAttention
+
+# no length: what `next_release` answers for a label that never releases
+NEVER = sys.maxsize
 
 
 class LabelBehaviour(Protocol):
@@ -59,6 +63,13 @@ class LabelBehaviour(Protocol):
         ``released`` (a truncate keeps it)."""
         ...
 
+    def next_release(self, released: int, page_size: int) -> int:
+        """The least length at which ``released_after(released, length)``
+        passes ``released`` (``released`` whole pages), `NEVER` where no
+        length does: a decode batch asks each row's once per release, not
+        ``released_after`` at every commit (`kvref.core.streams.StreamBatch`)."""
+        ...
+
 
 @dataclass(frozen=True)
 class FullAttention:
@@ -80,6 +91,9 @@ class FullAttention:
 
     def released_after(self, released: int, length: int, page_size: int) -> int:
         return released
+
+    def next_release(self, released: int, page_size: int) -> int:
+        return NEVER
 
 
 class _ReleasesPages:
@@ -120,6 +134,10 @@ class SlidingWindow(_ReleasesPages):
         first_kept = max(0, length - self.window_tokens - self.margin)
         return max(released, first_kept // page_size * page_size)
 
+    def next_release(self, released: int, page_size: int) -> int:
+        # the page after ``released`` goes once the first kept token is past it
+        return released + page_size + self.window_tokens + self.margin
+
 
 @dataclass(frozen=True)
 class ChunkedLocal(_ReleasesPages):
@@ -140,6 +158,10 @@ class ChunkedLocal(_ReleasesPages):
 
     def released_after(self, released: int, length: int, page_size: int) -> int:
         return max(released, self.first_read(length) // page_size * page_size)
+
+    def next_release(self, released: int, page_size: int) -> int:
+        # the first chunk boundary at or past the end of the page after ``released``
+        return -(-(released + page_size) // self.chunk) * self.chunk
 
 
 FULL_ATTENTION = FullAttention()

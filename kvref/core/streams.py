@@ -432,6 +432,13 @@ class CacheStream:
     def release_window_to(self, released: int, page_size: int) -> list[int]:
         """W2: the slots before ``released`` tokens leave the front of the
         list; returns their pages (the caller gives them back)."""
+        go = self._drop_front(released, page_size)
+        self.generation += 1  # I14: pages or length changed
+        return go
+
+    def _drop_front(self, released: int, page_size: int) -> list[int]:
+        # `release_window_to` but the generation, which a batch's row moves
+        # in the batch (`BatchedStream.release_window_to`)
         if released <= self.released or released % page_size:
             raise self._refuse("release_window_to", f"to {released} tokens")
         drop = (released - self.released) // page_size
@@ -447,7 +454,6 @@ class CacheStream:
             self._pages_n -= drop
             self._pages_arr = self._pages_buf[:self._pages_n]
         self.released = released
-        self.generation += 1  # I14: pages or length changed
         return go
 
     def rehome_pages(self, pages: list[int]) -> None:
@@ -795,10 +801,12 @@ class StreamBatch:
     """
 
     __slots__ = ("gens", "in_flight", "intact", "key_at", "keys", "lens", "max_len",
-                 "next_due", "npages", "segments", "streams", "ticks")
+                 "next_due", "next_release", "npages", "release_at", "segments", "streams",
+                 "ticks")
 
     def __init__(self, streams: list[CacheStream], segments: tuple[Any, ...],
-                 keys: list[tuple[str, str]], page_size: int) -> None:
+                 keys: list[tuple[str, str]], page_size: int,
+                 release_at: Sequence[int] | None = None) -> None:
         n = len(streams)
         self.streams, self.segments, self.keys = streams, segments, keys
         self.ticks = 0
@@ -819,17 +827,27 @@ class StreamBatch:
         # commits before it compare nothing (a row's later key_at only lowers
         # it, `CacheStream.looked`; a commit that compares finds it again)
         self.next_due = int((self.key_at - self.lens).min()) if n else NEVER
+        # per row, the length at which its commit first releases a page (W2:
+        # `LabelBehaviour.next_release`; NEVER for full attention), and the
+        # fewest commits before some row reaches it; None: no row releases
+        self.release_at: np.ndarray[Any, Any] | None = None
+        self.next_release = NEVER
+        if release_at is not None and n and min(release_at) < NEVER:
+            self.release_at = np.fromiter(release_at, np.int64, n)
+            self.next_release = int((self.release_at - self.lens).min())
         for i, s in enumerate(streams):
             s.__class__ = BatchedStream
             s._batch = self
             s._batch_row = i
 
     @staticmethod
-    def join(streams: list[CacheStream], segments: tuple[Any, ...],
-             page_size: int) -> StreamBatch | None:
+    def join(streams: list[CacheStream], segments: tuple[Any, ...], page_size: int,
+             release_at: Sequence[int] | None = None) -> StreamBatch | None:
         """A batch of ``streams`` (one segment of span 1 each, ``segments``,
         each stream named once, none in a batch), or None where a row may
-        refuse an admit or copy its tail: the general path decides those."""
+        refuse an admit or copy its tail: the general path decides those.
+        ``release_at``: each row's `LabelBehaviour.next_release` from its
+        ``released`` (None: no label releases)."""
         for s in streams:
             if type(s) is not CacheStream:
                 return None  # a row of another batch, or a test's own subclass
@@ -842,7 +860,7 @@ class StreamBatch:
                 # into pages of its own, as every later step of the batch does
                 return None
         keys = [(g.request_id, g.label) for g in segments]
-        return StreamBatch(streams, segments, keys, page_size)
+        return StreamBatch(streams, segments, keys, page_size, release_at)
 
     def detach(self, s: CacheStream) -> None:
         """``s`` leaves: the batch's part of its fields becomes its own."""
@@ -917,6 +935,31 @@ class StreamBatch:
         self.next_due = int(gap.min())
         return rows
 
+    def passing(self) -> list[int]:
+        """After a commit (`end`): the rows whose length reached their
+        ``release_at``, whose window (or chunk) may now pass a page (W2).
+        A window moves one page every page_size commits, so most commits
+        compare nothing."""
+        at = self.release_at
+        if at is None or self.ticks < self.next_release:
+            return []
+        rows: list[int] = ((at - self.lens) <= self.ticks).nonzero()[0].tolist()
+        return rows
+
+    def rearm(self, rows: list[int], ats: list[int]) -> None:
+        """Row ``rows[i]`` next releases at length ``ats[i]`` (its
+        ``released`` after the commit's release)."""
+        at = self.release_at
+        assert at is not None
+        at.put(rows, ats)
+        self.next_release = int((at - self.lens).min())
+
+    def released(self, s: CacheStream) -> None:
+        """A row's window released pages at the batch's own commit: its
+        generation moves (I14) and it stays a row."""
+        _GENERATION.__set__(s, _GENERATION.__get__(s, CacheStream) + 1)
+        self.gens[s._batch_row] += 1
+
     def generations(self) -> np.ndarray[Any, Any]:
         """Every row's ``generation``."""
         return self.gens + self.ticks
@@ -940,6 +983,16 @@ class BatchedStream(CacheStream):
         b = self._batch
         assert b is not None
         b.detach(self)
+
+    def release_window_to(self, released: int, page_size: int) -> list[int]:
+        # W2 at its batch's commit (the only release a row meets: any other
+        # transition, a general commit's included, took it out first): the
+        # released slots leave as they do from any stream, and the row stays
+        b = self._batch
+        assert b is not None
+        go = self._drop_front(released, page_size)
+        b.released(self)
+        return go
 
     @property
     def stored_len(self) -> int:

@@ -60,6 +60,18 @@ class GroupDecodeTables(DecodeTable):
         # while no row's pages change (as `DecodeTable` hands out its one)
         self._runs: list[torch.Tensor] = []
         self._blank: Array = np.zeros((0, 0), dtype=np.int32)  # `_split`'s head, before its rows
+        self._perm: Array = np.zeros(0, dtype=np.int64)  # the step's row of each kept row
+
+    def _generations(self, streams: list[CacheStream]) -> Array:
+        # the kept rows are the step's group-major: a decode batch's rows
+        # (`StreamBatch`, in the step's order) read from its array and put
+        # in the table's, not a property call per row
+        step = self._streams
+        b = step[0]._batch if step else None
+        if b is not None and b.intact and b.streams is step and streams is self._order:
+            got: Array = b.generations()[self._perm]
+            return got
+        return super()._generations(streams)
 
     def plan(self, segments: Sequence[Segment], streams: list[CacheStream],
              grown: Sequence[int]) -> DecodePlan | None:
@@ -81,7 +93,9 @@ class GroupDecodeTables(DecodeTable):
         if kept is not None and len(kept) == n and all(map(operator.is_, streams, kept)) and (
                 all(map(operator.is_, segments, self._segments))
                 or list(map(_span, segments)).count(1) == n):
-            self._segments = segments
+            # (equal rows, maybe another list: a decode batch's, which
+            # `_generations` knows by identity)
+            self._streams, self._segments = streams, segments
             b = n // g
             # row i of the step (request i // g, group i % g), group-major
             return self._split(*self._update(self._order, [i % g * b + i // g for i in grown]))
@@ -94,6 +108,8 @@ class GroupDecodeTables(DecodeTable):
             return None
         self._streams, self._segments = streams, segments
         self._order = [s for k in range(g) for s in streams[k::g]]
+        # the step's row of each kept row: group k's r-th is row r * g + k
+        self._perm = np.arange(n).reshape(n // g, g).T.ravel()
         self._qo = np.arange(n // g + 1, dtype=np.int64)
         return self._split(*self._rebuild(self._order))
 

@@ -178,7 +178,7 @@ class Stepping:
             batch = self._decode_batch
             # (a row's tail is private: `StreamBatch.join` checked it, and
             # only a truncate, which takes the row out, makes one shared)
-            if batch is not None and batch.intact and not releasing and (
+            if batch is not None and batch.intact and (
                     not padded or all(map(all_streams.__contains__, padded))) and (
                     self._admit_batch(batch, step, padded, free)):
                 return ADMIT_OK
@@ -688,6 +688,8 @@ class Stepping:
             rows = batch.end(step.commit, due is not None)
             if rows and due is not None:
                 due.extend([streams[i] for i in rows])
+            if step.commit:
+                self._release_batch(batch)
             return
         dropped = CacheStream.end_step(
             streams, map(_span, segments) if step.commit else None, due)
@@ -754,7 +756,7 @@ class Stepping:
         if not (step.commit and list(map(_span, segments)).count(1) == n):
             self._last_rows = None
             return
-        if streams != self._last_rows or self._table.releasing:
+        if streams != self._last_rows:
             self._last_rows, self._repeats = streams, 0
             return
         self._last_rows = streams
@@ -762,7 +764,33 @@ class Stepping:
         if self._repeats < _BATCH_AFTER:
             return
         self._last_rows = None
-        self._decode_batch = StreamBatch.join(streams, tuple(segments), self._table.page_size)
+        ps, behaviour = self._table.page_size, self._table.behaviour
+        release_at = None
+        if self._table.releasing:
+            release_at = []
+            for seg, s in zip(segments, streams, strict=True):
+                ask = getattr(behaviour(seg.label), "next_release", None)
+                if ask is None:
+                    # an attention type of an engine's own from before
+                    # `LabelBehaviour.next_release`: its rows step row by row
+                    return
+                release_at.append(ask(s.released, ps))
+        self._decode_batch = StreamBatch.join(streams, tuple(segments), ps, release_at)
+
+    def _release_batch(self, batch: StreamBatch) -> None:
+        """W2 at a batch's commit: the rows whose length reached the next
+        release of their window (or chunk) retire as `_end_plain`'s pass
+        retires them, in one call, and are told where the next one is. What
+        goes is `released_after`'s answer (`StreamTable.retire_each`); the
+        batch only asks when."""
+        rows = batch.passing()
+        if not rows:
+            return
+        keys, streams = batch.keys, batch.streams
+        self._table.retire_each([keys[i] for i in rows], [streams[i] for i in rows])
+        ps, behaviour = self._table.page_size, self._table.behaviour
+        batch.rearm(rows, [behaviour(keys[i][1]).next_release(streams[i].released, ps)
+                           for i in rows])
 
     def _dropped_span(self, seg: Segment) -> None:
         # unreachable under R2-R5; kept as the last defence, loudly, because

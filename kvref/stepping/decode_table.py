@@ -281,10 +281,14 @@ class DecodeTable:
         got = self.plan(segments, streams, grown)
         return None if got is None else [got]
 
+    def _generations(self, streams: list[CacheStream]) -> Array:
+        """The rows' generations (a decode batch's from its array)."""
+        return generations(streams)
+
     def _rebuild(self, streams: list[CacheStream]) -> Rows:
         """Every row afresh from its stream."""
         n = len(streams)
-        gens = generations(streams)
+        gens = self._generations(streams)
         offset = np.fromiter(map(_released, streams), np.int64, n)
         view_len = np.fromiter(map(_stored, streams), np.int64, n) + 1 - offset
         npages = (view_len + (self._ps - 1)) // self._ps  # two ops, not three
@@ -296,7 +300,7 @@ class DecodeTable:
         """The kept rows moved on by the commits told since the last plan and
         ``grown``'s appended pages; the rows anything else changed read again."""
         n = len(streams)
-        gens = generations(streams)
+        gens = self._generations(streams)
         expect = self._gens + self.commits
         if grown:
             expect[list(grown)] += 1

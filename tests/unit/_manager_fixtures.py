@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvref.core.config import KVConfig, KVLayout, KVReqConfig, RetentionPolicy
+from kvref.core.groups import AttentionGroup
 from kvref.manager import KVManager
 from kvref.stepping.plan import KVPlanOutputs
 from kvref.stepping.step import Fork, KVStep, Segment, StepContext
@@ -40,6 +41,7 @@ def make_cfg(
     max_seq_len: int = 256,
     sharing: bool = True,
     retention: dict[str, RetentionPolicy] | None = None,
+    groups: tuple[AttentionGroup, ...] = (),
 ) -> KVConfig:
     return KVConfig(
         num_layers=layers,
@@ -53,6 +55,7 @@ def make_cfg(
         layout=layout,
         cpu_offload_pages=cpu_pages,
         retention=retention or {},
+        groups=groups,
     )
 
 

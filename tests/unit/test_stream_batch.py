@@ -25,6 +25,9 @@ from typing import Any
 import pytest
 import torch
 
+from kvref.core.config import RetentionPolicy
+from kvref.core.groups import AttentionGroup, ChunkedAttention
+from kvref.core.labels import FULL_ATTENTION, NEVER, ChunkedLocal, SlidingWindow
 from kvref.core.streams import CacheStream, StreamBatch
 from kvref.stepping.step import KVStep, Segment, StepContext
 from tests.unit._manager_fixtures import make_manager
@@ -112,14 +115,19 @@ class Pair:
         self.both("commit", step, ctx)
 
 
+# the rows the last `run`'s batch released pages of at its own commits
+RELEASED = [0]
+
+
 def run(seed: int, pages: int = 80, aux: bool = False, **cfg: Any) -> tuple[int, int]:
     """Returns the batch's admits and the rows its transitions ever detached.
     ``aux``: the batch also decodes a second label of the first two rows."""
     rng = random.Random(seed)
-    pair = Pair(pages=pages, page_size=PS, cpu_pages=40, heads=1, head_dim=2, layers=1,
+    cfg.setdefault("layers", 1)
+    pair = Pair(pages=pages, page_size=PS, cpu_pages=40, heads=1, head_dim=2,
                 max_seq_len=LIMIT, **cfg)
     admits = detached = 0
-    admit, detach = StreamBatch.short, StreamBatch.detach
+    admit, detach, release = StreamBatch.short, StreamBatch.detach, StreamBatch.released
 
     def counting_short(self: StreamBatch, ps: int) -> tuple[Any, Any]:
         nonlocal admits
@@ -132,9 +140,15 @@ def run(seed: int, pages: int = 80, aux: bool = False, **cfg: Any) -> tuple[int,
         detached += 1
         detach(self, s)
 
+    def counting_release(self: StreamBatch, s: Any) -> None:
+        RELEASED[0] += 1
+        release(self, s)
+
+    RELEASED[0] = 0
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(StreamBatch, "short", counting_short)
         mp.setattr(StreamBatch, "detach", counting_detach)
+        mp.setattr(StreamBatch, "released", counting_release)
         for rid in ROWS:
             pair.both("ingest_request", rid)
             pair.step([Segment(rid, "main", rng.randint(1, 9))])
@@ -149,7 +163,13 @@ def run(seed: int, pages: int = 80, aux: bool = False, **cfg: Any) -> tuple[int,
                 if pair.fast.stored_len(g.request_id, g.label) > LIMIT - 10:
                     # to a page's end: a row cut inside a page may share
                     # its tail, and joins a batch only from a page's end
-                    pair.both("truncate", g.request_id, g.label, rng.randint(1, 5) * PS)
+                    cut = pair.both("truncate", g.request_id, g.label,
+                                    rng.randint(1, 5) * PS)
+                    if cut[0] == "raised":
+                        # a window's released prefix: refused alike (W6);
+                        # the request starts over instead
+                        pair.both("reset_request", g.request_id, free=True)
+                        pair.step([Segment(g.request_id, "main", rng.randint(1, 9))])
             rid = rng.choice(ROWS)
             op = rng.choice(["decode"] * 8 + [
                 "copies", "subset", "order", "no-commit", "truncate", "reset", "remove",
@@ -222,6 +242,52 @@ def test_a_batch_answers_as_row_by_row(seed: int) -> None:
 def test_a_batch_answers_as_row_by_row_without_sharing() -> None:
     admits, detached = run(7, sharing=False)
     assert admits > 100 and detached > 20, (admits, detached)
+
+
+@pytest.mark.parametrize("margin", [0, 3])
+def test_a_batch_of_windows_answers_as_row_by_row(margin: int) -> None:
+    """W2 at a batch's commit: a row whose window passes a page releases it
+    there, and stays a row (`StreamBatch.passing`, `BatchedStream.release_window_to`)."""
+    admits, detached = run(11 + margin, retention={"main": RetentionPolicy(6, margin)})
+    assert admits > 100 and detached > 20 and RELEASED[0] > 50, (admits, detached, RELEASED)
+
+
+def test_a_batch_of_a_hybrid_models_groups_answers_as_row_by_row() -> None:
+    """A hybrid step's group streams as one batch: the full group's rows
+    never release, each window group's and chunked group's release as
+    their windows and chunks pass pages (cached: given back blank, H3)."""
+    groups = (AttentionGroup("full", (0,)), AttentionGroup("w", (1,), RetentionPolicy(6, 1)),
+              AttentionGroup("c", (2,), ChunkedAttention(8)))
+    admits, detached = run(5, pages=160, layers=3, groups=groups)
+    assert admits > 100 and detached > 20 and RELEASED[0] > 50, (admits, detached, RELEASED)
+
+
+def test_a_batch_releasing_a_page_late_is_found() -> None:
+    """Planted: a window's next release one token late (`next_release`): the
+    batch's commit keeps a page its window passed, which the row-by-row
+    commit gives back."""
+
+    def late(self: SlidingWindow, released: int, page_size: int) -> int:
+        return released + page_size + self.window_tokens + self.margin + 1
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SlidingWindow, "next_release", late)
+        with pytest.raises(AssertionError):
+            run(11, retention={"main": RetentionPolicy(6)})
+
+
+def test_next_release_is_the_first_length_that_releases() -> None:
+    """`next_release` against `released_after` by brute force: the batch
+    asks for a row's release only from that length on."""
+    ps = 4
+    for behaviour in (SlidingWindow(6), SlidingWindow(6, 3), SlidingWindow(1),
+                      SlidingWindow(9, 2, cached=True), ChunkedLocal(8), ChunkedLocal(4),
+                      ChunkedLocal(12), ChunkedLocal(2), FULL_ATTENTION):
+        for released in range(0, 40, ps):
+            # at every length, not only those past ``released``: exact
+            first = next((n for n in range(300)
+                          if behaviour.released_after(released, n, ps) != released), NEVER)
+            assert behaviour.next_release(released, ps) == first, (behaviour, released)
 
 
 def test_a_batch_short_of_the_page_its_next_token_starts_is_found() -> None:
