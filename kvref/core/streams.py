@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import operator
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
@@ -801,8 +801,8 @@ class StreamBatch:
     """
 
     __slots__ = ("gens", "in_flight", "intact", "key_at", "keys", "lens", "max_len",
-                 "next_due", "next_release", "npages", "release_at", "segments", "streams",
-                 "ticks")
+                 "next_due", "next_release", "npages", "release_at", "retiring", "segments",
+                 "streams", "ticks")
 
     def __init__(self, streams: list[CacheStream], segments: tuple[Any, ...],
                  keys: list[tuple[str, str]], page_size: int,
@@ -832,6 +832,7 @@ class StreamBatch:
         # fewest commits before some row reaches it; None: no row releases
         self.release_at: np.ndarray[Any, Any] | None = None
         self.next_release = NEVER
+        self.retiring = False  # inside `retire`: the one release a row stays a row through
         if release_at is not None and n and min(release_at) < NEVER:
             self.release_at = np.fromiter(release_at, np.int64, n)
             self.next_release = int((self.release_at - self.lens).min())
@@ -946,6 +947,17 @@ class StreamBatch:
         rows: list[int] = ((at - self.lens) <= self.ticks).nonzero()[0].tolist()
         return rows
 
+    def retire(self, rows: list[int],
+               release: Callable[[list[tuple[str, str]], list[CacheStream]], None]) -> None:
+        """``release`` (`StreamTable.retire_each`) of the ``rows`` at the
+        batch's own commit: their windows let go of pages and they stay
+        rows. A release anywhere else takes its row out first."""
+        self.retiring = True
+        try:
+            release([self.keys[i] for i in rows], [self.streams[i] for i in rows])
+        finally:
+            self.retiring = False
+
     def rearm(self, rows: list[int], ats: list[int]) -> None:
         """Row ``rows[i]`` next releases at length ``ats[i]`` (its
         ``released`` after the commit's release)."""
@@ -985,11 +997,14 @@ class BatchedStream(CacheStream):
         b.detach(self)
 
     def release_window_to(self, released: int, page_size: int) -> list[int]:
-        # W2 at its batch's commit (the only release a row meets: any other
-        # transition, a general commit's included, took it out first): the
-        # released slots leave as they do from any stream, and the row stays
+        # W2 at its batch's commit (`StreamBatch.retire`): the released slots
+        # leave as they do from any stream, and the row stays; any other
+        # release is a transition like the rest, which takes the row out
         b = self._batch
         assert b is not None
+        if not b.retiring:
+            self._own()
+            return self.release_window_to(released, page_size)
         go = self._drop_front(released, page_size)
         b.released(self)
         return go

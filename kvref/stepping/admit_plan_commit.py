@@ -683,8 +683,8 @@ class Stepping:
         segments = step.segments
         batch = self._decode_batch
         if batch is not None and streams is batch.streams and batch.intact:
-            # the batch's step (its admit asked that no label releases):
-            # every row one token on at once
+            # the batch's step: every row one token on at once, and the
+            # rows whose window passed a page release it
             rows = batch.end(step.commit, due is not None)
             if rows and due is not None:
                 due.extend([streams[i] for i in rows])
@@ -693,57 +693,65 @@ class Stepping:
             return
         dropped = CacheStream.end_step(
             streams, map(_span, segments) if step.commit else None, due)
+        for stream in dropped:
+            self._dropped_span(segments[streams.index(stream)])
+        if self._table.releasing and step.commit:
+            self._retire_plain(segments, streams)
+        # last: a batch made here starts from the rows as this commit
+        # leaves them, their windows' releases included (made before them,
+        # each row's next release was asked of its count before this one)
         if len(streams) >= self.batch_rows:
             self._maybe_batch(step, streams)
         else:
             self._last_rows = None
-        for stream in dropped:
-            self._dropped_span(segments[streams.index(stream)])
-        if self._table.releasing and step.commit:
-            ps, behaviour = self._table.page_size, self._table.behaviour
-            # a step names few labels (a hybrid one: one per group), each
-            # asked once, and held only where it releases (None: it does
-            # not); a stream is retired only where its window moved past a
-            # page, not every step (W2)
-            of_label: dict[str, LabelBehaviour | None] = {}
-            # equal behaviours (a hybrid config's window groups of one W) as
-            # one object, so rows in lockstep are told by identity
-            alike: list[LabelBehaviour] = []
-            # a hybrid request's groups of one type are in lockstep (the same
-            # length and released count, one after another): asked once
-            last_b: LabelBehaviour | None = None
-            last_r = last_n = -1
-            moved = False
-            keys: list[Key] = []
-            retiring: list[CacheStream] = []
-            get = of_label.get
-            for seg, stream in zip(segments, streams, strict=True):
-                label = seg.label
-                b = get(label, _UNASKED)
-                if b is None:
-                    continue  # a label that releases nothing: most rows ask no more
-                if b is _UNASKED:
-                    got = behaviour(label)
-                    if not got.releases:
-                        of_label[label] = None
-                        continue
-                    # asked once per label a step: a scan of the few kept
-                    b = of_label[label] = next((a for a in alike if a == got), got)
-                    if b is got:
-                        alike.append(got)
-                if not seg.span or stream.offloaded:
+
+    def _retire_plain(self, segments: Sequence[Segment], streams: list[CacheStream]) -> None:
+        """W2 at a plain commit the general path ends: each stream whose
+        window (or chunk) moved past a page releases it."""
+        ps, behaviour = self._table.page_size, self._table.behaviour
+        # a step names few labels (a hybrid one: one per group), each
+        # asked once, and held only where it releases (None: it does
+        # not); a stream is retired only where its window moved past a
+        # page, not every step (W2)
+        of_label: dict[str, LabelBehaviour | None] = {}
+        # equal behaviours (a hybrid config's window groups of one W) as
+        # one object, so rows in lockstep are told by identity
+        alike: list[LabelBehaviour] = []
+        # a hybrid request's groups of one type are in lockstep (the same
+        # length and released count, one after another): asked once
+        last_b: LabelBehaviour | None = None
+        last_r = last_n = -1
+        moved = False
+        keys: list[Key] = []
+        retiring: list[CacheStream] = []
+        get = of_label.get
+        for seg, stream in zip(segments, streams, strict=True):
+            label = seg.label
+            b = get(label, _UNASKED)
+            if b is None:
+                continue  # a label that releases nothing: most rows ask no more
+            if b is _UNASKED:
+                got = behaviour(label)
+                if not got.releases:
+                    of_label[label] = None
                     continue
-                r, n = stream.released, stream.stored_len
-                if b is not last_b or r != last_r or n != last_n:
-                    last_b, last_r, last_n = b, r, n
-                    moved = b.released_after(r, n, ps) != r
-                if moved:
-                    keys.append((seg.request_id, label))
-                    retiring.append(stream)
-            if retiring:
-                # each stream's release as `retire` makes it, the pages the
-                # windows pass given back in one pool call
-                self._table.retire_each(keys, retiring)
+                # asked once per label a step: a scan of the few kept
+                b = of_label[label] = next((a for a in alike if a == got), got)
+                if b is got:
+                    alike.append(got)
+            if not seg.span or stream.offloaded:
+                continue
+            r, n = stream.released, stream.stored_len
+            if b is not last_b or r != last_r or n != last_n:
+                last_b, last_r, last_n = b, r, n
+                moved = b.released_after(r, n, ps) != r
+            if moved:
+                keys.append((seg.request_id, label))
+                retiring.append(stream)
+        if retiring:
+            # each stream's release as `retire` makes it, the pages the
+            # windows pass given back in one pool call
+            self._table.retire_each(keys, retiring)
 
     def _maybe_batch(self, step: KVStep, streams: list[CacheStream]) -> None:
         """After a plain step the general path committed: the same streams
@@ -786,8 +794,8 @@ class Stepping:
         rows = batch.passing()
         if not rows:
             return
+        batch.retire(rows, self._table.retire_each)
         keys, streams = batch.keys, batch.streams
-        self._table.retire_each([keys[i] for i in rows], [streams[i] for i in rows])
         ps, behaviour = self._table.page_size, self._table.behaviour
         batch.rearm(rows, [behaviour(keys[i][1]).next_release(streams[i].released, ps)
                            for i in rows])
