@@ -1157,14 +1157,14 @@ class Driver:
 
     def check_bytes(self, model_state: m.State) -> None:
         """I7: every resident stream reads back, through its pages, as the
-        model's contents; a windowed stream its window (W1), what it released
-        is not read back."""
+        model's contents; a windowed stream its window (W1), a chunked one
+        its chunk (H7), what it released is not read back."""
         for (rid, label), s in model_state.streams:
             if s.offload != m.RESIDENT or s.retrieve != m.IDLE:
                 continue
             got = self.kv.read_stream(self.name(rid), self.groups.kv_label(label)).float()
-            w = self.scope.window(label)
-            first = 0 if w is None else max(0, s.stored_len - w)
+            # (a chunked group reads from its chunk's start: H7)
+            first = self.scope.first_read(label, s.stored_len)
             # a position no write filled (committed before it was written) holds
             # unspecified bytes: only the written ones are compared
             written = [p for p, t in enumerate(s.contents) if t != m.UNWRITTEN and p >= first]

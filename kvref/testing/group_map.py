@@ -11,7 +11,7 @@ identity on today's names).
 from __future__ import annotations
 
 from kvref import KVStep, RetentionPolicy, Segment
-from kvref.core.groups import GROUP_SEP, AttentionGroup
+from kvref.core.groups import GROUP_SEP, AttentionGroup, ChunkedAttention
 from kvref_model import core as m
 
 
@@ -40,11 +40,14 @@ class GroupMap:
         return 2 * self.g
 
     def attention_groups(self) -> tuple[AttentionGroup, ...]:
-        """`KVConfig.groups` of the scope: () without groups."""
+        """`KVConfig.groups` of the scope: () without groups. A chunked
+        group's number is its chunk (H7; built as a window before, so a
+        chunked scope drove kvref through a window the model did not have)."""
         sc = self.scope
         return tuple(
             AttentionGroup(f"g{i}", (i, self.g + i),
-                           None if w is None else RetentionPolicy(w, sc.margin(i)))
+                           None if w is None else ChunkedAttention(w) if i in sc.chunked
+                           else RetentionPolicy(w, sc.margin(i)))
             for i, w in enumerate(sc.groups))
 
     def layers(self, group: int) -> tuple[int, ...]:
