@@ -117,14 +117,15 @@ def step(m: Model, s: State, a: Action) -> tuple[Result, State]:
 def _on_every_group(m: Model, s: State, a: Action, g: int) -> tuple[Result, State]:
     label: int = a.label  # type: ignore[union-attr]
     t, added, first, short = s, 0, None, False
-    for i in range(g):
+    acted = _groups_acted_on(s, a, label, g)
+    for i in acted:
         # an injected fault strikes the last group's call only (one copy
         # raises), once the groups before it did what the call does first
         # (a copy waits for the retrieve writing its pages)
         each = replace(a, label=label * g + i)
-        if i < g - 1 and getattr(each, "copy_error", False):
+        if i != acted[-1] and getattr(each, "copy_error", False):
             each = replace(each, copy_error=False)
-        if i < g - 1 and getattr(each, "start_error", False):
+        if i != acted[-1] and getattr(each, "start_error", False):
             each = replace(each, start_error=False)
         r, t = m.step_one(t, each)
         if first is None:
@@ -141,7 +142,7 @@ def _on_every_group(m: Model, s: State, a: Action, g: int) -> tuple[Result, Stat
             if isinstance(r, Refused) and r.kind == "AllocationFailed":
                 # one call takes every group's pages: short by what they all need
                 return Refused("AllocationFailed", _short(m, s, a, g)), s
-            if isinstance(a, RetrieveStart) and a.start_error and a.late and i == g - 1 and (
+            if isinstance(a, RetrieveStart) and a.start_error and a.late and i == acted[-1] and (
                     r == Refused("AdmitRuntimeError")):  # the fault, not a refusal before it
                 fault_free = replace(a, label=label * g + i, start_error=False)
                 aborted = _abort_started(m, s, t, fault_free, g)
@@ -158,6 +159,24 @@ def _on_every_group(m: Model, s: State, a: Action, g: int) -> tuple[Result, Stat
     if isinstance(first, Freed):
         return Freed(added), t
     return (Count(added) if isinstance(first, Count) else first), t
+
+
+def _groups_acted_on(s: State, a: Action, label: int, g: int) -> list[int]:
+    """The groups a per-group call acts on: every one, but a copy of a
+    label only its claimed groups and a retrieve's completion only its
+    pending ones. A chunk at its start holds no page (H7), so an offload
+    does not claim it and a retrieve copies nothing into it (W16). None of
+    them: every group, and the first one's call answers the misuse."""
+    every = list(range(g))
+    if isinstance(a, OffloadCopy):
+        off = s.offload_of(a.rid)
+        claimed = dict(off.claimed) if off is not None else {}
+        return [i for i in every if label * g + i in claimed] or every
+    if isinstance(a, RetrieveComplete):
+        st = s.stream_map()
+        return [i for i in every if st.get((a.rid, label * g + i), NO_STREAM).retrieve
+                == PENDING] or every
+    return every
 
 
 def _abort_started(m: Model, s: State, t: State, struck: RetrieveStart, g: int

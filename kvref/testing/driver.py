@@ -529,7 +529,10 @@ class Driver:
         (H1); the host pool full for one leaves that one on the device and
         the label's copy answers False; an injected fault strikes the last."""
         off = self.handle(a.rid)
-        streams = self.groups.streams(a.label)
+        # its claimed groups (a chunk at its start holds no page, so a claim
+        # leaves it out, H7); none claimed: every one, and the first refuses
+        streams = [n for n in self.groups.streams(a.label) if n in off.claims] or list(
+            self.groups.streams(a.label))
         copied = True
         for i, label in enumerate(streams):
             if a.copy_error and i == len(streams) - 1:
