@@ -1823,8 +1823,8 @@ class Model:
         assert pool is not None
         # a page per slot it lacks, but the slots the window releases at this
         # length (W16); a private copy of its part page if shared (W11, S18)
-        first = self.window_first(a.label, a.length) if self.W16_retrieve_only_retained else 0
-        lo = first // self.scope.page_size
+        lo = self.window_first(a.label, a.length) // self.scope.page_size \
+            if self.W16_retrieve_only_retained else 0
         slots = [i for i in range(len(v.table), self.need(a.length)) if i >= lo]
         part = v.stored_len // self.scope.page_size
         new = len(slots) + cow
@@ -1841,12 +1841,8 @@ class Model:
         if cow:
             old, table[part] = table[part], got[-1]
             _, pool = self._release(pool, k, (old,))
-        # W16: tokens [max(old_len, first), n) are copied; a chunk that starts
-        # at n (H7) copies none, and nothing is pending
         nv, pool = self._retire(k, replace(self.tab(v, tuple(table)), stored_len=a.length,
-                                           contents=tokens,
-                                           retrieve=PENDING if first < a.length else IDLE),
-                                pool)
+                                           contents=tokens, retrieve=PENDING), pool)
         st[k] = nv
         return NotReady(), self._next(s, st, pool)
 

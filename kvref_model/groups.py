@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvref_model.core import (
     FAILED,
+    IDLE,
     NO_STREAM,
     PENDING,
     Admit,
@@ -115,6 +116,27 @@ def step(m: Model, s: State, a: Action) -> tuple[Result, State]:
 
 
 def _on_every_group(m: Model, s: State, a: Action, g: int) -> tuple[Result, State]:
+    r, t = _each_group(m, s, a, g)
+    if isinstance(a, OffloadCopy) and t is not s:
+        t = _retrieve_done_as_one(s, t, a.rid, a.label * g, g)
+    return r, t
+
+
+def _retrieve_done_as_one(s: State, t: State, rid: int, first: int, g: int) -> State:
+    """A retrieve a copy waited out is done in every group of the label
+    (H1), the groups the copy did not claim too (a chunk at its start)."""
+    before, after = s.stream_map(), t.stream_map()
+    keys = [(rid, first + i) for i in range(g)]
+    if not any(k in before and k in after and before[k].retrieve == PENDING
+               and after[k].retrieve == IDLE for k in keys):
+        return t
+    for k in keys:
+        if k in after and after[k].retrieve == PENDING:
+            after[k] = replace(after[k], retrieve=IDLE)
+    return replace(t, streams=_sorted(after))
+
+
+def _each_group(m: Model, s: State, a: Action, g: int) -> tuple[Result, State]:
     label: int = a.label  # type: ignore[union-attr]
     t, added, first, short = s, 0, None, False
     acted = _groups_acted_on(s, a, label, g)
@@ -163,19 +185,14 @@ def _on_every_group(m: Model, s: State, a: Action, g: int) -> tuple[Result, Stat
 
 def _groups_acted_on(s: State, a: Action, label: int, g: int) -> list[int]:
     """The groups a per-group call acts on: every one, but a copy of a
-    label only its claimed groups and a retrieve's completion only its
-    pending ones. A chunk at its start holds no page (H7), so an offload
-    does not claim it and a retrieve copies nothing into it (W16). None of
-    them: every group, and the first one's call answers the misuse."""
+    label only its claimed groups. A chunk at its start holds no page (H7),
+    so an offload does not claim it. None claimed: every group, and the
+    first one's call answers the misuse."""
     every = list(range(g))
     if isinstance(a, OffloadCopy):
         off = s.offload_of(a.rid)
         claimed = dict(off.claimed) if off is not None else {}
         return [i for i in every if label * g + i in claimed] or every
-    if isinstance(a, RetrieveComplete):
-        st = s.stream_map()
-        return [i for i in every if st.get((a.rid, label * g + i), NO_STREAM).retrieve
-                == PENDING] or every
     return every
 
 

@@ -361,14 +361,10 @@ def i18(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
 def i19(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
     # a retrieve of stale published info never copies: it fails, latched
     if isinstance(a, RetrieveComplete) and a.moved:
-        # every group it was copying into (a group it copied nothing into
-        # was never pending: W16, H7)
-        g = m.scope.group_count
-        before, after = s.stream_map(), n.stream_map()
-        for k in ((a.rid, a.label * g + i) for i in range(g)):
-            v, w = before.get(k), after.get(k)
-            if v is not None and w is not None and v.retrieve == PENDING and w.retrieve == IDLE:
-                return f"a copy whose publisher moved mid-copy landed in {k}"
+        k = (a.rid, a.label * m.scope.group_count)  # group 0's (I30: they agree)
+        v = n.stream_map().get(k)
+        if v is not None and v.retrieve == IDLE:
+            return f"a copy whose publisher moved mid-copy landed in {k}"
         return None
     if not isinstance(a, RetrieveStart) or not a.stale:
         return None
@@ -598,8 +594,7 @@ def i29(m: Model, s: State, a: Action, r: Result, n: State) -> Msg:
 def i30(m: Model, s: State) -> Msg:
     """H1: a label's groups move together: each group's stream of a label
     exists with group 0's and has its length, its tokens (each in its own
-    group's identity) and its flags (a retrieve's but in a group it copied
-    nothing into, W16) (following ids only where the group
+    group's identity) and its flags (following ids only where the group
     caches: W9's window group follows none); so a hit attached the same length in
     every group, and a refused call changed none. Where the stream is
     (resident, claimed, offloaded) may differ: an offload copies each
@@ -617,12 +612,8 @@ def i30(m: Model, s: State) -> Msg:
                 return f"{(rid, lb)} has no stream for group {i}"
             # group i's own token identity is group 0's plus i (UNWRITTEN stays)
             same = tuple(t - i if t >= 0 else t for t in w.contents) == v.contents
-            # a group a retrieve copied nothing into (a chunk at its start,
-            # W16 and H7) never went pending: idle where the others are not
-            apart = w.retrieve != v.retrieve and not any(
-                x.retrieve == IDLE and m.window_first(lab, x.stored_len) >= x.stored_len > 0
-                for x, lab in ((w, lb + i), (v, lb)))
-            if not same or apart or (w.stored_len, w.in_flight) != (v.stored_len, v.in_flight):
+            if not same or (w.stored_len, w.in_flight, w.retrieve) != (
+                    v.stored_len, v.in_flight, v.retrieve):
                 return f"{(rid, lb)}: group {i} is at {w} where group 0 is at {v}"
         # followed ids (S33) key only where a group caches: a window group
         # under W9 follows none, the label's other groups all or none
