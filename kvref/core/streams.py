@@ -692,6 +692,15 @@ class CacheStream:
 
     # retrieve
 
+    def wait_with(self, future: Future[Any]) -> None:
+        """IDLE -> PENDING on another stream's copy: a retrieve that copied
+        nothing into this one (its range was empty) is pending with the
+        copy of its label's other group (H1)."""
+        if self.read_future is not None or self.read_error is not None:
+            raise self._refuse("wait_with", f"retrieve state is {self.retrieve.name}")
+        self.read_future = future
+        self.read_pending = True
+
     def start_retrieve(self, pages: list[int], released: int, future: Future[Any] | None,
                        seq_len: int) -> None:
         """IDLE -> PENDING (IDLE where no copy was needed): a peer's ``seq_len``

@@ -252,6 +252,7 @@ class Retrieval:
                                                  failed=aborted[user])
                     assert again is None, again
                 started.append(label)
+            self._pend_with_label(streams, started)
             if aborted:
                 self._abort(streams, aborted)
                 user, err = next(iter(aborted.items()))
@@ -264,6 +265,24 @@ class Retrieval:
                     return AdmitOutcome(ok=False, ready=False, reason=failed)
                 ready = ready and label_ready
             return AdmitOutcome(ok=True, ready=ready)
+
+    @staticmethod
+    def _pend_with_label(streams: dict[str, CacheStream], started: list[str]) -> None:
+        """A group whose copy range was empty (a chunk starting at the new
+        length reads none of it, W16 and H7) started no copy; it is pending
+        with its label's copy all the same, and done when that is (H1: a
+        label's groups move together; idle, a second retrieve would grow it
+        alone while the others still copy)."""
+        copying: dict[str, Future[Any]] = {}
+        for label in started:
+            fut = streams[label].read_future
+            if fut is not None:
+                copying.setdefault(label.split(GROUP_SEP, 1)[0], fut)
+        for label in started:
+            stream = streams[label]
+            fut = copying.get(label.split(GROUP_SEP, 1)[0])
+            if stream.read_future is None and stream.read_error is None and fut is not None:
+                stream.wait_with(fut)
 
     @staticmethod
     def _latch_stale(rid: str, streams: dict[str, CacheStream], labels: list[str]

@@ -12,8 +12,10 @@ calls meet that state:
   its claimed groups (kvref's handle names the claimed streams; it was
   right);
 - a retrieve to a chunk's start copies nothing into the chunked group:
-  kvref leaves it idle while the label's other group copies, the model
-  makes it pending with it. Open: a strict expected failure below.
+  kvref left it idle while the label's other group copied, the model made
+  it pending with it. Settled on the model's reading (H1): kvref's chunked
+  group waits on its label's copy, and the model completes a label's
+  retrieve in every group when an offload's copy waits it out.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import replace
 import pytest
 
 from kvref.testing.driver import DriverConfig
-from kvref.testing.exhaustive import run_trace
+from kvref.testing.exhaustive import check_scope, run_trace, summary
 from kvref_model import core as m
 from tests.support.seam_traces import run
 
@@ -50,9 +52,27 @@ def test_an_offload_copies_the_groups_it_claimed() -> None:
     run_trace(model, calls, DriverConfig())  # and kvref answers alike, call by call
 
 
-@pytest.mark.xfail(strict=True, reason="finding (j), open: a retrieve to a chunk's start "
-                   "leaves the chunked group idle in kvref, pending in the model")
-def test_a_retrieve_to_a_chunk_start() -> None:
+def test_a_retrieve_to_a_chunk_start_is_pending_in_every_group() -> None:
     # a peer's 2 tokens into an empty request: the chunked group reads from
-    # token 2, so its copy range [2, 2) is empty
-    run_trace(m.Model(CHUNKED), [m.Ingest(0), m.RetrieveStart(0, 0, 2)], DriverConfig())
+    # token 2, so its copy range [2, 2) is empty; it is pending with the
+    # full group's copy (H1), so a second retrieve waits for both (idle, it
+    # grew the chunked group alone), and an offload's wait completes both
+    run_trace(m.Model(CHUNKED), [
+        m.Ingest(0), m.RetrieveStart(0, 0, 2), m.RetrieveStart(0, 0, 3),
+        m.RetrieveComplete(0, 0, ok=True), m.Ingest(1), m.RetrieveStart(1, 0, 2),
+        m.OffloadClaim(1), m.OffloadCopy(1, 0)], DriverConfig())
+
+
+def test_every_reachable_state_of_a_chunked_scope() -> None:
+    out = check_scope(replace(CHUNKED, depth=3), DriverConfig())
+    print(summary(out))
+    assert not out.failures, "\n".join(out.failures)
+    assert out.states >= 63 and out.transitions >= 3700  # 63 and 3,712 measured
+
+
+@pytest.mark.nightly
+def test_every_reachable_state_of_a_chunked_scope_nightly() -> None:
+    out = check_scope(replace(CHUNKED, depth=4, device_pages=4), DriverConfig())
+    print(summary(out))
+    assert not out.failures, "\n".join(out.failures)
+    assert out.states >= 353  # measured
